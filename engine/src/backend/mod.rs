@@ -1,0 +1,91 @@
+//! I/O backends: the only place the log touches files.
+//!
+//! The segment log is generic over [`Backend`]. Three implementations exist or are planned:
+//!
+//! * [`PortableBackend`]: blocking `pread`/`pwrite`/`fdatasync`, works on every Linux kernel and in
+//!   containers that block io_uring.
+//! * [`SimBackend`]: in-memory files with a durable/volatile split, crash simulation and deterministic
+//!   fault injection, for tests and fuzzing.
+//! * io_uring (its own issue): a driver that owns a ring and a registered buffer pool.
+//!
+//! ## Why buffers move in and out by value
+//! `read_at` and `write_at` take an [`AlignedBuf`] by value and hand it back with the result (the
+//! "buffer result" shape of tokio-uring). With io_uring the buffer must belong to the in-flight
+//! operation until its completion is reaped; an API that borrowed `&mut [u8]` could not express that
+//! without unsafe contracts on every caller. With ownership passing, a completion-based backend keeps
+//! the buffer inside its op table and returns it only when the kernel is done, and registered buffers
+//! from a pool are just `AlignedBuf`s that the backend recognizes. [`Backend::read_many`] is the batch
+//! form (one submission for many reads); the default loops.
+
+use std::io;
+use std::path::Path;
+
+use crate::buf::AlignedBuf;
+
+mod portable;
+mod sim;
+
+pub use portable::PortableBackend;
+pub use sim::{Fault, FaultKind, FaultOp, SimBackend};
+
+/// A buffer handed back by an I/O call together with the call's outcome.
+pub type BufResult = (io::Result<()>, AlignedBuf);
+
+/// A held store-directory lock; dropping it releases the lock.
+pub type DirLock = Box<dyn std::any::Any + Send + Sync>;
+
+/// One read of a batch: `buf.len()` bytes from `offset` of `file`.
+pub struct ReadReq<'a, F> {
+    /// The file to read.
+    pub file: &'a F,
+    /// Byte offset in the file.
+    pub offset: u64,
+    /// Destination; its length is the number of bytes to read.
+    pub buf: AlignedBuf,
+}
+
+/// The file system operations the segment log needs.
+///
+/// Contract for `read_at`/`write_at`: the call transfers exactly `buf.len()` bytes or fails; short
+/// transfers are retried inside the backend, and a read that meets end-of-file fails with
+/// `UnexpectedEof`. Offsets and lengths the log passes are multiples of [`Backend::alignment`].
+pub trait Backend: Send + Sync + 'static {
+    /// An open file.
+    type File: Send + Sync + 'static;
+
+    /// Short name for logs and metrics (`"portable"`, `"sim"`, `"uring"`).
+    fn name(&self) -> &'static str;
+    /// Create a directory and its parents.
+    fn create_dir_all(&self, path: &Path) -> io::Result<()>;
+    /// Whether `path` exists and is a directory.
+    fn is_dir(&self, path: &Path) -> bool;
+    /// Names of the entries of a directory.
+    fn list_dir(&self, path: &Path) -> io::Result<Vec<String>>;
+    /// Open a file for reading and writing; with `create`, create it and fail if it exists.
+    fn open(&self, path: &Path, create: bool) -> io::Result<Self::File>;
+    /// Remove a file.
+    fn remove_file(&self, path: &Path) -> io::Result<()>;
+    /// Make directory entry changes (creations, removals) durable.
+    fn sync_dir(&self, path: &Path) -> io::Result<()>;
+    /// Current length of a file.
+    fn file_len(&self, file: &Self::File) -> io::Result<u64>;
+    /// Reserve `len` bytes of disk for a file (fallocate), extending it.
+    fn allocate(&self, file: &Self::File, len: u64) -> io::Result<()>;
+    /// Read `buf.len()` bytes at `offset`.
+    fn read_at(&self, file: &Self::File, offset: u64, buf: AlignedBuf) -> BufResult;
+    /// Write all of `buf` at `offset`.
+    fn write_at(&self, file: &Self::File, offset: u64, buf: AlignedBuf) -> BufResult;
+    /// Make the file's written data durable (fdatasync).
+    fn sync_data(&self, file: &Self::File) -> io::Result<()>;
+    /// Take the exclusive lock of a store directory, failing with `WouldBlock` if it is held.
+    fn lock_dir(&self, dir: &Path) -> io::Result<DirLock>;
+    /// I/O alignment for files in `dir` (offsets, lengths and buffer addresses).
+    fn alignment(&self, dir: &Path) -> usize;
+
+    /// Many reads at once; backends with a submission queue submit them together.
+    fn read_many(&self, reqs: Vec<ReadReq<'_, Self::File>>) -> Vec<BufResult> {
+        reqs.into_iter()
+            .map(|r| self.read_at(r.file, r.offset, r.buf))
+            .collect()
+    }
+}

@@ -1,0 +1,141 @@
+//! The portable backend: blocking positional I/O through std and rustix.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+use rustix::fs::{AtFlags, FallocateFlags, FlockOperation, StatxFlags, CWD};
+
+use super::{Backend, BufResult, DirLock};
+use crate::buf::AlignedBuf;
+
+/// Safe default I/O alignment when the file system does not report one.
+pub const DEFAULT_ALIGN: usize = 4096;
+
+/// Blocking `pread`/`pwrite`, buffered (page cache) I/O. Works everywhere.
+#[derive(Debug, Clone, Default)]
+pub struct PortableBackend {
+    _private: (),
+}
+
+impl PortableBackend {
+    /// A new portable backend.
+    pub fn new() -> Self {
+        Self::default()
+    }
+}
+
+impl Backend for PortableBackend {
+    type File = File;
+
+    fn name(&self) -> &'static str {
+        "portable"
+    }
+
+    fn create_dir_all(&self, path: &Path) -> io::Result<()> {
+        std::fs::create_dir_all(path)
+    }
+
+    fn is_dir(&self, path: &Path) -> bool {
+        path.is_dir()
+    }
+
+    fn list_dir(&self, path: &Path) -> io::Result<Vec<String>> {
+        let mut names = Vec::new();
+        for entry in std::fs::read_dir(path)? {
+            names.push(entry?.file_name().to_string_lossy().into_owned());
+        }
+        Ok(names)
+    }
+
+    fn open(&self, path: &Path, create: bool) -> io::Result<File> {
+        let mut o = OpenOptions::new();
+        o.read(true).write(true);
+        if create {
+            o.create_new(true);
+        }
+        let f = o.open(path)?;
+        if !f.metadata()?.is_file() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "not a regular file",
+            ));
+        }
+        Ok(f)
+    }
+
+    fn remove_file(&self, path: &Path) -> io::Result<()> {
+        std::fs::remove_file(path)
+    }
+
+    fn sync_dir(&self, path: &Path) -> io::Result<()> {
+        File::open(path)?.sync_all()
+    }
+
+    fn file_len(&self, file: &File) -> io::Result<u64> {
+        Ok(file.metadata()?.len())
+    }
+
+    fn allocate(&self, file: &File, len: u64) -> io::Result<()> {
+        match rustix::fs::fallocate(file, FallocateFlags::empty(), 0, len) {
+            Ok(()) => Ok(()),
+            // File systems without fallocate (some FUSE, old NFS): extend with a sparse hole instead.
+            Err(e) if e == rustix::io::Errno::OPNOTSUPP || e == rustix::io::Errno::NOSYS => {
+                if file.metadata()?.len() < len {
+                    file.set_len(len)?;
+                }
+                Ok(())
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    fn read_at(&self, file: &File, offset: u64, mut buf: AlignedBuf) -> BufResult {
+        // `read_exact_at` loops over short reads and EINTR and reports EOF as UnexpectedEof.
+        let r = file.read_exact_at(&mut buf, offset);
+        (r, buf)
+    }
+
+    fn write_at(&self, file: &File, offset: u64, buf: AlignedBuf) -> BufResult {
+        // `write_all_at` loops over short writes and EINTR; a zero-length write is an error.
+        let r = file.write_all_at(&buf, offset);
+        (r, buf)
+    }
+
+    fn sync_data(&self, file: &File) -> io::Result<()> {
+        file.sync_data()
+    }
+
+    fn lock_dir(&self, dir: &Path) -> io::Result<DirLock> {
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(dir.join("LOCK"))?;
+        rustix::fs::flock(&f, FlockOperation::NonBlockingLockExclusive).map_err(io::Error::from)?;
+        Ok(Box::new(f))
+    }
+
+    fn alignment(&self, dir: &Path) -> usize {
+        // STATX_DIOALIGN is reported for regular files: ask about the lock file when it exists.
+        dio_alignment(&dir.join("LOCK"))
+            .or_else(|| dio_alignment(dir))
+            .unwrap_or(DEFAULT_ALIGN)
+    }
+}
+
+/// The O_DIRECT offset alignment the file system reports for `path` (statx `STATX_DIOALIGN`, Linux
+/// 6.1+), clamped to 512..=4096; `None` when unknown.
+pub fn dio_alignment(path: &Path) -> Option<usize> {
+    let st = rustix::fs::statx(CWD, path, AtFlags::empty(), StatxFlags::DIOALIGN).ok()?;
+    if !StatxFlags::from_bits_retain(st.stx_mask).contains(StatxFlags::DIOALIGN) {
+        return None;
+    }
+    let a = st.stx_dio_offset_align.max(st.stx_dio_mem_align) as usize;
+    if a == 0 || !a.is_power_of_two() {
+        return None;
+    }
+    Some(a.clamp(512, 4096))
+}

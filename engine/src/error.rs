@@ -1,0 +1,175 @@
+//! The engine's error type.
+//!
+//! One hand-written, `#[non_exhaustive]` enum. Corruption read from disk is always an `Err` naming the
+//! segment and byte offset where it was found; it is never an assertion.
+
+use std::fmt;
+use std::io;
+use std::path::PathBuf;
+
+/// The result type of every fallible engine call.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in the engine.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Error {
+    /// A system call failed.
+    Io {
+        /// What the engine was doing (`"write segment"`, `"fdatasync"`, ...).
+        op: &'static str,
+        /// The file or directory involved, when there is one.
+        path: Option<PathBuf>,
+        /// The operating system's error.
+        source: io::Error,
+    },
+    /// A stored checksum did not match the bytes it covers.
+    ChecksumMismatch {
+        /// Segment id.
+        segment: u32,
+        /// Byte offset of the record (or structure) in the segment file.
+        offset: u64,
+        /// Which checksum failed (`"record header"`, `"record payload"`, `"footer"`).
+        what: &'static str,
+        /// The checksum stored on disk.
+        expected: u32,
+        /// The checksum of the bytes actually read.
+        actual: u32,
+    },
+    /// Bytes on disk are not a valid structure (bad magic, impossible length, key mismatch ...).
+    Corrupt {
+        /// Segment id.
+        segment: u32,
+        /// Byte offset of the bad structure in the segment file.
+        offset: u64,
+        /// What is wrong, in words.
+        reason: String,
+    },
+    /// A structure was written by a newer (or unknown) version of the format.
+    UnsupportedVersion {
+        /// What was being decoded.
+        what: &'static str,
+        /// The version found on disk.
+        found: u32,
+        /// The newest version this build understands.
+        supported: u32,
+    },
+    /// A key is longer than [`crate::MAX_KEY_BYTES`].
+    KeyTooLarge {
+        /// Length of the rejected key.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// A value is larger than the configured maximum, or has too many frames.
+    ValueTooLarge {
+        /// Size (bytes) or frame count of the rejected value.
+        len: u64,
+        /// The limit.
+        max: u64,
+        /// `"bytes"` or `"frames"`.
+        unit: &'static str,
+    },
+    /// An earlier write or fsync failed, so the log refuses further writes: the state of the file after a
+    /// failed fsync is unknown, and retrying an fsync can report success for data that was dropped.
+    Poisoned {
+        /// The first failure, in words.
+        cause: String,
+    },
+    /// Another process (or another handle in this process) holds the store directory's lock.
+    Locked {
+        /// The store directory.
+        path: PathBuf,
+    },
+    /// The directory is not a spillway store, or does not exist and creation was not requested.
+    NotAStore {
+        /// The path given.
+        path: PathBuf,
+        /// Why it was rejected.
+        reason: String,
+    },
+    /// An invalid configuration value.
+    InvalidConfig(String),
+}
+
+impl Error {
+    /// Wrap an I/O error with the operation and path it came from.
+    pub fn io(op: &'static str, path: impl Into<Option<PathBuf>>, source: io::Error) -> Self {
+        Error::Io {
+            op,
+            path: path.into(),
+            source,
+        }
+    }
+
+    /// True when this error reports bytes on disk that failed validation.
+    pub fn is_corruption(&self) -> bool {
+        matches!(
+            self,
+            Error::ChecksumMismatch { .. }
+                | Error::Corrupt { .. }
+                | Error::UnsupportedVersion { .. }
+        )
+    }
+
+    /// The `(segment, offset)` a corruption error points at, if this is one.
+    pub fn location(&self) -> Option<(u32, u64)> {
+        match self {
+            Error::ChecksumMismatch {
+                segment, offset, ..
+            }
+            | Error::Corrupt {
+                segment, offset, ..
+            } => Some((*segment, *offset)),
+            _ => None,
+        }
+    }
+
+    /// The underlying OS error kind, for I/O errors.
+    pub fn io_kind(&self) -> Option<io::ErrorKind> {
+        match self {
+            Error::Io { source, .. } => Some(source.kind()),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::Io { op, path: Some(p), source } => write!(f, "{op} {}: {source}", p.display()),
+            Error::Io { op, path: None, source } => write!(f, "{op}: {source}"),
+            Error::ChecksumMismatch { segment, offset, what, expected, actual } => write!(
+                f,
+                "corrupt record in segment {segment} at offset {offset}: {what} checksum mismatch \
+                 (stored {expected:#010x}, computed {actual:#010x})"
+            ),
+            Error::Corrupt { segment, offset, reason } => {
+                write!(f, "corrupt data in segment {segment} at offset {offset}: {reason}")
+            }
+            Error::UnsupportedVersion { what, found, supported } => write!(
+                f,
+                "unsupported {what} format version {found} (this build reads up to version {supported})"
+            ),
+            Error::KeyTooLarge { len, max } => write!(f, "key of {len} bytes exceeds the limit of {max} bytes"),
+            Error::ValueTooLarge { len, max, unit } => {
+                write!(f, "value of {len} {unit} exceeds the limit of {max} {unit}")
+            }
+            Error::Poisoned { cause } => {
+                write!(f, "the log refuses writes after an earlier I/O failure ({cause}); reopen the store")
+            }
+            Error::Locked { path } => write!(f, "store {} is locked by another process", path.display()),
+            Error::NotAStore { path, reason } => write!(f, "{} is not a spillway store: {reason}", path.display()),
+            Error::InvalidConfig(msg) => write!(f, "invalid configuration: {msg}"),
+        }
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Error::Io { source, .. } => Some(source),
+            _ => None,
+        }
+    }
+}

@@ -1,0 +1,32 @@
+//! # spillway
+//!
+//! A memory-and-disk store for the workers of a distributed data-processing engine (dask's worker is
+//! the model). Values live as materialized objects, as serialized frames in memory, or as records in an
+//! append-only log of segment files on disk.
+//!
+//! This crate is layered:
+//!
+//! * [`format`]: the byte layout of segment files (records, footers, trailers), and nothing else.
+//! * [`backend`]: the I/O backends the log runs on ([`PortableBackend`], [`SimBackend`]).
+//! * [`log`]: the [`SegmentLog`], an append-only, checksummed key-value log with crash recovery,
+//!   tombstones, garbage collection and compaction.
+//!
+//! `unsafe` code lives only in [`buf`] (aligned buffers); see `docs/safety.md`.
+#![deny(unsafe_code)]
+
+pub mod backend;
+pub mod buf;
+pub mod error;
+pub mod format;
+pub mod log;
+pub mod sync;
+pub mod value;
+
+pub use backend::{Backend, PortableBackend, SimBackend};
+pub use error::{Error, Result};
+pub use format::MAX_KEY_BYTES;
+pub use log::{
+    CompactStats, Compression, Location, LogOptions, LogStats, RecoveryReport, SegmentLog,
+    VerifyProblem,
+};
+pub use value::Frames;

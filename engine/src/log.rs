@@ -1,0 +1,1911 @@
+//! The segment log: an append-only, checksummed key-value log over fixed-size segment files.
+//!
+//! * Writes go to the *active* segment. A batch of records is encoded into one aligned buffer that
+//!   starts with a copy of the partially filled last block, so small records share blocks and every
+//!   write is aligned (ready for O_DIRECT). `put` returns once the write is in the kernel; `sync`
+//!   makes everything before it durable.
+//! * When the next record does not fit, the active segment is *sealed*: its data is fdatasync'ed,
+//!   then a footer index (one entry per record) and a trailer are written at its end. Opening a store
+//!   reads trailers and footers and scans only unsealed segments.
+//! * The in-memory index maps each live key to its record's location. Per-segment live bytes drive
+//!   garbage collection: a segment with nothing live (and no tombstone still needed) is deleted, and
+//!   [`SegmentLog::compact`] relocates live records out of segments less than half live.
+//!
+//! See `docs/architecture.md` for the write and recovery paths step by step, and `docs/format.md`
+//! for the bytes.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock};
+
+use bytes::Bytes;
+
+use crate::backend::{Backend, DirLock, PortableBackend};
+use crate::buf::AlignedBuf;
+use crate::error::{Error, Result};
+use crate::format::{self, align_down, align_up, FooterEntry, RecordHeader, RECORD_ALIGN};
+use crate::value::Frames;
+
+/// Name of the sub-directory holding segment files.
+pub const SEGMENTS_DIR: &str = "segments";
+/// Smallest accepted segment size.
+pub const MIN_SEGMENT_BYTES: u64 = 64 * 1024;
+/// Read window used when scanning unsealed segments.
+const SCAN_WINDOW: usize = 1 << 20;
+/// Values smaller than this are never compressed.
+const MIN_COMPRESS_BYTES: u64 = 256;
+
+/// Per-record payload compression.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Compression {
+    /// Store payloads as they are.
+    #[default]
+    None,
+    /// lz4-compress each payload, kept only when it saves at least 1/8 of the bytes.
+    Lz4,
+}
+
+/// Options for [`SegmentLog::open`].
+#[derive(Debug, Clone)]
+pub struct LogOptions {
+    /// Size of each segment file (rounded up to the I/O alignment). A record too large for an empty
+    /// segment gets a segment of its own, sized to fit.
+    pub segment_bytes: u64,
+    /// Payload compression for new records.
+    pub compression: Compression,
+    /// Create the store directory if it does not exist.
+    pub create_if_missing: bool,
+    /// Largest value accepted, in bytes.
+    pub max_value_bytes: u64,
+    /// Compact automatically when a segment is sealed and sealed segments hold more dead than live bytes.
+    pub auto_compact: bool,
+    /// I/O alignment override (power of two, 512..=65536); `None` asks the backend (statx).
+    pub alignment: Option<usize>,
+}
+
+impl Default for LogOptions {
+    fn default() -> Self {
+        LogOptions {
+            segment_bytes: 256 << 20,
+            compression: Compression::None,
+            create_if_missing: true,
+            max_value_bytes: 4 << 30,
+            auto_compact: true,
+            alignment: None,
+        }
+    }
+}
+
+/// Where a live record is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Location {
+    /// Segment id.
+    pub segment: u32,
+    /// Oldest segment that may still hold an older record of the same key (for tombstones).
+    pub first_segment: u32,
+    /// Byte offset of the record in the segment.
+    pub offset: u64,
+    /// Unpadded record length.
+    pub len: u64,
+}
+
+/// What recovery found when the log was opened.
+#[derive(Debug, Clone, Default)]
+pub struct RecoveryReport {
+    /// Segments whose footer was used.
+    pub sealed_segments: u32,
+    /// Segments that were scanned record by record.
+    pub scanned_segments: u32,
+    /// Records found (live and dead, tombstones included).
+    pub records: u64,
+    /// Bytes of a torn or garbage tail that were cut off an unsealed segment.
+    pub truncated_bytes: u64,
+    /// Damaged regions found while scanning, as (segment, offset, reason).
+    pub corrupt: Vec<(u32, u64, String)>,
+}
+
+/// Space accounting, as reported by [`SegmentLog::stats`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LogStats {
+    /// Segment files.
+    pub segments: u64,
+    /// Sealed segment files.
+    pub sealed_segments: u64,
+    /// Live keys.
+    pub live_records: u64,
+    /// Bytes of live records (padded), plus tombstones that are still needed.
+    pub live_bytes: u64,
+    /// Bytes of records that are superseded, deleted, or tombstones no longer needed.
+    pub dead_bytes: u64,
+    /// Tombstone records on disk.
+    pub tombstones: u64,
+    /// Bytes of all segment files (preallocated size).
+    pub disk_bytes: u64,
+    /// Bytes used by records in all segments.
+    pub used_bytes: u64,
+}
+
+/// A problem found by [`SegmentLog::verify`].
+#[derive(Debug, Clone)]
+pub struct VerifyProblem {
+    /// Segment id.
+    pub segment: u32,
+    /// Byte offset.
+    pub offset: u64,
+    /// The record's key, when known.
+    pub key: Option<Vec<u8>>,
+    /// What is wrong.
+    pub error: String,
+}
+
+/// What [`SegmentLog::compact`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CompactStats {
+    /// Segments rewritten and deleted.
+    pub segments_compacted: u64,
+    /// Records relocated.
+    pub records_moved: u64,
+    /// Bytes relocated.
+    pub bytes_moved: u64,
+    /// Segments deleted (including empty ones).
+    pub segments_deleted: u64,
+    /// Disk bytes released.
+    pub bytes_freed: u64,
+}
+
+#[derive(Debug, Clone)]
+struct SegMeta {
+    /// File size.
+    size: u64,
+    data_start: u64,
+    /// End of the record area (`data_start` for empty).
+    data_end: u64,
+    sealed: bool,
+    records: u64,
+    live_records: u64,
+    live_bytes: u64,
+    tombstones: u64,
+    tombstone_bytes: u64,
+    /// Smallest `aux` over the segment's tombstones.
+    min_shadow: u32,
+}
+
+impl SegMeta {
+    fn new(size: u64, data_start: u64) -> Self {
+        SegMeta {
+            size,
+            data_start,
+            data_end: data_start,
+            sealed: false,
+            records: 0,
+            live_records: 0,
+            live_bytes: 0,
+            tombstones: 0,
+            tombstone_bytes: 0,
+            min_shadow: u32::MAX,
+        }
+    }
+}
+
+struct Active<F> {
+    id: u32,
+    file: Arc<F>,
+    size: u64,
+    /// Next record offset (8-aligned).
+    data_end: u64,
+    /// Bytes `[align_down(data_end), data_end)` as on disk, so the next write can rewrite that block.
+    tail: Vec<u8>,
+    footer: Vec<u8>,
+    footer_entries: u64,
+    max_epoch: u32,
+    /// Written since the last fdatasync.
+    dirty: bool,
+}
+
+struct WriterState<F> {
+    active: Option<Active<F>>,
+    segs: BTreeMap<u32, SegMeta>,
+    next_segment: u32,
+    next_seq: u64,
+    epoch: u32,
+    dir_dirty: bool,
+    /// A seal made compaction worthwhile; run it at the end of the current append.
+    compact_pending: bool,
+    /// Compaction is running (its own appends must not start another).
+    compacting: bool,
+}
+
+/// A record ready to be appended.
+enum NewRecord<'a> {
+    Value {
+        key: &'a [u8],
+        frames: &'a Frames,
+    },
+    Tombstone {
+        key: &'a [u8],
+        aux: u32,
+    },
+    /// A verified record copied from another segment (compaction): bytes and parsed header.
+    Relocated {
+        bytes: &'a [u8],
+        header: RecordHeader,
+        key: &'a [u8],
+    },
+}
+
+impl NewRecord<'_> {
+    fn key(&self) -> &[u8] {
+        match self {
+            NewRecord::Value { key, .. }
+            | NewRecord::Tombstone { key, .. }
+            | NewRecord::Relocated { key, .. } => key,
+        }
+    }
+}
+
+/// The stored form of a value payload: borrowed frames or an owned compressed block.
+enum Payload<'a> {
+    Frames(&'a Frames),
+    Compressed(Vec<u8>),
+    Relocated(&'a [u8]),
+    Empty,
+}
+
+struct Prepared<'a> {
+    rec: NewRecord<'a>,
+    payload: Payload<'a>,
+    len: u64,
+}
+
+/// The segment log. All methods take `&self` and are safe to call from many threads: writes are
+/// serialized by one writer lock; reads only take the index's read lock for a lookup.
+pub struct SegmentLog<B: Backend = PortableBackend> {
+    backend: B,
+    dir: PathBuf,
+    seg_dir: PathBuf,
+    opts: LogOptions,
+    align: u64,
+    index: RwLock<HashMap<Box<[u8]>, Location>>,
+    files: RwLock<HashMap<u32, Arc<B::File>>>,
+    state: Mutex<WriterState<B::File>>,
+    poisoned: OnceLock<String>,
+    recovery: RecoveryReport,
+    _lock: DirLock,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn seg_file_name(id: u32) -> String {
+    format!("{id:08x}.seg")
+}
+
+fn parse_seg_file_name(name: &str) -> Option<u32> {
+    let hex = name.strip_suffix(".seg")?;
+    if hex.len() != 8 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    u32::from_str_radix(hex, 16).ok()
+}
+
+fn padded(len: u64) -> u64 {
+    align_up(len, RECORD_ALIGN)
+}
+
+/// Everything recovery learns from one segment.
+struct SegmentScan {
+    meta: SegMeta,
+    entries: Vec<FooterEntry>,
+    max_epoch: u32,
+    /// For unsealed segments: bytes of the last partial block before `data_end`.
+    tail: Vec<u8>,
+}
+
+impl<B: Backend> SegmentLog<B> {
+    /// Open (and recover) the log in `dir`, creating it if allowed.
+    pub fn open(backend: B, dir: impl AsRef<Path>, opts: LogOptions) -> Result<Self> {
+        let dir = dir.as_ref().to_path_buf();
+        let seg_dir = dir.join(SEGMENTS_DIR);
+        if !backend.is_dir(&seg_dir) {
+            if !opts.create_if_missing {
+                let reason = if backend.is_dir(&dir) {
+                    "no segments directory".to_string()
+                } else {
+                    "no such directory".to_string()
+                };
+                return Err(Error::NotAStore { path: dir, reason });
+            }
+            backend
+                .create_dir_all(&seg_dir)
+                .map_err(|e| Error::io("create store directory", seg_dir.clone(), e))?;
+            // Make the new directories themselves durable.
+            backend
+                .sync_dir(&dir)
+                .map_err(|e| Error::io("fsync directory", dir.clone(), e))?;
+        }
+        let lock = backend.lock_dir(&dir).map_err(|e| {
+            if e.kind() == io::ErrorKind::WouldBlock {
+                Error::Locked { path: dir.clone() }
+            } else {
+                Error::io("lock store directory", dir.clone(), e)
+            }
+        })?;
+        let align = match opts.alignment {
+            Some(a) if a.is_power_of_two() && (512..=65536).contains(&a) => a as u64,
+            Some(a) => {
+                return Err(Error::InvalidConfig(format!(
+                    "alignment {a} is not a power of two in 512..=65536"
+                )))
+            }
+            None => backend.alignment(&dir).clamp(512, 65536) as u64,
+        };
+        if opts.segment_bytes < MIN_SEGMENT_BYTES {
+            return Err(Error::InvalidConfig(format!(
+                "segment_bytes {} is below the minimum {MIN_SEGMENT_BYTES}",
+                opts.segment_bytes
+            )));
+        }
+        let mut opts = opts;
+        opts.segment_bytes = align_up(opts.segment_bytes, align);
+
+        let mut log = SegmentLog {
+            backend,
+            dir,
+            seg_dir,
+            opts,
+            align,
+            index: RwLock::new(HashMap::new()),
+            files: RwLock::new(HashMap::new()),
+            state: Mutex::new(WriterState {
+                active: None,
+                segs: BTreeMap::new(),
+                next_segment: 1,
+                next_seq: 1,
+                epoch: 1,
+                dir_dirty: false,
+                compact_pending: false,
+                compacting: false,
+            }),
+            poisoned: OnceLock::new(),
+            recovery: RecoveryReport::default(),
+            _lock: lock,
+        };
+        log.recover()?;
+        Ok(log)
+    }
+
+    /// The store directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The backend in use.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// I/O alignment in use.
+    pub fn alignment(&self) -> u64 {
+        self.align
+    }
+
+    /// The options in force (segment size rounded to the alignment).
+    pub fn options(&self) -> &LogOptions {
+        &self.opts
+    }
+
+    /// What recovery found at open.
+    pub fn recovery_report(&self) -> &RecoveryReport {
+        &self.recovery
+    }
+
+    fn seg_path(&self, id: u32) -> PathBuf {
+        self.seg_dir.join(seg_file_name(id))
+    }
+
+    // -----------------------------------------------------------------------------------------------
+    // Recovery
+    // -----------------------------------------------------------------------------------------------
+
+    fn recover(&mut self) -> Result<()> {
+        let names = self
+            .backend
+            .list_dir(&self.seg_dir)
+            .map_err(|e| Error::io("list segments", self.seg_dir.clone(), e))?;
+        let mut ids: Vec<u32> = Vec::new();
+        for name in &names {
+            match parse_seg_file_name(name) {
+                Some(id) => ids.push(id),
+                None => log::warn!(
+                    "ignoring unexpected file {:?} in {}",
+                    name,
+                    self.seg_dir.display()
+                ),
+            }
+        }
+        ids.sort_unstable();
+
+        let mut report = RecoveryReport::default();
+        let mut scans: BTreeMap<u32, SegmentScan> = BTreeMap::new();
+        let mut max_epoch = 0u32;
+        let mut files = HashMap::new();
+        for &id in &ids {
+            let path = self.seg_path(id);
+            let file = match self.backend.open(&path, false) {
+                Ok(f) => f,
+                Err(e) => {
+                    log::warn!("cannot open segment {}: {e}; skipping it", path.display());
+                    report.corrupt.push((id, 0, format!("cannot open: {e}")));
+                    continue;
+                }
+            };
+            let scan = self.load_segment(id, &file, &mut report)?;
+            max_epoch = max_epoch.max(scan.max_epoch);
+            files.insert(id, Arc::new(file));
+            scans.insert(id, scan);
+        }
+
+        // Newest record (highest seq) per key wins; remember the oldest segment each key appears in.
+        struct Winner {
+            seq: u64,
+            segment: u32,
+            offset: u64,
+            len: u64,
+            tombstone: bool,
+            first_segment: u32,
+        }
+        let mut winners: HashMap<&[u8], Winner> = HashMap::new();
+        let mut max_seq = 0u64;
+        for (&id, scan) in &scans {
+            for e in &scan.entries {
+                max_seq = max_seq.max(e.seq);
+                report.records += 1;
+                let cand = Winner {
+                    seq: e.seq,
+                    segment: id,
+                    offset: e.offset,
+                    len: e.record_len,
+                    tombstone: e.flags & format::FLAG_TOMBSTONE != 0,
+                    first_segment: id,
+                };
+                match winners.get_mut(e.key.as_slice()) {
+                    Some(w) => {
+                        let first = w.first_segment.min(id);
+                        if e.seq > w.seq {
+                            *w = cand;
+                        }
+                        w.first_segment = first;
+                    }
+                    None => {
+                        winners.insert(e.key.as_slice(), cand);
+                    }
+                }
+            }
+        }
+
+        let mut segs: BTreeMap<u32, SegMeta> =
+            scans.iter().map(|(&id, s)| (id, s.meta.clone())).collect();
+        let mut index = HashMap::with_capacity(winners.len());
+        for (key, w) in winners {
+            if w.tombstone {
+                continue;
+            }
+            let m = segs
+                .get_mut(&w.segment)
+                .expect("winner segment was scanned");
+            m.live_records += 1;
+            m.live_bytes += padded(w.len);
+            index.insert(
+                Box::<[u8]>::from(key),
+                Location {
+                    segment: w.segment,
+                    first_segment: w.first_segment,
+                    offset: w.offset,
+                    len: w.len,
+                },
+            );
+        }
+        for (&id, scan) in &scans {
+            let m = segs.get_mut(&id).expect("scanned");
+            for e in scan
+                .entries
+                .iter()
+                .filter(|e| e.flags & format::FLAG_TOMBSTONE != 0)
+            {
+                m.tombstones += 1;
+                m.tombstone_bytes += padded(e.record_len);
+                m.min_shadow = m.min_shadow.min(e.aux);
+            }
+        }
+
+        // The newest segment continues as the active one if it is unsealed.
+        let mut active = None;
+        if let Some((&last, scan)) = scans.iter_mut().next_back() {
+            let meta = segs.get(&last).expect("scanned");
+            if !meta.sealed {
+                let file = files.get(&last).expect("opened").clone();
+                let mut footer = Vec::new();
+                for e in &scan.entries {
+                    format::encode_footer_entry(&mut footer, e);
+                }
+                active = Some(Active {
+                    id: last,
+                    file,
+                    size: meta.size,
+                    data_end: meta.data_end,
+                    tail: std::mem::take(&mut scan.tail),
+                    footer,
+                    footer_entries: scan.entries.len() as u64,
+                    max_epoch: scan.max_epoch,
+                    dirty: false,
+                });
+            }
+        }
+
+        *self.index.get_mut().unwrap_or_else(|p| p.into_inner()) = index;
+        *self.files.get_mut().unwrap_or_else(|p| p.into_inner()) = files;
+        let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
+        st.next_segment = ids.last().map_or(1, |l| l.saturating_add(1));
+        st.next_seq = max_seq + 1;
+        st.epoch = max_epoch
+            .checked_add(1)
+            .ok_or_else(|| Error::InvalidConfig("epoch counter exhausted".into()))?;
+        st.segs = segs;
+        st.active = active;
+        if !report.corrupt.is_empty() {
+            log::warn!(
+                "recovery of {} found {} damaged region(s)",
+                self.dir.display(),
+                report.corrupt.len()
+            );
+        }
+        self.recovery = report;
+        Ok(())
+    }
+
+    /// Read a segment's footer if it is sealed, or scan its records if not.
+    fn load_segment(
+        &self,
+        id: u32,
+        file: &B::File,
+        report: &mut RecoveryReport,
+    ) -> Result<SegmentScan> {
+        let path = self.seg_path(id);
+        let file_len = self
+            .backend
+            .file_len(file)
+            .map_err(|e| Error::io("stat segment", path.clone(), e))?;
+        let file_len_aligned = align_down(file_len, self.align);
+        // The header tells size, alignment and where data starts; fall back to defaults if damaged.
+        let header = if file_len_aligned >= self.align {
+            let buf = self.read_aligned(file, 0, self.align as usize, &path)?;
+            match format::decode_segment_header(&buf) {
+                Ok(h) if h.segment == id => Some(h),
+                Ok(_) => {
+                    report
+                        .corrupt
+                        .push((id, 0, "segment header names another segment".into()));
+                    None
+                }
+                Err(format::DecodeError::UnsupportedVersion(v)) => {
+                    return Err(Error::UnsupportedVersion {
+                        what: "segment",
+                        found: v,
+                        supported: 1,
+                    })
+                }
+                Err(e) => {
+                    report
+                        .corrupt
+                        .push((id, 0, format!("segment header: {e:?}")));
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let (size, data_start) = match header {
+            Some(h)
+                if h.segment_bytes % self.align == 0
+                    && h.data_start % RECORD_ALIGN == 0
+                    && h.data_start < h.segment_bytes =>
+            {
+                (h.segment_bytes, h.data_start)
+            }
+            _ => (
+                align_up(file_len, self.align).max(self.align * 2),
+                self.align,
+            ),
+        };
+        let sealed_candidate = file_len >= size;
+        if file_len < size {
+            // A truncated file, or a crash during preallocation: give it its size back so every
+            // aligned read inside the segment succeeds (the lost part reads as zeros).
+            self.backend
+                .allocate(file, size)
+                .map_err(|e| Error::io("fallocate", path.clone(), e))?;
+        }
+
+        // Sealed? The trailer is the last TRAILER_LEN bytes of the file.
+        if sealed_candidate {
+            let last_block =
+                self.read_aligned(file, size - self.align, self.align as usize, &path)?;
+            let tb = &last_block[self.align as usize - format::TRAILER_LEN..];
+            if let Ok(t) = format::decode_trailer(tb, id, size) {
+                if let Some(entries) = self.read_footer(file, id, size, &t, &path)? {
+                    let mut meta = SegMeta::new(size, data_start);
+                    meta.data_end = t.data_end;
+                    meta.sealed = true;
+                    meta.records = entries.len() as u64;
+                    report.sealed_segments += 1;
+                    return Ok(SegmentScan {
+                        meta,
+                        entries,
+                        max_epoch: t.max_epoch,
+                        tail: Vec::new(),
+                    });
+                }
+                report.corrupt.push((
+                    id,
+                    t.footer_offset,
+                    "footer checksum mismatch; scanning records".into(),
+                ));
+            }
+        }
+        report.scanned_segments += 1;
+        self.scan_segment(id, file, size, data_start, report)
+    }
+
+    fn read_footer(
+        &self,
+        file: &B::File,
+        id: u32,
+        size: u64,
+        t: &format::Trailer,
+        path: &Path,
+    ) -> Result<Option<Vec<FooterEntry>>> {
+        let start = align_down(t.footer_offset, self.align);
+        let end = align_up(t.footer_offset + t.footer_len, self.align);
+        let buf = self.read_aligned(file, start, (end - start) as usize, path)?;
+        let fb = &buf
+            [(t.footer_offset - start) as usize..(t.footer_offset - start + t.footer_len) as usize];
+        if format::footer_crc(fb) != t.footer_crc {
+            return Ok(None);
+        }
+        match format::decode_footer(fb, t.entry_count, size) {
+            Ok(e) => Ok(Some(e)),
+            Err(err) => {
+                log::warn!("segment {id}: footer passes its checksum but does not decode ({err:?}); scanning");
+                Ok(None)
+            }
+        }
+    }
+
+    /// Walk the records of an unsealed segment from `data_start`, verifying each. A region that does
+    /// not parse is skipped by searching for the next valid record header of this segment and epoch;
+    /// if none follows, the region is a torn tail and the segment ends there.
+    fn scan_segment(
+        &self,
+        id: u32,
+        file: &B::File,
+        size: u64,
+        data_start: u64,
+        report: &mut RecoveryReport,
+    ) -> Result<SegmentScan> {
+        let path = self.seg_path(id);
+        let mut win = ScanWindow::new(self, file, &path, size);
+        let mut entries = Vec::new();
+        let mut pos = data_start;
+        let mut prev_epoch = 0u32;
+        let mut max_epoch_any = 0u32;
+        loop {
+            match self.try_record_at(&mut win, id, pos, prev_epoch)? {
+                Probe::Record(e, h, intact) => {
+                    if !intact {
+                        report
+                            .corrupt
+                            .push((id, pos, "record payload checksum mismatch".into()));
+                    }
+                    prev_epoch = h.epoch;
+                    max_epoch_any = max_epoch_any.max(h.epoch);
+                    pos = padded(pos + e.record_len);
+                    entries.push(e);
+                }
+                Probe::Invalid { stale_epoch } => {
+                    max_epoch_any = max_epoch_any.max(stale_epoch);
+                    if win.is_zero_from(pos)? {
+                        break; // clean end of the written area
+                    }
+                    // Garbage: search for the next record; stop at the first all-zero block.
+                    match self.resync(&mut win, id, pos, prev_epoch, &mut max_epoch_any)? {
+                        Some(next) => {
+                            report.corrupt.push((
+                                id,
+                                pos,
+                                format!("unreadable bytes up to offset {next}"),
+                            ));
+                            pos = next;
+                        }
+                        None => {
+                            let garbage_end = win.first_zero_block_from(pos)?;
+                            report.truncated_bytes += garbage_end.saturating_sub(pos);
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        let mut meta = SegMeta::new(size, data_start);
+        meta.data_end = pos;
+        meta.records = entries.len() as u64;
+        let tail_start = align_down(pos, self.align);
+        let tail = if pos > tail_start {
+            win.bytes(tail_start, pos - tail_start)?.to_vec()
+        } else {
+            Vec::new()
+        };
+        Ok(SegmentScan {
+            meta,
+            entries,
+            max_epoch: max_epoch_any,
+            tail,
+        })
+    }
+
+    fn try_record_at(
+        &self,
+        win: &mut ScanWindow<'_, B>,
+        id: u32,
+        pos: u64,
+        prev_epoch: u32,
+    ) -> Result<Probe> {
+        let invalid = Probe::Invalid { stale_epoch: 0 };
+        if pos + format::RECORD_HEADER_LEN as u64 > win.limit {
+            return Ok(invalid);
+        }
+        let head = win.bytes(pos, format::RECORD_HEADER_LEN as u64)?;
+        let h = match format::peek_record_header(head) {
+            Ok(h) => h,
+            Err(_) => return Ok(invalid),
+        };
+        let len = h.record_len();
+        if pos.checked_add(len).is_none_or(|end| end > win.limit) {
+            return Ok(invalid);
+        }
+        let head_len = h.payload_offset();
+        let head = win.bytes(pos, head_len)?;
+        if format::verify_record_head(head, &h).is_err() {
+            return Ok(invalid);
+        }
+        let key = head[h.key_offset()..].to_vec();
+        if h.segment != id || h.epoch < prev_epoch {
+            // A valid record, but from an earlier life of this file or from before a torn tail was cut.
+            // (Sequence numbers are not monotonic along a segment: compaction keeps a record's seq.)
+            return Ok(Probe::Invalid {
+                stale_epoch: h.epoch,
+            });
+        }
+        let intact = win.crc_of(pos + head_len, h.stored_len)? == h.payload_crc;
+        let e = FooterEntry {
+            key,
+            flags: h.flags,
+            offset: pos,
+            record_len: len,
+            seq: h.seq,
+            aux: h.aux,
+        };
+        Ok(Probe::Record(e, h, intact))
+    }
+
+    fn resync(
+        &self,
+        win: &mut ScanWindow<'_, B>,
+        id: u32,
+        from: u64,
+        prev_epoch: u32,
+        max_epoch_any: &mut u32,
+    ) -> Result<Option<u64>> {
+        let mut pos = from + RECORD_ALIGN;
+        while pos + format::RECORD_HEADER_LEN as u64 <= win.limit {
+            if pos % self.align == 0 && win.is_zero_block(pos)? {
+                return Ok(None);
+            }
+            if win.bytes(pos, 4)? == b"SPRC" {
+                match self.try_record_at(win, id, pos, prev_epoch)? {
+                    Probe::Record(..) => return Ok(Some(pos)),
+                    Probe::Invalid { stale_epoch } => {
+                        *max_epoch_any = (*max_epoch_any).max(stale_epoch)
+                    }
+                }
+            }
+            pos += RECORD_ALIGN;
+        }
+        Ok(None)
+    }
+
+    fn read_aligned(
+        &self,
+        file: &B::File,
+        offset: u64,
+        len: usize,
+        path: &Path,
+    ) -> Result<AlignedBuf> {
+        debug_assert!(offset % self.align == 0 && len as u64 % self.align == 0);
+        let buf = AlignedBuf::zeroed(len, self.align as usize);
+        let (r, buf) = self.backend.read_at(file, offset, buf);
+        r.map_err(|e| Error::io("read segment", path.to_path_buf(), e))?;
+        Ok(buf)
+    }
+
+    // -----------------------------------------------------------------------------------------------
+    // Reads
+    // -----------------------------------------------------------------------------------------------
+
+    /// The value stored under `key`, or `None`. A damaged record is an error naming its segment and
+    /// offset; other records are unaffected.
+    pub fn get(&self, key: &[u8]) -> Result<Option<Frames>> {
+        let Some((loc, file)) = self.lookup(key) else {
+            return Ok(None);
+        };
+        self.read_record(&file, loc, key).map(Some)
+    }
+
+    /// Where `key`'s record is, if it is live.
+    pub fn location(&self, key: &[u8]) -> Option<Location> {
+        self.index
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(key)
+            .copied()
+    }
+
+    fn lookup(&self, key: &[u8]) -> Option<(Location, Arc<B::File>)> {
+        // Hold the index lock while taking the file handle: a segment is only deleted after the index
+        // stopped pointing at it, so the pair is consistent (and an unlinked file stays readable).
+        let index = self.index.read().unwrap_or_else(|p| p.into_inner());
+        let loc = *index.get(key)?;
+        let file = self
+            .files
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&loc.segment)?
+            .clone();
+        Some((loc, file))
+    }
+
+    /// Read the raw bytes of the record at `loc` (aligned read, zero-copy slice).
+    fn read_record_bytes(&self, file: &B::File, loc: Location) -> Result<Bytes> {
+        let start = align_down(loc.offset, self.align);
+        let end = align_up(loc.offset + loc.len, self.align);
+        let buf = self.read_aligned(
+            file,
+            start,
+            (end - start) as usize,
+            &self.seg_path(loc.segment),
+        )?;
+        let b = buf.freeze();
+        Ok(b.slice((loc.offset - start) as usize..(loc.offset - start + loc.len) as usize))
+    }
+
+    fn read_record(&self, file: &B::File, loc: Location, key: &[u8]) -> Result<Frames> {
+        let raw = self.read_record_bytes(file, loc)?;
+        let r = format::decode_record(&raw).map_err(|e| e.at(loc.segment, loc.offset))?;
+        if r.key != key || r.header.segment != loc.segment || r.header.is_tombstone() {
+            return Err(Error::Corrupt {
+                segment: loc.segment,
+                offset: loc.offset,
+                reason: "record does not match the index (key, segment or kind)".into(),
+            });
+        }
+        let h = r.header;
+        let po = h.payload_offset() as usize;
+        let data: Bytes = if h.is_lz4() {
+            let mut out = AlignedBuf::zeroed(h.raw_len as usize, 64);
+            match lz4_flex::block::decompress_into(r.payload, &mut out) {
+                Ok(n) if n as u64 == h.raw_len => out.freeze(),
+                Ok(_) | Err(_) => {
+                    return Err(Error::Corrupt {
+                        segment: loc.segment,
+                        offset: loc.offset,
+                        reason: "lz4 payload does not decompress to its recorded length".into(),
+                    })
+                }
+            }
+        } else {
+            raw.slice(po..po + h.stored_len as usize)
+        };
+        let mut frames = Vec::with_capacity(r.frame_lens.len());
+        let mut at = 0usize;
+        for &l in &r.frame_lens {
+            frames.push(data.slice(at..at + l as usize));
+            at += l as usize;
+        }
+        Ok(Frames(frames))
+    }
+
+    /// Whether `key` is live.
+    pub fn contains(&self, key: &[u8]) -> bool {
+        self.index
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains_key(key)
+    }
+
+    /// Number of live keys.
+    pub fn len(&self) -> usize {
+        self.index.read().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    /// True when no key is live.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// All live keys, sorted.
+    pub fn keys(&self) -> Vec<Vec<u8>> {
+        let mut k: Vec<Vec<u8>> = self
+            .index
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .keys()
+            .map(|k| k.to_vec())
+            .collect();
+        k.sort_unstable();
+        k
+    }
+
+    // -----------------------------------------------------------------------------------------------
+    // Writes
+    // -----------------------------------------------------------------------------------------------
+
+    fn check_writable(&self) -> Result<()> {
+        match self.poisoned.get() {
+            Some(cause) => Err(Error::Poisoned {
+                cause: cause.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    fn poison(&self, e: Error) -> Error {
+        let _ = self.poisoned.set(e.to_string());
+        log::error!("segment log {} is now read-only: {e}", self.dir.display());
+        e
+    }
+
+    fn validate(&self, key: &[u8], frames: &Frames) -> Result<()> {
+        if key.len() > format::MAX_KEY_BYTES {
+            return Err(Error::KeyTooLarge {
+                len: key.len(),
+                max: format::MAX_KEY_BYTES,
+            });
+        }
+        if frames.len() > format::MAX_FRAMES {
+            return Err(Error::ValueTooLarge {
+                len: frames.len() as u64,
+                max: format::MAX_FRAMES as u64,
+                unit: "frames",
+            });
+        }
+        if frames.total_len() > self.opts.max_value_bytes {
+            return Err(Error::ValueTooLarge {
+                len: frames.total_len(),
+                max: self.opts.max_value_bytes,
+                unit: "bytes",
+            });
+        }
+        Ok(())
+    }
+
+    /// Store `value` under `key`, replacing any previous value. Returns once the record is written to
+    /// the kernel (it survives a process crash); call [`sync`](Self::sync) for power-loss durability.
+    pub fn put(&self, key: &[u8], value: &Frames) -> Result<()> {
+        self.put_many(&[(key, value)])
+    }
+
+    /// Store several values with as few writes as possible (one aligned write per segment touched).
+    pub fn put_many(&self, items: &[(&[u8], &Frames)]) -> Result<()> {
+        for (k, v) in items {
+            self.validate(k, v)?;
+        }
+        let recs: Vec<NewRecord<'_>> = items
+            .iter()
+            .map(|(key, frames)| NewRecord::Value { key, frames })
+            .collect();
+        let mut st = lock(&self.state);
+        self.append(&mut st, recs).map(|_| ())
+    }
+
+    /// Delete `key`. Returns whether it was live. Writes a tombstone so the deletion survives reopen.
+    pub fn delete(&self, key: &[u8]) -> Result<bool> {
+        if key.len() > format::MAX_KEY_BYTES {
+            return Err(Error::KeyTooLarge {
+                len: key.len(),
+                max: format::MAX_KEY_BYTES,
+            });
+        }
+        let mut st = lock(&self.state);
+        let Some(loc) = self.location(key) else {
+            return Ok(false);
+        };
+        self.append(
+            &mut st,
+            vec![NewRecord::Tombstone {
+                key,
+                aux: loc.first_segment,
+            }],
+        )?;
+        Ok(true)
+    }
+
+    fn prepare<'a>(&self, rec: NewRecord<'a>) -> Prepared<'a> {
+        let key_len = rec.key().len();
+        let (payload, frame_count, stored) = match &rec {
+            NewRecord::Tombstone { .. } => (Payload::Empty, 0, 0),
+            NewRecord::Relocated { bytes, .. } => {
+                let bytes: &'a [u8] = bytes;
+                return Prepared {
+                    len: bytes.len() as u64,
+                    payload: Payload::Relocated(bytes),
+                    rec,
+                };
+            }
+            NewRecord::Value { frames, .. } => {
+                let raw = frames.total_len();
+                let frames: &'a Frames = frames;
+                if self.opts.compression == Compression::Lz4 && raw >= MIN_COMPRESS_BYTES {
+                    let joined = frames.concat();
+                    let c = lz4_flex::block::compress(&joined);
+                    if (c.len() as u64) <= raw - raw / 8 {
+                        let n = c.len() as u64;
+                        (Payload::Compressed(c), frames.len(), n)
+                    } else {
+                        (Payload::Frames(frames), frames.len(), raw)
+                    }
+                } else {
+                    (Payload::Frames(frames), frames.len(), raw)
+                }
+            }
+        };
+        Prepared {
+            len: format::record_len(frame_count, key_len, stored),
+            payload,
+            rec,
+        }
+    }
+
+    /// Room the footer will need for one more entry with this key.
+    fn footer_entry_len(key_len: usize) -> u64 {
+        FooterEntry::encoded_len(key_len)
+    }
+
+    /// Whether a record of `len` bytes (and its footer entry) fits in the active segment.
+    fn fits(&self, a: &Active<B::File>, len: u64, key_len: usize) -> bool {
+        let data_end = padded(a.data_end + len);
+        let footer = a.footer.len() as u64 + Self::footer_entry_len(key_len);
+        align_up(data_end, self.align) + footer + format::TRAILER_LEN as u64 <= a.size
+    }
+
+    fn append(
+        &self,
+        st: &mut WriterState<B::File>,
+        recs: Vec<NewRecord<'_>>,
+    ) -> Result<Vec<Location>> {
+        self.check_writable()?;
+        let prepared: Vec<Prepared<'_>> = recs.into_iter().map(|r| self.prepare(r)).collect();
+        let mut out = Vec::with_capacity(prepared.len());
+        let mut i = 0;
+        while i < prepared.len() {
+            // Make sure the active segment can take at least the next record.
+            let need_new = match &st.active {
+                Some(a) => !self.fits(a, prepared[i].len, prepared[i].rec.key().len()),
+                None => true,
+            };
+            if need_new {
+                self.rotate(st, prepared[i].len, prepared[i].rec.key().len())?;
+            }
+            // Take as many records as fit into this segment.
+            let a = st.active.as_ref().expect("active after rotate");
+            let mut j = i;
+            let mut end = a.data_end;
+            let mut footer = a.footer.len() as u64;
+            while j < prepared.len() {
+                let p = &prepared[j];
+                let new_end = padded(end + p.len);
+                let new_footer = footer + Self::footer_entry_len(p.rec.key().len());
+                if align_up(new_end, self.align) + new_footer + format::TRAILER_LEN as u64 > a.size
+                {
+                    break;
+                }
+                end = new_end;
+                footer = new_footer;
+                j += 1;
+            }
+            assert!(j > i, "a freshly rotated segment must fit the next record");
+            let locs = self.write_chunk(st, &prepared[i..j])?;
+            out.extend(locs);
+            i = j;
+        }
+        if st.compact_pending && !st.compacting {
+            st.compact_pending = false;
+            self.compact_locked(st)?;
+        }
+        Ok(out)
+    }
+
+    /// Encode `chunk` into one aligned buffer, write it, then publish the new locations.
+    fn write_chunk(
+        &self,
+        st: &mut WriterState<B::File>,
+        chunk: &[Prepared<'_>],
+    ) -> Result<Vec<Location>> {
+        let epoch = st.epoch;
+        let a = st.active.as_mut().expect("active segment");
+        let base = align_down(a.data_end, self.align);
+        let total: u64 = chunk.iter().map(|p| padded(p.len)).sum();
+        let end = a.data_end + total;
+        let mut buf = AlignedBuf::zeroed(
+            (align_up(end, self.align) - base) as usize,
+            self.align as usize,
+        );
+        buf[..a.tail.len()].copy_from_slice(&a.tail);
+        let mut pos = a.data_end;
+        let mut placed: Vec<(u64, u64, u64)> = Vec::with_capacity(chunk.len()); // (offset, len, seq)
+        for p in chunk {
+            let seq = match &p.rec {
+                NewRecord::Relocated { header, .. } => header.seq,
+                _ => {
+                    let s = st.next_seq;
+                    st.next_seq += 1;
+                    s
+                }
+            };
+            let at = (pos - base) as usize;
+            let dst = &mut buf[at..at + p.len as usize];
+            match (&p.rec, &p.payload) {
+                (NewRecord::Relocated { header, .. }, Payload::Relocated(bytes)) => {
+                    dst.copy_from_slice(bytes);
+                    format::relocate_record(dst, header, a.id, epoch);
+                }
+                (rec, payload) => {
+                    let key = rec.key();
+                    let (flags, aux, frame_lens, raw_len): (u8, u32, Vec<u64>, u64) =
+                        match (rec, payload) {
+                            (NewRecord::Tombstone { aux, .. }, _) => {
+                                (format::FLAG_TOMBSTONE, *aux, Vec::new(), 0)
+                            }
+                            (NewRecord::Value { frames, .. }, Payload::Compressed(_)) => (
+                                format::FLAG_LZ4,
+                                0,
+                                frames.iter().map(|f| f.len() as u64).collect(),
+                                frames.total_len(),
+                            ),
+                            (NewRecord::Value { frames, .. }, _) => (
+                                0,
+                                0,
+                                frames.iter().map(|f| f.len() as u64).collect(),
+                                frames.total_len(),
+                            ),
+                            (NewRecord::Relocated { .. }, _) => {
+                                unreachable!("relocated records carry their bytes")
+                            }
+                        };
+                    let po =
+                        (format::RECORD_HEADER_LEN + 8 * frame_lens.len() + key.len()) as usize;
+                    let stored_len = p.len - po as u64;
+                    let mut w = po;
+                    match payload {
+                        Payload::Frames(frames) => {
+                            for f in frames.iter() {
+                                dst[w..w + f.len()].copy_from_slice(f);
+                                w += f.len();
+                            }
+                        }
+                        Payload::Compressed(c) => dst[w..w + c.len()].copy_from_slice(c),
+                        Payload::Empty | Payload::Relocated(_) => {}
+                    }
+                    let h = RecordHeader {
+                        flags,
+                        frame_count: frame_lens.len() as u16,
+                        key_len: key.len() as u32,
+                        segment: a.id,
+                        epoch,
+                        payload_crc: format::payload_crc(&dst[po..]),
+                        seq,
+                        raw_len,
+                        stored_len,
+                        aux,
+                    };
+                    format::write_record_head(dst, &h, &frame_lens, key);
+                }
+            }
+            placed.push((pos, p.len, seq));
+            pos = padded(pos + p.len);
+        }
+        debug_assert_eq!(pos, end);
+
+        let (r, buf) = self.backend.write_at(&a.file, base, buf);
+        if let Err(e) = r {
+            return Err(self.poison(Error::io("write segment", self.seg_path(a.id), e)));
+        }
+        a.dirty = true;
+        let tail_start = align_down(end, self.align);
+        a.tail = buf[(tail_start - base) as usize..(end - base) as usize].to_vec();
+        a.data_end = end;
+        a.max_epoch = a.max_epoch.max(epoch);
+        let id = a.id;
+        for (p, &(offset, len, seq)) in chunk.iter().zip(&placed) {
+            let key = p.rec.key();
+            let aux = match &p.rec {
+                NewRecord::Tombstone { aux, .. } => *aux,
+                NewRecord::Relocated { header, .. } => header.aux,
+                NewRecord::Value { .. } => 0,
+            };
+            let flags = match &p.rec {
+                NewRecord::Tombstone { .. } => format::FLAG_TOMBSTONE,
+                NewRecord::Relocated { header, .. } => header.flags & format::FLAG_TOMBSTONE,
+                NewRecord::Value { .. } => 0,
+            };
+            format::encode_footer_entry(
+                &mut a.footer,
+                &FooterEntry {
+                    key: key.to_vec(),
+                    flags,
+                    offset,
+                    record_len: len,
+                    seq,
+                    aux,
+                },
+            );
+            a.footer_entries += 1;
+        }
+        {
+            let m = st.segs.get_mut(&id).expect("active segment has metadata");
+            m.data_end = end;
+            m.records += chunk.len() as u64;
+        }
+
+        // Publish: update the index and the live accounting.
+        let mut locs = Vec::with_capacity(chunk.len());
+        let mut emptied = Vec::new();
+        {
+            let mut index = self.index.write().unwrap_or_else(|p| p.into_inner());
+            for (p, &(offset, len, _seq)) in chunk.iter().zip(&placed) {
+                let key = p.rec.key();
+                match &p.rec {
+                    NewRecord::Tombstone { aux, .. } => {
+                        if let Some(old) = index.remove(key) {
+                            Self::release(st, old, &mut emptied);
+                        }
+                        let m = st.segs.get_mut(&id).expect("active");
+                        m.tombstones += 1;
+                        m.tombstone_bytes += padded(len);
+                        m.min_shadow = m.min_shadow.min(*aux);
+                        locs.push(Location {
+                            segment: id,
+                            first_segment: *aux,
+                            offset,
+                            len,
+                        });
+                    }
+                    NewRecord::Relocated { header, .. } if header.is_tombstone() => {
+                        let m = st.segs.get_mut(&id).expect("active");
+                        m.tombstones += 1;
+                        m.tombstone_bytes += padded(len);
+                        m.min_shadow = m.min_shadow.min(header.aux);
+                        locs.push(Location {
+                            segment: id,
+                            first_segment: header.aux,
+                            offset,
+                            len,
+                        });
+                    }
+                    _ => {
+                        let first_segment = index.get(key).map_or(id, |o| o.first_segment.min(id));
+                        let loc = Location {
+                            segment: id,
+                            first_segment,
+                            offset,
+                            len,
+                        };
+                        if let Some(old) = index.insert(Box::from(key), loc) {
+                            Self::release(st, old, &mut emptied);
+                        }
+                        let m = st.segs.get_mut(&id).expect("active");
+                        m.live_records += 1;
+                        m.live_bytes += padded(len);
+                        locs.push(loc);
+                    }
+                }
+            }
+        }
+        if !emptied.is_empty() {
+            self.collect_garbage(st)?;
+        }
+        Ok(locs)
+    }
+
+    fn release(st: &mut WriterState<B::File>, old: Location, emptied: &mut Vec<u32>) {
+        if let Some(m) = st.segs.get_mut(&old.segment) {
+            m.live_records -= 1;
+            m.live_bytes -= padded(old.len);
+            if m.live_records == 0 {
+                emptied.push(old.segment);
+            }
+        }
+    }
+
+    /// Whether some tombstone of segment `id` may still shadow an older record.
+    fn tombstones_needed(st: &WriterState<B::File>, id: u32) -> bool {
+        let m = &st.segs[&id];
+        m.tombstones > 0 && st.segs.range(m.min_shadow..id).next().is_some()
+    }
+
+    /// Delete every non-active segment with nothing live and no tombstone still needed. Deleting one
+    /// can make another's tombstones unneeded, so repeat until nothing changes.
+    fn collect_garbage(&self, st: &mut WriterState<B::File>) -> Result<u64> {
+        let mut deleted = 0;
+        loop {
+            let active = st.active.as_ref().map(|a| a.id);
+            let victim = st
+                .segs
+                .iter()
+                .filter(|(&id, m)| Some(id) != active && m.live_records == 0)
+                .map(|(&id, _)| id)
+                .find(|&id| !Self::tombstones_needed(st, id));
+            let Some(id) = victim else { break };
+            self.delete_segment(st, id)?;
+            deleted += 1;
+        }
+        Ok(deleted)
+    }
+
+    fn delete_segment(&self, st: &mut WriterState<B::File>, id: u32) -> Result<()> {
+        // The records that made this segment dead may still be only in the page cache: make them
+        // durable before the old copies disappear, so a power cut cannot lose both.
+        self.sync_active(st)?;
+        let path = self.seg_path(id);
+        self.files
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&id);
+        match self.backend.remove_file(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(Error::io("remove segment", path, e)),
+        }
+        st.segs.remove(&id);
+        st.dir_dirty = true;
+        Ok(())
+    }
+
+    fn sync_active(&self, st: &mut WriterState<B::File>) -> Result<()> {
+        if let Some(a) = st.active.as_mut() {
+            if a.dirty {
+                if let Err(e) = self.backend.sync_data(&a.file) {
+                    return Err(self.poison(Error::io("fdatasync", self.seg_path(a.id), e)));
+                }
+                a.dirty = false;
+            }
+        }
+        Ok(())
+    }
+
+    fn sync_dir_if_dirty(&self, st: &mut WriterState<B::File>) -> Result<()> {
+        if st.dir_dirty {
+            if let Err(e) = self.backend.sync_dir(&self.seg_dir) {
+                return Err(self.poison(Error::io("fsync directory", self.seg_dir.clone(), e)));
+            }
+            st.dir_dirty = false;
+        }
+        Ok(())
+    }
+
+    /// Seal the active segment (if any) and create a new one that can hold a record of `len` bytes.
+    fn rotate(&self, st: &mut WriterState<B::File>, len: u64, key_len: usize) -> Result<()> {
+        let mut sealed_one = false;
+        if st.active.is_some() {
+            self.seal_active(st)?;
+            sealed_one = true;
+        }
+        let data_start = self.align;
+        let need = align_up(padded(data_start + len), self.align)
+            + align_up(
+                Self::footer_entry_len(key_len) + format::TRAILER_LEN as u64,
+                self.align,
+            );
+        let size = self.opts.segment_bytes.max(need);
+        let id = st.next_segment;
+        st.next_segment = id
+            .checked_add(1)
+            .ok_or_else(|| Error::InvalidConfig("segment ids exhausted".into()))?;
+        let path = self.seg_path(id);
+        let file = self
+            .backend
+            .open(&path, true)
+            .map_err(|e| Error::io("create segment", path.clone(), e))?;
+        let cleanup = |e: Error| {
+            let _ = self.backend.remove_file(&path);
+            e
+        };
+        self.backend
+            .allocate(&file, size)
+            .map_err(|e| cleanup(Error::io("fallocate", path.clone(), e)))?;
+        let mut hb = AlignedBuf::zeroed(self.align as usize, self.align as usize);
+        let header = format::SegmentHeader {
+            segment: id,
+            segment_bytes: size,
+            align: self.align as u32,
+            epoch: st.epoch,
+            data_start,
+        };
+        hb[..format::SEGMENT_HEADER_LEN].copy_from_slice(&format::encode_segment_header(&header));
+        let (r, _) = self.backend.write_at(&file, 0, hb);
+        r.map_err(|e| cleanup(Error::io("write segment header", path.clone(), e)))?;
+        st.dir_dirty = true;
+        let file = Arc::new(file);
+        self.files
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id, file.clone());
+        st.segs.insert(id, SegMeta::new(size, data_start));
+        st.active = Some(Active {
+            id,
+            file,
+            size,
+            data_end: data_start,
+            tail: Vec::new(),
+            footer: Vec::new(),
+            footer_entries: 0,
+            max_epoch: st.epoch,
+            dirty: true,
+        });
+        if sealed_one && self.opts.auto_compact && self.wants_compaction(st) {
+            // Run after the caller's records are written, not in the middle of its batch.
+            st.compact_pending = true;
+        }
+        Ok(())
+    }
+
+    /// Seal the active segment: data durable first, then footer and trailer.
+    fn seal_active(&self, st: &mut WriterState<B::File>) -> Result<()> {
+        self.sync_active(st)?;
+        self.sync_dir_if_dirty(st)?;
+        let a = st.active.take().expect("active segment to seal");
+        let footer_offset = align_up(a.data_end, self.align);
+        let footer_len = a.footer.len() as u64;
+        let trailer = format::Trailer {
+            segment: a.id,
+            max_epoch: a.max_epoch,
+            footer_offset,
+            footer_len,
+            entry_count: a.footer_entries,
+            data_end: a.data_end,
+            footer_crc: format::footer_crc(&a.footer),
+        };
+        let tb = format::encode_trailer(&trailer);
+        let footer_end = align_up(footer_offset + footer_len, self.align);
+        let trailer_block = a.size - self.align;
+        let write = |offset: u64, buf: AlignedBuf| -> Result<()> {
+            let (r, _) = self.backend.write_at(&a.file, offset, buf);
+            r.map_err(|e| self.poison(Error::io("write footer", self.seg_path(a.id), e)))
+        };
+        if footer_end <= trailer_block {
+            let mut fb =
+                AlignedBuf::zeroed((footer_end - footer_offset) as usize, self.align as usize);
+            fb[..a.footer.len()].copy_from_slice(&a.footer);
+            if footer_len > 0 {
+                write(footer_offset, fb)?;
+            }
+            let mut t = AlignedBuf::zeroed(self.align as usize, self.align as usize);
+            t[self.align as usize - format::TRAILER_LEN..].copy_from_slice(&tb);
+            write(trailer_block, t)?;
+        } else {
+            let mut fb = AlignedBuf::zeroed((a.size - footer_offset) as usize, self.align as usize);
+            fb[..a.footer.len()].copy_from_slice(&a.footer);
+            let n = fb.len();
+            fb[n - format::TRAILER_LEN..].copy_from_slice(&tb);
+            write(footer_offset, fb)?;
+        }
+        let m = st.segs.get_mut(&a.id).expect("active has metadata");
+        m.sealed = true;
+        Ok(())
+    }
+
+    /// Make every record written before this call durable: fdatasync the active segment, and fsync the
+    /// segments directory if segments were created or removed since the last sync.
+    pub fn sync(&self) -> Result<()> {
+        self.check_writable()?;
+        let mut st = lock(&self.state);
+        self.sync_active(&mut st)?;
+        self.sync_dir_if_dirty(&mut st)
+    }
+
+    // -----------------------------------------------------------------------------------------------
+    // Compaction
+    // -----------------------------------------------------------------------------------------------
+
+    fn wants_compaction(&self, st: &WriterState<B::File>) -> bool {
+        st.segs
+            .iter()
+            .any(|(&id, m)| m.sealed && self.is_sparse(st, id, m))
+    }
+
+    fn is_sparse(&self, st: &WriterState<B::File>, id: u32, m: &SegMeta) -> bool {
+        let tomb = if Self::tombstones_needed(st, id) {
+            m.tombstone_bytes
+        } else {
+            0
+        };
+        (m.live_bytes + tomb) * 2 < m.size
+    }
+
+    /// Relocate the live records of every sealed segment that is less than half live, then delete it.
+    /// Afterwards every sealed segment holds at least half its size in live data (see
+    /// `docs/architecture.md` for the resulting space-amplification bound).
+    pub fn compact(&self) -> Result<CompactStats> {
+        self.check_writable()?;
+        let mut st = lock(&self.state);
+        self.compact_locked(&mut st)
+    }
+
+    fn compact_locked(&self, st: &mut WriterState<B::File>) -> Result<CompactStats> {
+        st.compacting = true;
+        let r = self.compact_inner(st);
+        st.compacting = false;
+        r
+    }
+
+    fn compact_inner(&self, st: &mut WriterState<B::File>) -> Result<CompactStats> {
+        let mut stats = CompactStats::default();
+        let before: u64 = st.segs.values().map(|m| m.size).sum();
+        let deleted = self.collect_garbage(st)?;
+        stats.segments_deleted += deleted;
+        let victims: Vec<u32> = st
+            .segs
+            .iter()
+            .filter(|(&id, m)| m.sealed && self.is_sparse(st, id, m))
+            .map(|(&id, _)| id)
+            .collect();
+        for id in victims {
+            if !st.segs.contains_key(&id) {
+                continue;
+            }
+            let (moved, bytes) = self.relocate_segment(st, id)?;
+            stats.records_moved += moved;
+            stats.bytes_moved += bytes;
+            stats.segments_compacted += 1;
+            stats.segments_deleted += self.collect_garbage(st)?;
+        }
+        let after: u64 = st.segs.values().map(|m| m.size).sum();
+        stats.bytes_freed = before.saturating_sub(after);
+        Ok(stats)
+    }
+
+    /// Copy the live records and needed tombstones of segment `id` to the active segment.
+    fn relocate_segment(&self, st: &mut WriterState<B::File>, id: u32) -> Result<(u64, u64)> {
+        let file = match self
+            .files
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&id)
+        {
+            Some(f) => f.clone(),
+            None => return Ok((0, 0)),
+        };
+        let mut report = RecoveryReport::default();
+        let scan = self.load_segment(id, &file, &mut report)?;
+        let index_snapshot: Vec<(FooterEntry, bool)> = {
+            let index = self.index.read().unwrap_or_else(|p| p.into_inner());
+            scan.entries
+                .into_iter()
+                .map(|e| {
+                    let keep = if e.flags & format::FLAG_TOMBSTONE != 0 {
+                        !index.contains_key(e.key.as_slice())
+                            && st.segs.range(e.aux..id).next().is_some()
+                    } else {
+                        index
+                            .get(e.key.as_slice())
+                            .is_some_and(|l| l.segment == id && l.offset == e.offset)
+                    };
+                    (e, keep)
+                })
+                .collect()
+        };
+        let mut moved = 0;
+        let mut bytes = 0;
+        // Relocate in bounded batches so memory stays proportional to the batch, not the segment.
+        let mut batch: Vec<Bytes> = Vec::new();
+        let mut batch_bytes = 0u64;
+        let flush = |st: &mut WriterState<B::File>, batch: &mut Vec<Bytes>| -> Result<()> {
+            let recs: Vec<NewRecord<'_>> = batch
+                .iter()
+                .map(|b| {
+                    let header = format::peek_record_header(b).expect("verified before relocation");
+                    NewRecord::Relocated {
+                        bytes: b,
+                        header,
+                        key: &b[header.key_offset()..header.payload_offset() as usize],
+                    }
+                })
+                .collect();
+            self.append(st, recs)?;
+            batch.clear();
+            Ok(())
+        };
+        for (e, keep) in index_snapshot {
+            if !keep {
+                continue;
+            }
+            let loc = Location {
+                segment: id,
+                first_segment: id,
+                offset: e.offset,
+                len: e.record_len,
+            };
+            let raw = self.read_record_bytes(&file, loc)?;
+            if let Err(err) = format::decode_record(&raw) {
+                // A damaged record stays where it is (its segment is kept) and is reported.
+                log::warn!(
+                    "compaction leaves damaged record in place: {}",
+                    err.at(id, e.offset)
+                );
+                continue;
+            }
+            moved += 1;
+            bytes += e.record_len;
+            batch_bytes += e.record_len;
+            batch.push(raw);
+            if batch_bytes >= 8 << 20 {
+                flush(st, &mut batch)?;
+                batch_bytes = 0;
+            }
+        }
+        if !batch.is_empty() {
+            flush(st, &mut batch)?;
+        }
+        // Tombstones moved out: this segment's tombstones are no longer needed here.
+        if let Some(m) = st.segs.get_mut(&id) {
+            m.tombstones = 0;
+            m.tombstone_bytes = 0;
+            m.min_shadow = u32::MAX;
+        }
+        Ok((moved, bytes))
+    }
+
+    // -----------------------------------------------------------------------------------------------
+    // Inspection
+    // -----------------------------------------------------------------------------------------------
+
+    /// Space accounting.
+    pub fn stats(&self) -> LogStats {
+        let st = lock(&self.state);
+        let mut s = LogStats::default();
+        for (&id, m) in &st.segs {
+            s.segments += 1;
+            s.sealed_segments += m.sealed as u64;
+            s.live_records += m.live_records;
+            let tomb = if Self::tombstones_needed(&st, id) {
+                m.tombstone_bytes
+            } else {
+                0
+            };
+            s.live_bytes += m.live_bytes + tomb;
+            let used = m.data_end - m.data_start;
+            s.used_bytes += used;
+            s.dead_bytes += used.saturating_sub(m.live_bytes + tomb);
+            s.tombstones += m.tombstones;
+            s.disk_bytes += m.size;
+        }
+        s
+    }
+
+    /// Read every record of every segment and check its checksums. Returns the problems found (empty
+    /// when the store is clean), including damaged regions found at open.
+    pub fn verify(&self) -> Result<Vec<VerifyProblem>> {
+        // Hold the writer lock so the active segment is not changing under the scan.
+        let _st = lock(&self.state);
+        let mut problems: Vec<VerifyProblem> = self
+            .recovery
+            .corrupt
+            .iter()
+            .map(|(s, o, r)| VerifyProblem {
+                segment: *s,
+                offset: *o,
+                key: None,
+                error: r.clone(),
+            })
+            .collect();
+        let ids: Vec<(u32, Arc<B::File>)> = {
+            let files = self.files.read().unwrap_or_else(|p| p.into_inner());
+            let mut v: Vec<_> = files.iter().map(|(&id, f)| (id, f.clone())).collect();
+            v.sort_by_key(|(id, _)| *id);
+            v
+        };
+        for (id, file) in ids {
+            let mut report = RecoveryReport::default();
+            let scan = match self.load_segment(id, &file, &mut report) {
+                Ok(s) => s,
+                Err(e) => {
+                    problems.push(VerifyProblem {
+                        segment: id,
+                        offset: 0,
+                        key: None,
+                        error: e.to_string(),
+                    });
+                    continue;
+                }
+            };
+            for e in scan.entries {
+                let loc = Location {
+                    segment: id,
+                    first_segment: id,
+                    offset: e.offset,
+                    len: e.record_len,
+                };
+                let err = match self.read_record_bytes(&file, loc) {
+                    Ok(raw) => match format::decode_record(&raw) {
+                        Ok(r) if r.key == e.key.as_slice() && r.header.seq == e.seq => None,
+                        Ok(_) => Some(Error::Corrupt {
+                            segment: id,
+                            offset: e.offset,
+                            reason: "record differs from its footer entry".into(),
+                        }),
+                        Err(d) => Some(d.at(id, e.offset)),
+                    },
+                    Err(err) => Some(err),
+                };
+                if let Some(err) = err {
+                    problems.push(VerifyProblem {
+                        segment: id,
+                        offset: e.offset,
+                        key: Some(e.key),
+                        error: err.to_string(),
+                    });
+                }
+            }
+        }
+        problems.sort_by_key(|p| (p.segment, p.offset));
+        problems.dedup_by_key(|p| (p.segment, p.offset));
+        Ok(problems)
+    }
+}
+
+enum Probe {
+    Record(FooterEntry, RecordHeader, bool),
+    Invalid { stale_epoch: u32 },
+}
+
+/// A sliding read window over a segment file, for scanning.
+struct ScanWindow<'a, B: Backend> {
+    log: &'a SegmentLog<B>,
+    file: &'a B::File,
+    path: &'a Path,
+    /// Segment size: reads stay below it.
+    size: u64,
+    /// Records must end at or before this (the trailer's bytes are never record bytes).
+    limit: u64,
+    start: u64,
+    buf: Option<AlignedBuf>,
+}
+
+impl<'a, B: Backend> ScanWindow<'a, B> {
+    fn new(log: &'a SegmentLog<B>, file: &'a B::File, path: &'a Path, size: u64) -> Self {
+        let limit = size.saturating_sub(format::TRAILER_LEN as u64);
+        ScanWindow {
+            log,
+            file,
+            path,
+            size,
+            limit,
+            start: 0,
+            buf: None,
+        }
+    }
+
+    /// `len` bytes at `off` (must be within `limit`).
+    fn bytes(&mut self, off: u64, len: u64) -> Result<&[u8]> {
+        let have = self
+            .buf
+            .as_ref()
+            .is_some_and(|b| off >= self.start && off + len <= self.start + b.len() as u64);
+        if !have {
+            let align = self.log.align;
+            let start = align_down(off, align);
+            let need_end = align_up(off + len, align);
+            let end = (start + SCAN_WINDOW as u64).min(self.size).max(need_end);
+            let buf = self
+                .log
+                .read_aligned(self.file, start, (end - start) as usize, self.path)?;
+            self.start = start;
+            self.buf = Some(buf);
+        }
+        let b = self.buf.as_ref().expect("window filled");
+        let from = (off - self.start) as usize;
+        Ok(&b[from..from + len as usize])
+    }
+
+    fn crc_of(&mut self, off: u64, len: u64) -> Result<u32> {
+        let mut h = crc32fast::Hasher::new();
+        let mut at = off;
+        while at < off + len {
+            let n = (off + len - at).min(SCAN_WINDOW as u64);
+            h.update(self.bytes(at, n)?);
+            at += n;
+        }
+        Ok(h.finalize())
+    }
+
+    /// Whether everything from `off` to the end of the next full block is zero (or past the limit).
+    fn is_zero_from(&mut self, off: u64) -> Result<bool> {
+        let end = (align_up(off + 1, self.log.align) + self.log.align).min(self.limit);
+        if off >= end {
+            return Ok(true);
+        }
+        Ok(self.bytes(off, end - off)?.iter().all(|&b| b == 0))
+    }
+
+    fn is_zero_block(&mut self, off: u64) -> Result<bool> {
+        let end = (off + self.log.align).min(self.limit);
+        if off >= end {
+            return Ok(true);
+        }
+        Ok(self.bytes(off, end - off)?.iter().all(|&b| b == 0))
+    }
+
+    /// Offset of the first all-zero aligned block at or after `off` (or the limit).
+    fn first_zero_block_from(&mut self, off: u64) -> Result<u64> {
+        let mut b = align_up(off, self.log.align);
+        while b < self.limit {
+            if self.is_zero_block(b)? {
+                return Ok(b);
+            }
+            b += self.log.align;
+        }
+        Ok(self.limit)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::SimBackend;
+
+    fn opts() -> LogOptions {
+        LogOptions {
+            segment_bytes: 64 * 1024,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn put_get_delete_reopen_sim() {
+        let be = SimBackend::new();
+        let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
+        log.put(b"a", &Frames::from(b"one".to_vec())).unwrap();
+        log.put(
+            b"b",
+            &Frames(vec![Bytes::from_static(b"x"), Bytes::from_static(b"yz")]),
+        )
+        .unwrap();
+        log.put(b"a", &Frames::from(b"two".to_vec())).unwrap();
+        assert!(log.delete(b"b").unwrap());
+        assert!(!log.delete(b"nope").unwrap());
+        assert_eq!(log.get(b"a").unwrap().unwrap().concat(), &b"two"[..]);
+        assert!(log.get(b"b").unwrap().is_none());
+        drop(log);
+        let log = SegmentLog::open(be, "/s", opts()).unwrap();
+        assert_eq!(log.get(b"a").unwrap().unwrap().concat(), &b"two"[..]);
+        assert!(log.get(b"b").unwrap().is_none());
+        assert_eq!(log.keys(), vec![b"a".to_vec()]);
+    }
+
+    #[test]
+    fn seg_names() {
+        assert_eq!(parse_seg_file_name(&seg_file_name(0xabc)), Some(0xabc));
+        assert_eq!(parse_seg_file_name("zz.seg"), None);
+        assert_eq!(parse_seg_file_name("0000000g.seg"), None);
+    }
+}

@@ -1,0 +1,1 @@
+//! loom models live in `tests/`; they compile only with `--cfg spillway_loom`.
