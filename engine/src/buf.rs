@@ -37,10 +37,7 @@ impl AlignedBuf {
     ///
     /// Panics if `align` is not a power of two; that is a programming error, not an input error.
     pub fn with_capacity(capacity: usize, align: usize) -> Self {
-        assert!(
-            align.is_power_of_two(),
-            "alignment {align} is not a power of two"
-        );
+        assert!(align.is_power_of_two(), "alignment {align} is not a power of two");
         let capacity = capacity.div_ceil(align) * align;
         let layout = Layout::from_size_align(capacity, align).expect("buffer size overflows isize");
         let ptr = if capacity == 0 {
@@ -54,11 +51,7 @@ impl AlignedBuf {
                 None => alloc::handle_alloc_error(layout),
             }
         };
-        AlignedBuf {
-            ptr,
-            len: 0,
-            layout,
-        }
+        AlignedBuf { ptr, len: 0, layout }
     }
 
     /// A zero-filled buffer of length `len` (capacity rounded up to `align`).
@@ -91,11 +84,7 @@ impl AlignedBuf {
     /// Set the length; bytes between the old and new length keep whatever they held (zero or earlier
     /// contents), never uninitialized memory. Panics if `len > capacity`.
     pub fn set_len(&mut self, len: usize) {
-        assert!(
-            len <= self.capacity(),
-            "length {len} exceeds capacity {}",
-            self.capacity()
-        );
+        assert!(len <= self.capacity(), "length {len} exceeds capacity {}", self.capacity());
         self.len = len;
     }
 
@@ -109,11 +98,7 @@ impl AlignedBuf {
     /// Append `data`, panicking if it does not fit (callers size buffers up front).
     pub fn extend_from_slice(&mut self, data: &[u8]) {
         let end = self.len + data.len();
-        assert!(
-            end <= self.capacity(),
-            "append of {} bytes overflows buffer",
-            data.len()
-        );
+        assert!(end <= self.capacity(), "append of {} bytes overflows buffer", data.len());
         let start = self.len;
         self.spare_full()[start..end].copy_from_slice(data);
         self.len = end;

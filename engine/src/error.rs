@@ -95,32 +95,20 @@ pub enum Error {
 impl Error {
     /// Wrap an I/O error with the operation and path it came from.
     pub fn io(op: &'static str, path: impl Into<Option<PathBuf>>, source: io::Error) -> Self {
-        Error::Io {
-            op,
-            path: path.into(),
-            source,
-        }
+        Error::Io { op, path: path.into(), source }
     }
 
     /// True when this error reports bytes on disk that failed validation.
     pub fn is_corruption(&self) -> bool {
-        matches!(
-            self,
-            Error::ChecksumMismatch { .. }
-                | Error::Corrupt { .. }
-                | Error::UnsupportedVersion { .. }
-        )
+        matches!(self, Error::ChecksumMismatch { .. } | Error::Corrupt { .. } | Error::UnsupportedVersion { .. })
     }
 
     /// The `(segment, offset)` a corruption error points at, if this is one.
     pub fn location(&self) -> Option<(u32, u64)> {
         match self {
-            Error::ChecksumMismatch {
-                segment, offset, ..
+            Error::ChecksumMismatch { segment, offset, .. } | Error::Corrupt { segment, offset, .. } => {
+                Some((*segment, *offset))
             }
-            | Error::Corrupt {
-                segment, offset, ..
-            } => Some((*segment, *offset)),
             _ => None,
         }
     }
@@ -147,10 +135,9 @@ impl fmt::Display for Error {
             Error::Corrupt { segment, offset, reason } => {
                 write!(f, "corrupt data in segment {segment} at offset {offset}: {reason}")
             }
-            Error::UnsupportedVersion { what, found, supported } => write!(
-                f,
-                "unsupported {what} format version {found} (this build reads up to version {supported})"
-            ),
+            Error::UnsupportedVersion { what, found, supported } => {
+                write!(f, "unsupported {what} format version {found} (this build reads up to version {supported})")
+            }
             Error::KeyTooLarge { len, max } => write!(f, "key of {len} bytes exceeds the limit of {max} bytes"),
             Error::ValueTooLarge { len, max, unit } => {
                 write!(f, "value of {len} {unit} exceeds the limit of {max} {unit}")

@@ -116,37 +116,17 @@ impl DecodeError {
     pub fn at(self, segment: u32, offset: u64) -> crate::Error {
         use crate::Error;
         match self {
-            DecodeError::Checksum {
-                what,
-                expected,
-                actual,
-            } => Error::ChecksumMismatch {
-                segment,
-                offset,
-                what,
-                expected,
-                actual,
-            },
-            DecodeError::UnsupportedVersion(found) => Error::UnsupportedVersion {
-                what: "segment",
-                found,
-                supported: FORMAT_VERSION as u32,
-            },
-            DecodeError::Truncated { need, have } => Error::Corrupt {
-                segment,
-                offset,
-                reason: format!("truncated: need {need} bytes, have {have}"),
-            },
-            DecodeError::BadMagic => Error::Corrupt {
-                segment,
-                offset,
-                reason: "bad magic".into(),
-            },
-            DecodeError::Invalid(why) => Error::Corrupt {
-                segment,
-                offset,
-                reason: why.into(),
-            },
+            DecodeError::Checksum { what, expected, actual } => {
+                Error::ChecksumMismatch { segment, offset, what, expected, actual }
+            }
+            DecodeError::UnsupportedVersion(found) => {
+                Error::UnsupportedVersion { what: "segment", found, supported: FORMAT_VERSION as u32 }
+            }
+            DecodeError::Truncated { need, have } => {
+                Error::Corrupt { segment, offset, reason: format!("truncated: need {need} bytes, have {have}") }
+            }
+            DecodeError::BadMagic => Error::Corrupt { segment, offset, reason: "bad magic".into() },
+            DecodeError::Invalid(why) => Error::Corrupt { segment, offset, reason: why.into() },
         }
     }
 }
@@ -248,11 +228,7 @@ pub fn record_len(frame_count: usize, key_len: usize, stored_len: u64) -> u64 {
 /// Write header, frame table and key of a record into `dst[..payload_offset]` and compute the header
 /// crc. The payload must already be at `dst[payload_offset..]` and `h.payload_crc` must be its crc.
 pub fn write_record_head(dst: &mut [u8], h: &RecordHeader, frame_lens: &[u64], key: &[u8]) {
-    assert_eq!(
-        frame_lens.len(),
-        h.frame_count as usize,
-        "frame table length"
-    );
+    assert_eq!(frame_lens.len(), h.frame_count as usize, "frame table length");
     assert_eq!(key.len(), h.key_len as usize, "key length");
     dst[0..4].copy_from_slice(&RECORD_MAGIC);
     dst[4] = FORMAT_VERSION;
@@ -284,10 +260,7 @@ pub fn payload_crc(payload: &[u8]) -> u32 {
 /// Used to learn how many bytes the full header needs.
 pub fn peek_record_header(b: &[u8]) -> Result<RecordHeader, DecodeError> {
     if b.len() < RECORD_HEADER_LEN {
-        return Err(DecodeError::Truncated {
-            need: RECORD_HEADER_LEN as u64,
-            have: b.len() as u64,
-        });
+        return Err(DecodeError::Truncated { need: RECORD_HEADER_LEN as u64, have: b.len() as u64 });
     }
     if b[0..4] != RECORD_MAGIC {
         return Err(DecodeError::BadMagic);
@@ -320,9 +293,7 @@ pub fn peek_record_header(b: &[u8]) -> Result<RecordHeader, DecodeError> {
         return Err(DecodeError::Invalid("tombstone with a payload"));
     }
     if !h.is_lz4() && h.raw_len != h.stored_len {
-        return Err(DecodeError::Invalid(
-            "uncompressed record with raw_len != stored_len",
-        ));
+        return Err(DecodeError::Invalid("uncompressed record with raw_len != stored_len"));
     }
     Ok(h)
 }
@@ -332,29 +303,18 @@ pub fn peek_record_header(b: &[u8]) -> Result<RecordHeader, DecodeError> {
 pub fn verify_record_head(b: &[u8], h: &RecordHeader) -> Result<Vec<u64>, DecodeError> {
     let need = h.payload_offset();
     if (b.len() as u64) < need {
-        return Err(DecodeError::Truncated {
-            need,
-            have: b.len() as u64,
-        });
+        return Err(DecodeError::Truncated { need, have: b.len() as u64 });
     }
     let ko = h.key_offset();
     let actual = crc(&[&b[0..52], &b[RECORD_HEADER_LEN..ko + h.key_len as usize]]);
     let expected = u32_at(b, 52);
     if actual != expected {
-        return Err(DecodeError::Checksum {
-            what: "record header",
-            expected,
-            actual,
-        });
+        return Err(DecodeError::Checksum { what: "record header", expected, actual });
     }
-    let frames: Vec<u64> = (0..h.frame_count as usize)
-        .map(|i| u64_at(b, RECORD_HEADER_LEN + 8 * i))
-        .collect();
+    let frames: Vec<u64> = (0..h.frame_count as usize).map(|i| u64_at(b, RECORD_HEADER_LEN + 8 * i)).collect();
     let mut sum: u64 = 0;
     for f in &frames {
-        sum = sum
-            .checked_add(*f)
-            .ok_or(DecodeError::Invalid("frame lengths overflow"))?;
+        sum = sum.checked_add(*f).ok_or(DecodeError::Invalid("frame lengths overflow"))?;
     }
     if sum != h.raw_len {
         return Err(DecodeError::Invalid("frame lengths do not sum to raw_len"));
@@ -381,28 +341,16 @@ pub fn decode_record(b: &[u8]) -> Result<RecordRef<'_>, DecodeError> {
     let frame_lens = verify_record_head(b, &header)?;
     let len = header.record_len();
     if (b.len() as u64) < len {
-        return Err(DecodeError::Truncated {
-            need: len,
-            have: b.len() as u64,
-        });
+        return Err(DecodeError::Truncated { need: len, have: b.len() as u64 });
     }
     let ko = header.key_offset();
     let po = header.payload_offset() as usize;
     let payload = &b[po..len as usize];
     let actual = payload_crc(payload);
     if actual != header.payload_crc {
-        return Err(DecodeError::Checksum {
-            what: "record payload",
-            expected: header.payload_crc,
-            actual,
-        });
+        return Err(DecodeError::Checksum { what: "record payload", expected: header.payload_crc, actual });
     }
-    Ok(RecordRef {
-        header,
-        frame_lens,
-        key: &b[ko..po],
-        payload,
-    })
+    Ok(RecordRef { header, frame_lens, key: &b[ko..po], payload })
 }
 
 /// Rewrite, in place, the `segment` and `epoch` of a verified record copy and recompute its header
@@ -458,25 +406,16 @@ pub fn encode_footer_entry(out: &mut Vec<u8>, e: &FooterEntry) {
 }
 
 /// Decode `count` footer entries from `b`, checking every length against `b` and `segment_bytes`.
-pub fn decode_footer(
-    b: &[u8],
-    count: u64,
-    segment_bytes: u64,
-) -> Result<Vec<FooterEntry>, DecodeError> {
+pub fn decode_footer(b: &[u8], count: u64, segment_bytes: u64) -> Result<Vec<FooterEntry>, DecodeError> {
     // Each entry takes at least FOOTER_ENTRY_FIXED_LEN bytes: bound the allocation by the input.
     if count > (b.len() / FOOTER_ENTRY_FIXED_LEN) as u64 {
-        return Err(DecodeError::Invalid(
-            "footer entry count larger than the footer",
-        ));
+        return Err(DecodeError::Invalid("footer entry count larger than the footer"));
     }
     let mut out = Vec::with_capacity(count as usize);
     let mut pos = 0usize;
     for _ in 0..count {
         if b.len() - pos < FOOTER_ENTRY_FIXED_LEN {
-            return Err(DecodeError::Truncated {
-                need: (pos + FOOTER_ENTRY_FIXED_LEN) as u64,
-                have: b.len() as u64,
-            });
+            return Err(DecodeError::Truncated { need: (pos + FOOTER_ENTRY_FIXED_LEN) as u64, have: b.len() as u64 });
         }
         let e = &b[pos..];
         let key_len = u32_at(e, 0) as usize;
@@ -485,10 +424,7 @@ pub fn decode_footer(
         }
         let len = FooterEntry::encoded_len(key_len) as usize;
         if e.len() < len {
-            return Err(DecodeError::Truncated {
-                need: (pos + len) as u64,
-                have: b.len() as u64,
-            });
+            return Err(DecodeError::Truncated { need: (pos + len) as u64, have: b.len() as u64 });
         }
         let entry = FooterEntry {
             key: e[FOOTER_ENTRY_FIXED_LEN..FOOTER_ENTRY_FIXED_LEN + key_len].to_vec(),
@@ -503,9 +439,7 @@ pub fn decode_footer(
         }
         let end = entry.offset.checked_add(entry.record_len);
         if entry.offset % RECORD_ALIGN != 0 || end.is_none_or(|end| end > segment_bytes) {
-            return Err(DecodeError::Invalid(
-                "footer entry points outside the segment",
-            ));
+            return Err(DecodeError::Invalid("footer entry points outside the segment"));
         }
         out.push(entry);
         pos += len;
@@ -552,10 +486,7 @@ pub fn encode_trailer(t: &Trailer) -> [u8; TRAILER_LEN] {
 /// Decode a trailer and check it against the segment it was read from.
 pub fn decode_trailer(b: &[u8], segment: u32, segment_bytes: u64) -> Result<Trailer, DecodeError> {
     if b.len() < TRAILER_LEN {
-        return Err(DecodeError::Truncated {
-            need: TRAILER_LEN as u64,
-            have: b.len() as u64,
-        });
+        return Err(DecodeError::Truncated { need: TRAILER_LEN as u64, have: b.len() as u64 });
     }
     if b[0..4] != TRAILER_MAGIC {
         return Err(DecodeError::BadMagic);
@@ -563,11 +494,7 @@ pub fn decode_trailer(b: &[u8], segment: u32, segment_bytes: u64) -> Result<Trai
     let expected = u32_at(b, 60);
     let actual = crc(&[&b[0..60]]);
     if expected != actual {
-        return Err(DecodeError::Checksum {
-            what: "trailer",
-            expected,
-            actual,
-        });
+        return Err(DecodeError::Checksum { what: "trailer", expected, actual });
     }
     let version = u16_at(b, 4) as u32;
     if version != FORMAT_VERSION as u32 {
@@ -586,12 +513,8 @@ pub fn decode_trailer(b: &[u8], segment: u32, segment_bytes: u64) -> Result<Trai
         return Err(DecodeError::Invalid("trailer belongs to another segment"));
     }
     let footer_end = t.footer_offset.checked_add(t.footer_len);
-    if t.data_end > t.footer_offset
-        || footer_end.is_none_or(|e| e > segment_bytes - TRAILER_LEN as u64)
-    {
-        return Err(DecodeError::Invalid(
-            "trailer footer range outside the segment",
-        ));
+    if t.data_end > t.footer_offset || footer_end.is_none_or(|e| e > segment_bytes - TRAILER_LEN as u64) {
+        return Err(DecodeError::Invalid("trailer footer range outside the segment"));
     }
     Ok(t)
 }
@@ -639,10 +562,7 @@ pub fn encode_segment_header(h: &SegmentHeader) -> [u8; SEGMENT_HEADER_LEN] {
 /// matches, so a newer store is refused rather than misread.
 pub fn decode_segment_header(b: &[u8]) -> Result<SegmentHeader, DecodeError> {
     if b.len() < SEGMENT_HEADER_LEN {
-        return Err(DecodeError::Truncated {
-            need: SEGMENT_HEADER_LEN as u64,
-            have: b.len() as u64,
-        });
+        return Err(DecodeError::Truncated { need: SEGMENT_HEADER_LEN as u64, have: b.len() as u64 });
     }
     if b[0..8] != SEGMENT_MAGIC {
         return Err(DecodeError::BadMagic);
@@ -650,11 +570,7 @@ pub fn decode_segment_header(b: &[u8]) -> Result<SegmentHeader, DecodeError> {
     let expected = u32_at(b, 60);
     let actual = crc(&[&b[0..60]]);
     if expected != actual {
-        return Err(DecodeError::Checksum {
-            what: "segment header",
-            expected,
-            actual,
-        });
+        return Err(DecodeError::Checksum { what: "segment header", expected, actual });
     }
     let version = u32_at(b, 8);
     if version != FORMAT_VERSION as u32 {
@@ -668,9 +584,7 @@ pub fn decode_segment_header(b: &[u8]) -> Result<SegmentHeader, DecodeError> {
         data_start: u64_at(b, 32),
     };
     if !h.align.is_power_of_two() || h.align < 512 || h.data_start < SEGMENT_HEADER_LEN as u64 {
-        return Err(DecodeError::Invalid(
-            "segment header alignment or data start",
-        ));
+        return Err(DecodeError::Invalid("segment header alignment or data start"));
     }
     Ok(h)
 }
@@ -718,10 +632,7 @@ mod tests {
             for bit in 0..8 {
                 let mut c = b.clone();
                 c[byte] ^= 1 << bit;
-                assert!(
-                    decode_record(&c).is_err(),
-                    "flip at byte {byte} bit {bit} went unnoticed"
-                );
+                assert!(decode_record(&c).is_err(), "flip at byte {byte} bit {bit} went unnoticed");
             }
         }
     }
@@ -740,31 +651,14 @@ mod tests {
         let h = peek_record_header(&b).unwrap();
         relocate_record(&mut b, &h, 99, 5);
         let r = decode_record(&b).unwrap();
-        assert_eq!(
-            (r.header.segment, r.header.epoch, r.header.seq),
-            (99, 5, 42)
-        );
+        assert_eq!((r.header.segment, r.header.epoch, r.header.seq), (99, 5, 42));
     }
 
     #[test]
     fn footer_and_trailer_round_trip() {
         let entries = vec![
-            FooterEntry {
-                key: b"a".to_vec(),
-                flags: 0,
-                offset: 4096,
-                record_len: 100,
-                seq: 1,
-                aux: 0,
-            },
-            FooterEntry {
-                key: vec![],
-                flags: FLAG_TOMBSTONE,
-                offset: 4200,
-                record_len: 56,
-                seq: 2,
-                aux: 3,
-            },
+            FooterEntry { key: b"a".to_vec(), flags: 0, offset: 4096, record_len: 100, seq: 1, aux: 0 },
+            FooterEntry { key: vec![], flags: FLAG_TOMBSTONE, offset: 4200, record_len: 56, seq: 2, aux: 3 },
         ];
         let mut out = Vec::new();
         for e in &entries {
@@ -785,16 +679,7 @@ mod tests {
         let tb = encode_trailer(&t);
         assert_eq!(decode_trailer(&tb, 9, 1 << 20).unwrap(), t);
         assert!(decode_trailer(&tb, 8, 1 << 20).is_err());
-        let sh = SegmentHeader {
-            segment: 9,
-            segment_bytes: 1 << 20,
-            align: 4096,
-            epoch: 1,
-            data_start: 4096,
-        };
-        assert_eq!(
-            decode_segment_header(&encode_segment_header(&sh)).unwrap(),
-            sh
-        );
+        let sh = SegmentHeader { segment: 9, segment_bytes: 1 << 20, align: 4096, epoch: 1, data_start: 4096 };
+        assert_eq!(decode_segment_header(&encode_segment_header(&sh)).unwrap(), sh);
     }
 }

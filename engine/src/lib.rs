@@ -20,13 +20,11 @@ pub mod error;
 pub mod format;
 pub mod log;
 pub mod sync;
+pub mod units;
 pub mod value;
 
 pub use backend::{Backend, PortableBackend, SimBackend};
 pub use error::{Error, Result};
 pub use format::MAX_KEY_BYTES;
-pub use log::{
-    CompactStats, Compression, Location, LogOptions, LogStats, RecoveryReport, SegmentLog,
-    VerifyProblem,
-};
+pub use log::{CompactStats, Compression, Location, LogOptions, LogStats, RecoveryReport, SegmentLog, VerifyProblem};
 pub use value::Frames;

@@ -112,6 +112,8 @@ pub struct LogStats {
     pub segments: u64,
     /// Sealed segment files.
     pub sealed_segments: u64,
+    /// Records in all segments (live, superseded and tombstones).
+    pub records: u64,
     /// Live keys.
     pub live_records: u64,
     /// Bytes of live records (padded), plus tombstones that are still needed.
@@ -237,9 +239,7 @@ enum NewRecord<'a> {
 impl NewRecord<'_> {
     fn key(&self) -> &[u8] {
         match self {
-            NewRecord::Value { key, .. }
-            | NewRecord::Tombstone { key, .. }
-            | NewRecord::Relocated { key, .. } => key,
+            NewRecord::Value { key, .. } | NewRecord::Tombstone { key, .. } | NewRecord::Relocated { key, .. } => key,
         }
     }
 }
@@ -317,13 +317,9 @@ impl<B: Backend> SegmentLog<B> {
                 };
                 return Err(Error::NotAStore { path: dir, reason });
             }
-            backend
-                .create_dir_all(&seg_dir)
-                .map_err(|e| Error::io("create store directory", seg_dir.clone(), e))?;
+            backend.create_dir_all(&seg_dir).map_err(|e| Error::io("create store directory", seg_dir.clone(), e))?;
             // Make the new directories themselves durable.
-            backend
-                .sync_dir(&dir)
-                .map_err(|e| Error::io("fsync directory", dir.clone(), e))?;
+            backend.sync_dir(&dir).map_err(|e| Error::io("fsync directory", dir.clone(), e))?;
         }
         let lock = backend.lock_dir(&dir).map_err(|e| {
             if e.kind() == io::ErrorKind::WouldBlock {
@@ -334,11 +330,7 @@ impl<B: Backend> SegmentLog<B> {
         })?;
         let align = match opts.alignment {
             Some(a) if a.is_power_of_two() && (512..=65536).contains(&a) => a as u64,
-            Some(a) => {
-                return Err(Error::InvalidConfig(format!(
-                    "alignment {a} is not a power of two in 512..=65536"
-                )))
-            }
+            Some(a) => return Err(Error::InvalidConfig(format!("alignment {a} is not a power of two in 512..=65536"))),
             None => backend.alignment(&dir).clamp(512, 65536) as u64,
         };
         if opts.segment_bytes < MIN_SEGMENT_BYTES {
@@ -410,19 +402,13 @@ impl<B: Backend> SegmentLog<B> {
     // -----------------------------------------------------------------------------------------------
 
     fn recover(&mut self) -> Result<()> {
-        let names = self
-            .backend
-            .list_dir(&self.seg_dir)
-            .map_err(|e| Error::io("list segments", self.seg_dir.clone(), e))?;
+        let names =
+            self.backend.list_dir(&self.seg_dir).map_err(|e| Error::io("list segments", self.seg_dir.clone(), e))?;
         let mut ids: Vec<u32> = Vec::new();
         for name in &names {
             match parse_seg_file_name(name) {
                 Some(id) => ids.push(id),
-                None => log::warn!(
-                    "ignoring unexpected file {:?} in {}",
-                    name,
-                    self.seg_dir.display()
-                ),
+                None => log::warn!("ignoring unexpected file {:?} in {}", name, self.seg_dir.display()),
             }
         }
         ids.sort_unstable();
@@ -485,35 +471,23 @@ impl<B: Backend> SegmentLog<B> {
             }
         }
 
-        let mut segs: BTreeMap<u32, SegMeta> =
-            scans.iter().map(|(&id, s)| (id, s.meta.clone())).collect();
+        let mut segs: BTreeMap<u32, SegMeta> = scans.iter().map(|(&id, s)| (id, s.meta.clone())).collect();
         let mut index = HashMap::with_capacity(winners.len());
         for (key, w) in winners {
             if w.tombstone {
                 continue;
             }
-            let m = segs
-                .get_mut(&w.segment)
-                .expect("winner segment was scanned");
+            let m = segs.get_mut(&w.segment).expect("winner segment was scanned");
             m.live_records += 1;
             m.live_bytes += padded(w.len);
             index.insert(
                 Box::<[u8]>::from(key),
-                Location {
-                    segment: w.segment,
-                    first_segment: w.first_segment,
-                    offset: w.offset,
-                    len: w.len,
-                },
+                Location { segment: w.segment, first_segment: w.first_segment, offset: w.offset, len: w.len },
             );
         }
         for (&id, scan) in &scans {
             let m = segs.get_mut(&id).expect("scanned");
-            for e in scan
-                .entries
-                .iter()
-                .filter(|e| e.flags & format::FLAG_TOMBSTONE != 0)
-            {
+            for e in scan.entries.iter().filter(|e| e.flags & format::FLAG_TOMBSTONE != 0) {
                 m.tombstones += 1;
                 m.tombstone_bytes += padded(e.record_len);
                 m.min_shadow = m.min_shadow.min(e.aux);
@@ -549,34 +523,20 @@ impl<B: Backend> SegmentLog<B> {
         let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
         st.next_segment = ids.last().map_or(1, |l| l.saturating_add(1));
         st.next_seq = max_seq + 1;
-        st.epoch = max_epoch
-            .checked_add(1)
-            .ok_or_else(|| Error::InvalidConfig("epoch counter exhausted".into()))?;
+        st.epoch = max_epoch.checked_add(1).ok_or_else(|| Error::InvalidConfig("epoch counter exhausted".into()))?;
         st.segs = segs;
         st.active = active;
         if !report.corrupt.is_empty() {
-            log::warn!(
-                "recovery of {} found {} damaged region(s)",
-                self.dir.display(),
-                report.corrupt.len()
-            );
+            log::warn!("recovery of {} found {} damaged region(s)", self.dir.display(), report.corrupt.len());
         }
         self.recovery = report;
         Ok(())
     }
 
     /// Read a segment's footer if it is sealed, or scan its records if not.
-    fn load_segment(
-        &self,
-        id: u32,
-        file: &B::File,
-        report: &mut RecoveryReport,
-    ) -> Result<SegmentScan> {
+    fn load_segment(&self, id: u32, file: &B::File, report: &mut RecoveryReport) -> Result<SegmentScan> {
         let path = self.seg_path(id);
-        let file_len = self
-            .backend
-            .file_len(file)
-            .map_err(|e| Error::io("stat segment", path.clone(), e))?;
+        let file_len = self.backend.file_len(file).map_err(|e| Error::io("stat segment", path.clone(), e))?;
         let file_len_aligned = align_down(file_len, self.align);
         // The header tells size, alignment and where data starts; fall back to defaults if damaged.
         let header = if file_len_aligned >= self.align {
@@ -584,22 +544,14 @@ impl<B: Backend> SegmentLog<B> {
             match format::decode_segment_header(&buf) {
                 Ok(h) if h.segment == id => Some(h),
                 Ok(_) => {
-                    report
-                        .corrupt
-                        .push((id, 0, "segment header names another segment".into()));
+                    report.corrupt.push((id, 0, "segment header names another segment".into()));
                     None
                 }
                 Err(format::DecodeError::UnsupportedVersion(v)) => {
-                    return Err(Error::UnsupportedVersion {
-                        what: "segment",
-                        found: v,
-                        supported: 1,
-                    })
+                    return Err(Error::UnsupportedVersion { what: "segment", found: v, supported: 1 })
                 }
                 Err(e) => {
-                    report
-                        .corrupt
-                        .push((id, 0, format!("segment header: {e:?}")));
+                    report.corrupt.push((id, 0, format!("segment header: {e:?}")));
                     None
                 }
             }
@@ -614,24 +566,18 @@ impl<B: Backend> SegmentLog<B> {
             {
                 (h.segment_bytes, h.data_start)
             }
-            _ => (
-                align_up(file_len, self.align).max(self.align * 2),
-                self.align,
-            ),
+            _ => (align_up(file_len, self.align).max(self.align * 2), self.align),
         };
         let sealed_candidate = file_len >= size;
         if file_len < size {
             // A truncated file, or a crash during preallocation: give it its size back so every
             // aligned read inside the segment succeeds (the lost part reads as zeros).
-            self.backend
-                .allocate(file, size)
-                .map_err(|e| Error::io("fallocate", path.clone(), e))?;
+            self.backend.allocate(file, size).map_err(|e| Error::io("fallocate", path.clone(), e))?;
         }
 
         // Sealed? The trailer is the last TRAILER_LEN bytes of the file.
         if sealed_candidate {
-            let last_block =
-                self.read_aligned(file, size - self.align, self.align as usize, &path)?;
+            let last_block = self.read_aligned(file, size - self.align, self.align as usize, &path)?;
             let tb = &last_block[self.align as usize - format::TRAILER_LEN..];
             if let Ok(t) = format::decode_trailer(tb, id, size) {
                 if let Some(entries) = self.read_footer(file, id, size, &t, &path)? {
@@ -640,18 +586,9 @@ impl<B: Backend> SegmentLog<B> {
                     meta.sealed = true;
                     meta.records = entries.len() as u64;
                     report.sealed_segments += 1;
-                    return Ok(SegmentScan {
-                        meta,
-                        entries,
-                        max_epoch: t.max_epoch,
-                        tail: Vec::new(),
-                    });
+                    return Ok(SegmentScan { meta, entries, max_epoch: t.max_epoch, tail: Vec::new() });
                 }
-                report.corrupt.push((
-                    id,
-                    t.footer_offset,
-                    "footer checksum mismatch; scanning records".into(),
-                ));
+                report.corrupt.push((id, t.footer_offset, "footer checksum mismatch; scanning records".into()));
             }
         }
         report.scanned_segments += 1;
@@ -669,8 +606,7 @@ impl<B: Backend> SegmentLog<B> {
         let start = align_down(t.footer_offset, self.align);
         let end = align_up(t.footer_offset + t.footer_len, self.align);
         let buf = self.read_aligned(file, start, (end - start) as usize, path)?;
-        let fb = &buf
-            [(t.footer_offset - start) as usize..(t.footer_offset - start + t.footer_len) as usize];
+        let fb = &buf[(t.footer_offset - start) as usize..(t.footer_offset - start + t.footer_len) as usize];
         if format::footer_crc(fb) != t.footer_crc {
             return Ok(None);
         }
@@ -697,6 +633,8 @@ impl<B: Backend> SegmentLog<B> {
         let path = self.seg_path(id);
         let mut win = ScanWindow::new(self, file, &path, size);
         let mut entries = Vec::new();
+        let mut intact_flags = Vec::new();
+        let mut corrupt = Vec::new();
         let mut pos = data_start;
         let mut prev_epoch = 0u32;
         let mut max_epoch_any = 0u32;
@@ -704,10 +642,9 @@ impl<B: Backend> SegmentLog<B> {
             match self.try_record_at(&mut win, id, pos, prev_epoch)? {
                 Probe::Record(e, h, intact) => {
                     if !intact {
-                        report
-                            .corrupt
-                            .push((id, pos, "record payload checksum mismatch".into()));
+                        corrupt.push((id, pos, "record payload checksum mismatch".to_string()));
                     }
+                    intact_flags.push(intact);
                     prev_epoch = h.epoch;
                     max_epoch_any = max_epoch_any.max(h.epoch);
                     pos = padded(pos + e.record_len);
@@ -721,11 +658,7 @@ impl<B: Backend> SegmentLog<B> {
                     // Garbage: search for the next record; stop at the first all-zero block.
                     match self.resync(&mut win, id, pos, prev_epoch, &mut max_epoch_any)? {
                         Some(next) => {
-                            report.corrupt.push((
-                                id,
-                                pos,
-                                format!("unreadable bytes up to offset {next}"),
-                            ));
+                            corrupt.push((id, pos, format!("unreadable bytes up to offset {next}")));
                             pos = next;
                         }
                         None => {
@@ -737,30 +670,25 @@ impl<B: Backend> SegmentLog<B> {
                 }
             }
         }
+        // A damaged record with nothing valid after it is the torn end of the last write, not a bit
+        // flip in the middle of the log: cut it off like the rest of the tail.
+        while intact_flags.last() == Some(&false) {
+            intact_flags.pop();
+            let e = entries.pop().expect("one entry per flag");
+            report.truncated_bytes += pos - e.offset;
+            pos = e.offset;
+            corrupt.retain(|c| c.1 != e.offset);
+        }
+        report.corrupt.extend(corrupt);
         let mut meta = SegMeta::new(size, data_start);
         meta.data_end = pos;
         meta.records = entries.len() as u64;
         let tail_start = align_down(pos, self.align);
-        let tail = if pos > tail_start {
-            win.bytes(tail_start, pos - tail_start)?.to_vec()
-        } else {
-            Vec::new()
-        };
-        Ok(SegmentScan {
-            meta,
-            entries,
-            max_epoch: max_epoch_any,
-            tail,
-        })
+        let tail = if pos > tail_start { win.bytes(tail_start, pos - tail_start)?.to_vec() } else { Vec::new() };
+        Ok(SegmentScan { meta, entries, max_epoch: max_epoch_any, tail })
     }
 
-    fn try_record_at(
-        &self,
-        win: &mut ScanWindow<'_, B>,
-        id: u32,
-        pos: u64,
-        prev_epoch: u32,
-    ) -> Result<Probe> {
+    fn try_record_at(&self, win: &mut ScanWindow<'_, B>, id: u32, pos: u64, prev_epoch: u32) -> Result<Probe> {
         let invalid = Probe::Invalid { stale_epoch: 0 };
         if pos + format::RECORD_HEADER_LEN as u64 > win.limit {
             return Ok(invalid);
@@ -783,19 +711,10 @@ impl<B: Backend> SegmentLog<B> {
         if h.segment != id || h.epoch < prev_epoch {
             // A valid record, but from an earlier life of this file or from before a torn tail was cut.
             // (Sequence numbers are not monotonic along a segment: compaction keeps a record's seq.)
-            return Ok(Probe::Invalid {
-                stale_epoch: h.epoch,
-            });
+            return Ok(Probe::Invalid { stale_epoch: h.epoch });
         }
         let intact = win.crc_of(pos + head_len, h.stored_len)? == h.payload_crc;
-        let e = FooterEntry {
-            key,
-            flags: h.flags,
-            offset: pos,
-            record_len: len,
-            seq: h.seq,
-            aux: h.aux,
-        };
+        let e = FooterEntry { key, flags: h.flags, offset: pos, record_len: len, seq: h.seq, aux: h.aux };
         Ok(Probe::Record(e, h, intact))
     }
 
@@ -815,9 +734,7 @@ impl<B: Backend> SegmentLog<B> {
             if win.bytes(pos, 4)? == b"SPRC" {
                 match self.try_record_at(win, id, pos, prev_epoch)? {
                     Probe::Record(..) => return Ok(Some(pos)),
-                    Probe::Invalid { stale_epoch } => {
-                        *max_epoch_any = (*max_epoch_any).max(stale_epoch)
-                    }
+                    Probe::Invalid { stale_epoch } => *max_epoch_any = (*max_epoch_any).max(stale_epoch),
                 }
             }
             pos += RECORD_ALIGN;
@@ -825,13 +742,7 @@ impl<B: Backend> SegmentLog<B> {
         Ok(None)
     }
 
-    fn read_aligned(
-        &self,
-        file: &B::File,
-        offset: u64,
-        len: usize,
-        path: &Path,
-    ) -> Result<AlignedBuf> {
+    fn read_aligned(&self, file: &B::File, offset: u64, len: usize, path: &Path) -> Result<AlignedBuf> {
         debug_assert!(offset % self.align == 0 && len as u64 % self.align == 0);
         let buf = AlignedBuf::zeroed(len, self.align as usize);
         let (r, buf) = self.backend.read_at(file, offset, buf);
@@ -854,11 +765,7 @@ impl<B: Backend> SegmentLog<B> {
 
     /// Where `key`'s record is, if it is live.
     pub fn location(&self, key: &[u8]) -> Option<Location> {
-        self.index
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(key)
-            .copied()
+        self.index.read().unwrap_or_else(|p| p.into_inner()).get(key).copied()
     }
 
     fn lookup(&self, key: &[u8]) -> Option<(Location, Arc<B::File>)> {
@@ -866,12 +773,7 @@ impl<B: Backend> SegmentLog<B> {
         // stopped pointing at it, so the pair is consistent (and an unlinked file stays readable).
         let index = self.index.read().unwrap_or_else(|p| p.into_inner());
         let loc = *index.get(key)?;
-        let file = self
-            .files
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&loc.segment)?
-            .clone();
+        let file = self.files.read().unwrap_or_else(|p| p.into_inner()).get(&loc.segment)?.clone();
         Some((loc, file))
     }
 
@@ -879,12 +781,7 @@ impl<B: Backend> SegmentLog<B> {
     fn read_record_bytes(&self, file: &B::File, loc: Location) -> Result<Bytes> {
         let start = align_down(loc.offset, self.align);
         let end = align_up(loc.offset + loc.len, self.align);
-        let buf = self.read_aligned(
-            file,
-            start,
-            (end - start) as usize,
-            &self.seg_path(loc.segment),
-        )?;
+        let buf = self.read_aligned(file, start, (end - start) as usize, &self.seg_path(loc.segment))?;
         let b = buf.freeze();
         Ok(b.slice((loc.offset - start) as usize..(loc.offset - start + loc.len) as usize))
     }
@@ -927,10 +824,7 @@ impl<B: Backend> SegmentLog<B> {
 
     /// Whether `key` is live.
     pub fn contains(&self, key: &[u8]) -> bool {
-        self.index
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .contains_key(key)
+        self.index.read().unwrap_or_else(|p| p.into_inner()).contains_key(key)
     }
 
     /// Number of live keys.
@@ -945,13 +839,8 @@ impl<B: Backend> SegmentLog<B> {
 
     /// All live keys, sorted.
     pub fn keys(&self) -> Vec<Vec<u8>> {
-        let mut k: Vec<Vec<u8>> = self
-            .index
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .keys()
-            .map(|k| k.to_vec())
-            .collect();
+        let mut k: Vec<Vec<u8>> =
+            self.index.read().unwrap_or_else(|p| p.into_inner()).keys().map(|k| k.to_vec()).collect();
         k.sort_unstable();
         k
     }
@@ -962,9 +851,7 @@ impl<B: Backend> SegmentLog<B> {
 
     fn check_writable(&self) -> Result<()> {
         match self.poisoned.get() {
-            Some(cause) => Err(Error::Poisoned {
-                cause: cause.clone(),
-            }),
+            Some(cause) => Err(Error::Poisoned { cause: cause.clone() }),
             None => Ok(()),
         }
     }
@@ -977,10 +864,7 @@ impl<B: Backend> SegmentLog<B> {
 
     fn validate(&self, key: &[u8], frames: &Frames) -> Result<()> {
         if key.len() > format::MAX_KEY_BYTES {
-            return Err(Error::KeyTooLarge {
-                len: key.len(),
-                max: format::MAX_KEY_BYTES,
-            });
+            return Err(Error::KeyTooLarge { len: key.len(), max: format::MAX_KEY_BYTES });
         }
         if frames.len() > format::MAX_FRAMES {
             return Err(Error::ValueTooLarge {
@@ -1010,10 +894,7 @@ impl<B: Backend> SegmentLog<B> {
         for (k, v) in items {
             self.validate(k, v)?;
         }
-        let recs: Vec<NewRecord<'_>> = items
-            .iter()
-            .map(|(key, frames)| NewRecord::Value { key, frames })
-            .collect();
+        let recs: Vec<NewRecord<'_>> = items.iter().map(|(key, frames)| NewRecord::Value { key, frames }).collect();
         let mut st = lock(&self.state);
         self.append(&mut st, recs).map(|_| ())
     }
@@ -1021,22 +902,13 @@ impl<B: Backend> SegmentLog<B> {
     /// Delete `key`. Returns whether it was live. Writes a tombstone so the deletion survives reopen.
     pub fn delete(&self, key: &[u8]) -> Result<bool> {
         if key.len() > format::MAX_KEY_BYTES {
-            return Err(Error::KeyTooLarge {
-                len: key.len(),
-                max: format::MAX_KEY_BYTES,
-            });
+            return Err(Error::KeyTooLarge { len: key.len(), max: format::MAX_KEY_BYTES });
         }
         let mut st = lock(&self.state);
         let Some(loc) = self.location(key) else {
             return Ok(false);
         };
-        self.append(
-            &mut st,
-            vec![NewRecord::Tombstone {
-                key,
-                aux: loc.first_segment,
-            }],
-        )?;
+        self.append(&mut st, vec![NewRecord::Tombstone { key, aux: loc.first_segment }])?;
         Ok(true)
     }
 
@@ -1046,11 +918,7 @@ impl<B: Backend> SegmentLog<B> {
             NewRecord::Tombstone { .. } => (Payload::Empty, 0, 0),
             NewRecord::Relocated { bytes, .. } => {
                 let bytes: &'a [u8] = bytes;
-                return Prepared {
-                    len: bytes.len() as u64,
-                    payload: Payload::Relocated(bytes),
-                    rec,
-                };
+                return Prepared { len: bytes.len() as u64, payload: Payload::Relocated(bytes), rec };
             }
             NewRecord::Value { frames, .. } => {
                 let raw = frames.total_len();
@@ -1069,11 +937,7 @@ impl<B: Backend> SegmentLog<B> {
                 }
             }
         };
-        Prepared {
-            len: format::record_len(frame_count, key_len, stored),
-            payload,
-            rec,
-        }
+        Prepared { len: format::record_len(frame_count, key_len, stored), payload, rec }
     }
 
     /// Room the footer will need for one more entry with this key.
@@ -1088,11 +952,7 @@ impl<B: Backend> SegmentLog<B> {
         align_up(data_end, self.align) + footer + format::TRAILER_LEN as u64 <= a.size
     }
 
-    fn append(
-        &self,
-        st: &mut WriterState<B::File>,
-        recs: Vec<NewRecord<'_>>,
-    ) -> Result<Vec<Location>> {
+    fn append(&self, st: &mut WriterState<B::File>, recs: Vec<NewRecord<'_>>) -> Result<Vec<Location>> {
         self.check_writable()?;
         let prepared: Vec<Prepared<'_>> = recs.into_iter().map(|r| self.prepare(r)).collect();
         let mut out = Vec::with_capacity(prepared.len());
@@ -1115,8 +975,7 @@ impl<B: Backend> SegmentLog<B> {
                 let p = &prepared[j];
                 let new_end = padded(end + p.len);
                 let new_footer = footer + Self::footer_entry_len(p.rec.key().len());
-                if align_up(new_end, self.align) + new_footer + format::TRAILER_LEN as u64 > a.size
-                {
+                if align_up(new_end, self.align) + new_footer + format::TRAILER_LEN as u64 > a.size {
                     break;
                 }
                 end = new_end;
@@ -1136,20 +995,13 @@ impl<B: Backend> SegmentLog<B> {
     }
 
     /// Encode `chunk` into one aligned buffer, write it, then publish the new locations.
-    fn write_chunk(
-        &self,
-        st: &mut WriterState<B::File>,
-        chunk: &[Prepared<'_>],
-    ) -> Result<Vec<Location>> {
+    fn write_chunk(&self, st: &mut WriterState<B::File>, chunk: &[Prepared<'_>]) -> Result<Vec<Location>> {
         let epoch = st.epoch;
         let a = st.active.as_mut().expect("active segment");
         let base = align_down(a.data_end, self.align);
         let total: u64 = chunk.iter().map(|p| padded(p.len)).sum();
         let end = a.data_end + total;
-        let mut buf = AlignedBuf::zeroed(
-            (align_up(end, self.align) - base) as usize,
-            self.align as usize,
-        );
+        let mut buf = AlignedBuf::zeroed((align_up(end, self.align) - base) as usize, self.align as usize);
         buf[..a.tail.len()].copy_from_slice(&a.tail);
         let mut pos = a.data_end;
         let mut placed: Vec<(u64, u64, u64)> = Vec::with_capacity(chunk.len()); // (offset, len, seq)
@@ -1171,29 +1023,19 @@ impl<B: Backend> SegmentLog<B> {
                 }
                 (rec, payload) => {
                     let key = rec.key();
-                    let (flags, aux, frame_lens, raw_len): (u8, u32, Vec<u64>, u64) =
-                        match (rec, payload) {
-                            (NewRecord::Tombstone { aux, .. }, _) => {
-                                (format::FLAG_TOMBSTONE, *aux, Vec::new(), 0)
-                            }
-                            (NewRecord::Value { frames, .. }, Payload::Compressed(_)) => (
-                                format::FLAG_LZ4,
-                                0,
-                                frames.iter().map(|f| f.len() as u64).collect(),
-                                frames.total_len(),
-                            ),
-                            (NewRecord::Value { frames, .. }, _) => (
-                                0,
-                                0,
-                                frames.iter().map(|f| f.len() as u64).collect(),
-                                frames.total_len(),
-                            ),
-                            (NewRecord::Relocated { .. }, _) => {
-                                unreachable!("relocated records carry their bytes")
-                            }
-                        };
-                    let po =
-                        (format::RECORD_HEADER_LEN + 8 * frame_lens.len() + key.len()) as usize;
+                    let (flags, aux, frame_lens, raw_len): (u8, u32, Vec<u64>, u64) = match (rec, payload) {
+                        (NewRecord::Tombstone { aux, .. }, _) => (format::FLAG_TOMBSTONE, *aux, Vec::new(), 0),
+                        (NewRecord::Value { frames, .. }, Payload::Compressed(_)) => {
+                            (format::FLAG_LZ4, 0, frames.iter().map(|f| f.len() as u64).collect(), frames.total_len())
+                        }
+                        (NewRecord::Value { frames, .. }, _) => {
+                            (0, 0, frames.iter().map(|f| f.len() as u64).collect(), frames.total_len())
+                        }
+                        (NewRecord::Relocated { .. }, _) => {
+                            unreachable!("relocated records carry their bytes")
+                        }
+                    };
+                    let po = (format::RECORD_HEADER_LEN + 8 * frame_lens.len() + key.len()) as usize;
                     let stored_len = p.len - po as u64;
                     let mut w = po;
                     match payload {
@@ -1250,14 +1092,7 @@ impl<B: Backend> SegmentLog<B> {
             };
             format::encode_footer_entry(
                 &mut a.footer,
-                &FooterEntry {
-                    key: key.to_vec(),
-                    flags,
-                    offset,
-                    record_len: len,
-                    seq,
-                    aux,
-                },
+                &FooterEntry { key: key.to_vec(), flags, offset, record_len: len, seq, aux },
             );
             a.footer_entries += 1;
         }
@@ -1283,33 +1118,18 @@ impl<B: Backend> SegmentLog<B> {
                         m.tombstones += 1;
                         m.tombstone_bytes += padded(len);
                         m.min_shadow = m.min_shadow.min(*aux);
-                        locs.push(Location {
-                            segment: id,
-                            first_segment: *aux,
-                            offset,
-                            len,
-                        });
+                        locs.push(Location { segment: id, first_segment: *aux, offset, len });
                     }
                     NewRecord::Relocated { header, .. } if header.is_tombstone() => {
                         let m = st.segs.get_mut(&id).expect("active");
                         m.tombstones += 1;
                         m.tombstone_bytes += padded(len);
                         m.min_shadow = m.min_shadow.min(header.aux);
-                        locs.push(Location {
-                            segment: id,
-                            first_segment: header.aux,
-                            offset,
-                            len,
-                        });
+                        locs.push(Location { segment: id, first_segment: header.aux, offset, len });
                     }
                     _ => {
                         let first_segment = index.get(key).map_or(id, |o| o.first_segment.min(id));
-                        let loc = Location {
-                            segment: id,
-                            first_segment,
-                            offset,
-                            len,
-                        };
+                        let loc = Location { segment: id, first_segment, offset, len };
                         if let Some(old) = index.insert(Box::from(key), loc) {
                             Self::release(st, old, &mut emptied);
                         }
@@ -1367,10 +1187,7 @@ impl<B: Backend> SegmentLog<B> {
         // durable before the old copies disappear, so a power cut cannot lose both.
         self.sync_active(st)?;
         let path = self.seg_path(id);
-        self.files
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&id);
+        self.files.write().unwrap_or_else(|p| p.into_inner()).remove(&id);
         match self.backend.remove_file(&path) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
@@ -1412,27 +1229,17 @@ impl<B: Backend> SegmentLog<B> {
         }
         let data_start = self.align;
         let need = align_up(padded(data_start + len), self.align)
-            + align_up(
-                Self::footer_entry_len(key_len) + format::TRAILER_LEN as u64,
-                self.align,
-            );
+            + align_up(Self::footer_entry_len(key_len) + format::TRAILER_LEN as u64, self.align);
         let size = self.opts.segment_bytes.max(need);
         let id = st.next_segment;
-        st.next_segment = id
-            .checked_add(1)
-            .ok_or_else(|| Error::InvalidConfig("segment ids exhausted".into()))?;
+        st.next_segment = id.checked_add(1).ok_or_else(|| Error::InvalidConfig("segment ids exhausted".into()))?;
         let path = self.seg_path(id);
-        let file = self
-            .backend
-            .open(&path, true)
-            .map_err(|e| Error::io("create segment", path.clone(), e))?;
+        let file = self.backend.open(&path, true).map_err(|e| Error::io("create segment", path.clone(), e))?;
         let cleanup = |e: Error| {
             let _ = self.backend.remove_file(&path);
             e
         };
-        self.backend
-            .allocate(&file, size)
-            .map_err(|e| cleanup(Error::io("fallocate", path.clone(), e)))?;
+        self.backend.allocate(&file, size).map_err(|e| cleanup(Error::io("fallocate", path.clone(), e)))?;
         let mut hb = AlignedBuf::zeroed(self.align as usize, self.align as usize);
         let header = format::SegmentHeader {
             segment: id,
@@ -1446,10 +1253,7 @@ impl<B: Backend> SegmentLog<B> {
         r.map_err(|e| cleanup(Error::io("write segment header", path.clone(), e)))?;
         st.dir_dirty = true;
         let file = Arc::new(file);
-        self.files
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(id, file.clone());
+        self.files.write().unwrap_or_else(|p| p.into_inner()).insert(id, file.clone());
         st.segs.insert(id, SegMeta::new(size, data_start));
         st.active = Some(Active {
             id,
@@ -1493,8 +1297,7 @@ impl<B: Backend> SegmentLog<B> {
             r.map_err(|e| self.poison(Error::io("write footer", self.seg_path(a.id), e)))
         };
         if footer_end <= trailer_block {
-            let mut fb =
-                AlignedBuf::zeroed((footer_end - footer_offset) as usize, self.align as usize);
+            let mut fb = AlignedBuf::zeroed((footer_end - footer_offset) as usize, self.align as usize);
             fb[..a.footer.len()].copy_from_slice(&a.footer);
             if footer_len > 0 {
                 write(footer_offset, fb)?;
@@ -1528,17 +1331,11 @@ impl<B: Backend> SegmentLog<B> {
     // -----------------------------------------------------------------------------------------------
 
     fn wants_compaction(&self, st: &WriterState<B::File>) -> bool {
-        st.segs
-            .iter()
-            .any(|(&id, m)| m.sealed && self.is_sparse(st, id, m))
+        st.segs.iter().any(|(&id, m)| m.sealed && self.is_sparse(st, id, m))
     }
 
     fn is_sparse(&self, st: &WriterState<B::File>, id: u32, m: &SegMeta) -> bool {
-        let tomb = if Self::tombstones_needed(st, id) {
-            m.tombstone_bytes
-        } else {
-            0
-        };
+        let tomb = if Self::tombstones_needed(st, id) { m.tombstone_bytes } else { 0 };
         (m.live_bytes + tomb) * 2 < m.size
     }
 
@@ -1563,12 +1360,8 @@ impl<B: Backend> SegmentLog<B> {
         let before: u64 = st.segs.values().map(|m| m.size).sum();
         let deleted = self.collect_garbage(st)?;
         stats.segments_deleted += deleted;
-        let victims: Vec<u32> = st
-            .segs
-            .iter()
-            .filter(|(&id, m)| m.sealed && self.is_sparse(st, id, m))
-            .map(|(&id, _)| id)
-            .collect();
+        let victims: Vec<u32> =
+            st.segs.iter().filter(|(&id, m)| m.sealed && self.is_sparse(st, id, m)).map(|(&id, _)| id).collect();
         for id in victims {
             if !st.segs.contains_key(&id) {
                 continue;
@@ -1586,12 +1379,7 @@ impl<B: Backend> SegmentLog<B> {
 
     /// Copy the live records and needed tombstones of segment `id` to the active segment.
     fn relocate_segment(&self, st: &mut WriterState<B::File>, id: u32) -> Result<(u64, u64)> {
-        let file = match self
-            .files
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&id)
-        {
+        let file = match self.files.read().unwrap_or_else(|p| p.into_inner()).get(&id) {
             Some(f) => f.clone(),
             None => return Ok((0, 0)),
         };
@@ -1603,12 +1391,9 @@ impl<B: Backend> SegmentLog<B> {
                 .into_iter()
                 .map(|e| {
                     let keep = if e.flags & format::FLAG_TOMBSTONE != 0 {
-                        !index.contains_key(e.key.as_slice())
-                            && st.segs.range(e.aux..id).next().is_some()
+                        !index.contains_key(e.key.as_slice()) && st.segs.range(e.aux..id).next().is_some()
                     } else {
-                        index
-                            .get(e.key.as_slice())
-                            .is_some_and(|l| l.segment == id && l.offset == e.offset)
+                        index.get(e.key.as_slice()).is_some_and(|l| l.segment == id && l.offset == e.offset)
                     };
                     (e, keep)
                 })
@@ -1639,19 +1424,11 @@ impl<B: Backend> SegmentLog<B> {
             if !keep {
                 continue;
             }
-            let loc = Location {
-                segment: id,
-                first_segment: id,
-                offset: e.offset,
-                len: e.record_len,
-            };
+            let loc = Location { segment: id, first_segment: id, offset: e.offset, len: e.record_len };
             let raw = self.read_record_bytes(&file, loc)?;
             if let Err(err) = format::decode_record(&raw) {
                 // A damaged record stays where it is (its segment is kept) and is reported.
-                log::warn!(
-                    "compaction leaves damaged record in place: {}",
-                    err.at(id, e.offset)
-                );
+                log::warn!("compaction leaves damaged record in place: {}", err.at(id, e.offset));
                 continue;
             }
             moved += 1;
@@ -1686,12 +1463,9 @@ impl<B: Backend> SegmentLog<B> {
         for (&id, m) in &st.segs {
             s.segments += 1;
             s.sealed_segments += m.sealed as u64;
+            s.records += m.records;
             s.live_records += m.live_records;
-            let tomb = if Self::tombstones_needed(&st, id) {
-                m.tombstone_bytes
-            } else {
-                0
-            };
+            let tomb = if Self::tombstones_needed(&st, id) { m.tombstone_bytes } else { 0 };
             s.live_bytes += m.live_bytes + tomb;
             let used = m.data_end - m.data_start;
             s.used_bytes += used;
@@ -1711,12 +1485,7 @@ impl<B: Backend> SegmentLog<B> {
             .recovery
             .corrupt
             .iter()
-            .map(|(s, o, r)| VerifyProblem {
-                segment: *s,
-                offset: *o,
-                key: None,
-                error: r.clone(),
-            })
+            .map(|(s, o, r)| VerifyProblem { segment: *s, offset: *o, key: None, error: r.clone() })
             .collect();
         let ids: Vec<(u32, Arc<B::File>)> = {
             let files = self.files.read().unwrap_or_else(|p| p.into_inner());
@@ -1729,22 +1498,12 @@ impl<B: Backend> SegmentLog<B> {
             let scan = match self.load_segment(id, &file, &mut report) {
                 Ok(s) => s,
                 Err(e) => {
-                    problems.push(VerifyProblem {
-                        segment: id,
-                        offset: 0,
-                        key: None,
-                        error: e.to_string(),
-                    });
+                    problems.push(VerifyProblem { segment: id, offset: 0, key: None, error: e.to_string() });
                     continue;
                 }
             };
             for e in scan.entries {
-                let loc = Location {
-                    segment: id,
-                    first_segment: id,
-                    offset: e.offset,
-                    len: e.record_len,
-                };
+                let loc = Location { segment: id, first_segment: id, offset: e.offset, len: e.record_len };
                 let err = match self.read_record_bytes(&file, loc) {
                     Ok(raw) => match format::decode_record(&raw) {
                         Ok(r) if r.key == e.key.as_slice() && r.header.seq == e.seq => None,
@@ -1794,31 +1553,18 @@ struct ScanWindow<'a, B: Backend> {
 impl<'a, B: Backend> ScanWindow<'a, B> {
     fn new(log: &'a SegmentLog<B>, file: &'a B::File, path: &'a Path, size: u64) -> Self {
         let limit = size.saturating_sub(format::TRAILER_LEN as u64);
-        ScanWindow {
-            log,
-            file,
-            path,
-            size,
-            limit,
-            start: 0,
-            buf: None,
-        }
+        ScanWindow { log, file, path, size, limit, start: 0, buf: None }
     }
 
     /// `len` bytes at `off` (must be within `limit`).
     fn bytes(&mut self, off: u64, len: u64) -> Result<&[u8]> {
-        let have = self
-            .buf
-            .as_ref()
-            .is_some_and(|b| off >= self.start && off + len <= self.start + b.len() as u64);
+        let have = self.buf.as_ref().is_some_and(|b| off >= self.start && off + len <= self.start + b.len() as u64);
         if !have {
             let align = self.log.align;
             let start = align_down(off, align);
             let need_end = align_up(off + len, align);
             let end = (start + SCAN_WINDOW as u64).min(self.size).max(need_end);
-            let buf = self
-                .log
-                .read_aligned(self.file, start, (end - start) as usize, self.path)?;
+            let buf = self.log.read_aligned(self.file, start, (end - start) as usize, self.path)?;
             self.start = start;
             self.buf = Some(buf);
         }
@@ -1874,10 +1620,7 @@ mod tests {
     use crate::backend::SimBackend;
 
     fn opts() -> LogOptions {
-        LogOptions {
-            segment_bytes: 64 * 1024,
-            ..Default::default()
-        }
+        LogOptions { segment_bytes: 64 * 1024, ..Default::default() }
     }
 
     #[test]
@@ -1885,11 +1628,7 @@ mod tests {
         let be = SimBackend::new();
         let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
         log.put(b"a", &Frames::from(b"one".to_vec())).unwrap();
-        log.put(
-            b"b",
-            &Frames(vec![Bytes::from_static(b"x"), Bytes::from_static(b"yz")]),
-        )
-        .unwrap();
+        log.put(b"b", &Frames(vec![Bytes::from_static(b"x"), Bytes::from_static(b"yz")])).unwrap();
         log.put(b"a", &Frames::from(b"two".to_vec())).unwrap();
         assert!(log.delete(b"b").unwrap());
         assert!(!log.delete(b"nope").unwrap());

@@ -1,1 +1,77 @@
-//! Integration test helpers.
+//! Helpers shared by the integration tests: deterministic values and small process utilities.
+
+use bytes::Bytes;
+use spillway::Frames;
+
+/// A deterministic pseudo-random generator (xorshift64*), so a child process and its parent can agree
+/// on a value's bytes from its key alone.
+pub struct Rng(u64);
+
+impl Rng {
+    /// Seeded generator (a zero seed is replaced).
+    pub fn new(seed: u64) -> Self {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    /// Next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    /// Uniform in `0..n` (n > 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+}
+
+fn seed_of(key: &[u8]) -> u64 {
+    key.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
+}
+
+/// `size` deterministic bytes derived from `key` (mixed runs of text and noise, so lz4 has work to do).
+pub fn value_for(key: &[u8], size: usize) -> Vec<u8> {
+    let mut rng = Rng::new(seed_of(key) ^ size as u64);
+    let mut v = Vec::with_capacity(size);
+    while v.len() < size {
+        let x = rng.next_u64();
+        if x % 4 == 0 {
+            v.extend_from_slice(&[b'a' + (x >> 8) as u8 % 26; 16]);
+        } else {
+            v.extend_from_slice(&x.to_le_bytes());
+        }
+    }
+    v.truncate(size);
+    v
+}
+
+/// The value of [`value_for`] cut into 1 to 3 frames (deterministically), as a codec would produce.
+pub fn frames_for(key: &[u8], size: usize) -> Frames {
+    let v = Bytes::from(value_for(key, size));
+    let n = 1 + (seed_of(key) % 3) as usize;
+    let mut frames = Vec::with_capacity(n);
+    let mut at = 0;
+    for i in 0..n {
+        let end = if i + 1 == n { size } else { (at + size / n).min(size) };
+        frames.push(v.slice(at..end));
+        at = end;
+    }
+    Frames(frames)
+}
+
+/// When this process was started by [`run_child`], the value of the child's argument.
+pub fn child_arg() -> Option<String> {
+    std::env::var("SPILLWAY_TEST_CHILD").ok()
+}
+
+/// Re-run the current test binary, running only test `name`, with `arg` passed through the
+/// environment (see [`child_arg`]). Returns the child's status and stdout.
+pub fn run_child(name: &str, arg: &str) -> (std::process::ExitStatus, String) {
+    let exe = std::env::current_exe().expect("test binary path");
+    let out = std::process::Command::new(exe)
+        .args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .env("SPILLWAY_TEST_CHILD", arg)
+        .output()
+        .expect("spawn child test process");
+    (out.status, String::from_utf8_lossy(&out.stdout).into_owned())
+}

@@ -84,8 +84,6 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Many reads at once; backends with a submission queue submit them together.
     fn read_many(&self, reqs: Vec<ReadReq<'_, Self::File>>) -> Vec<BufResult> {
-        reqs.into_iter()
-            .map(|r| self.read_at(r.file, r.offset, r.buf))
-            .collect()
+        reqs.into_iter().map(|r| self.read_at(r.file, r.offset, r.buf)).collect()
     }
 }

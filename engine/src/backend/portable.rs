@@ -57,10 +57,7 @@ impl Backend for PortableBackend {
         }
         let f = o.open(path)?;
         if !f.metadata()?.is_file() {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "not a regular file",
-            ));
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "not a regular file"));
         }
         Ok(f)
     }
@@ -108,21 +105,14 @@ impl Backend for PortableBackend {
     }
 
     fn lock_dir(&self, dir: &Path) -> io::Result<DirLock> {
-        let f = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(dir.join("LOCK"))?;
+        let f = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(dir.join("LOCK"))?;
         rustix::fs::flock(&f, FlockOperation::NonBlockingLockExclusive).map_err(io::Error::from)?;
         Ok(Box::new(f))
     }
 
     fn alignment(&self, dir: &Path) -> usize {
         // STATX_DIOALIGN is reported for regular files: ask about the lock file when it exists.
-        dio_alignment(&dir.join("LOCK"))
-            .or_else(|| dio_alignment(dir))
-            .unwrap_or(DEFAULT_ALIGN)
+        dio_alignment(&dir.join("LOCK")).or_else(|| dio_alignment(dir)).unwrap_or(DEFAULT_ALIGN)
     }
 }
 

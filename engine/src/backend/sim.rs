@@ -168,11 +168,7 @@ impl SimBackend {
 
     /// Schedule a fault.
     pub fn inject(&self, fault: Fault) {
-        self.lock().faults.push(FaultState {
-            fault,
-            remaining: fault.after,
-            fired: false,
-        });
+        self.lock().faults.push(FaultState { fault, remaining: fault.after, fired: false });
     }
 
     /// Remove every scheduled or sticky fault.
@@ -284,10 +280,7 @@ impl SimBackend {
     /// Overwrite bytes of a file directly, durable at once (test helper: bit flips, garbage).
     pub fn poke(&self, path: &Path, offset: u64, bytes: &[u8]) -> io::Result<()> {
         let st = self.lock();
-        let inode = st
-            .names
-            .get(path)
-            .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
+        let inode = st.names.get(path).ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
         let mut guard = inode.lock();
         let d = &mut *guard;
         let end = offset as usize + bytes.len();
@@ -303,10 +296,7 @@ impl SimBackend {
     /// Truncate a file, durable at once (test helper).
     pub fn truncate(&self, path: &Path, len: u64) -> io::Result<()> {
         let st = self.lock();
-        let inode = st
-            .names
-            .get(path)
-            .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
+        let inode = st.names.get(path).ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
         let mut d = inode.lock();
         d.cur.truncate(len as usize);
         d.durable.truncate(len as usize);
@@ -344,10 +334,7 @@ impl Backend for SimBackend {
         let mut p = Some(path);
         while let Some(d) = p {
             if st.names.contains_key(d) {
-                return Err(io::Error::new(
-                    io::ErrorKind::AlreadyExists,
-                    "a file is in the way",
-                ));
+                return Err(io::Error::new(io::ErrorKind::AlreadyExists, "a file is in the way"));
             }
             st.dirs.insert(d.to_path_buf());
             p = d.parent().filter(|x| !x.as_os_str().is_empty());
@@ -381,10 +368,7 @@ impl Backend for SimBackend {
         }
         let mut st = self.lock();
         if st.dirs.contains(path) {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "not a regular file",
-            ));
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "not a regular file"));
         }
         match (st.names.get(path), create) {
             (Some(_), true) => Err(io::Error::from(io::ErrorKind::AlreadyExists)),
@@ -407,10 +391,7 @@ impl Backend for SimBackend {
             return Err(Self::fault_error(kind));
         }
         let mut st = self.lock();
-        st.names
-            .remove(path)
-            .map(|_| ())
-            .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))
+        st.names.remove(path).map(|_| ()).ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))
     }
 
     fn sync_dir(&self, path: &Path) -> io::Result<()> {
@@ -485,11 +466,7 @@ impl Backend for SimBackend {
             return Err(Self::fault_error(kind));
         }
         let mut guard = file.inode.lock();
-        let InodeData {
-            cur,
-            durable,
-            pending,
-        } = &mut *guard;
+        let InodeData { cur, durable, pending } = &mut *guard;
         for (off, bytes) in pending.drain(..) {
             let end = off as usize + bytes.len();
             if durable.len() < end {
@@ -507,10 +484,7 @@ impl Backend for SimBackend {
         if !st.locks.insert(dir.to_path_buf()) {
             return Err(io::Error::from(io::ErrorKind::WouldBlock));
         }
-        Ok(Box::new(SimLock {
-            state: self.state.clone(),
-            dir: dir.to_path_buf(),
-        }))
+        Ok(Box::new(SimLock { state: self.state.clone(), dir: dir.to_path_buf() }))
     }
 
     fn alignment(&self, _dir: &Path) -> usize {
