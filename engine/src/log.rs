@@ -216,6 +216,8 @@ struct WriterState<F> {
     compact_pending: bool,
     /// Compaction is running (its own appends must not start another).
     compacting: bool,
+    /// Sealed segments whose footer and trailer are not yet fdatasync'ed (done by the next `sync`).
+    unsynced_sealed: Vec<Arc<F>>,
 }
 
 /// A record ready to be appended.
@@ -359,6 +361,7 @@ impl<B: Backend> SegmentLog<B> {
                 dir_dirty: false,
                 compact_pending: false,
                 compacting: false,
+                unsynced_sealed: Vec::new(),
             }),
             poisoned: OnceLock::new(),
             recovery: RecoveryReport::default(),
@@ -1314,6 +1317,7 @@ impl<B: Backend> SegmentLog<B> {
         }
         let m = st.segs.get_mut(&a.id).expect("active has metadata");
         m.sealed = true;
+        st.unsynced_sealed.push(a.file);
         Ok(())
     }
 
@@ -1323,6 +1327,11 @@ impl<B: Backend> SegmentLog<B> {
         self.check_writable()?;
         let mut st = lock(&self.state);
         self.sync_active(&mut st)?;
+        for f in std::mem::take(&mut st.unsynced_sealed) {
+            if let Err(e) = self.backend.sync_data(&f) {
+                return Err(self.poison(Error::io("fdatasync", self.seg_dir.clone(), e)));
+            }
+        }
         self.sync_dir_if_dirty(&mut st)
     }
 
@@ -1358,8 +1367,8 @@ impl<B: Backend> SegmentLog<B> {
     fn compact_inner(&self, st: &mut WriterState<B::File>) -> Result<CompactStats> {
         let mut stats = CompactStats::default();
         let before: u64 = st.segs.values().map(|m| m.size).sum();
-        let deleted = self.collect_garbage(st)?;
-        stats.segments_deleted += deleted;
+        let before_ids: Vec<u32> = st.segs.keys().copied().collect();
+        self.collect_garbage(st)?;
         let victims: Vec<u32> =
             st.segs.iter().filter(|(&id, m)| m.sealed && self.is_sparse(st, id, m)).map(|(&id, _)| id).collect();
         for id in victims {
@@ -1370,8 +1379,10 @@ impl<B: Backend> SegmentLog<B> {
             stats.records_moved += moved;
             stats.bytes_moved += bytes;
             stats.segments_compacted += 1;
-            stats.segments_deleted += self.collect_garbage(st)?;
+            self.collect_garbage(st)?;
         }
+        // Deletions also happen inside appends (a relocation can empty a segment): count by difference.
+        stats.segments_deleted = before_ids.iter().filter(|id| !st.segs.contains_key(id)).count() as u64;
         let after: u64 = st.segs.values().map(|m| m.size).sum();
         stats.bytes_freed = before.saturating_sub(after);
         Ok(stats)

@@ -1,0 +1,135 @@
+//! Deletes, overwrites and garbage collection across reopen.
+
+use std::collections::BTreeMap;
+
+use spillway::{Frames, LogOptions, PortableBackend, SegmentLog, SimBackend};
+use spillway_tests::{frames_for, Rng};
+
+const SEG: u64 = 64 * 1024;
+
+fn opts() -> LogOptions {
+    LogOptions { segment_bytes: SEG, auto_compact: false, ..Default::default() }
+}
+
+#[test]
+fn deleted_keys_stay_deleted_and_overwrites_keep_the_newest() {
+    let tmp = tempfile::tempdir().unwrap();
+    {
+        let log = SegmentLog::open(PortableBackend::new(), tmp.path(), opts()).unwrap();
+        // `old` lives in the first segment, which stays alive because `pinned` is next to it.
+        log.put(b"old", &Frames::from(b"v1".to_vec())).unwrap();
+        log.put(b"pinned", &Frames::from(b"p".to_vec())).unwrap();
+        for i in 0..200 {
+            let k = format!("filler-{i}").into_bytes();
+            log.put(&k, &frames_for(&k, 1000)).unwrap();
+        }
+        // Overwrite several times across segments, then delete `old` from a later segment.
+        for v in 2..6u8 {
+            log.put(b"over", &Frames::from(vec![v; 3000])).unwrap();
+            for i in 0..20 {
+                log.put(format!("more-{v}-{i}").as_bytes(), &Frames::from(vec![0u8; 1000])).unwrap();
+            }
+        }
+        assert!(log.delete(b"old").unwrap());
+        assert!(log.location(b"pinned").unwrap().segment < log.location(b"over").unwrap().segment);
+    }
+    let log = SegmentLog::open(PortableBackend::new(), tmp.path(), opts()).unwrap();
+    assert_eq!(log.get(b"old").unwrap(), None, "a deleted key came back after reopen");
+    assert_eq!(log.get(b"over").unwrap().unwrap().concat(), vec![5u8; 3000]);
+    assert_eq!(log.get(b"pinned").unwrap().unwrap().concat(), &b"p"[..]);
+    // Compaction must carry the needed tombstone along: `old` stays deleted after compact + reopen.
+    for i in 0..200 {
+        log.delete(format!("filler-{i}").as_bytes()).unwrap();
+    }
+    log.compact().unwrap();
+    drop(log);
+    let log = SegmentLog::open(PortableBackend::new(), tmp.path(), opts()).unwrap();
+    assert_eq!(log.get(b"old").unwrap(), None, "a deleted key came back after compaction");
+    assert_eq!(log.get(b"pinned").unwrap().unwrap().concat(), &b"p"[..]);
+}
+
+#[test]
+fn a_segment_with_nothing_live_is_deleted() {
+    let be = SimBackend::new();
+    let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
+    for i in 0..100 {
+        log.put(format!("a-{i}").as_bytes(), &Frames::from(vec![1u8; 2000])).unwrap();
+    }
+    let first = log.location(b"a-0").unwrap().segment;
+    let first_path = std::path::Path::new("/s/segments").join(format!("{first:08x}.seg"));
+    assert!(be.files().contains(&first_path));
+    let in_first: Vec<String> =
+        (0..100).map(|i| format!("a-{i}")).filter(|k| log.location(k.as_bytes()).unwrap().segment == first).collect();
+    for k in &in_first {
+        log.delete(k.as_bytes()).unwrap();
+    }
+    assert!(!be.files().contains(&first_path), "an all-dead segment must be deleted");
+    drop(log);
+    let log = SegmentLog::open(be, "/s", opts()).unwrap();
+    for i in 0..100 {
+        let k = format!("a-{i}");
+        assert_eq!(log.get(k.as_bytes()).unwrap().is_some(), !in_first.contains(&k));
+    }
+}
+
+/// The documented bound (docs/architecture.md): after `compact`, every sealed segment is at least half
+/// live, so disk bytes <= 2 * live bytes + one active segment.
+#[test]
+fn compaction_brings_disk_use_within_the_documented_bound() {
+    let tmp = tempfile::tempdir().unwrap();
+    let log = SegmentLog::open(PortableBackend::new(), tmp.path(), opts()).unwrap();
+    let mut rng = Rng::new(5);
+    let mut live: BTreeMap<Vec<u8>, usize> = BTreeMap::new();
+    for i in 0..3000 {
+        let k = format!("k-{i}").into_bytes();
+        let s = 200 + rng.below(3000) as usize;
+        log.put(&k, &frames_for(&k, s)).unwrap();
+        live.insert(k, s);
+    }
+    let full = log.stats();
+    let keys: Vec<Vec<u8>> = live.keys().cloned().collect();
+    for k in keys {
+        if rng.below(10) != 0 {
+            assert!(log.delete(&k).unwrap());
+            live.remove(&k);
+        }
+    }
+    let c = log.compact().unwrap();
+    let s = log.stats();
+    assert!(c.segments_deleted > 0 && c.bytes_freed > 0, "{c:?}");
+    assert!(s.disk_bytes <= 2 * s.live_bytes + SEG, "disk {} > 2 * live {} + {SEG}: {s:?}", s.disk_bytes, s.live_bytes);
+    assert!(s.disk_bytes < full.disk_bytes / 3, "disk use must drop: before {full:?}, after {s:?}");
+    let on_disk: u64 = std::fs::read_dir(tmp.path().join("segments"))
+        .unwrap()
+        .map(|e| e.unwrap().metadata().unwrap().len())
+        .sum();
+    assert_eq!(on_disk, s.disk_bytes, "stats must match the files");
+    for (k, sz) in &live {
+        assert_eq!(log.get(k).unwrap(), Some(frames_for(k, *sz)));
+    }
+    drop(log);
+    let log = SegmentLog::open(PortableBackend::new(), tmp.path(), opts()).unwrap();
+    assert_eq!(log.len(), live.len());
+    for (k, sz) in &live {
+        assert_eq!(log.get(k).unwrap(), Some(frames_for(k, *sz)));
+    }
+    assert!(log.verify().unwrap().is_empty());
+}
+
+#[test]
+fn automatic_compaction_keeps_a_churning_store_bounded() {
+    let be = SimBackend::new();
+    let log = SegmentLog::open(be, "/s", LogOptions { auto_compact: true, ..opts() }).unwrap();
+    let mut rng = Rng::new(1);
+    // A spill-like workload: keys come and go; only ~50 are live at a time.
+    for i in 0..5000u64 {
+        let k = format!("k-{i}");
+        log.put(k.as_bytes(), &Frames::from(vec![3u8; 1000 + rng.below(1000) as usize])).unwrap();
+        if i >= 50 {
+            log.delete(format!("k-{}", i - 50).as_bytes()).unwrap();
+        }
+    }
+    let s = log.stats();
+    assert_eq!(s.live_records, 50);
+    assert!(s.disk_bytes <= 2 * s.live_bytes + 2 * SEG, "{s:?}");
+}
