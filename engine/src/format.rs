@@ -22,7 +22,7 @@
 //!  off size field
 //!    0   4  magic        "SPRC"
 //!    4   1  version      1
-//!    5   1  flags        bit0 LZ4 payload, bit1 TOMBSTONE; other bits zero
+//!    5   1  flags        bit0 LZ4 payload, bit1 TOMBSTONE, bit2 SYNC_MARK; other bits zero
 //!    6   2  frame_count  number of frames in the value
 //!    8   4  key_len
 //!   12   4  segment      id of the segment this copy of the record lives in
@@ -78,7 +78,11 @@ const SEGMENT_MAGIC: [u8; 8] = *b"SPILLSEG";
 pub const FLAG_LZ4: u8 = 1;
 /// Record flag: the record deletes its key.
 pub const FLAG_TOMBSTONE: u8 = 2;
-const KNOWN_FLAGS: u8 = FLAG_LZ4 | FLAG_TOMBSTONE;
+/// Record flag: a sync mark, written by `sync()` just before the fdatasync. It has no key and no
+/// payload and is never indexed; it proves to recovery that the records before it were complete, so
+/// damage to them is corruption to report, not a torn tail to cut.
+pub const FLAG_SYNC_MARK: u8 = 4;
+const KNOWN_FLAGS: u8 = FLAG_LZ4 | FLAG_TOMBSTONE | FLAG_SYNC_MARK;
 
 const _: () = assert!(RECORD_HEADER_LEN as u64 % RECORD_ALIGN == 0);
 const _: () = assert!(FOOTER_ENTRY_FIXED_LEN as u64 % RECORD_ALIGN == 0);
@@ -202,6 +206,10 @@ impl RecordHeader {
     pub fn is_tombstone(&self) -> bool {
         self.flags & FLAG_TOMBSTONE != 0
     }
+    /// True for a sync mark.
+    pub fn is_sync_mark(&self) -> bool {
+        self.flags & FLAG_SYNC_MARK != 0
+    }
     /// True when the payload is lz4-compressed.
     pub fn is_lz4(&self) -> bool {
         self.flags & FLAG_LZ4 != 0
@@ -289,8 +297,11 @@ pub fn peek_record_header(b: &[u8]) -> Result<RecordHeader, DecodeError> {
     if h.stored_len > (1u64 << 48) || h.raw_len > (1u64 << 48) {
         return Err(DecodeError::Invalid("payload length out of range"));
     }
-    if h.is_tombstone() && (h.frame_count != 0 || h.stored_len != 0 || h.raw_len != 0) {
-        return Err(DecodeError::Invalid("tombstone with a payload"));
+    if (h.is_tombstone() || h.is_sync_mark()) && (h.frame_count != 0 || h.stored_len != 0 || h.raw_len != 0) {
+        return Err(DecodeError::Invalid("tombstone or sync mark with a payload"));
+    }
+    if h.is_sync_mark() && (h.key_len != 0 || h.flags != FLAG_SYNC_MARK) {
+        return Err(DecodeError::Invalid("sync mark with a key or other flags"));
     }
     if !h.is_lz4() && h.raw_len != h.stored_len {
         return Err(DecodeError::Invalid("uncompressed record with raw_len != stored_len"));

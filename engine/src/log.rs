@@ -203,6 +203,8 @@ struct Active<F> {
     max_epoch: u32,
     /// Written since the last fdatasync.
     dirty: bool,
+    /// The last record written is a sync mark (another one would prove nothing new).
+    last_is_mark: bool,
 }
 
 struct WriterState<F> {
@@ -230,6 +232,8 @@ enum NewRecord<'a> {
         key: &'a [u8],
         aux: u32,
     },
+    /// Written by `sync` before the fdatasync (see [`format::FLAG_SYNC_MARK`]).
+    SyncMark,
     /// A verified record copied from another segment (compaction): bytes and parsed header.
     Relocated {
         bytes: &'a [u8],
@@ -242,6 +246,7 @@ impl NewRecord<'_> {
     fn key(&self) -> &[u8] {
         match self {
             NewRecord::Value { key, .. } | NewRecord::Tombstone { key, .. } | NewRecord::Relocated { key, .. } => key,
+            NewRecord::SyncMark => &[],
         }
     }
 }
@@ -517,6 +522,7 @@ impl<B: Backend> SegmentLog<B> {
                     footer_entries: scan.entries.len() as u64,
                     max_epoch: scan.max_epoch,
                     dirty: false,
+                    last_is_mark: false,
                 });
             }
         }
@@ -683,6 +689,7 @@ impl<B: Backend> SegmentLog<B> {
             corrupt.retain(|c| c.1 != e.offset);
         }
         report.corrupt.extend(corrupt);
+        entries.retain(|e| e.flags & format::FLAG_SYNC_MARK == 0);
         let mut meta = SegMeta::new(size, data_start);
         meta.data_end = pos;
         meta.records = entries.len() as u64;
@@ -918,7 +925,7 @@ impl<B: Backend> SegmentLog<B> {
     fn prepare<'a>(&self, rec: NewRecord<'a>) -> Prepared<'a> {
         let key_len = rec.key().len();
         let (payload, frame_count, stored) = match &rec {
-            NewRecord::Tombstone { .. } => (Payload::Empty, 0, 0),
+            NewRecord::Tombstone { .. } | NewRecord::SyncMark => (Payload::Empty, 0, 0),
             NewRecord::Relocated { bytes, .. } => {
                 let bytes: &'a [u8] = bytes;
                 return Prepared { len: bytes.len() as u64, payload: Payload::Relocated(bytes), rec };
@@ -1028,6 +1035,7 @@ impl<B: Backend> SegmentLog<B> {
                     let key = rec.key();
                     let (flags, aux, frame_lens, raw_len): (u8, u32, Vec<u64>, u64) = match (rec, payload) {
                         (NewRecord::Tombstone { aux, .. }, _) => (format::FLAG_TOMBSTONE, *aux, Vec::new(), 0),
+                        (NewRecord::SyncMark, _) => (format::FLAG_SYNC_MARK, 0, Vec::new(), 0),
                         (NewRecord::Value { frames, .. }, Payload::Compressed(_)) => {
                             (format::FLAG_LZ4, 0, frames.iter().map(|f| f.len() as u64).collect(), frames.total_len())
                         }
@@ -1076,6 +1084,7 @@ impl<B: Backend> SegmentLog<B> {
             return Err(self.poison(Error::io("write segment", self.seg_path(a.id), e)));
         }
         a.dirty = true;
+        a.last_is_mark = chunk.last().is_some_and(|p| matches!(p.rec, NewRecord::SyncMark));
         let tail_start = align_down(end, self.align);
         a.tail = buf[(tail_start - base) as usize..(end - base) as usize].to_vec();
         a.data_end = end;
@@ -1083,15 +1092,11 @@ impl<B: Backend> SegmentLog<B> {
         let id = a.id;
         for (p, &(offset, len, seq)) in chunk.iter().zip(&placed) {
             let key = p.rec.key();
-            let aux = match &p.rec {
-                NewRecord::Tombstone { aux, .. } => *aux,
-                NewRecord::Relocated { header, .. } => header.aux,
-                NewRecord::Value { .. } => 0,
-            };
-            let flags = match &p.rec {
-                NewRecord::Tombstone { .. } => format::FLAG_TOMBSTONE,
-                NewRecord::Relocated { header, .. } => header.flags & format::FLAG_TOMBSTONE,
-                NewRecord::Value { .. } => 0,
+            let (flags, aux) = match &p.rec {
+                NewRecord::Tombstone { aux, .. } => (format::FLAG_TOMBSTONE, *aux),
+                NewRecord::Relocated { header, .. } => (header.flags & format::FLAG_TOMBSTONE, header.aux),
+                NewRecord::Value { .. } => (0, 0),
+                NewRecord::SyncMark => continue, // not in the footer: it indexes nothing
             };
             format::encode_footer_entry(
                 &mut a.footer,
@@ -1102,7 +1107,7 @@ impl<B: Backend> SegmentLog<B> {
         {
             let m = st.segs.get_mut(&id).expect("active segment has metadata");
             m.data_end = end;
-            m.records += chunk.len() as u64;
+            m.records += chunk.iter().filter(|p| !matches!(p.rec, NewRecord::SyncMark)).count() as u64;
         }
 
         // Publish: update the index and the live accounting.
@@ -1123,6 +1128,7 @@ impl<B: Backend> SegmentLog<B> {
                         m.min_shadow = m.min_shadow.min(*aux);
                         locs.push(Location { segment: id, first_segment: *aux, offset, len });
                     }
+                    NewRecord::SyncMark => locs.push(Location { segment: id, first_segment: id, offset, len }),
                     NewRecord::Relocated { header, .. } if header.is_tombstone() => {
                         let m = st.segs.get_mut(&id).expect("active");
                         m.tombstones += 1;
@@ -1268,6 +1274,7 @@ impl<B: Backend> SegmentLog<B> {
             footer_entries: 0,
             max_epoch: st.epoch,
             dirty: true,
+            last_is_mark: false,
         });
         if sealed_one && self.opts.auto_compact && self.wants_compaction(st) {
             // Run after the caller's records are written, not in the middle of its batch.
@@ -1326,6 +1333,9 @@ impl<B: Backend> SegmentLog<B> {
     pub fn sync(&self) -> Result<()> {
         self.check_writable()?;
         let mut st = lock(&self.state);
+        if st.active.as_ref().is_some_and(|a| a.dirty && !a.last_is_mark) {
+            self.append(&mut st, vec![NewRecord::SyncMark])?;
+        }
         self.sync_active(&mut st)?;
         for f in std::mem::take(&mut st.unsynced_sealed) {
             if let Err(e) = self.backend.sync_data(&f) {
@@ -1537,7 +1547,8 @@ impl<B: Backend> SegmentLog<B> {
                 }
             }
         }
-        problems.sort_by_key(|p| (p.segment, p.offset));
+        // One line per place; prefer the entry that knows the key.
+        problems.sort_by_key(|p| (p.segment, p.offset, p.key.is_none()));
         problems.dedup_by_key(|p| (p.segment, p.offset));
         Ok(problems)
     }

@@ -118,6 +118,8 @@ struct SimState {
     durable_names: BTreeMap<PathBuf, Arc<Inode>>,
     locks: BTreeSet<PathBuf>,
     faults: Vec<FaultState>,
+    /// Faults that fired so far.
+    fired: u64,
     ops: u64,
     align: usize,
 }
@@ -156,6 +158,7 @@ impl SimBackend {
                 durable_names: BTreeMap::new(),
                 locks: BTreeSet::new(),
                 faults: Vec::new(),
+                fired: 0,
                 ops: 0,
                 align,
             })),
@@ -183,29 +186,33 @@ impl SimBackend {
 
     /// Whether any injected fault has fired.
     pub fn fault_fired(&self) -> bool {
-        self.lock().faults.iter().any(|f| f.fired)
+        self.lock().fired > 0
     }
 
     fn check(&self, op: OpKind) -> Option<FaultKind> {
         let mut st = self.lock();
         st.ops += 1;
         let mut hit = None;
+        let mut fired = 0;
         st.faults.retain_mut(|f| {
             if !f.fault.op.matches(op) {
                 return true;
             }
             if f.fired && f.fault.sticky {
                 hit = hit.or(Some(f.fault.kind));
+                fired += 1;
                 return true;
             }
             if f.remaining == 0 {
                 f.fired = true;
                 hit = hit.or(Some(f.fault.kind));
+                fired += 1;
                 return f.fault.sticky;
             }
             f.remaining -= 1;
             true
         });
+        st.fired += fired;
         hit
     }
 
@@ -265,6 +272,7 @@ impl SimBackend {
                 names,
                 locks: BTreeSet::new(),
                 faults: Vec::new(),
+                fired: 0,
                 ops: 0,
                 align: st.align,
             })),

@@ -1,0 +1,138 @@
+//! Fault injection with the simulated backend. A failed write or fdatasync leaves the file in an
+//! unknown state, so the log must refuse further writes (never retry an fsync) while reads go on, and
+//! a reopen must find every record acknowledged before the fault. A failure to *create* a segment
+//! (ENOSPC from fallocate) changed nothing on disk, so it is an error for that call only.
+
+use spillway::backend::{Fault, FaultKind, FaultOp};
+use spillway::{Error, Frames, LogOptions, SegmentLog, SimBackend};
+use spillway_tests::frames_for;
+
+fn opts() -> LogOptions {
+    LogOptions { segment_bytes: 64 * 1024, ..Default::default() }
+}
+
+#[test]
+fn failed_write_poisons_writes_but_not_reads() {
+    for kind in [FaultKind::Eio, FaultKind::TornWrite, FaultKind::Enospc] {
+        let be = SimBackend::new();
+        let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
+        for i in 0..10 {
+            let k = format!("k{i}");
+            log.put(k.as_bytes(), &frames_for(k.as_bytes(), 3000)).unwrap();
+        }
+        be.inject(Fault { op: FaultOp::Write, after: 0, kind, sticky: false });
+        let err = log.put(b"doomed", &Frames::from(vec![1u8; 100])).unwrap_err();
+        assert!(matches!(err, Error::Io { .. }), "{kind:?}: {err}");
+        assert!(be.fault_fired());
+        // The fault is gone, but the log stays read-only: the file's state after a failed write is unknown.
+        let err = log.put(b"after", &Frames::from(vec![1u8; 100])).unwrap_err();
+        assert!(matches!(err, Error::Poisoned { .. }), "{kind:?}: {err}");
+        assert!(matches!(log.sync(), Err(Error::Poisoned { .. })));
+        for i in 0..10 {
+            let k = format!("k{i}");
+            assert_eq!(log.get(k.as_bytes()).unwrap(), Some(frames_for(k.as_bytes(), 3000)));
+        }
+        assert_eq!(log.get(b"doomed").unwrap(), None);
+        drop(log);
+        let log = SegmentLog::open(be, "/s", opts()).unwrap();
+        for i in 0..10 {
+            let k = format!("k{i}");
+            assert_eq!(log.get(k.as_bytes()).unwrap(), Some(frames_for(k.as_bytes(), 3000)));
+        }
+        assert_eq!(log.get(b"doomed").unwrap(), None, "{kind:?}: a failed put must not appear");
+        log.put(b"after", &Frames::from(vec![1u8; 100])).unwrap();
+    }
+}
+
+#[test]
+fn failed_fsync_poisons() {
+    let be = SimBackend::new();
+    let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
+    log.put(b"a", &Frames::from(vec![1u8; 100])).unwrap();
+    be.inject(Fault { op: FaultOp::Sync, after: 0, kind: FaultKind::Eio, sticky: false });
+    assert!(matches!(log.sync(), Err(Error::Io { .. })));
+    assert!(matches!(log.sync(), Err(Error::Poisoned { .. })), "fsync must never be retried");
+    assert!(matches!(log.put(b"b", &Frames::from(vec![1u8; 1])), Err(Error::Poisoned { .. })));
+    assert!(log.get(b"a").unwrap().is_some());
+}
+
+#[test]
+fn enospc_creating_a_segment_is_retryable() {
+    let be = SimBackend::new();
+    let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
+    log.put(b"first", &Frames::from(vec![1u8; 100])).unwrap();
+    be.inject(Fault { op: FaultOp::Allocate, after: 0, kind: FaultKind::Enospc, sticky: true });
+    // Fill the active segment until a new one is needed.
+    let mut failed_at = None;
+    for i in 0..100 {
+        if let Err(e) = log.put(format!("k{i}").as_bytes(), &Frames::from(vec![2u8; 4000])) {
+            assert_eq!(e.io_kind(), Some(std::io::ErrorKind::StorageFull), "{e}");
+            failed_at = Some(i);
+            break;
+        }
+    }
+    let failed_at = failed_at.expect("segment rotation must hit the fault");
+    be.clear_faults();
+    // Space is back: the same put now succeeds, and nothing acknowledged was lost.
+    log.put(format!("k{failed_at}").as_bytes(), &Frames::from(vec![2u8; 4000])).unwrap();
+    log.sync().unwrap();
+    drop(log);
+    let log = SegmentLog::open(be, "/s", opts()).unwrap();
+    for i in 0..=failed_at {
+        assert!(log.get(format!("k{i}").as_bytes()).unwrap().is_some());
+    }
+    assert!(log.get(b"first").unwrap().is_some());
+}
+
+#[test]
+fn failure_at_every_io_step_of_a_workload_never_panics_and_loses_no_synced_record() {
+    fn workload(log: &SegmentLog<SimBackend>, synced: &mut Vec<String>) -> spillway::Result<()> {
+        let mut pending = Vec::new();
+        for i in 0..60 {
+            let k = format!("k{i}");
+            log.put(k.as_bytes(), &frames_for(k.as_bytes(), 2500))?;
+            pending.push(k);
+            if i % 3 == 2 {
+                log.delete(format!("k{}", i - 2).as_bytes())?;
+                pending.retain(|p| *p != format!("k{}", i - 2));
+                synced.retain(|p| *p != format!("k{}", i - 2));
+            }
+            if i % 10 == 9 {
+                log.sync()?;
+                synced.append(&mut pending);
+            }
+        }
+        log.compact()?;
+        log.sync()?;
+        Ok(())
+    }
+    // Count the I/O steps of a clean run, then fail each one in turn.
+    let clean = SimBackend::new();
+    let ops_before = clean.op_count();
+    workload(&SegmentLog::open(clean.clone(), "/s", opts()).unwrap(), &mut Vec::new()).unwrap();
+    let steps = clean.op_count() - ops_before;
+    assert!(steps > 20);
+    for step in 0..steps {
+        for kind in [FaultKind::Eio, FaultKind::Enospc, FaultKind::TornWrite] {
+            let be = SimBackend::new();
+            let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
+            be.inject(Fault { op: FaultOp::Any, after: step, kind, sticky: false });
+            let mut synced = Vec::new();
+            let r = workload(&log, &mut synced);
+            if be.fault_fired() {
+                assert!(r.is_err(), "step {step} {kind:?}: a fault fired but the workload succeeded");
+            }
+            drop(log);
+            // Power cut after the fault: every record synced (and not deleted) before it is readable.
+            let be = be.crash(Some(step));
+            let log = SegmentLog::open(be, "/s", opts()).unwrap_or_else(|e| panic!("step {step}: reopen: {e}"));
+            for k in &synced {
+                assert_eq!(
+                    log.get(k.as_bytes()).unwrap_or_else(|e| panic!("step {step} {kind:?}: {k}: {e}")),
+                    Some(frames_for(k.as_bytes(), 2500)),
+                    "step {step} {kind:?}: synced record {k} lost"
+                );
+            }
+        }
+    }
+}
