@@ -1,1 +1,399 @@
-fn main() {}
+//! `spillway-bench`: a fio-like benchmark of the spillway engine.
+//!
+//! With no arguments it runs the default job set on a temporary directory (sequential write, then
+//! random read of what was written) and prints a short human summary. Options follow fio's names and
+//! typed sizes (`--bs 64KiB`, `--size 1GiB`); `--output-format json` prints fio-shaped JSON
+//! (`jobs[].write.bw_bytes`, `iops`, `clat_ns.percentile`, ...) so fio tooling can read it.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, ValueEnum};
+use hdrhistogram::Histogram;
+use rand::{Rng, SeedableRng};
+use serde_json::json;
+use spillway::units::{format_size, parse_size};
+use spillway::{Compression, Frames, LogOptions, PortableBackend, SegmentLog};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Rw {
+    /// Sequential writes of new keys.
+    Write,
+    /// Reads of every key in write order (keys are written first if the store is empty).
+    Read,
+    /// Reads of random keys.
+    Randread,
+    /// Overwrites of random keys.
+    Randwrite,
+    /// Random mix of reads and overwrites (`--rwmixread` percent reads).
+    Randrw,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum BackendKind {
+    /// Blocking pread/pwrite.
+    Portable,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum CompressArg {
+    None,
+    Lz4,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Payload {
+    /// Incompressible bytes.
+    Random,
+    /// All zeros (maximally compressible).
+    Zeros,
+    /// Text-like bytes (compresses about 2-3x with lz4).
+    Text,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum OutputFormat {
+    Normal,
+    Json,
+}
+
+/// A fio-like benchmark of the spillway segment log.
+#[derive(Parser, Debug)]
+#[command(name = "spillway-bench", version)]
+struct Args {
+    /// Job to run; without it, the default set runs: write, then randread.
+    #[arg(long, value_enum)]
+    rw: Option<Rw>,
+    /// Value (block) size.
+    #[arg(long, value_parser = parse_size, default_value = "64KiB")]
+    bs: u64,
+    /// Total bytes of values per job thread.
+    #[arg(long, value_parser = parse_size, default_value = "256MiB")]
+    size: u64,
+    /// Threads running the job at once.
+    #[arg(long, default_value_t = 1)]
+    numjobs: usize,
+    /// Stop after this many seconds (0 = when `--size` is done).
+    #[arg(long, default_value_t = 0)]
+    runtime: u64,
+    /// With --runtime, loop over the data until the time is up.
+    #[arg(long)]
+    time_based: bool,
+    /// Percentage of reads in randrw.
+    #[arg(long, default_value_t = 50)]
+    rwmixread: u32,
+    /// I/O backend.
+    #[arg(long, value_enum, default_value = "portable")]
+    backend: BackendKind,
+    /// Payload compression in the log.
+    #[arg(long, value_enum, default_value = "none")]
+    compress: CompressArg,
+    /// Value contents.
+    #[arg(long, value_enum, default_value = "random")]
+    payload: Payload,
+    /// Segment file size.
+    #[arg(long, value_parser = parse_size, default_value = "256MiB")]
+    segment_size: u64,
+    /// Directory for the store (default: a new temporary directory, removed afterwards).
+    #[arg(long)]
+    dir: Option<PathBuf>,
+    /// Keep the store directory afterwards.
+    #[arg(long)]
+    keep: bool,
+    /// Output format.
+    #[arg(long, value_enum, default_value = "normal")]
+    output_format: OutputFormat,
+}
+
+/// Latency and volume of one direction (read or write) of a job.
+struct Side {
+    hist: Histogram<u64>,
+    bytes: u64,
+    ops: u64,
+}
+
+impl Side {
+    fn new() -> Self {
+        Side { hist: Histogram::new_with_bounds(1, 60_000_000_000, 3).expect("histogram bounds"), bytes: 0, ops: 0 }
+    }
+    fn record(&mut self, ns: u64, bytes: u64) {
+        self.hist.saturating_record(ns.max(1));
+        self.bytes += bytes;
+        self.ops += 1;
+    }
+    fn merge(&mut self, other: &Side) {
+        self.hist.add(&other.hist).expect("same bounds");
+        self.bytes += other.bytes;
+        self.ops += other.ops;
+    }
+    fn json(&self, runtime: Duration) -> serde_json::Value {
+        let secs = runtime.as_secs_f64().max(1e-9);
+        let pct = |q: f64| if self.ops == 0 { 0 } else { self.hist.value_at_quantile(q) };
+        json!({
+            "io_bytes": self.bytes,
+            "io_kbytes": self.bytes / 1024,
+            "bw_bytes": (self.bytes as f64 / secs) as u64,
+            "bw": (self.bytes as f64 / secs / 1024.0) as u64,
+            "iops": self.ops as f64 / secs,
+            "runtime": runtime.as_millis() as u64,
+            "total_ios": self.ops,
+            "clat_ns": {
+                "min": if self.ops == 0 { 0 } else { self.hist.min() },
+                "max": if self.ops == 0 { 0 } else { self.hist.max() },
+                "mean": if self.ops == 0 { 0.0 } else { self.hist.mean() },
+                "percentile": {
+                    "50.000000": pct(0.50),
+                    "90.000000": pct(0.90),
+                    "99.000000": pct(0.99),
+                    "99.900000": pct(0.999),
+                    "99.990000": pct(0.9999),
+                }
+            }
+        })
+    }
+    fn human(&self, name: &str, runtime: Duration) -> String {
+        let secs = runtime.as_secs_f64().max(1e-9);
+        let q = |x: f64| self.hist.value_at_quantile(x) as f64 / 1000.0;
+        format!(
+            "  {name:<5} {:>10}/s  {:>9.0} IOPS  lat p50 {:.1} us  p99 {:.1} us  p99.9 {:.1} us  max {:.1} us",
+            format_size((self.bytes as f64 / secs) as u64),
+            self.ops as f64 / secs,
+            q(0.5),
+            q(0.99),
+            q(0.999),
+            self.hist.max() as f64 / 1000.0
+        )
+    }
+}
+
+struct JobResult {
+    name: String,
+    read: Side,
+    write: Side,
+    runtime: Duration,
+}
+
+fn make_value(payload: Payload, bs: usize, rng: &mut rand::rngs::SmallRng) -> Frames {
+    let mut v = vec![0u8; bs];
+    match payload {
+        Payload::Zeros => {}
+        Payload::Random => rng.fill(&mut v[..]),
+        Payload::Text => {
+            const WORDS: [&[u8]; 8] =
+                [b"spill ", b"worker ", b"task ", b"memory ", b"disk ", b"frame ", b"segment ", b"value "];
+            let mut at = 0;
+            while at < bs {
+                let w = WORDS[rng.gen_range(0..WORDS.len())];
+                let n = w.len().min(bs - at);
+                v[at..at + n].copy_from_slice(&w[..n]);
+                at += n;
+            }
+        }
+    }
+    Frames::from(v)
+}
+
+fn key(job: usize, i: u64) -> Vec<u8> {
+    format!("j{job:03}-k{i:012}").into_bytes()
+}
+
+/// Run `rw` on `numjobs` threads, each over its own key range.
+fn run_job(log: &Arc<SegmentLog>, args: &Args, rw: Rw, progress: bool) -> Result<JobResult> {
+    let nkeys = (args.size / args.bs).max(1);
+    let deadline = (args.runtime > 0).then(|| Instant::now() + Duration::from_secs(args.runtime));
+    let done_bytes = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let reporter = progress.then(|| {
+        let done = done_bytes.clone();
+        std::thread::spawn(move || {
+            let mut last = Instant::now();
+            loop {
+                std::thread::sleep(Duration::from_millis(200));
+                let d = done.load(Ordering::Relaxed);
+                if d == u64::MAX {
+                    break;
+                }
+                if start.elapsed() > Duration::from_secs(3) && last.elapsed() >= Duration::from_secs(1) {
+                    last = Instant::now();
+                    let rate = d as f64 / start.elapsed().as_secs_f64();
+                    eprint!(
+                        "\r  {:?}: {} done, {}/s, {:.0}s   ",
+                        rw,
+                        format_size(d),
+                        format_size(rate as u64),
+                        start.elapsed().as_secs_f64()
+                    );
+                }
+            }
+        })
+    });
+    let results: Vec<Result<(Side, Side)>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..args.numjobs)
+            .map(|job| {
+                let log = log.clone();
+                let done = done_bytes.clone();
+                s.spawn(move || -> Result<(Side, Side)> {
+                    let mut rng = rand::rngs::SmallRng::seed_from_u64(job as u64 + 1);
+                    let value = make_value(args.payload, args.bs as usize, &mut rng);
+                    let (mut r, mut w) = (Side::new(), Side::new());
+                    let mut i = 0u64;
+                    loop {
+                        if i >= nkeys && !(args.time_based && deadline.is_some()) {
+                            break;
+                        }
+                        if deadline.is_some_and(|d| Instant::now() >= d) {
+                            break;
+                        }
+                        let seq_i = i % nkeys;
+                        let is_read = match rw {
+                            Rw::Write | Rw::Randwrite => false,
+                            Rw::Read | Rw::Randread => true,
+                            Rw::Randrw => rng.gen_range(0..100) < args.rwmixread,
+                        };
+                        let k = match rw {
+                            Rw::Write | Rw::Read => key(job, seq_i),
+                            _ => key(job, rng.gen_range(0..nkeys)),
+                        };
+                        let t = Instant::now();
+                        if is_read {
+                            let v = log.get(&k)?.with_context(|| format!("key {} missing", String::from_utf8_lossy(&k)))?;
+                            r.record(t.elapsed().as_nanos() as u64, v.total_len());
+                        } else {
+                            log.put(&k, &value)?;
+                            w.record(t.elapsed().as_nanos() as u64, args.bs);
+                        }
+                        done.fetch_add(args.bs, Ordering::Relaxed);
+                        i += 1;
+                    }
+                    Ok((r, w))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("job thread panicked")).collect()
+    });
+    let runtime = start.elapsed();
+    done_bytes.store(u64::MAX, Ordering::Relaxed);
+    if let Some(h) = reporter {
+        let _ = h.join();
+        if runtime > Duration::from_secs(3) {
+            eprintln!();
+        }
+    }
+    let (mut read, mut write) = (Side::new(), Side::new());
+    for r in results {
+        let (rr, ww) = r?;
+        read.merge(&rr);
+        write.merge(&ww);
+    }
+    Ok(JobResult { name: format!("{rw:?}").to_lowercase(), read, write, runtime })
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    if args.bs == 0 || args.size == 0 || args.numjobs == 0 {
+        bail!("--bs, --size and --numjobs must be positive");
+    }
+    let mut tmp = None;
+    let dir = match &args.dir {
+        Some(d) => d.clone(),
+        None => {
+            let t = tempfile::Builder::new().prefix("spillway-bench-").tempdir().context("creating a temporary directory")?;
+            let p = t.path().to_path_buf();
+            tmp = Some(t);
+            p
+        }
+    };
+    let store_dir = dir.join("store");
+    let opts = LogOptions {
+        segment_bytes: args.segment_size,
+        compression: match args.compress {
+            CompressArg::None => Compression::None,
+            CompressArg::Lz4 => Compression::Lz4,
+        },
+        ..Default::default()
+    };
+    let BackendKind::Portable = args.backend;
+    let log = Arc::new(SegmentLog::open(PortableBackend::new(), &store_dir, opts).context("opening the store")?);
+    let jobs: Vec<Rw> = match args.rw {
+        Some(Rw::Write) => vec![Rw::Write],
+        // Read jobs need data: write it first (reported too, as fio reports its layout phase).
+        Some(rw) => vec![Rw::Write, rw],
+        None => vec![Rw::Write, Rw::Randread],
+    };
+    let human = args.output_format == OutputFormat::Normal;
+    if human {
+        println!(
+            "spillway-bench: backend {:?}, bs {}, size {} x {} job(s), compress {:?}, payload {:?}, dir {}",
+            args.backend,
+            format_size(args.bs),
+            format_size(args.size),
+            args.numjobs,
+            args.compress,
+            args.payload,
+            store_dir.display()
+        );
+    }
+    let mut results = Vec::new();
+    for rw in jobs {
+        let r = run_job(&log, &args, rw, human)?;
+        if rw == Rw::Write {
+            log.sync()?;
+        }
+        if human {
+            println!("{} ({:.2} s):", r.name, r.runtime.as_secs_f64());
+            if r.write.ops > 0 {
+                println!("{}", r.write.human("write", r.runtime));
+            }
+            if r.read.ops > 0 {
+                println!("{}", r.read.human("read", r.runtime));
+            }
+        }
+        results.push(r);
+    }
+    let stats = log.stats();
+    if human {
+        println!(
+            "store: {} segment(s), {} live key(s), {} live, {} on disk",
+            stats.segments,
+            stats.live_records,
+            format_size(stats.live_bytes),
+            format_size(stats.disk_bytes)
+        );
+    } else {
+        let jobs: Vec<_> = results
+            .iter()
+            .map(|r| {
+                json!({
+                    "jobname": r.name,
+                    "groupid": 0,
+                    "error": 0,
+                    "job options": {
+                        "rw": r.name, "bs": args.bs.to_string(), "size": args.size.to_string(),
+                        "numjobs": args.numjobs.to_string(), "ioengine": format!("spillway-{:?}", args.backend).to_lowercase(),
+                    },
+                    "read": r.read.json(r.runtime),
+                    "write": r.write.json(r.runtime),
+                    "job_runtime": r.runtime.as_millis() as u64,
+                })
+            })
+            .collect();
+        let out = json!({
+            "fio version": concat!("spillway-bench-", env!("CARGO_PKG_VERSION")),
+            "timestamp": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+            "jobs": jobs,
+            "spillway": { "segments": stats.segments, "live_bytes": stats.live_bytes, "disk_bytes": stats.disk_bytes },
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    }
+    drop(log);
+    match (args.keep, tmp) {
+        (true, Some(t)) => eprintln!("kept {}", t.keep().display()),
+        (false, Some(t)) => t.close().context("removing the temporary directory")?,
+        (true, None) => {}
+        (false, None) => std::fs::remove_dir_all(&store_dir).context("removing the store")?,
+    }
+    Ok(())
+}

@@ -1046,7 +1046,7 @@ impl<B: Backend> SegmentLog<B> {
                             unreachable!("relocated records carry their bytes")
                         }
                     };
-                    let po = (format::RECORD_HEADER_LEN + 8 * frame_lens.len() + key.len()) as usize;
+                    let po = format::RECORD_HEADER_LEN + 8 * frame_lens.len() + key.len();
                     let stored_len = p.len - po as u64;
                     let mut w = po;
                     match payload {
