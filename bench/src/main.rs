@@ -259,7 +259,8 @@ fn run_job(log: &Arc<SegmentLog>, args: &Args, rw: Rw, progress: bool) -> Result
                         };
                         let t = Instant::now();
                         if is_read {
-                            let v = log.get(&k)?.with_context(|| format!("key {} missing", String::from_utf8_lossy(&k)))?;
+                            let v =
+                                log.get(&k)?.with_context(|| format!("key {} missing", String::from_utf8_lossy(&k)))?;
                             r.record(t.elapsed().as_nanos() as u64, v.total_len());
                         } else {
                             log.put(&k, &value)?;
@@ -300,7 +301,10 @@ fn main() -> Result<()> {
     let dir = match &args.dir {
         Some(d) => d.clone(),
         None => {
-            let t = tempfile::Builder::new().prefix("spillway-bench-").tempdir().context("creating a temporary directory")?;
+            let t = tempfile::Builder::new()
+                .prefix("spillway-bench-")
+                .tempdir()
+                .context("creating a temporary directory")?;
             let p = t.path().to_path_buf();
             tmp = Some(t);
             p

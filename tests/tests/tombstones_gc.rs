@@ -99,10 +99,8 @@ fn compaction_brings_disk_use_within_the_documented_bound() {
     assert!(c.segments_deleted > 0 && c.bytes_freed > 0, "{c:?}");
     assert!(s.disk_bytes <= 2 * s.live_bytes + SEG, "disk {} > 2 * live {} + {SEG}: {s:?}", s.disk_bytes, s.live_bytes);
     assert!(s.disk_bytes < full.disk_bytes / 3, "disk use must drop: before {full:?}, after {s:?}");
-    let on_disk: u64 = std::fs::read_dir(tmp.path().join("segments"))
-        .unwrap()
-        .map(|e| e.unwrap().metadata().unwrap().len())
-        .sum();
+    let on_disk: u64 =
+        std::fs::read_dir(tmp.path().join("segments")).unwrap().map(|e| e.unwrap().metadata().unwrap().len()).sum();
     assert_eq!(on_disk, s.disk_bytes, "stats must match the files");
     for (k, sz) in &live {
         assert_eq!(log.get(k).unwrap(), Some(frames_for(k, *sz)));
