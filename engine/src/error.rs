@@ -6,12 +6,14 @@
 use std::fmt;
 use std::io;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 /// The result type of every fallible engine call.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// Everything that can go wrong in the engine.
-#[derive(Debug)]
+/// Everything that can go wrong in the engine. Cloneable (OS errors are shared behind an `Arc`), so one
+/// failure can be handed to every thread waiting on the same operation.
+#[derive(Debug, Clone)]
 #[non_exhaustive]
 pub enum Error {
     /// A system call failed.
@@ -21,7 +23,7 @@ pub enum Error {
         /// The file or directory involved, when there is one.
         path: Option<PathBuf>,
         /// The operating system's error.
-        source: io::Error,
+        source: Arc<io::Error>,
     },
     /// A stored checksum did not match the bytes it covers.
     ChecksumMismatch {
@@ -90,12 +92,21 @@ pub enum Error {
     },
     /// An invalid configuration value.
     InvalidConfig(String),
+    /// The codec failed to serialize or deserialize a value.
+    Codec {
+        /// `"serialize"` or `"deserialize"`.
+        op: &'static str,
+        /// The key involved, lossily printed.
+        key: String,
+        /// The codec's error.
+        source: Arc<dyn std::error::Error + Send + Sync>,
+    },
 }
 
 impl Error {
     /// Wrap an I/O error with the operation and path it came from.
     pub fn io(op: &'static str, path: impl Into<Option<PathBuf>>, source: io::Error) -> Self {
-        Error::Io { op, path: path.into(), source }
+        Error::Io { op, path: path.into(), source: Arc::new(source) }
     }
 
     /// True when this error reports bytes on disk that failed validation.
@@ -148,6 +159,7 @@ impl fmt::Display for Error {
             Error::Locked { path } => write!(f, "store {} is locked by another process", path.display()),
             Error::NotAStore { path, reason } => write!(f, "{} is not a spillway store: {reason}", path.display()),
             Error::InvalidConfig(msg) => write!(f, "invalid configuration: {msg}"),
+            Error::Codec { op, key, source } => write!(f, "failed to {op} {key:?}: {source}"),
         }
     }
 }
@@ -155,7 +167,8 @@ impl fmt::Display for Error {
 impl std::error::Error for Error {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            Error::Io { source, .. } => Some(source),
+            Error::Io { source, .. } => Some(&**source),
+            Error::Codec { source, .. } => Some(&**source),
             _ => None,
         }
     }

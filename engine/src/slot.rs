@@ -1,0 +1,285 @@
+//! The materialization slot: one per stored value, guaranteeing that a serialized value is
+//! deserialized exactly once however many threads ask for it at the same moment.
+//!
+//! ```text
+//!            try_begin (under the wait lock)        success: publish value
+//!   IDLE ----------------------------------> MATERIALIZING ----------------> READY
+//!    ^  \                                         |                           |
+//!    |   `<-------- failure: record error --------'                           |
+//!    |                                                                        | evict (no readers)
+//!    `---------------------------- EVICTING <---------------------------------'
+//! ```
+//!
+//! One `AtomicU64` packs the state (low 2 bits) and a count of readers inside the ready fast path
+//! (the rest). The fast path is one `fetch_add`, an `Arc` clone and one `fetch_sub`: no lock. A reader
+//! counted in the word pins the value: eviction only succeeds by a compare-exchange that expects
+//! `READY` with zero readers, so the value cannot be freed under a reader.
+//!
+//! Slow paths use a mutex and condition variable: becoming the materializer (IDLE -> MATERIALIZING)
+//! happens under the mutex together with bumping the attempt counter, so a waiter knows exactly which
+//! attempt it waits for; a failed attempt records its error under the mutex, and every thread waiting
+//! for *that* attempt returns the same error. The deserialize itself runs with no lock held.
+//!
+//! All atomics, locks and cells come from [`crate::sync`], so `loom-tests/` model-checks this code as
+//! it is. This module contains `unsafe` for the value cell; each site names its invariant.
+#![allow(unsafe_code)]
+
+use crate::sync::{yield_now, Arc, AtomicU64, Condvar, Mutex, Ordering, UnsafeCell};
+
+const STATE_MASK: u64 = 0b11;
+const IDLE: u64 = 0;
+const MATERIALIZING: u64 = 1;
+const READY: u64 = 2;
+const EVICTING: u64 = 3;
+const READER: u64 = 4;
+
+/// The state of a slot, as observed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotState {
+    /// No materialized value (the value lives serialized, in memory or on disk).
+    Idle,
+    /// One thread is deserializing; others wait for it.
+    Materializing,
+    /// The value is materialized and shared.
+    Ready,
+    /// The value is being taken out by eviction (transient).
+    Evicting,
+}
+
+struct Wait<E> {
+    /// Number of materialization attempts started.
+    attempt: u64,
+    /// The most recent failed attempt and its error.
+    failure: Option<(u64, E)>,
+}
+
+/// A per-value materialization slot. `V` is the materialized type, `E` the (cloneable) error a failed
+/// deserialize reports to every waiter.
+pub struct Slot<V, E> {
+    word: AtomicU64,
+    /// Written only by the thread that moved the state to MATERIALIZING (before publishing READY) or to
+    /// EVICTING (after readers drained); read only by readers counted in `word` while it is READY.
+    value: UnsafeCell<Option<Arc<V>>>,
+    wait: Mutex<Wait<E>>,
+    cond: Condvar,
+}
+
+// SAFETY: `value` is accessed only under the protocol described on the field: exclusive writers
+// (MATERIALIZING or EVICTING owner) never overlap counted readers, and readers only take `&Arc<V>`
+// to clone it. With `V: Send + Sync` the shared `Arc<V>` may move between threads; `E` is behind a
+// Mutex.
+unsafe impl<V: Send + Sync, E: Send> Sync for Slot<V, E> {}
+// SAFETY: all fields are owned; sending the slot sends an `Option<Arc<V>>` and `E`s.
+unsafe impl<V: Send + Sync, E: Send> Send for Slot<V, E> {}
+
+impl<V, E: Clone> Default for Slot<V, E> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<V, E: Clone> Slot<V, E> {
+    /// An idle slot (the value exists only in serialized form).
+    pub fn new() -> Self {
+        Slot {
+            word: AtomicU64::new(IDLE),
+            value: UnsafeCell::new(None),
+            wait: Mutex::new(Wait { attempt: 0, failure: None }),
+            cond: Condvar::new(),
+        }
+    }
+
+    /// A ready slot holding `v` (a value put in materialized form).
+    pub fn ready(v: Arc<V>) -> Self {
+        let s = Self::new();
+        s.value.with_mut(|p| {
+            // SAFETY: the slot is not shared yet; we are its only user.
+            unsafe { *p = Some(v) }
+        });
+        s.word.store(READY, Ordering::Release);
+        s
+    }
+
+    /// The current state.
+    pub fn state(&self) -> SlotState {
+        match self.word.load(Ordering::Acquire) & STATE_MASK {
+            IDLE => SlotState::Idle,
+            MATERIALIZING => SlotState::Materializing,
+            READY => SlotState::Ready,
+            _ => SlotState::Evicting,
+        }
+    }
+
+    /// The fast path: the materialized value if the slot is ready. No lock.
+    pub fn try_get(&self) -> Option<Arc<V>> {
+        let w = self.word.fetch_add(READER, Ordering::Acquire);
+        let v = if w & STATE_MASK == READY {
+            self.value.with(|p| {
+                // SAFETY: we are a counted reader and observed READY (Acquire pairs with the Release
+                // that published it). Eviction needs zero readers to take the value, and nobody else
+                // writes it in READY, so the value is initialized and stays alive while we clone it.
+                unsafe { (*p).clone() }
+            })
+        } else {
+            None
+        };
+        self.word.fetch_sub(READER, Ordering::Release);
+        v
+    }
+
+    /// Return the materialized value, running `materialize` if needed. Exactly one concurrent caller
+    /// runs it; the others wait and receive the same `Arc`, or the same error if it fails (the slot is
+    /// then idle again, so a later call retries).
+    pub fn get_or_materialize(&self, materialize: impl FnOnce() -> Result<V, E>) -> Result<Arc<V>, E> {
+        self.get_or_install(|| materialize().map(Arc::new))
+    }
+
+    /// Like [`get_or_materialize`](Self::get_or_materialize), with a closure that provides the `Arc`
+    /// itself (used to put an evicted object back when its demotion failed).
+    pub fn get_or_install(&self, materialize: impl FnOnce() -> Result<Arc<V>, E>) -> Result<Arc<V>, E> {
+        let mut materialize = Some(materialize);
+        loop {
+            if let Some(v) = self.try_get() {
+                return Ok(v);
+            }
+            let mut w = self.wait.lock().unwrap_or_else(|p| p.into_inner());
+            match self.word.load(Ordering::Acquire) & STATE_MASK {
+                IDLE => {
+                    // Become the materializer: IDLE -> MATERIALIZING, keeping the reader count.
+                    let mut cur = self.word.load(Ordering::Acquire);
+                    loop {
+                        if cur & STATE_MASK != IDLE {
+                            break;
+                        }
+                        match self.word.compare_exchange_weak(
+                            cur,
+                            cur + (MATERIALIZING - IDLE),
+                            Ordering::AcqRel,
+                            Ordering::Acquire,
+                        ) {
+                            Ok(_) => break,
+                            Err(actual) => cur = actual,
+                        }
+                    }
+                    if cur & STATE_MASK != IDLE {
+                        continue; // lost to an evictor finishing or a racing publish: look again
+                    }
+                    w.attempt += 1;
+                    let attempt = w.attempt;
+                    drop(w);
+                    let f = materialize.take().expect("a caller materializes at most once");
+                    return self.finish(attempt, f());
+                }
+                MATERIALIZING => {
+                    let seen = w.attempt;
+                    while self.word.load(Ordering::Acquire) & STATE_MASK == MATERIALIZING {
+                        w = self.cond.wait(w).unwrap_or_else(|p| p.into_inner());
+                    }
+                    if self.word.load(Ordering::Acquire) & STATE_MASK == IDLE {
+                        if let Some((a, e)) = &w.failure {
+                            if *a == seen {
+                                return Err(e.clone());
+                            }
+                        }
+                    }
+                }
+                READY => {}
+                _ => {
+                    // EVICTING is a few instructions long and never waits on anything: spin.
+                    drop(w);
+                    yield_now();
+                }
+            }
+        }
+    }
+
+    fn finish(&self, attempt: u64, r: Result<Arc<V>, E>) -> Result<Arc<V>, E> {
+        match r {
+            Ok(v) => {
+                self.value.with_mut(|p| {
+                    // SAFETY: we own the MATERIALIZING state: readers do not read in this state and no
+                    // other writer exists until we publish READY below.
+                    unsafe { *p = Some(v.clone()) }
+                });
+                self.word.fetch_add(READY - MATERIALIZING, Ordering::AcqRel);
+                let _w = self.wait.lock().unwrap_or_else(|p| p.into_inner());
+                self.cond.notify_all();
+                Ok(v)
+            }
+            Err(e) => {
+                let mut w = self.wait.lock().unwrap_or_else(|p| p.into_inner());
+                w.failure = Some((attempt, e.clone()));
+                self.word.fetch_sub(MATERIALIZING - IDLE, Ordering::AcqRel);
+                self.cond.notify_all();
+                Err(e)
+            }
+        }
+    }
+
+    /// Take the materialized value out (READY -> IDLE), for demotion to serialized form. Fails (returns
+    /// `None`) if the slot is not ready or a reader is inside the fast path at this instant.
+    pub fn evict(&self) -> Option<Arc<V>> {
+        if self.word.compare_exchange(READY, EVICTING, Ordering::AcqRel, Ordering::Acquire).is_err() {
+            return None;
+        }
+        let v = self.value.with_mut(|p| {
+            // SAFETY: we moved READY (zero readers) -> EVICTING: new readers see EVICTING and do not
+            // read, and no other writer exists in this state.
+            unsafe { (*p).take() }
+        });
+        self.word.fetch_sub(EVICTING - IDLE, Ordering::AcqRel);
+        v
+    }
+}
+
+impl<V, E> std::fmt::Debug for Slot<V, E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let w = self.word.load(Ordering::Relaxed);
+        f.debug_struct("Slot").field("state", &(w & STATE_MASK)).field("readers", &(w >> 2)).finish()
+    }
+}
+
+#[cfg(all(test, not(spillway_loom)))]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    #[test]
+    fn concurrent_gets_deserialize_once() {
+        for _ in 0..50 {
+            let slot: Arc<Slot<Vec<u8>, String>> = Arc::new(Slot::new());
+            let calls = Arc::new(AtomicUsize::new(0));
+            let barrier = Arc::new(std::sync::Barrier::new(8));
+            let handles: Vec<_> = (0..8)
+                .map(|_| {
+                    let (slot, calls, barrier) = (slot.clone(), calls.clone(), barrier.clone());
+                    std::thread::spawn(move || {
+                        barrier.wait();
+                        slot.get_or_materialize(|| {
+                            calls.fetch_add(1, Ordering::SeqCst);
+                            Ok(vec![1, 2, 3])
+                        })
+                        .unwrap()
+                    })
+                })
+                .collect();
+            let vals: Vec<Arc<Vec<u8>>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+            assert_eq!(calls.load(Ordering::SeqCst), 1);
+            assert!(vals.iter().all(|v| Arc::ptr_eq(v, &vals[0])));
+        }
+    }
+
+    #[test]
+    fn failure_reaches_waiters_and_retry_succeeds() {
+        let slot: Slot<u32, String> = Slot::new();
+        assert_eq!(slot.get_or_materialize(|| Err("bad".to_string())), Err("bad".to_string()));
+        assert_eq!(slot.state(), SlotState::Idle);
+        assert_eq!(*slot.get_or_materialize(|| Ok(7)).unwrap(), 7);
+        assert_eq!(slot.state(), SlotState::Ready);
+        let v = slot.evict().unwrap();
+        assert_eq!(*v, 7);
+        assert_eq!(slot.state(), SlotState::Idle);
+        assert!(slot.try_get().is_none());
+        assert!(slot.evict().is_none());
+    }
+}

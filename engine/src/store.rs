@@ -1,0 +1,951 @@
+//! The three-tier store: materialized objects, serialized frames in memory (optionally lz4), and
+//! records in the segment log on disk. Data that arrives serialized stays serialized until a task asks
+//! for the object; then it is deserialized exactly once (see [`crate::slot`]).
+//!
+//! ## Tiers and weights
+//! * **materialized**: an `Arc<V>`, weight `codec.size_of(v)` (an estimate, as dask's `sizeof`);
+//! * **serialized**: frames in memory, weight = their exact byte length;
+//! * **compressed**: one lz4 block of the frames (with `compress_in_memory`), weight = its length;
+//! * **disk**: a record in the segment log, weight 0.
+//!
+//! Above `target_bytes`, least-recently-used entries are demoted object -> serialized (-> compressed)
+//! -> disk, on the calling thread, before `put` returns: memory never grows without bound because a
+//! producer pays for the eviction it causes (dask measured that spilling asynchronously without
+//! back-pressure made workers reach their pause threshold sooner). A value heavier than the target goes
+//! straight to disk and is served from there without being promoted.
+//!
+//! ## Failures
+//! `max_spill` full, a serialize failure or a disk failure while evicting *another* key keep that key
+//! in memory (logged once, counted in the metrics) and never fail the caller. A serialize failure of the
+//! key being inserted fails that `put` and the store forgets the key. Nothing is dropped silently.
+//!
+//! ## Locking
+//! One mutex guards the key map, the LRU order and the accounting; it is held for lookups, LRU updates,
+//! eviction decisions and spill writes, and never while deserializing, decompressing for a reader or
+//! reading from disk. Materialization happens in the per-key [`Slot`], whose ready path is lock-free.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use bytes::Bytes;
+
+use crate::backend::{Backend, PortableBackend};
+use crate::buf::AlignedBuf;
+use crate::error::{Error, Result};
+use crate::log::{LogOptions, SegmentLog};
+use crate::slot::Slot;
+use crate::value::Frames;
+
+/// A codec's error.
+pub type CodecError = Box<dyn std::error::Error + Send + Sync>;
+
+/// How values cross the engine boundary.
+pub trait Codec: Send + Sync + 'static {
+    /// The materialized type.
+    type Value: Send + Sync + 'static;
+    /// Serialize a value into frames (a small header plus large buffers, kept apart).
+    fn serialize(&self, value: &Self::Value) -> std::result::Result<Frames, CodecError>;
+    /// Rebuild a value from frames; the frames' buffers may be kept without copying.
+    fn deserialize(&self, frames: Frames) -> std::result::Result<Self::Value, CodecError>;
+    /// Memory weight of a materialized value in bytes.
+    fn size_of(&self, value: &Self::Value) -> u64;
+}
+
+/// Store configuration.
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    /// Memory weight above which least-recently-used entries are demoted.
+    pub target_bytes: u64,
+    /// Most bytes of spilled data on disk; `None` for no limit.
+    pub max_spill_bytes: Option<u64>,
+    /// Keep demoted values lz4-compressed in memory before spilling them to disk.
+    pub compress_in_memory: bool,
+    /// fdatasync after every spill batch (otherwise only `flush` syncs).
+    pub sync_spills: bool,
+    /// The segment log's options (segment size, on-disk compression, ...).
+    pub log: LogOptions,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig {
+            target_bytes: 1 << 30,
+            max_spill_bytes: None,
+            compress_in_memory: false,
+            sync_spills: false,
+            log: LogOptions::default(),
+        }
+    }
+}
+
+/// Where an entry's value is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Tier {
+    /// Materialized object.
+    Materialized,
+    /// Serialized frames in memory.
+    Serialized,
+    /// lz4-compressed frames in memory.
+    Compressed,
+    /// A record in the segment log.
+    Disk,
+}
+
+const TIERS: [Tier; 4] = [Tier::Materialized, Tier::Serialized, Tier::Compressed, Tier::Disk];
+
+impl Tier {
+    fn idx(self) -> usize {
+        self as usize
+    }
+    /// Lower-case name (metrics labels).
+    pub fn name(self) -> &'static str {
+        match self {
+            Tier::Materialized => "materialized",
+            Tier::Serialized => "serialized",
+            Tier::Compressed => "compressed",
+            Tier::Disk => "disk",
+        }
+    }
+}
+
+#[derive(Clone)]
+struct Compressed {
+    block: Bytes,
+    frame_lens: Vec<u64>,
+    raw_len: u64,
+}
+
+struct Entry<V> {
+    slot: Arc<Slot<V, Error>>,
+    tier: Tier,
+    frames: Option<Frames>,
+    compressed: Option<Compressed>,
+    /// Memory weight currently accounted for this entry.
+    weight: u64,
+    /// Serialized size of what is on disk (for `spilled_total`), 0 otherwise.
+    disk_raw: u64,
+    /// Bytes the log holds for it (record length), 0 otherwise.
+    disk_bytes: u64,
+    /// LRU position (memory-resident entries only).
+    tick: u64,
+    /// Heavier than the target on arrival: lives on disk, served without promotion.
+    large: bool,
+    /// Eviction of this entry failed (max_spill, serialize or disk error): skip it until things change.
+    stuck: bool,
+}
+
+struct Inner<V> {
+    map: HashMap<Arc<[u8]>, Entry<V>>,
+    lru: BTreeMap<u64, Arc<[u8]>>,
+    next_tick: u64,
+    mem_bytes: u64,
+    tier_bytes: [u64; 4],
+    tier_count: [u64; 4],
+    disk_bytes: u64,
+    disk_raw: u64,
+    logged_stuck: bool,
+}
+
+impl<V> Inner<V> {
+    fn account(&mut self, e: &Entry<V>, sign: i64) {
+        let t = e.tier.idx();
+        let apply = |x: &mut u64, d: u64| {
+            if sign > 0 {
+                *x += d
+            } else {
+                *x -= d
+            }
+        };
+        apply(&mut self.tier_count[t], 1);
+        apply(&mut self.tier_bytes[t], if e.tier == Tier::Disk { e.disk_bytes } else { e.weight });
+        apply(&mut self.mem_bytes, e.weight);
+        apply(&mut self.disk_bytes, e.disk_bytes);
+        apply(&mut self.disk_raw, e.disk_raw);
+    }
+}
+
+/// Count, bytes and time of one activity.
+#[derive(Debug, Default)]
+struct Activity {
+    count: AtomicU64,
+    bytes: AtomicU64,
+    ns: AtomicU64,
+}
+
+impl Activity {
+    fn add(&self, bytes: u64, since: Instant) {
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.ns.fetch_add(since.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    }
+    fn snap(&self) -> ActivityStats {
+        ActivityStats {
+            count: self.count.load(Ordering::Relaxed),
+            bytes: self.bytes.load(Ordering::Relaxed),
+            ns: self.ns.load(Ordering::Relaxed),
+        }
+    }
+}
+
+const ACTIVITIES: [&str; 7] =
+    ["serialize", "compress", "disk-write", "disk-read", "decompress", "deserialize", "memory-read"];
+
+#[derive(Debug, Default)]
+struct Metrics {
+    acts: [Activity; 7],
+    max_spill_refusals: AtomicU64,
+    spill_failures: AtomicU64,
+}
+
+const SERIALIZE: usize = 0;
+const COMPRESS: usize = 1;
+const DISK_WRITE: usize = 2;
+const DISK_READ: usize = 3;
+const DECOMPRESS: usize = 4;
+const DESERIALIZE: usize = 5;
+const MEMORY_READ: usize = 6;
+
+/// Count, bytes and nanoseconds of one activity.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ActivityStats {
+    /// Times it happened.
+    pub count: u64,
+    /// Bytes it processed (serialized size).
+    pub bytes: u64,
+    /// Nanoseconds spent.
+    pub ns: u64,
+}
+
+/// A snapshot of the store's metrics.
+#[derive(Debug, Clone, Default)]
+pub struct MetricsSnapshot {
+    /// Per activity (`serialize`, `compress`, `disk-write`, `disk-read`, `decompress`, `deserialize`,
+    /// `memory-read`).
+    pub activities: Vec<(&'static str, ActivityStats)>,
+    /// Memory weight per tier (disk: bytes of records).
+    pub tier_bytes: Vec<(&'static str, u64)>,
+    /// Entries per tier.
+    pub tier_entries: Vec<(&'static str, u64)>,
+    /// Total memory weight.
+    pub memory_bytes: u64,
+    /// Serialized size of what is on disk.
+    pub spilled_memory_bytes: u64,
+    /// Bytes on disk for what is spilled.
+    pub spilled_disk_bytes: u64,
+    /// Spills refused because `max_spill_bytes` would be exceeded.
+    pub max_spill_refusals: u64,
+    /// Evictions that failed (serialize or disk error) and kept the value in memory.
+    pub spill_failures: u64,
+}
+
+impl MetricsSnapshot {
+    /// The activity with this name.
+    pub fn activity(&self, name: &str) -> ActivityStats {
+        self.activities.iter().find(|(n, _)| *n == name).map(|(_, a)| *a).unwrap_or_default()
+    }
+
+    /// Prometheus text exposition, with dask's metric names where they exist.
+    pub fn prometheus(&self) -> String {
+        let mut s = String::new();
+        s.push_str(
+            "# HELP spillway_spill_count_total Operations per activity.\n# TYPE spillway_spill_count_total counter\n",
+        );
+        for (n, a) in &self.activities {
+            s.push_str(&format!("spillway_spill_count_total{{activity=\"{n}\"}} {}\n", a.count));
+        }
+        s.push_str(
+            "# HELP spillway_spill_bytes_total Bytes per activity.\n# TYPE spillway_spill_bytes_total counter\n",
+        );
+        for (n, a) in &self.activities {
+            s.push_str(&format!("spillway_spill_bytes_total{{activity=\"{n}\"}} {}\n", a.bytes));
+        }
+        s.push_str("# HELP spillway_spill_time_seconds_total Seconds per activity.\n# TYPE spillway_spill_time_seconds_total counter\n");
+        for (n, a) in &self.activities {
+            s.push_str(&format!("spillway_spill_time_seconds_total{{activity=\"{n}\"}} {:.9}\n", a.ns as f64 / 1e9));
+        }
+        s.push_str("# HELP spillway_memory_bytes Memory weight per tier.\n# TYPE spillway_memory_bytes gauge\n");
+        for (n, b) in &self.tier_bytes {
+            s.push_str(&format!("spillway_memory_bytes{{tier=\"{n}\"}} {b}\n"));
+        }
+        s.push_str("# HELP spillway_entries Entries per tier.\n# TYPE spillway_entries gauge\n");
+        for (n, c) in &self.tier_entries {
+            s.push_str(&format!("spillway_entries{{tier=\"{n}\"}} {c}\n"));
+        }
+        s.push_str(&format!(
+            "# TYPE spillway_spilled_bytes gauge\nspillway_spilled_bytes{{kind=\"memory\"}} {}\nspillway_spilled_bytes{{kind=\"disk\"}} {}\n",
+            self.spilled_memory_bytes, self.spilled_disk_bytes
+        ));
+        s.push_str(&format!(
+            "# TYPE spillway_max_spill_refusals_total counter\nspillway_max_spill_refusals_total {}\n",
+            self.max_spill_refusals
+        ));
+        s.push_str(&format!(
+            "# TYPE spillway_spill_failures_total counter\nspillway_spill_failures_total {}\n",
+            self.spill_failures
+        ));
+        s
+    }
+}
+
+/// Where a reader finds the bytes of a non-materialized entry.
+enum Source {
+    Frames(Frames),
+    Compressed(Compressed),
+    Disk,
+}
+
+/// The three-tier store. All methods take `&self`; share it across threads with an `Arc`.
+pub struct Store<C: Codec, B: Backend = PortableBackend> {
+    codec: C,
+    log: SegmentLog<B>,
+    cfg: StoreConfig,
+    inner: Mutex<Inner<C::Value>>,
+    metrics: Metrics,
+}
+
+fn key_str(k: &[u8]) -> String {
+    String::from_utf8_lossy(k).into_owned()
+}
+
+fn compress(frames: &Frames) -> Compressed {
+    let joined = frames.concat();
+    Compressed {
+        block: Bytes::from(lz4_flex::block::compress(&joined)),
+        frame_lens: frames.iter().map(|f| f.len() as u64).collect(),
+        raw_len: frames.total_len(),
+    }
+}
+
+fn decompress(c: &Compressed) -> Result<Frames> {
+    let mut out = AlignedBuf::zeroed(c.raw_len as usize, 64);
+    match lz4_flex::block::decompress_into(&c.block, &mut out) {
+        Ok(n) if n as u64 == c.raw_len => {}
+        _ => return Err(Error::InvalidConfig("in-memory lz4 block does not decompress".into())),
+    }
+    let data = out.freeze();
+    let mut at = 0usize;
+    Ok(Frames(
+        c.frame_lens
+            .iter()
+            .map(|&l| {
+                let f = data.slice(at..at + l as usize);
+                at += l as usize;
+                f
+            })
+            .collect(),
+    ))
+}
+
+impl<C: Codec, B: Backend> Store<C, B> {
+    /// Open a store in `dir`. Records already in the log become disk-tier entries.
+    pub fn open(codec: C, backend: B, dir: impl AsRef<Path>, cfg: StoreConfig) -> Result<Self> {
+        let log = SegmentLog::open(backend, dir, cfg.log.clone())?;
+        let mut inner = Inner {
+            map: HashMap::new(),
+            lru: BTreeMap::new(),
+            next_tick: 0,
+            mem_bytes: 0,
+            tier_bytes: [0; 4],
+            tier_count: [0; 4],
+            disk_bytes: 0,
+            disk_raw: 0,
+            logged_stuck: false,
+        };
+        for k in log.keys() {
+            let len = log.location(&k).map_or(0, |l| l.len);
+            let e = Entry {
+                slot: Arc::new(Slot::new()),
+                tier: Tier::Disk,
+                frames: None,
+                compressed: None,
+                weight: 0,
+                disk_raw: len,
+                disk_bytes: len,
+                tick: 0,
+                large: false,
+                stuck: false,
+            };
+            inner.account(&e, 1);
+            inner.map.insert(Arc::from(k.as_slice()), e);
+        }
+        Ok(Store { codec, log, cfg, inner: Mutex::new(inner), metrics: Metrics::default() })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner<C::Value>> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The underlying segment log.
+    pub fn log(&self) -> &SegmentLog<B> {
+        &self.log
+    }
+
+    /// The codec.
+    pub fn codec(&self) -> &C {
+        &self.codec
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &StoreConfig {
+        &self.cfg
+    }
+
+    fn touch(inner: &mut Inner<C::Value>, key: &Arc<[u8]>) {
+        let tick = inner.next_tick;
+        inner.next_tick += 1;
+        let e = inner.map.get_mut(key).expect("touched key exists");
+        if e.tier != Tier::Disk {
+            inner.lru.remove(&e.tick);
+            e.tick = tick;
+            inner.lru.insert(tick, key.clone());
+        }
+    }
+
+    fn insert(&self, inner: &mut Inner<C::Value>, key: &[u8], mut e: Entry<C::Value>) -> Result<Arc<[u8]>> {
+        if key.len() > crate::MAX_KEY_BYTES {
+            return Err(Error::KeyTooLarge { len: key.len(), max: crate::MAX_KEY_BYTES });
+        }
+        self.drop_entry(inner, key)?;
+        let k: Arc<[u8]> = Arc::from(key);
+        if e.tier != Tier::Disk {
+            e.tick = inner.next_tick;
+            inner.next_tick += 1;
+            inner.lru.insert(e.tick, k.clone());
+        }
+        inner.account(&e, 1);
+        inner.map.insert(k.clone(), e);
+        Ok(k)
+    }
+
+    /// Remove `key`'s entry from memory and disk; returns whether it existed.
+    fn drop_entry(&self, inner: &mut Inner<C::Value>, key: &[u8]) -> Result<bool> {
+        let Some((_, e)) = inner.map.remove_entry(key) else { return Ok(false) };
+        inner.account(&e, -1);
+        if e.tier != Tier::Disk {
+            inner.lru.remove(&e.tick);
+        }
+        if e.disk_bytes > 0 {
+            self.log.delete(key)?;
+            for e in inner.map.values_mut() {
+                e.stuck = false; // disk space was freed: retry evictions that max_spill refused
+            }
+        }
+        Ok(true)
+    }
+
+    /// Store a materialized value. If it is heavier than the target it is serialized and written to disk
+    /// at once; a serialize failure then fails this call and the key is forgotten.
+    pub fn put(&self, key: &[u8], value: C::Value) -> Result<()> {
+        let weight = self.codec.size_of(&value);
+        let mut inner = self.lock();
+        if weight > self.cfg.target_bytes {
+            drop(inner);
+            let frames = self.serialize(key, &value)?;
+            let mut inner = self.lock();
+            return self.put_large(&mut inner, key, frames);
+        }
+        let e = Entry {
+            slot: Arc::new(Slot::ready(Arc::new(value))),
+            tier: Tier::Materialized,
+            frames: None,
+            compressed: None,
+            weight,
+            disk_raw: 0,
+            disk_bytes: 0,
+            tick: 0,
+            large: false,
+            stuck: false,
+        };
+        let k = self.insert(&mut inner, key, e)?;
+        self.enforce(&mut inner, Some(&k))
+    }
+
+    /// Store serialized frames (data from a peer or from disk): they stay serialized until a `get`.
+    pub fn put_serialized(&self, key: &[u8], frames: Frames) -> Result<()> {
+        let mut inner = self.lock();
+        if frames.total_len() > self.cfg.target_bytes {
+            return self.put_large(&mut inner, key, frames);
+        }
+        let e = Entry {
+            slot: Arc::new(Slot::new()),
+            tier: Tier::Serialized,
+            weight: frames.total_len(),
+            frames: Some(frames),
+            compressed: None,
+            disk_raw: 0,
+            disk_bytes: 0,
+            tick: 0,
+            large: false,
+            stuck: false,
+        };
+        let k = self.insert(&mut inner, key, e)?;
+        self.enforce(&mut inner, Some(&k))
+    }
+
+    /// A value heavier than the target: straight to disk. If it cannot be written (max_spill, disk
+    /// error) it stays in memory, serialized, and the condition is reported.
+    fn put_large(&self, inner: &mut Inner<C::Value>, key: &[u8], frames: Frames) -> Result<()> {
+        let raw = frames.total_len();
+        let mut e = Entry {
+            slot: Arc::new(Slot::new()),
+            tier: Tier::Serialized,
+            weight: raw,
+            frames: Some(frames),
+            compressed: None,
+            disk_raw: 0,
+            disk_bytes: 0,
+            tick: 0,
+            large: true,
+            stuck: false,
+        };
+        self.drop_entry(inner, key)?;
+        if self.spill_allowed(inner, raw) {
+            let f = e.frames.clone().expect("just set");
+            match self.write_disk(&[(key, &f)]) {
+                Ok(()) => {
+                    let len = self.log.location(key).map_or(raw, |l| l.len);
+                    e.tier = Tier::Disk;
+                    e.frames = None;
+                    e.weight = 0;
+                    e.disk_raw = raw;
+                    e.disk_bytes = len;
+                }
+                Err(err) => {
+                    self.spill_failed(inner, key, &err);
+                    e.stuck = true;
+                }
+            }
+        } else {
+            e.stuck = true;
+        }
+        self.insert(inner, key, e)?;
+        Ok(())
+    }
+
+    fn spill_allowed(&self, inner: &mut Inner<C::Value>, bytes: u64) -> bool {
+        match self.cfg.max_spill_bytes {
+            Some(max) if inner.disk_raw + bytes > max => {
+                self.metrics.max_spill_refusals.fetch_add(1, Ordering::Relaxed);
+                if !inner.logged_stuck {
+                    inner.logged_stuck = true;
+                    log::warn!("Spill file on disk reached capacity; keeping data in memory");
+                }
+                false
+            }
+            _ => true,
+        }
+    }
+
+    fn spill_failed(&self, inner: &mut Inner<C::Value>, key: &[u8], err: &Error) {
+        self.metrics.spill_failures.fetch_add(1, Ordering::Relaxed);
+        if !inner.logged_stuck {
+            inner.logged_stuck = true;
+            log::error!("Spill to disk failed; keeping data in memory ({:?}: {err})", key_str(key));
+        }
+    }
+
+    fn serialize(&self, key: &[u8], v: &C::Value) -> Result<Frames> {
+        let t = Instant::now();
+        let f = self.codec.serialize(v).map_err(|e| Error::Codec {
+            op: "serialize",
+            key: key_str(key),
+            source: Arc::from(e),
+        })?;
+        self.metrics.acts[SERIALIZE].add(f.total_len(), t);
+        Ok(f)
+    }
+
+    fn write_disk(&self, items: &[(&[u8], &Frames)]) -> Result<()> {
+        let t = Instant::now();
+        let bytes: u64 = items.iter().map(|(_, f)| f.total_len()).sum();
+        self.log.put_many(items)?;
+        if self.cfg.sync_spills {
+            self.log.sync()?;
+        }
+        let m = &self.metrics.acts[DISK_WRITE];
+        m.count.fetch_add(items.len() as u64, Ordering::Relaxed);
+        m.bytes.fetch_add(bytes, Ordering::Relaxed);
+        m.ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Demote least-recently-used entries until memory is at or below the target. `protect` is the key
+    /// being inserted: if *its* serialization fails, it is forgotten and the error returned.
+    fn enforce(&self, inner: &mut Inner<C::Value>, protect: Option<&Arc<[u8]>>) -> Result<()> {
+        while inner.mem_bytes > self.cfg.target_bytes {
+            let freed = self.evict_round(inner, inner.mem_bytes - self.cfg.target_bytes, protect)?;
+            if freed == 0 {
+                break; // nothing evictable: everything left is stuck or in use
+            }
+        }
+        Ok(())
+    }
+
+    /// One eviction round over the LRU order; returns bytes freed.
+    fn evict_round(&self, inner: &mut Inner<C::Value>, excess: u64, protect: Option<&Arc<[u8]>>) -> Result<u64> {
+        let candidates: Vec<Arc<[u8]>> = inner.lru.values().cloned().collect();
+        let mut freed = 0u64;
+        let mut batch: Vec<(Arc<[u8]>, Frames)> = Vec::new();
+        for key in candidates {
+            if freed >= excess {
+                break;
+            }
+            let Some(e) = inner.map.get(&key) else { continue };
+            if e.stuck {
+                continue;
+            }
+            // Step 1: object -> serialized (-> compressed).
+            if e.tier == Tier::Materialized {
+                let Some(v) = e.slot.evict() else { continue }; // a reader is inside: skip for now
+                let frames = match self.serialize(&key, &v) {
+                    Ok(f) => f,
+                    Err(err) => {
+                        let slot = e.slot.clone();
+                        if protect.is_some_and(|p| **p == *key) {
+                            self.drop_entry(inner, &key)?;
+                            return Err(err);
+                        }
+                        // Put the object back and leave it in memory.
+                        let _ = slot.get_or_install(|| Ok(v));
+                        log::error!("Failed to serialize {:?}; keeping it in memory: {err}", key_str(&key));
+                        self.metrics.spill_failures.fetch_add(1, Ordering::Relaxed);
+                        inner.map.get_mut(&key).expect("present").stuck = true;
+                        continue;
+                    }
+                };
+                let before = e.weight;
+                let mut ne = self.take_entry(inner, &key);
+                if self.cfg.compress_in_memory {
+                    let t = Instant::now();
+                    let c = compress(&frames);
+                    self.metrics.acts[COMPRESS].add(frames.total_len(), t);
+                    ne.weight = c.block.len() as u64;
+                    ne.compressed = Some(c);
+                    ne.tier = Tier::Compressed;
+                } else {
+                    ne.weight = frames.total_len();
+                    ne.frames = Some(frames.clone());
+                    ne.tier = Tier::Serialized;
+                }
+                let after = ne.weight;
+                self.put_entry(inner, &key, ne);
+                freed += before.saturating_sub(after);
+                if freed >= excess {
+                    break;
+                }
+                if after == 0 {
+                    continue;
+                }
+                batch.push((key.clone(), frames));
+                freed += after;
+                continue;
+            }
+            // Step 2: serialized / compressed -> disk (batched below).
+            let frames = match (&e.frames, &e.compressed) {
+                (Some(f), _) => f.clone(),
+                (None, Some(c)) => {
+                    let t = Instant::now();
+                    let f = decompress(c)?;
+                    self.metrics.acts[DECOMPRESS].add(f.total_len(), t);
+                    f
+                }
+                (None, None) => continue,
+            };
+            freed += e.weight;
+            batch.push((key.clone(), frames));
+        }
+        if batch.is_empty() {
+            return Ok(freed);
+        }
+        // max_spill: keep what does not fit in memory.
+        let mut allowed = Vec::with_capacity(batch.len());
+        let mut planned = 0u64;
+        for (k, f) in batch {
+            if self.spill_allowed(inner, planned + f.total_len()) {
+                planned += f.total_len();
+                allowed.push((k, f));
+            } else {
+                let e = inner.map.get_mut(&k).expect("present");
+                freed = freed.saturating_sub(e.weight);
+                e.stuck = true;
+            }
+        }
+        if allowed.is_empty() {
+            return Ok(freed);
+        }
+        let items: Vec<(&[u8], &Frames)> = allowed.iter().map(|(k, f)| (&**k, f)).collect();
+        match self.write_disk(&items) {
+            Ok(()) => {
+                for (k, f) in &allowed {
+                    let mut ne = self.take_entry(inner, k);
+                    ne.tier = Tier::Disk;
+                    ne.frames = None;
+                    ne.compressed = None;
+                    ne.weight = 0;
+                    ne.disk_raw = f.total_len();
+                    ne.disk_bytes = self.log.location(k).map_or(f.total_len(), |l| l.len);
+                    self.put_entry(inner, k, ne);
+                }
+                Ok(freed)
+            }
+            Err(err) => {
+                for (k, _) in &allowed {
+                    self.spill_failed(inner, k, &err);
+                    let e = inner.map.get_mut(k).expect("present");
+                    freed = freed.saturating_sub(e.weight);
+                    e.stuck = true;
+                }
+                Ok(freed)
+            }
+        }
+    }
+
+    /// Detach an entry for modification (accounting and LRU removed).
+    fn take_entry(&self, inner: &mut Inner<C::Value>, key: &Arc<[u8]>) -> Entry<C::Value> {
+        let e = inner.map.remove(key).expect("entry present");
+        inner.account(&e, -1);
+        if e.tier != Tier::Disk {
+            inner.lru.remove(&e.tick);
+        }
+        e
+    }
+
+    /// Re-attach an entry (accounting and LRU position restored; the tick is kept).
+    fn put_entry(&self, inner: &mut Inner<C::Value>, key: &Arc<[u8]>, e: Entry<C::Value>) {
+        inner.account(&e, 1);
+        if e.tier != Tier::Disk {
+            inner.lru.insert(e.tick, key.clone());
+        }
+        inner.map.insert(key.clone(), e);
+    }
+
+    /// The materialized value of `key`, deserializing it (exactly once, whatever the concurrency) if it
+    /// is held serialized. A value read back from disk is promoted to memory unless it is heavier than
+    /// the target.
+    pub fn get(&self, key: &[u8]) -> Result<Option<Arc<C::Value>>> {
+        let (k, slot, source) = {
+            let mut inner = self.lock();
+            let Some((k, e)) = inner.map.get_key_value(key) else { return Ok(None) };
+            let k = k.clone();
+            if let Some(v) = e.slot.try_get() {
+                Self::touch(&mut inner, &k);
+                return Ok(Some(v));
+            }
+            let source = match (e.tier, &e.frames, &e.compressed) {
+                (Tier::Disk, ..) => Source::Disk,
+                (_, Some(f), _) => Source::Frames(f.clone()),
+                (_, None, Some(c)) => Source::Compressed(c.clone()),
+                // A materialized entry always has a ready slot while the store lock is held.
+                _ => {
+                    return Err(Error::InvalidConfig(format!("{:?}: materialized entry without a value", key_str(key))))
+                }
+            };
+            let slot = e.slot.clone();
+            Self::touch(&mut inner, &k);
+            (k, slot, source)
+        };
+        let v = slot.get_or_materialize(|| {
+            let frames = self.fetch(&k, source)?;
+            let t = Instant::now();
+            let n = frames.total_len();
+            let v = self.codec.deserialize(frames).map_err(|e| Error::Codec {
+                op: "deserialize",
+                key: key_str(&k),
+                source: Arc::from(e),
+            })?;
+            self.metrics.acts[DESERIALIZE].add(n, t);
+            Ok(v)
+        })?;
+        // Promote (or, for large values, let the caller keep the only reference).
+        let mut inner = self.lock();
+        let Some(e) = inner.map.get(&k) else { return Ok(Some(v)) };
+        if !Arc::ptr_eq(&e.slot, &slot) || e.tier == Tier::Materialized {
+            return Ok(Some(v));
+        }
+        if e.large {
+            e.slot.evict();
+            return Ok(Some(v));
+        }
+        let mut ne = self.take_entry(&mut inner, &k);
+        let was_disk = ne.tier == Tier::Disk;
+        ne.tier = Tier::Materialized;
+        ne.frames = None;
+        ne.compressed = None;
+        ne.weight = self.codec.size_of(&v);
+        ne.stuck = false;
+        ne.tick = inner.next_tick;
+        inner.next_tick += 1;
+        if was_disk {
+            ne.disk_bytes = 0;
+            ne.disk_raw = 0;
+            self.log.delete(&k)?;
+        }
+        self.put_entry(&mut inner, &k, ne);
+        self.enforce(&mut inner, None)?;
+        Ok(Some(v))
+    }
+
+    fn fetch(&self, key: &[u8], source: Source) -> Result<Frames> {
+        match source {
+            Source::Frames(f) => {
+                let t = Instant::now();
+                self.metrics.acts[MEMORY_READ].add(f.total_len(), t);
+                Ok(f)
+            }
+            Source::Compressed(c) => {
+                let t = Instant::now();
+                let f = decompress(&c)?;
+                self.metrics.acts[DECOMPRESS].add(f.total_len(), t);
+                Ok(f)
+            }
+            Source::Disk => {
+                let t = Instant::now();
+                let f = self.log.get(key)?.ok_or_else(|| Error::Corrupt {
+                    segment: 0,
+                    offset: 0,
+                    reason: format!("{:?} vanished from the log while being read", key_str(key)),
+                })?;
+                self.metrics.acts[DISK_READ].add(f.total_len(), t);
+                Ok(f)
+            }
+        }
+    }
+
+    /// The serialized frames of `key`, never deserializing: for data that is only passing through (to a
+    /// peer). A materialized value is serialized (its object stays); a value on disk is read and, unless
+    /// heavier than the target, promoted to the serialized tier.
+    pub fn get_serialized(&self, key: &[u8]) -> Result<Option<Frames>> {
+        let (k, slot, source, large) = {
+            let mut inner = self.lock();
+            let Some((k, e)) = inner.map.get_key_value(key) else { return Ok(None) };
+            let k = k.clone();
+            let large = e.large;
+            let slot = e.slot.clone();
+            let source = match (e.tier, &e.frames, &e.compressed) {
+                (Tier::Disk, ..) => Source::Disk,
+                (_, Some(f), _) => Source::Frames(f.clone()),
+                (_, None, Some(c)) => Source::Compressed(c.clone()),
+                (Tier::Materialized, None, None) => match e.slot.try_get() {
+                    Some(v) => {
+                        Self::touch(&mut inner, &k);
+                        drop(inner);
+                        return self.serialize(&k, &v).map(Some);
+                    }
+                    None => Source::Disk, // unreachable in practice: materialized entries have a value
+                },
+                _ => Source::Disk,
+            };
+            Self::touch(&mut inner, &k);
+            (k, slot, source, large)
+        };
+        let was_disk = matches!(source, Source::Disk);
+        let frames = self.fetch(&k, source)?;
+        if was_disk && !large {
+            let mut inner = self.lock();
+            if inner.map.get(&k).is_some_and(|e| Arc::ptr_eq(&e.slot, &slot) && e.tier == Tier::Disk) {
+                let mut ne = self.take_entry(&mut inner, &k);
+                ne.tier = Tier::Serialized;
+                ne.weight = frames.total_len();
+                ne.frames = Some(frames.clone());
+                ne.disk_bytes = 0;
+                ne.disk_raw = 0;
+                ne.tick = inner.next_tick;
+                inner.next_tick += 1;
+                self.log.delete(&k)?;
+                self.put_entry(&mut inner, &k, ne);
+                self.enforce(&mut inner, None)?;
+            }
+        }
+        Ok(Some(frames))
+    }
+
+    /// Delete `key` from every tier. Returns whether it existed.
+    pub fn remove(&self, key: &[u8]) -> Result<bool> {
+        let mut inner = self.lock();
+        self.drop_entry(&mut inner, key)
+    }
+
+    /// Whether `key` is stored (in any tier).
+    pub fn contains(&self, key: &[u8]) -> bool {
+        self.lock().map.contains_key(key)
+    }
+
+    /// Number of keys.
+    pub fn len(&self) -> usize {
+        self.lock().map.len()
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// All keys (unordered).
+    pub fn keys(&self) -> Vec<Vec<u8>> {
+        self.lock().map.keys().map(|k| k.to_vec()).collect()
+    }
+
+    /// The tier `key` is in.
+    pub fn tier(&self, key: &[u8]) -> Option<Tier> {
+        self.lock().map.get(key).map(|e| e.tier)
+    }
+
+    /// Total memory weight.
+    pub fn memory_bytes(&self) -> u64 {
+        self.lock().mem_bytes
+    }
+
+    /// Spill the least-recently-used memory-resident entry to disk (for a worker's memory monitor).
+    /// Returns the memory weight freed; 0 when nothing could be evicted. Never fails for a spill
+    /// problem (the entry then stays in memory and the condition is reported).
+    pub fn evict(&self) -> Result<u64> {
+        let mut inner = self.lock();
+        let before = inner.mem_bytes;
+        let Some(key) = inner.lru.values().find(|k| inner.map.get(*k).is_some_and(|e| !e.stuck)).cloned() else {
+            return Ok(0);
+        };
+        // Demote this one entry all the way: a round with an "excess" of its whole weight, restricted to it.
+        let weight = inner.map[&key].weight;
+        let saved: Vec<(u64, Arc<[u8]>)> = inner.lru.iter().map(|(t, k)| (*t, k.clone())).collect();
+        inner.lru.retain(|_, k| *k == key);
+        let r = (|| -> Result<()> {
+            for _ in 0..2 {
+                if inner.map.get(&key).is_none_or(|e| e.tier == Tier::Disk || e.stuck) {
+                    break;
+                }
+                self.evict_round(&mut inner, weight.max(1), None)?;
+            }
+            Ok(())
+        })();
+        for (t, k) in saved {
+            if inner.map.get(&k).is_some_and(|e| e.tier != Tier::Disk && e.tick == t) {
+                inner.lru.insert(t, k);
+            }
+        }
+        r?;
+        Ok(before.saturating_sub(inner.mem_bytes))
+    }
+
+    /// Make everything spilled so far durable (fdatasync of the log).
+    pub fn flush(&self) -> Result<()> {
+        self.log.sync()
+    }
+
+    /// A snapshot of the metrics and the current accounting.
+    pub fn metrics(&self) -> MetricsSnapshot {
+        let inner = self.lock();
+        MetricsSnapshot {
+            activities: ACTIVITIES.iter().zip(&self.metrics.acts).map(|(n, a)| (*n, a.snap())).collect(),
+            tier_bytes: TIERS.iter().map(|t| (t.name(), inner.tier_bytes[t.idx()])).collect(),
+            tier_entries: TIERS.iter().map(|t| (t.name(), inner.tier_count[t.idx()])).collect(),
+            memory_bytes: inner.mem_bytes,
+            spilled_memory_bytes: inner.disk_raw,
+            spilled_disk_bytes: inner.disk_bytes,
+            max_spill_refusals: self.metrics.max_spill_refusals.load(Ordering::Relaxed),
+            spill_failures: self.metrics.spill_failures.load(Ordering::Relaxed),
+        }
+    }
+}

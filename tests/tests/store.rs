@@ -1,0 +1,329 @@
+//! The three-tier store: LRU and threshold semantics, large values, max_spill, failure paths, exact
+//! accounting, deserialize-exactly-once under concurrency, and metrics. Each test names the case it pins.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Barrier};
+
+use bytes::Bytes;
+use spillway::backend::{Fault, FaultKind, FaultOp};
+use spillway::{Codec, CodecError, Error, Frames, LogOptions, SimBackend, Store, StoreConfig, Tier};
+
+/// Values are byte vectors; serialized as a 1-byte header frame plus the bytes. Values starting with
+/// `unpicklable` fail to serialize; serialized data starting with `undeserializable` fails to deserialize.
+#[derive(Default)]
+struct TestCodec {
+    serialized: AtomicUsize,
+    deserialized: AtomicUsize,
+}
+
+impl Codec for TestCodec {
+    type Value = Vec<u8>;
+    fn serialize(&self, v: &Vec<u8>) -> Result<Frames, CodecError> {
+        if v.starts_with(b"unpicklable") {
+            return Err("cannot pickle this".into());
+        }
+        self.serialized.fetch_add(1, Ordering::SeqCst);
+        Ok(Frames(vec![Bytes::from_static(b"H"), Bytes::from(v.clone())]))
+    }
+    fn deserialize(&self, f: Frames) -> Result<Vec<u8>, CodecError> {
+        self.deserialized.fetch_add(1, Ordering::SeqCst);
+        if f.len() != 2 || f.0[0] != b"H"[..] {
+            return Err("bad frames".into());
+        }
+        if f.0[1].starts_with(b"undeserializable") {
+            return Err("cannot unpickle this".into());
+        }
+        Ok(f.0[1].to_vec())
+    }
+    fn size_of(&self, v: &Vec<u8>) -> u64 {
+        v.len() as u64 + 1
+    }
+}
+
+fn ser(v: &[u8]) -> Frames {
+    Frames(vec![Bytes::from_static(b"H"), Bytes::copy_from_slice(v)])
+}
+
+fn cfg(target: u64) -> StoreConfig {
+    StoreConfig {
+        target_bytes: target,
+        log: LogOptions { segment_bytes: 1 << 20, ..Default::default() },
+        ..Default::default()
+    }
+}
+
+fn open(target: u64) -> (Store<TestCodec, SimBackend>, SimBackend) {
+    let be = SimBackend::new();
+    (Store::open(TestCodec::default(), be.clone(), "/store", cfg(target)).unwrap(), be)
+}
+
+fn val(c: u8, n: usize) -> Vec<u8> {
+    vec![c; n]
+}
+
+#[test]
+fn lru_entries_are_demoted_first_and_memory_stays_under_target() {
+    let (s, _) = open(10_000);
+    for (i, c) in b"abcde".iter().enumerate() {
+        s.put(&[*c], val(*c, 2999)).unwrap();
+        assert!(s.memory_bytes() <= 10_000, "after put {i}: {}", s.memory_bytes());
+    }
+    // 5 x 3000 bytes into 10000: the two least recently used went to disk.
+    assert_eq!(s.tier(b"a"), Some(Tier::Disk));
+    assert_eq!(s.tier(b"b"), Some(Tier::Disk));
+    for k in [b"c", b"d", b"e"] {
+        assert_eq!(s.tier(k), Some(Tier::Materialized));
+    }
+    let m = s.metrics();
+    assert_eq!(m.memory_bytes, 9000);
+    assert_eq!(m.spilled_memory_bytes, 2 * 3000, "serialized size of what is on disk: header frame + value");
+    assert!(m.spilled_disk_bytes > m.spilled_memory_bytes, "records add headers");
+}
+
+#[test]
+fn reads_refresh_recency_and_promote() {
+    let (s, _) = open(10_000);
+    for c in b"abc" {
+        s.put(&[*c], val(*c, 2999)).unwrap();
+    }
+    assert_eq!(*s.get(b"a").unwrap().unwrap(), val(b'a', 2999));
+    s.put(b"d", val(b'd', 2999)).unwrap();
+    assert_eq!(s.tier(b"b"), Some(Tier::Disk), "b is now the least recently used");
+    assert_eq!(s.tier(b"a"), Some(Tier::Materialized));
+    // Reading b back promotes it (and demotes the new LRU, c).
+    assert_eq!(*s.get(b"b").unwrap().unwrap(), val(b'b', 2999));
+    assert_eq!(s.tier(b"b"), Some(Tier::Materialized));
+    assert_eq!(s.tier(b"c"), Some(Tier::Disk));
+    assert!(s.memory_bytes() <= 10_000);
+    assert_eq!(s.metrics().activity("disk-read").count, 1);
+}
+
+#[test]
+fn a_value_heavier_than_the_target_goes_straight_to_disk_and_is_not_promoted() {
+    let (s, _) = open(10_000);
+    s.put(b"small", val(1, 100)).unwrap();
+    s.put(b"big", val(2, 50_000)).unwrap();
+    assert_eq!(s.tier(b"big"), Some(Tier::Disk));
+    assert_eq!(s.tier(b"small"), Some(Tier::Materialized), "a large put must not flush the small ones");
+    assert_eq!(*s.get(b"big").unwrap().unwrap(), val(2, 50_000));
+    assert_eq!(s.tier(b"big"), Some(Tier::Disk), "served from disk without promotion");
+    assert_eq!(s.memory_bytes(), 101);
+    assert_eq!(s.get_serialized(b"big").unwrap().unwrap(), ser(&val(2, 50_000)));
+    assert_eq!(s.tier(b"big"), Some(Tier::Disk));
+    s.put_serialized(b"big2", ser(&val(3, 20_000))).unwrap();
+    assert_eq!(s.tier(b"big2"), Some(Tier::Disk));
+}
+
+#[test]
+fn overwriting_a_spilled_key_replaces_it_everywhere() {
+    let (s, _) = open(5_000);
+    s.put(b"k", val(1, 3000)).unwrap();
+    s.put(b"x", val(9, 3000)).unwrap();
+    assert_eq!(s.tier(b"k"), Some(Tier::Disk));
+    s.put(b"k", val(2, 100)).unwrap();
+    assert_eq!(*s.get(b"k").unwrap().unwrap(), val(2, 100));
+    assert_eq!(s.log().get(b"k").unwrap(), None, "the old record is gone from the log");
+    let m = s.metrics();
+    assert_eq!(m.spilled_memory_bytes, 0);
+    assert_eq!(m.spilled_disk_bytes, 0);
+}
+
+#[test]
+fn deleting_a_spilled_key_updates_accounting() {
+    let (s, _) = open(5_000);
+    s.put(b"k", val(1, 3000)).unwrap();
+    s.put(b"x", val(9, 3000)).unwrap();
+    assert_eq!(s.tier(b"k"), Some(Tier::Disk));
+    assert!(s.metrics().spilled_disk_bytes > 0);
+    assert!(s.remove(b"k").unwrap());
+    assert!(!s.contains(b"k"));
+    assert!(!s.remove(b"k").unwrap());
+    let m = s.metrics();
+    assert_eq!((m.spilled_memory_bytes, m.spilled_disk_bytes), (0, 0));
+    assert_eq!(m.tier_entries.iter().find(|(t, _)| *t == "disk").unwrap().1, 0);
+    assert_eq!(s.len(), 1);
+    assert_eq!(s.memory_bytes(), 3001);
+}
+
+#[test]
+fn max_spill_refusal_keeps_data_in_memory_and_is_reported() {
+    let be = SimBackend::new();
+    let c = StoreConfig { max_spill_bytes: Some(7_000), ..cfg(4_000) };
+    let s = Store::open(TestCodec::default(), be, "/store", c).unwrap();
+    for i in 0..6u8 {
+        s.put(&[i], val(i, 2999)).unwrap(); // never an error
+    }
+    let m = s.metrics();
+    assert!(m.max_spill_refusals > 0);
+    assert!(m.spilled_memory_bytes <= 7_000, "{m:?}");
+    assert!(m.memory_bytes > 4_000, "refused entries stay in memory above the target");
+    for i in 0..6u8 {
+        assert_eq!(*s.get(&[i]).unwrap().unwrap(), val(i, 2999), "nothing is lost");
+    }
+    // Freeing disk space lets evictions proceed again.
+    let on_disk: Vec<u8> = (0..6u8).filter(|i| s.tier(&[*i]) == Some(Tier::Disk)).collect();
+    for i in &on_disk {
+        s.remove(&[*i]).unwrap();
+    }
+    s.put(b"new", val(7, 10)).unwrap();
+    assert!(s.metrics().spilled_memory_bytes > 0);
+}
+
+#[test]
+fn serialize_failure_of_the_inserted_key_is_an_error_and_the_key_is_forgotten() {
+    let (s, _) = open(1_000);
+    let mut v = b"unpicklable".to_vec();
+    v.resize(5_000, 0);
+    let err = s.put(b"bad", v).unwrap_err();
+    assert!(matches!(err, Error::Codec { op: "serialize", .. }), "{err}");
+    assert!(!s.contains(b"bad"));
+    assert_eq!(s.memory_bytes(), 0);
+}
+
+#[test]
+fn serialize_failure_while_evicting_another_key_keeps_it_in_memory() {
+    let (s, _) = open(5_000);
+    let mut v = b"unpicklable".to_vec();
+    v.resize(3_000, 0);
+    s.put(b"stubborn", v.clone()).unwrap();
+    s.put(b"next", val(1, 3000)).unwrap(); // must evict: stubborn can't be serialized, so next goes
+    assert_eq!(s.tier(b"stubborn"), Some(Tier::Materialized));
+    assert_eq!(*s.get(b"stubborn").unwrap().unwrap(), v);
+    assert!(s.metrics().spill_failures >= 1);
+    assert_eq!(s.len(), 2);
+}
+
+#[test]
+fn disk_failure_keeps_data_in_memory() {
+    let (s, be) = open(5_000);
+    be.inject(Fault { op: FaultOp::Write, after: 0, kind: FaultKind::Eio, sticky: true });
+    for i in 0..5u8 {
+        s.put(&[i], val(i, 2000)).unwrap();
+    }
+    assert!(s.metrics().spill_failures >= 1);
+    for i in 0..5u8 {
+        assert_ne!(s.tier(&[i]), Some(Tier::Disk));
+        assert_eq!(*s.get(&[i]).unwrap().unwrap(), val(i, 2000));
+    }
+}
+
+#[test]
+fn concurrent_gets_of_one_key_deserialize_once() {
+    for spilled in [false, true] {
+        for round in 0..20 {
+            let (s, _) = open(1 << 20);
+            s.put_serialized(b"k", ser(&val(5, 100_000))).unwrap();
+            if spilled {
+                assert!(s.evict().unwrap() > 0);
+                assert_eq!(s.tier(b"k"), Some(Tier::Disk));
+            }
+            let s = Arc::new(s);
+            let barrier = Arc::new(Barrier::new(8));
+            let handles: Vec<_> = (0..8)
+                .map(|_| {
+                    let (s, b) = (s.clone(), barrier.clone());
+                    std::thread::spawn(move || {
+                        b.wait();
+                        s.get(b"k").unwrap().unwrap()
+                    })
+                })
+                .collect();
+            let vals: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+            assert_eq!(s.codec().deserialized.load(Ordering::SeqCst), 1, "spilled={spilled} round {round}");
+            assert!(vals.iter().all(|v| Arc::ptr_eq(v, &vals[0])));
+            assert_eq!(s.metrics().activity("deserialize").count, 1);
+        }
+    }
+}
+
+#[test]
+fn a_failed_deserialize_reports_the_error_and_keeps_the_bytes() {
+    let (s, _) = open(1 << 20);
+    let bad = ser(b"undeserializable!");
+    s.put_serialized(b"k", bad.clone()).unwrap();
+    let err = s.get(b"k").unwrap_err();
+    assert!(matches!(err, Error::Codec { op: "deserialize", .. }), "{err}");
+    assert_eq!(s.get_serialized(b"k").unwrap().unwrap(), bad, "the serialized bytes stay intact");
+    assert_eq!(s.tier(b"k"), Some(Tier::Serialized));
+    assert!(s.get(b"k").is_err(), "a retry runs the codec again");
+    assert_eq!(s.codec().deserialized.load(Ordering::SeqCst), 2);
+}
+
+#[test]
+fn get_serialized_never_deserializes() {
+    let (s, _) = open(1 << 20);
+    s.put_serialized(b"net", ser(&val(1, 1000))).unwrap();
+    s.evict().unwrap();
+    assert_eq!(s.tier(b"net"), Some(Tier::Disk));
+    assert_eq!(s.get_serialized(b"net").unwrap().unwrap(), ser(&val(1, 1000)));
+    assert_eq!(s.tier(b"net"), Some(Tier::Serialized), "promoted to the serialized tier");
+    assert_eq!(s.get_serialized(b"net").unwrap().unwrap(), ser(&val(1, 1000)));
+    assert_eq!(s.codec().deserialized.load(Ordering::SeqCst), 0);
+    // A materialized value is serialized for sending but stays materialized.
+    s.put(b"obj", val(2, 10)).unwrap();
+    assert_eq!(s.get_serialized(b"obj").unwrap().unwrap(), ser(&val(2, 10)));
+    assert_eq!(s.tier(b"obj"), Some(Tier::Materialized));
+}
+
+#[test]
+fn in_memory_compression_is_a_tier_between_serialized_and_disk() {
+    let be = SimBackend::new();
+    let c = StoreConfig { compress_in_memory: true, ..cfg(10_000) };
+    let s = Store::open(TestCodec::default(), be, "/store", c).unwrap();
+    s.put(b"a", val(b'a', 6000)).unwrap();
+    s.put(b"b", val(b'b', 6000)).unwrap();
+    assert_eq!(s.tier(b"a"), Some(Tier::Compressed), "compressing freed enough: no disk write");
+    assert!(s.memory_bytes() <= 10_000);
+    assert_eq!(s.metrics().activity("disk-write").count, 0);
+    assert_eq!(*s.get(b"a").unwrap().unwrap(), val(b'a', 6000));
+    assert!(s.metrics().activity("decompress").count >= 1);
+}
+
+#[test]
+fn manual_evict_spills_the_lru_entry_and_reports_bytes_freed() {
+    let (s, _) = open(1 << 20);
+    assert_eq!(s.evict().unwrap(), 0, "nothing to evict");
+    s.put(b"old", val(1, 500)).unwrap();
+    s.put(b"new", val(2, 700)).unwrap();
+    assert_eq!(s.evict().unwrap(), 501);
+    assert_eq!(s.tier(b"old"), Some(Tier::Disk));
+    assert_eq!(s.tier(b"new"), Some(Tier::Materialized));
+    assert_eq!(s.evict().unwrap(), 701);
+    assert_eq!(s.evict().unwrap(), 0);
+}
+
+#[test]
+fn metrics_and_prometheus_exposition() {
+    let (s, _) = open(4_000);
+    for i in 0..4u8 {
+        s.put(&[i], val(i, 1500)).unwrap();
+    }
+    s.get(&[0]).unwrap().unwrap();
+    let m = s.metrics();
+    assert!(m.activity("serialize").count >= 1);
+    assert!(m.activity("disk-write").bytes >= 1501);
+    assert_eq!(m.activity("disk-read").count, 1);
+    assert_eq!(m.activity("deserialize").count, 1);
+    let text = m.prometheus();
+    assert!(text.contains("spillway_spill_bytes_total{activity=\"disk-write\"}"), "{text}");
+    assert!(text.contains("spillway_spill_time_seconds_total{activity=\"deserialize\"}"));
+    assert!(text.contains("spillway_entries{tier=\"disk\"}"));
+}
+
+#[test]
+fn a_reopened_store_finds_its_spilled_data() {
+    let be = SimBackend::new();
+    {
+        let s = Store::open(TestCodec::default(), be.clone(), "/store", cfg(3_000)).unwrap();
+        for i in 0..5u8 {
+            s.put(&[i], val(i, 1000)).unwrap();
+        }
+        s.flush().unwrap();
+    }
+    let s = Store::open(TestCodec::default(), be.crash(None), "/store", cfg(3_000)).unwrap();
+    let on_disk: Vec<u8> = (0..5u8).filter(|i| s.tier(&[*i]) == Some(Tier::Disk)).collect();
+    assert!(!on_disk.is_empty());
+    for i in on_disk {
+        assert_eq!(*s.get(&[i]).unwrap().unwrap(), val(i, 1000));
+    }
+}
