@@ -18,6 +18,8 @@ use serde_json::json;
 use spillway::units::{format_size, parse_size};
 use spillway::{Compression, Frames, LogOptions, PortableBackend, SegmentLog};
 
+mod store_jobs;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Rw {
     /// Sequential writes of new keys.
@@ -30,6 +32,10 @@ enum Rw {
     Randwrite,
     /// Random mix of reads and overwrites (`--rwmixread` percent reads).
     Randrw,
+    /// Store: put values far beyond `--target`, get them back in random order; file-per-key baseline.
+    SpillUnspill,
+    /// Store: `--numjobs` threads get the same serialized keys; deserializations must equal keys.
+    Materialize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -106,6 +112,9 @@ struct Args {
     /// Output format.
     #[arg(long, value_enum, default_value = "normal")]
     output_format: OutputFormat,
+    /// Memory target of the store (store jobs).
+    #[arg(long, value_parser = parse_size, default_value = "16MiB")]
+    target: u64,
 }
 
 /// Latency and volume of one direction (read or write) of a job.
@@ -251,6 +260,7 @@ fn run_job(log: &Arc<SegmentLog>, args: &Args, rw: Rw, progress: bool) -> Result
                         let is_read = match rw {
                             Rw::Write | Rw::Randwrite => false,
                             Rw::Read | Rw::Randread => true,
+                            Rw::SpillUnspill | Rw::Materialize => unreachable!("store jobs run elsewhere"),
                             Rw::Randrw => rng.gen_range(0..100) < args.rwmixread,
                         };
                         let k = match rw {
@@ -311,6 +321,30 @@ fn main() -> Result<()> {
         }
     };
     let store_dir = dir.join("store");
+    if matches!(args.rw, Some(Rw::SpillUnspill | Rw::Materialize)) {
+        std::fs::create_dir_all(&dir)?;
+        let job = store_jobs::StoreJob {
+            bs: args.bs,
+            size: args.size,
+            target: args.target,
+            numjobs: args.numjobs,
+            segment_size: args.segment_size,
+            dir: &dir,
+            human: args.output_format == OutputFormat::Normal,
+        };
+        let out = if args.rw == Some(Rw::SpillUnspill) {
+            store_jobs::spill_unspill(&job)?
+        } else {
+            store_jobs::materialize(&job)?
+        };
+        if args.output_format == OutputFormat::Json {
+            println!("{}", serde_json::to_string_pretty(&json!({"jobs": [out]}))?);
+        }
+        if let (true, Some(t)) = (args.keep, tmp) {
+            eprintln!("kept {}", t.keep().display());
+        }
+        return Ok(());
+    }
     let opts = LogOptions {
         segment_bytes: args.segment_size,
         compression: match args.compress {

@@ -922,6 +922,23 @@ impl<B: Backend> SegmentLog<B> {
         Ok(true)
     }
 
+    /// Drop `key` from the index *without* writing a tombstone: its space is reclaimed like a deleted
+    /// record's, but the deletion does not survive a reopen (the old record may come back). For stores
+    /// whose contents die with the process (a worker's spill directory), where a tombstone per delete
+    /// would be wasted I/O.
+    pub fn forget(&self, key: &[u8]) -> Result<bool> {
+        self.check_writable()?;
+        let mut st = lock(&self.state);
+        let old = self.index.write().unwrap_or_else(|p| p.into_inner()).remove(key);
+        let Some(old) = old else { return Ok(false) };
+        let mut emptied = Vec::new();
+        Self::release(&mut st, old, &mut emptied);
+        if !emptied.is_empty() {
+            self.collect_garbage(&mut st)?;
+        }
+        Ok(true)
+    }
+
     fn prepare<'a>(&self, rec: NewRecord<'a>) -> Prepared<'a> {
         let key_len = rec.key().len();
         let (payload, frame_count, stored) = match &rec {

@@ -39,6 +39,11 @@ use crate::log::{LogOptions, SegmentLog};
 use crate::slot::Slot;
 use crate::value::Frames;
 
+/// Entries looked at per eviction round.
+const EVICT_SCAN: usize = 256;
+/// At most this much below the target is evicted at once (batches spill writes).
+const EVICT_SLACK_BYTES: u64 = 4 << 20;
+
 /// A codec's error.
 pub type CodecError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -67,6 +72,9 @@ pub struct StoreConfig {
     pub sync_spills: bool,
     /// The segment log's options (segment size, on-disk compression, ...).
     pub log: LogOptions,
+    /// Keep the contents across reopen. When false (a worker's spill store, whose data dies with it),
+    /// records left by an earlier process are discarded at open and removals write no tombstones.
+    pub persistent: bool,
 }
 
 impl Default for StoreConfig {
@@ -77,6 +85,7 @@ impl Default for StoreConfig {
             compress_in_memory: false,
             sync_spills: false,
             log: LogOptions::default(),
+            persistent: false,
         }
     }
 }
@@ -125,7 +134,8 @@ struct Entry<V> {
     compressed: Option<Compressed>,
     /// Memory weight currently accounted for this entry.
     weight: u64,
-    /// Serialized size of what is on disk (for `spilled_total`), 0 otherwise.
+    /// Serialized size of the value's copy on disk (for `spilled_total`), 0 when it has none. A value
+    /// read back from disk keeps its disk copy (same bytes), so evicting it again costs no write.
     disk_raw: u64,
     /// Bytes the log holds for it (record length), 0 otherwise.
     disk_bytes: u64,
@@ -147,6 +157,8 @@ struct Inner<V> {
     disk_bytes: u64,
     disk_raw: u64,
     logged_stuck: bool,
+    /// Some entry is marked stuck (so freeing disk space has flags to reset).
+    any_stuck: bool,
 }
 
 impl<V> Inner<V> {
@@ -353,7 +365,14 @@ impl<C: Codec, B: Backend> Store<C, B> {
             disk_bytes: 0,
             disk_raw: 0,
             logged_stuck: false,
+            any_stuck: false,
         };
+        if !cfg.persistent && !log.is_empty() {
+            for k in log.keys() {
+                log.forget(&k)?;
+            }
+            log.compact()?;
+        }
         for k in log.keys() {
             let len = log.location(&k).map_or(0, |l| l.len);
             let e = Entry {
@@ -428,9 +447,15 @@ impl<C: Codec, B: Backend> Store<C, B> {
             inner.lru.remove(&e.tick);
         }
         if e.disk_bytes > 0 {
-            self.log.delete(key)?;
-            for e in inner.map.values_mut() {
-                e.stuck = false; // disk space was freed: retry evictions that max_spill refused
+            if self.cfg.persistent {
+                self.log.delete(key)?;
+            } else {
+                self.log.forget(key)?;
+            }
+            if std::mem::take(&mut inner.any_stuck) {
+                for e in inner.map.values_mut() {
+                    e.stuck = false; // disk space was freed: retry evictions that max_spill refused
+                }
             }
         }
         Ok(true)
@@ -521,6 +546,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
         } else {
             e.stuck = true;
         }
+        if e.stuck {
+            inner.any_stuck = true;
+        }
         self.insert(inner, key, e)?;
         Ok(())
     }
@@ -575,8 +603,10 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// Demote least-recently-used entries until memory is at or below the target. `protect` is the key
     /// being inserted: if *its* serialization fails, it is forgotten and the error returned.
     fn enforce(&self, inner: &mut Inner<C::Value>, protect: Option<&Arc<[u8]>>) -> Result<()> {
+        // Evict a little below the target so that spill writes come in batches, not one per put.
+        let slack = (self.cfg.target_bytes / 16).min(EVICT_SLACK_BYTES);
         while inner.mem_bytes > self.cfg.target_bytes {
-            let freed = self.evict_round(inner, inner.mem_bytes - self.cfg.target_bytes, protect)?;
+            let freed = self.evict_round(inner, inner.mem_bytes - self.cfg.target_bytes + slack, protect)?;
             if freed == 0 {
                 break; // nothing evictable: everything left is stuck or in use
             }
@@ -586,7 +616,13 @@ impl<C: Codec, B: Backend> Store<C, B> {
 
     /// One eviction round over the LRU order; returns bytes freed.
     fn evict_round(&self, inner: &mut Inner<C::Value>, excess: u64, protect: Option<&Arc<[u8]>>) -> Result<u64> {
-        let candidates: Vec<Arc<[u8]>> = inner.lru.values().cloned().collect();
+        let candidates: Vec<Arc<[u8]>> = inner
+            .lru
+            .values()
+            .filter(|k| inner.map.get(*k).is_some_and(|e| !e.stuck))
+            .take(EVICT_SCAN)
+            .cloned()
+            .collect();
         let mut freed = 0u64;
         let mut batch: Vec<(Arc<[u8]>, Frames)> = Vec::new();
         for key in candidates {
@@ -595,6 +631,20 @@ impl<C: Codec, B: Backend> Store<C, B> {
             }
             let Some(e) = inner.map.get(&key) else { continue };
             if e.stuck {
+                continue;
+            }
+            // A value that still has its disk copy (it was read back) is dropped from memory for free.
+            if e.disk_bytes > 0 {
+                if e.tier == Tier::Materialized && e.slot.evict().is_none() {
+                    continue;
+                }
+                let mut ne = self.take_entry(inner, &key);
+                freed += ne.weight;
+                ne.tier = Tier::Disk;
+                ne.weight = 0;
+                ne.frames = None;
+                ne.compressed = None;
+                self.put_entry(inner, &key, ne);
                 continue;
             }
             // Step 1: object -> serialized (-> compressed).
@@ -613,6 +663,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                         log::error!("Failed to serialize {:?}; keeping it in memory: {err}", key_str(&key));
                         self.metrics.spill_failures.fetch_add(1, Ordering::Relaxed);
                         inner.map.get_mut(&key).expect("present").stuck = true;
+                        inner.any_stuck = true;
                         continue;
                     }
                 };
@@ -671,6 +722,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 let e = inner.map.get_mut(&k).expect("present");
                 freed = freed.saturating_sub(e.weight);
                 e.stuck = true;
+                inner.any_stuck = true;
             }
         }
         if allowed.is_empty() {
@@ -697,6 +749,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                     let e = inner.map.get_mut(k).expect("present");
                     freed = freed.saturating_sub(e.weight);
                     e.stuck = true;
+                    inner.any_stuck = true;
                 }
                 Ok(freed)
             }
@@ -778,11 +831,8 @@ impl<C: Codec, B: Backend> Store<C, B> {
         ne.stuck = false;
         ne.tick = inner.next_tick;
         inner.next_tick += 1;
-        if was_disk {
-            ne.disk_bytes = 0;
-            ne.disk_raw = 0;
-            self.log.delete(&k)?;
-        }
+        // A value read back from disk keeps its disk copy: evicting it again costs no write.
+        let _ = was_disk;
         self.put_entry(&mut inner, &k, ne);
         self.enforce(&mut inner, None)?;
         Ok(Some(v))
@@ -850,12 +900,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 ne.tier = Tier::Serialized;
                 ne.weight = frames.total_len();
                 ne.frames = Some(frames.clone());
-                ne.disk_bytes = 0;
-                ne.disk_raw = 0;
                 ne.tick = inner.next_tick;
                 inner.next_tick += 1;
-                self.log.delete(&k)?;
-                self.put_entry(&mut inner, &k, ne);
+                self.put_entry(&mut inner, &k, ne); // keeps its disk copy, like `get`
                 self.enforce(&mut inner, None)?;
             }
         }

@@ -52,6 +52,10 @@ fn cfg(target: u64) -> StoreConfig {
     }
 }
 
+fn persistent(target: u64) -> StoreConfig {
+    StoreConfig { persistent: true, ..cfg(target) }
+}
+
 fn open(target: u64) -> (Store<TestCodec, SimBackend>, SimBackend) {
     let be = SimBackend::new();
     (Store::open(TestCodec::default(), be.clone(), "/store", cfg(target)).unwrap(), be)
@@ -314,16 +318,60 @@ fn metrics_and_prometheus_exposition() {
 fn a_reopened_store_finds_its_spilled_data() {
     let be = SimBackend::new();
     {
-        let s = Store::open(TestCodec::default(), be.clone(), "/store", cfg(3_000)).unwrap();
+        let s = Store::open(TestCodec::default(), be.clone(), "/store", persistent(3_000)).unwrap();
         for i in 0..5u8 {
             s.put(&[i], val(i, 1000)).unwrap();
         }
         s.flush().unwrap();
     }
-    let s = Store::open(TestCodec::default(), be.crash(None), "/store", cfg(3_000)).unwrap();
+    let s = Store::open(TestCodec::default(), be.crash(None), "/store", persistent(3_000)).unwrap();
     let on_disk: Vec<u8> = (0..5u8).filter(|i| s.tier(&[*i]) == Some(Tier::Disk)).collect();
     assert!(!on_disk.is_empty());
     for i in on_disk {
         assert_eq!(*s.get(&[i]).unwrap().unwrap(), val(i, 1000));
     }
+}
+
+#[test]
+fn a_spill_store_starts_empty_and_a_persistent_one_keeps_deletes() {
+    let be = SimBackend::new();
+    {
+        let s = Store::open(TestCodec::default(), be.clone(), "/store", cfg(1_000)).unwrap();
+        for i in 0..5u8 {
+            s.put(&[i], val(i, 800)).unwrap();
+        }
+    }
+    let s = Store::open(TestCodec::default(), be.clone(), "/store", cfg(1_000)).unwrap();
+    assert!(s.is_empty(), "a non-persistent store discards what an earlier process spilled");
+    drop(s);
+    {
+        let s = Store::open(TestCodec::default(), be.clone(), "/p", persistent(1_000)).unwrap();
+        for i in 0..5u8 {
+            s.put(&[i], val(i, 800)).unwrap();
+        }
+        assert_eq!(s.tier(&[0]), Some(Tier::Disk));
+        // Read back (the disk copy is kept), then remove: the removal must survive reopen.
+        assert_eq!(*s.get(&[0]).unwrap().unwrap(), val(0, 800));
+        assert!(s.remove(&[0]).unwrap());
+        s.flush().unwrap();
+    }
+    let s = Store::open(TestCodec::default(), be, "/p", persistent(1_000)).unwrap();
+    assert!(!s.contains(&[0]));
+    assert!(s.contains(&[1]));
+}
+
+#[test]
+fn a_value_read_back_from_disk_is_evicted_again_without_a_write() {
+    let (s, _) = open(5_000);
+    s.put(b"a", val(1, 3000)).unwrap();
+    s.put(b"b", val(2, 3000)).unwrap();
+    assert_eq!(s.tier(b"a"), Some(Tier::Disk));
+    let writes = s.metrics().activity("disk-write").count;
+    assert_eq!(*s.get(b"a").unwrap().unwrap(), val(1, 3000)); // promotes a, evicts b (a write)
+    assert_eq!(s.tier(b"b"), Some(Tier::Disk));
+    assert_eq!(s.metrics().activity("disk-write").count, writes + 1);
+    assert_eq!(*s.get(b"b").unwrap().unwrap(), val(2, 3000)); // promotes b, evicts a: no write
+    assert_eq!(s.tier(b"a"), Some(Tier::Disk));
+    assert_eq!(s.metrics().activity("disk-write").count, writes + 1);
+    assert_eq!(*s.get(b"a").unwrap().unwrap(), val(1, 3000));
 }

@@ -1,0 +1,231 @@
+//! Store-level jobs: `spill-unspill` (with a file-per-key baseline in the same run) and `materialize`.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use bytes::Bytes;
+use hdrhistogram::Histogram;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use serde_json::{json, Value};
+use spillway::units::format_size;
+use spillway::{Codec, CodecError, Frames, LogOptions, PortableBackend, Store, StoreConfig};
+
+/// The cheapest honest codec for bytes: serialize and deserialize share buffers (no copy), so the
+/// benchmark measures the store, not the codec. Counts deserializations.
+#[derive(Default)]
+pub struct BytesCodec {
+    deserialized: AtomicUsize,
+}
+
+impl Codec for BytesCodec {
+    type Value = Bytes;
+    fn serialize(&self, v: &Bytes) -> Result<Frames, CodecError> {
+        Ok(Frames::single(v.clone()))
+    }
+    fn deserialize(&self, f: Frames) -> Result<Bytes, CodecError> {
+        self.deserialized.fetch_add(1, Ordering::Relaxed);
+        Ok(f.concat())
+    }
+    fn size_of(&self, v: &Bytes) -> u64 {
+        v.len() as u64
+    }
+}
+
+/// Parameters shared by the store jobs.
+pub struct StoreJob<'a> {
+    /// Value size.
+    pub bs: u64,
+    /// Total bytes of values.
+    pub size: u64,
+    /// Memory target of the store.
+    pub target: u64,
+    /// Threads (materialize job).
+    pub numjobs: usize,
+    /// Segment size.
+    pub segment_size: u64,
+    /// Where to put the stores.
+    pub dir: &'a Path,
+    /// Print a human summary.
+    pub human: bool,
+}
+
+struct Phase {
+    ops: u64,
+    bytes: u64,
+    elapsed: Duration,
+}
+
+impl Phase {
+    fn json(&self) -> Value {
+        let s = self.elapsed.as_secs_f64().max(1e-9);
+        json!({"ops": self.ops, "bytes": self.bytes, "seconds": s, "ops_per_s": self.ops as f64 / s, "bytes_per_s": self.bytes as f64 / s})
+    }
+    fn rate(&self) -> f64 {
+        self.ops as f64 / self.elapsed.as_secs_f64().max(1e-9)
+    }
+}
+
+fn values(n: u64, bs: u64) -> Vec<Bytes> {
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(42);
+    // A handful of distinct random payloads, reused: generation cost stays out of the timings.
+    let distinct: Vec<Bytes> = (0..16)
+        .map(|_| {
+            let mut v = vec![0u8; bs as usize];
+            rng.fill(&mut v[..]);
+            Bytes::from(v)
+        })
+        .collect();
+    (0..n).map(|i| distinct[(i % 16) as usize].clone()).collect()
+}
+
+/// `--rw spill-unspill`: put N values (far more than the target), then get them all back in random
+/// order, each get followed by a remove (a task consumed its input). Baseline: one file per key with a
+/// plain write and a plain read + unlink, as dask's `zict.File` does; both sides buffered, no fsync.
+pub fn spill_unspill(job: &StoreJob<'_>) -> Result<Value> {
+    let n = (job.size / job.bs).max(1);
+    let vals = values(n, job.bs);
+    let mut order: Vec<u64> = (0..n).collect();
+    order.shuffle(&mut rand::rngs::SmallRng::seed_from_u64(7));
+
+    // spillway
+    let cfg = StoreConfig {
+        target_bytes: job.target,
+        log: LogOptions { segment_bytes: job.segment_size, ..Default::default() },
+        ..Default::default()
+    };
+    let sdir = job.dir.join("spill-unspill-store");
+    let store = Store::open(BytesCodec::default(), PortableBackend::new(), &sdir, cfg)?;
+    let t = Instant::now();
+    for (i, v) in vals.iter().enumerate() {
+        store.put(format!("key-{i}").as_bytes(), v.clone())?;
+    }
+    let s_spill = Phase { ops: n, bytes: n * job.bs, elapsed: t.elapsed() };
+    let spilled = store.metrics().tier_entries.iter().find(|(t, _)| *t == "disk").map_or(0, |x| x.1);
+    let t = Instant::now();
+    for &i in &order {
+        let k = format!("key-{i}");
+        let v = store.get(k.as_bytes())?.context("value missing")?;
+        assert_eq!(v.len() as u64, job.bs);
+        store.remove(k.as_bytes())?;
+    }
+    let s_unspill = Phase { ops: n, bytes: n * job.bs, elapsed: t.elapsed() };
+    let metrics = store.metrics();
+    drop(store);
+    std::fs::remove_dir_all(&sdir).ok();
+
+    // Baseline: one file per key.
+    let bdir = job.dir.join("spill-unspill-files");
+    std::fs::create_dir_all(&bdir)?;
+    let t = Instant::now();
+    for (i, v) in vals.iter().enumerate() {
+        std::fs::write(bdir.join(format!("key-{i}")), v)?;
+    }
+    let b_spill = Phase { ops: n, bytes: n * job.bs, elapsed: t.elapsed() };
+    let t = Instant::now();
+    for &i in &order {
+        let p = bdir.join(format!("key-{i}"));
+        let v = std::fs::read(&p)?;
+        assert_eq!(v.len() as u64, job.bs);
+        std::fs::remove_file(&p)?;
+    }
+    let b_unspill = Phase { ops: n, bytes: n * job.bs, elapsed: t.elapsed() };
+    std::fs::remove_dir_all(&bdir).ok();
+
+    let r_spill = s_spill.rate() / b_spill.rate();
+    let r_unspill = s_unspill.rate() / b_unspill.rate();
+    if job.human {
+        println!(
+            "spill-unspill: {n} values of {} (target {}), {spilled} spilled",
+            format_size(job.bs),
+            format_size(job.target)
+        );
+        for (name, s, b, r) in [("spill", &s_spill, &b_spill, r_spill), ("unspill", &s_unspill, &b_unspill, r_unspill)]
+        {
+            println!(
+                "  {name:<8} spillway {:>10.0} ops/s {:>10}/s   file-per-key {:>10.0} ops/s {:>10}/s   ratio {:.2}x",
+                s.rate(),
+                format_size((s.bytes as f64 / s.elapsed.as_secs_f64()) as u64),
+                b.rate(),
+                format_size((b.bytes as f64 / b.elapsed.as_secs_f64()) as u64),
+                r
+            );
+        }
+    }
+    Ok(json!({
+        "jobname": "spill-unspill",
+        "bs": job.bs, "values": n, "target": job.target, "spilled": spilled,
+        "spillway": {"spill": s_spill.json(), "unspill": s_unspill.json()},
+        "baseline_file_per_key": {"spill": b_spill.json(), "unspill": b_unspill.json()},
+        "ratio": {"spill": r_spill, "unspill": r_unspill},
+        "disk_write_bytes": metrics.activity("disk-write").bytes,
+        "disk_read_bytes": metrics.activity("disk-read").bytes,
+    }))
+}
+
+/// `--rw materialize --numjobs T`: T threads get the same serialized keys at the same time; every key
+/// must be deserialized exactly once.
+pub fn materialize(job: &StoreJob<'_>) -> Result<Value> {
+    let n = (job.size / job.bs).clamp(1, 100_000);
+    let vals = values(n, job.bs);
+    let cfg = StoreConfig {
+        target_bytes: u64::MAX / 2,
+        log: LogOptions { segment_bytes: job.segment_size, ..Default::default() },
+        ..Default::default()
+    };
+    let sdir = job.dir.join("materialize-store");
+    let store = Arc::new(Store::open(BytesCodec::default(), PortableBackend::new(), &sdir, cfg)?);
+    for (i, v) in vals.iter().enumerate() {
+        store.put_serialized(format!("key-{i}").as_bytes(), Frames::single(v.clone()))?;
+    }
+    let barrier = Arc::new(Barrier::new(job.numjobs));
+    let t = Instant::now();
+    let hists: Vec<Result<Histogram<u64>>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..job.numjobs)
+            .map(|j| {
+                let (store, barrier) = (store.clone(), barrier.clone());
+                s.spawn(move || -> Result<Histogram<u64>> {
+                    let mut order: Vec<u64> = (0..n).collect();
+                    order.shuffle(&mut rand::rngs::SmallRng::seed_from_u64(j as u64));
+                    let mut h = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?;
+                    barrier.wait();
+                    for i in order {
+                        let t = Instant::now();
+                        store.get(format!("key-{i}").as_bytes())?.context("missing")?;
+                        h.saturating_record(t.elapsed().as_nanos() as u64);
+                    }
+                    Ok(h)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("thread")).collect()
+    });
+    let elapsed = t.elapsed();
+    let mut h = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?;
+    for x in hists {
+        h.add(x?)?;
+    }
+    let deserialize_count = store.codec().deserialized.load(Ordering::Relaxed) as u64;
+    drop(store);
+    std::fs::remove_dir_all(&sdir).ok();
+    if job.human {
+        println!(
+            "materialize: {n} keys x {} threads in {:.3} s: {} deserializations (must equal keys); get latency p50 {:.1} us p99 {:.1} us max {:.1} us",
+            job.numjobs,
+            elapsed.as_secs_f64(),
+            deserialize_count,
+            h.value_at_quantile(0.5) as f64 / 1e3,
+            h.value_at_quantile(0.99) as f64 / 1e3,
+            h.max() as f64 / 1e3
+        );
+    }
+    anyhow::ensure!(deserialize_count == n, "deserialized {deserialize_count} times for {n} keys");
+    Ok(json!({
+        "jobname": "materialize", "keys": n, "threads": job.numjobs, "deserialize_count": deserialize_count,
+        "seconds": elapsed.as_secs_f64(),
+        "wait_ns": {"p50": h.value_at_quantile(0.5), "p99": h.value_at_quantile(0.99), "p99.9": h.value_at_quantile(0.999), "max": h.max()},
+    }))
+}
