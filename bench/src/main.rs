@@ -101,7 +101,7 @@ struct Args {
     #[arg(long, value_enum, default_value = "random")]
     payload: Payload,
     /// Segment file size.
-    #[arg(long, value_parser = parse_size, default_value = "256MiB")]
+    #[arg(long, value_parser = parse_size, default_value = "64MiB")]
     segment_size: u64,
     /// Directory for the store (default: a new temporary directory, removed afterwards).
     #[arg(long)]

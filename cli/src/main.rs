@@ -35,7 +35,7 @@ enum Cmd {
         #[arg(long)]
         sync: bool,
         /// Size of new segment files (e.g. 64MiB).
-        #[arg(long, value_parser = parse_size, default_value = "256MiB")]
+        #[arg(long, value_parser = parse_size, default_value = "64MiB")]
         segment_size: u64,
     },
     /// Write the value of KEY to stdout.

@@ -62,17 +62,22 @@ pub struct LogOptions {
     pub auto_compact: bool,
     /// I/O alignment override (power of two, 512..=65536); `None` asks the backend (statx).
     pub alignment: Option<usize>,
+    /// fdatasync on its own where crash consistency needs it: before sealing a segment and before
+    /// deleting one. Turn off for data that dies with the process (a spill store); `sync()` still
+    /// syncs when called.
+    pub durable: bool,
 }
 
 impl Default for LogOptions {
     fn default() -> Self {
         LogOptions {
-            segment_bytes: 256 << 20,
+            segment_bytes: 64 << 20,
             compression: Compression::None,
             create_if_missing: true,
             max_value_bytes: 4 << 30,
             auto_compact: true,
             alignment: None,
+            durable: true,
         }
     }
 }
@@ -1211,7 +1216,9 @@ impl<B: Backend> SegmentLog<B> {
     fn delete_segment(&self, st: &mut WriterState<B::File>, id: u32) -> Result<()> {
         // The records that made this segment dead may still be only in the page cache: make them
         // durable before the old copies disappear, so a power cut cannot lose both.
-        self.sync_active(st)?;
+        if self.opts.durable {
+            self.sync_active(st)?;
+        }
         let path = self.seg_path(id);
         self.files.write().unwrap_or_else(|p| p.into_inner()).remove(&id);
         match self.backend.remove_file(&path) {
@@ -1302,8 +1309,10 @@ impl<B: Backend> SegmentLog<B> {
 
     /// Seal the active segment: data durable first, then footer and trailer.
     fn seal_active(&self, st: &mut WriterState<B::File>) -> Result<()> {
-        self.sync_active(st)?;
-        self.sync_dir_if_dirty(st)?;
+        if self.opts.durable {
+            self.sync_active(st)?;
+            self.sync_dir_if_dirty(st)?;
+        }
         let a = st.active.take().expect("active segment to seal");
         let footer_offset = align_up(a.data_end, self.align);
         let footer_len = a.footer.len() as u64;

@@ -354,7 +354,9 @@ fn decompress(c: &Compressed) -> Result<Frames> {
 impl<C: Codec, B: Backend> Store<C, B> {
     /// Open a store in `dir`. Records already in the log become disk-tier entries.
     pub fn open(codec: C, backend: B, dir: impl AsRef<Path>, cfg: StoreConfig) -> Result<Self> {
-        let log = SegmentLog::open(backend, dir, cfg.log.clone())?;
+        // A spill store's data dies with the process: the log need not fsync on its own.
+        let log_opts = LogOptions { durable: cfg.log.durable && cfg.persistent, ..cfg.log.clone() };
+        let log = SegmentLog::open(backend, dir, log_opts)?;
         let mut inner = Inner {
             map: HashMap::new(),
             lru: BTreeMap::new(),
