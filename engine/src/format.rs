@@ -569,8 +569,8 @@ pub fn encode_segment_header(h: &SegmentHeader) -> [u8; SEGMENT_HEADER_LEN] {
     b
 }
 
-/// Decode a segment header. A version mismatch is reported even when the crc is bad only if the magic
-/// matches, so a newer store is refused rather than misread.
+/// Decode a segment header: magic, then crc, then version (an unknown version with a valid crc is
+/// refused with `UnsupportedVersion` rather than misread).
 pub fn decode_segment_header(b: &[u8]) -> Result<SegmentHeader, DecodeError> {
     if b.len() < SEGMENT_HEADER_LEN {
         return Err(DecodeError::Truncated { need: SEGMENT_HEADER_LEN as u64, have: b.len() as u64 });

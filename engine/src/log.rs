@@ -562,7 +562,11 @@ impl<B: Backend> SegmentLog<B> {
                     None
                 }
                 Err(format::DecodeError::UnsupportedVersion(v)) => {
-                    return Err(Error::UnsupportedVersion { what: "segment", found: v, supported: 1 })
+                    return Err(Error::UnsupportedVersion {
+                        what: "segment",
+                        found: v,
+                        supported: format::FORMAT_VERSION as u32,
+                    })
                 }
                 Err(e) => {
                     report.corrupt.push((id, 0, format!("segment header: {e:?}")));
