@@ -33,6 +33,8 @@ pub const SEGMENTS_DIR: &str = "segments";
 pub const MIN_SEGMENT_BYTES: u64 = 64 * 1024;
 /// Read window used when scanning unsealed segments.
 const SCAN_WINDOW: usize = 1 << 20;
+/// Largest write buffer kept for reuse between writes.
+const MAX_SPARE_BUF: usize = 64 << 20;
 /// Values smaller than this are never compressed.
 const MIN_COMPRESS_BYTES: u64 = 256;
 
@@ -225,6 +227,8 @@ struct WriterState<F> {
     compacting: bool,
     /// Sealed segments whose footer and trailer are not yet fdatasync'ed (done by the next `sync`).
     unsynced_sealed: Vec<Arc<F>>,
+    /// The last write buffer, kept for reuse.
+    spare_buf: Option<AlignedBuf>,
 }
 
 /// A record ready to be appended.
@@ -372,6 +376,7 @@ impl<B: Backend> SegmentLog<B> {
                 compact_pending: false,
                 compacting: false,
                 unsynced_sealed: Vec::new(),
+                spare_buf: None,
             }),
             poisoned: OnceLock::new(),
             recovery: RecoveryReport::default(),
@@ -1033,11 +1038,21 @@ impl<B: Backend> SegmentLog<B> {
     /// Encode `chunk` into one aligned buffer, write it, then publish the new locations.
     fn write_chunk(&self, st: &mut WriterState<B::File>, chunk: &[Prepared<'_>]) -> Result<Vec<Location>> {
         let epoch = st.epoch;
+        let spare = st.spare_buf.take();
         let a = st.active.as_mut().expect("active segment");
         let base = align_down(a.data_end, self.align);
         let total: u64 = chunk.iter().map(|p| padded(p.len)).sum();
         let end = a.data_end + total;
-        let mut buf = AlignedBuf::zeroed((align_up(end, self.align) - base) as usize, self.align as usize);
+        let needed = (align_up(end, self.align) - base) as usize;
+        // Reuse the previous write buffer when it is large enough: a fresh multi-MiB allocation per
+        // write costs a page fault per 4 KiB. Reused bytes are overwritten below, padding is zeroed.
+        let mut buf = match spare {
+            Some(mut b) if b.capacity() >= needed => {
+                b.set_len(needed);
+                b
+            }
+            _ => AlignedBuf::zeroed(needed, self.align as usize),
+        };
         buf[..a.tail.len()].copy_from_slice(&a.tail);
         let mut pos = a.data_end;
         let mut placed: Vec<(u64, u64, u64)> = Vec::with_capacity(chunk.len()); // (offset, len, seq)
@@ -1101,9 +1116,12 @@ impl<B: Backend> SegmentLog<B> {
                 }
             }
             placed.push((pos, p.len, seq));
+            let rec_end = (pos + p.len - base) as usize;
             pos = padded(pos + p.len);
+            buf[rec_end..(pos - base) as usize].fill(0); // padding between records
         }
         debug_assert_eq!(pos, end);
+        buf[(end - base) as usize..].fill(0); // padding up to the aligned end
 
         let (r, buf) = self.backend.write_at(&a.file, base, buf);
         if let Err(e) = r {
@@ -1113,6 +1131,10 @@ impl<B: Backend> SegmentLog<B> {
         a.last_is_mark = chunk.last().is_some_and(|p| matches!(p.rec, NewRecord::SyncMark));
         let tail_start = align_down(end, self.align);
         a.tail = buf[(tail_start - base) as usize..(end - base) as usize].to_vec();
+        if buf.capacity() <= MAX_SPARE_BUF {
+            st.spare_buf = Some(buf);
+        }
+        let a = st.active.as_mut().expect("active segment");
         a.data_end = end;
         a.max_epoch = a.max_epoch.max(epoch);
         let id = a.id;
