@@ -70,10 +70,10 @@ fn sigkill_at_random_points_loses_no_acknowledged_record() {
         let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
         let mut acks = 0;
         let mut last_acked: Option<u64> = None;
-        let mut apply = |line: &str,
-                         live: &mut BTreeMap<String, usize>,
-                         last: &mut Option<u64>,
-                         deleted: &mut std::collections::BTreeSet<String>| {
+        let apply = |line: &str,
+                     live: &mut BTreeMap<String, usize>,
+                     last: &mut Option<u64>,
+                     deleted: &mut std::collections::BTreeSet<String>| {
             let mut parts = line.split_whitespace();
             if parts.next() != Some("ACK") {
                 return false;
