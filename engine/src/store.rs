@@ -147,6 +147,30 @@ struct Entry<V> {
     stuck: bool,
 }
 
+impl<V> Entry<V> {
+    fn new(slot: Slot<V, Error>, tier: Tier, weight: u64) -> Self {
+        Entry {
+            slot: Arc::new(slot),
+            tier,
+            frames: None,
+            compressed: None,
+            weight,
+            disk_raw: 0,
+            disk_bytes: 0,
+            tick: 0,
+            large: false,
+            stuck: false,
+        }
+    }
+
+    fn serialized(frames: Frames, large: bool) -> Self {
+        let mut e = Self::new(Slot::new(), Tier::Serialized, frames.total_len());
+        e.frames = Some(frames);
+        e.large = large;
+        e
+    }
+}
+
 struct Inner<V> {
     map: HashMap<Arc<[u8]>, Entry<V>>,
     lru: BTreeMap<u64, Arc<[u8]>>,
@@ -377,18 +401,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
         }
         for k in log.keys() {
             let len = log.location(&k).map_or(0, |l| l.len);
-            let e = Entry {
-                slot: Arc::new(Slot::new()),
-                tier: Tier::Disk,
-                frames: None,
-                compressed: None,
-                weight: 0,
-                disk_raw: len,
-                disk_bytes: len,
-                tick: 0,
-                large: false,
-                stuck: false,
-            };
+            let mut e = Entry::new(Slot::new(), Tier::Disk, 0);
+            e.disk_raw = len;
+            e.disk_bytes = len;
             inner.account(&e, 1);
             inner.map.insert(Arc::from(k.as_slice()), e);
         }
@@ -467,25 +482,13 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// at once; a serialize failure then fails this call and the key is forgotten.
     pub fn put(&self, key: &[u8], value: C::Value) -> Result<()> {
         let weight = self.codec.size_of(&value);
-        let mut inner = self.lock();
         if weight > self.cfg.target_bytes {
-            drop(inner);
             let frames = self.serialize(key, &value)?;
             let mut inner = self.lock();
             return self.put_large(&mut inner, key, frames);
         }
-        let e = Entry {
-            slot: Arc::new(Slot::ready(Arc::new(value))),
-            tier: Tier::Materialized,
-            frames: None,
-            compressed: None,
-            weight,
-            disk_raw: 0,
-            disk_bytes: 0,
-            tick: 0,
-            large: false,
-            stuck: false,
-        };
+        let mut inner = self.lock();
+        let e = Entry::new(Slot::ready(Arc::new(value)), Tier::Materialized, weight);
         let k = self.insert(&mut inner, key, e)?;
         self.enforce(&mut inner, Some(&k))
     }
@@ -496,18 +499,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         if frames.total_len() > self.cfg.target_bytes {
             return self.put_large(&mut inner, key, frames);
         }
-        let e = Entry {
-            slot: Arc::new(Slot::new()),
-            tier: Tier::Serialized,
-            weight: frames.total_len(),
-            frames: Some(frames),
-            compressed: None,
-            disk_raw: 0,
-            disk_bytes: 0,
-            tick: 0,
-            large: false,
-            stuck: false,
-        };
+        let e = Entry::serialized(frames, false);
         let k = self.insert(&mut inner, key, e)?;
         self.enforce(&mut inner, Some(&k))
     }
@@ -516,18 +508,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// error) it stays in memory, serialized, and the condition is reported.
     fn put_large(&self, inner: &mut Inner<C::Value>, key: &[u8], frames: Frames) -> Result<()> {
         let raw = frames.total_len();
-        let mut e = Entry {
-            slot: Arc::new(Slot::new()),
-            tier: Tier::Serialized,
-            weight: raw,
-            frames: Some(frames),
-            compressed: None,
-            disk_raw: 0,
-            disk_bytes: 0,
-            tick: 0,
-            large: true,
-            stuck: false,
-        };
+        let mut e = Entry::serialized(frames, true);
         self.drop_entry(inner, key)?;
         if self.spill_allowed(inner, raw) {
             let f = e.frames.clone().expect("just set");
