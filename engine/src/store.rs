@@ -806,7 +806,6 @@ impl<C: Codec, B: Backend> Store<C, B> {
             return Ok(Some(v));
         }
         let mut ne = self.take_entry(&mut inner, &k);
-        let was_disk = ne.tier == Tier::Disk;
         ne.tier = Tier::Materialized;
         ne.frames = None;
         ne.compressed = None;
@@ -814,8 +813,8 @@ impl<C: Codec, B: Backend> Store<C, B> {
         ne.stuck = false;
         ne.tick = inner.next_tick;
         inner.next_tick += 1;
-        // A value read back from disk keeps its disk copy: evicting it again costs no write.
-        let _ = was_disk;
+        // A value read back from disk keeps its disk copy (disk_* fields unchanged): evicting it again
+        // costs no write.
         self.put_entry(&mut inner, &k, ne);
         self.enforce(&mut inner, None)?;
         Ok(Some(v))
