@@ -12,22 +12,34 @@
 use std::alloc::{self, Layout};
 use std::fmt;
 use std::ptr::NonNull;
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 
 use bytes::Bytes;
 
 /// A heap buffer whose start address is a multiple of `align`.
 ///
-/// Invariants: `ptr` was returned by `alloc::alloc_zeroed(layout)` with `layout.size() == capacity`
-/// (or is dangling when `capacity == 0`), `len <= capacity`, and every byte in `0..capacity` is
-/// initialized (zeroed at allocation, later only overwritten).
+/// Invariants: `ptr` points to `cap` bytes that `self` owns exclusively until it drops: either an
+/// allocation from `alloc::alloc_zeroed(layout)` (`Owner::Heap`, `cap == layout.size()`), or one
+/// checked-out slot of a [`BufPool`] arena (`Owner::Pool`), or nothing (`Owner::Empty`, `cap == 0`,
+/// dangling but aligned). `len <= cap`, and every byte in `0..cap` is initialized (zeroed when the
+/// memory was allocated, later only overwritten).
 pub struct AlignedBuf {
     ptr: NonNull<u8>,
     len: usize,
-    layout: Layout,
+    cap: usize,
+    align: usize,
+    owner: Owner,
 }
 
-// SAFETY: AlignedBuf uniquely owns its allocation (like Vec<u8>); no interior mutability or shared
-// pointers exist, so moving it to or sharing `&AlignedBuf` with another thread is sound.
+enum Owner {
+    Empty,
+    Heap(Layout),
+    Pool { pool: Arc<PoolShared>, index: u32 },
+}
+
+// SAFETY: AlignedBuf uniquely owns its memory (a heap allocation or a checked-out pool slot, like
+// Vec<u8>); no interior mutability or shared pointers to the bytes exist, so moving it to or sharing
+// `&AlignedBuf` with another thread is sound.
 unsafe impl Send for AlignedBuf {}
 // SAFETY: see Send: `&AlignedBuf` only permits reads of initialized bytes.
 unsafe impl Sync for AlignedBuf {}
@@ -40,18 +52,15 @@ impl AlignedBuf {
         assert!(align.is_power_of_two(), "alignment {align} is not a power of two");
         let capacity = capacity.div_ceil(align) * align;
         let layout = Layout::from_size_align(capacity, align).expect("buffer size overflows isize");
-        let ptr = if capacity == 0 {
+        if capacity == 0 {
             // A dangling but well-aligned pointer: never dereferenced for a zero-capacity buffer.
-            NonNull::new(align as *mut u8).expect("alignment is non-zero")
-        } else {
-            // SAFETY: `layout` has a non-zero size (checked just above).
-            let raw = unsafe { alloc::alloc_zeroed(layout) };
-            match NonNull::new(raw) {
-                Some(p) => p,
-                None => alloc::handle_alloc_error(layout),
-            }
-        };
-        AlignedBuf { ptr, len: 0, layout }
+            let ptr = NonNull::new(align as *mut u8).expect("alignment is non-zero");
+            return AlignedBuf { ptr, len: 0, cap: 0, align, owner: Owner::Empty };
+        }
+        // SAFETY: `layout` has a non-zero size (checked just above).
+        let raw = unsafe { alloc::alloc_zeroed(layout) };
+        let Some(ptr) = NonNull::new(raw) else { alloc::handle_alloc_error(layout) };
+        AlignedBuf { ptr, len: 0, cap: capacity, align, owner: Owner::Heap(layout) }
     }
 
     /// A zero-filled buffer of length `len` (capacity rounded up to `align`).
@@ -73,12 +82,21 @@ impl AlignedBuf {
 
     /// Total bytes allocated.
     pub fn capacity(&self) -> usize {
-        self.layout.size()
+        self.cap
     }
 
     /// The alignment of the start address.
     pub fn align(&self) -> usize {
-        self.layout.align()
+        self.align
+    }
+
+    /// When this buffer is a slot of `pool`, its index there (the registered-buffer index an io_uring
+    /// backend passes to `ReadFixed`/`WriteFixed`).
+    pub fn pool_index(&self, pool: &BufPool) -> Option<u32> {
+        match &self.owner {
+            Owner::Pool { pool: p, index } if Arc::ptr_eq(p, &pool.shared) => Some(*index),
+            _ => None,
+        }
     }
 
     /// Set the length; bytes between the old and new length keep whatever they held (zero or earlier
@@ -146,9 +164,11 @@ impl AsRef<[u8]> for AlignedBuf {
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
-        if self.layout.size() != 0 {
-            // SAFETY: `ptr` came from `alloc_zeroed(self.layout)` and is freed exactly once, here.
-            unsafe { alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+        match &self.owner {
+            Owner::Empty => {}
+            // SAFETY: `ptr` came from `alloc_zeroed(*layout)` and is freed exactly once, here.
+            Owner::Heap(layout) => unsafe { alloc::dealloc(self.ptr.as_ptr(), *layout) },
+            Owner::Pool { pool, index } => pool.check_in(*index),
         }
     }
 }
@@ -160,6 +180,142 @@ impl fmt::Debug for AlignedBuf {
             .field("capacity", &self.capacity())
             .field("align", &self.align())
             .finish()
+    }
+}
+
+/// A fixed arena of equal, aligned buffers, made once and reused: the registered buffer pool of the
+/// io_uring backend (its arena is registered with the ring, so `ReadFixed`/`WriteFixed` skip the page
+/// pinning a plain read or write pays on every call).
+///
+/// [`BufPool::check_out`] hands out a slot as an [`AlignedBuf`] (length 0, capacity `buf_size`, stale
+/// but initialized contents) and blocks while every slot is out: an empty pool is back-pressure, not an
+/// allocation. [`BufPool::try_check_out`] never blocks. Dropping the buffer checks the slot back in.
+/// The arena is freed when the pool, every checked-out buffer and every [`PoolShared`] holder (the
+/// ring's registration) are gone, so memory the kernel may still use cannot be freed from safe code.
+#[derive(Clone)]
+pub struct BufPool {
+    shared: Arc<PoolShared>,
+}
+
+/// The shared state of a [`BufPool`]; holding an `Arc` of it keeps the arena alive.
+pub struct PoolShared {
+    base: NonNull<u8>,
+    layout: Layout,
+    buf_size: usize,
+    align: usize,
+    free: Mutex<Vec<u32>>,
+    freed: Condvar,
+}
+
+// SAFETY: the arena is plain memory; each slot is handed to at most one `AlignedBuf` at a time (the free
+// list is behind a mutex), so sharing the pool between threads gives no thread unsynchronized access to
+// the same bytes.
+unsafe impl Send for PoolShared {}
+// SAFETY: see Send; `&PoolShared` only exposes the mutex-protected free list and raw addresses.
+unsafe impl Sync for PoolShared {}
+
+impl BufPool {
+    /// A pool of `count` zeroed buffers of `buf_size` bytes (rounded up to `align`), each aligned to
+    /// `align` (a power of two). Panics on a zero count or size (programming errors).
+    pub fn new(count: usize, buf_size: usize, align: usize) -> BufPool {
+        assert!(count > 0 && buf_size > 0 && count <= u32::MAX as usize, "empty buffer pool");
+        assert!(align.is_power_of_two(), "alignment {align} is not a power of two");
+        let buf_size = buf_size.div_ceil(align) * align;
+        let total = buf_size.checked_mul(count).expect("pool size overflows");
+        let layout = Layout::from_size_align(total, align.max(4096)).expect("pool size overflows isize");
+        // SAFETY: `layout` has a non-zero size (count and buf_size are non-zero).
+        let raw = unsafe { alloc::alloc_zeroed(layout) };
+        let Some(base) = NonNull::new(raw) else { alloc::handle_alloc_error(layout) };
+        let free = (0..count as u32).rev().collect();
+        BufPool {
+            shared: Arc::new(PoolShared {
+                base,
+                layout,
+                buf_size,
+                align,
+                free: Mutex::new(free),
+                freed: Condvar::new(),
+            }),
+        }
+    }
+
+    /// Number of buffers.
+    pub fn count(&self) -> usize {
+        self.shared.layout.size() / self.shared.buf_size
+    }
+
+    /// Size of each buffer.
+    pub fn buf_size(&self) -> usize {
+        self.shared.buf_size
+    }
+
+    /// Buffers currently checked in.
+    pub fn available(&self) -> usize {
+        self.shared.free.lock().unwrap_or_else(PoisonError::into_inner).len()
+    }
+
+    /// `(address, length)` of every buffer in index order, for registering the arena with a kernel
+    /// interface. Whoever registers must also hold [`BufPool::keep_alive`] until it unregisters.
+    pub fn regions(&self) -> Vec<(*mut u8, usize)> {
+        let s = &self.shared;
+        (0..self.count())
+            .map(|i| {
+                // SAFETY: `i * buf_size < layout.size()`, so the offset stays inside the arena allocation.
+                let p = unsafe { s.base.as_ptr().add(i * s.buf_size) };
+                (p, s.buf_size)
+            })
+            .collect()
+    }
+
+    /// A handle that keeps the arena allocated (for a ring that registered it).
+    pub fn keep_alive(&self) -> Arc<PoolShared> {
+        self.shared.clone()
+    }
+
+    /// Take a buffer, waiting while none is free.
+    pub fn check_out(&self) -> AlignedBuf {
+        let mut free = self.shared.free.lock().unwrap_or_else(PoisonError::into_inner);
+        loop {
+            if let Some(i) = free.pop() {
+                return self.make(i);
+            }
+            free = self.shared.freed.wait(free).unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+
+    /// Take a buffer if one is free.
+    pub fn try_check_out(&self) -> Option<AlignedBuf> {
+        let i = self.shared.free.lock().unwrap_or_else(PoisonError::into_inner).pop()?;
+        Some(self.make(i))
+    }
+
+    fn make(&self, index: u32) -> AlignedBuf {
+        let s = &self.shared;
+        // SAFETY: `index < count`, so the slot lies inside the arena; it was just removed from the free
+        // list, so no other AlignedBuf refers to it until this one drops and checks it back in.
+        let ptr = unsafe { NonNull::new_unchecked(s.base.as_ptr().add(index as usize * s.buf_size)) };
+        AlignedBuf { ptr, len: 0, cap: s.buf_size, align: s.align, owner: Owner::Pool { pool: s.clone(), index } }
+    }
+}
+
+impl PoolShared {
+    fn check_in(&self, index: u32) {
+        self.free.lock().unwrap_or_else(PoisonError::into_inner).push(index);
+        self.freed.notify_one();
+    }
+}
+
+impl Drop for PoolShared {
+    fn drop(&mut self) {
+        // SAFETY: `base` came from `alloc_zeroed(self.layout)`; this is the last handle (no buffer, pool or
+        // registration holds the Arc any more), so nothing can use the memory after this.
+        unsafe { alloc::dealloc(self.base.as_ptr(), self.layout) }
+    }
+}
+
+impl fmt::Debug for BufPool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BufPool").field("count", &self.count()).field("buf_size", &self.buf_size()).finish()
     }
 }
 
@@ -182,6 +338,38 @@ mod tests {
         let z = AlignedBuf::with_capacity(0, 4096);
         assert!(z.is_empty());
         assert_eq!(z.freeze().len(), 0);
+    }
+
+    #[test]
+    fn pool_checks_out_distinct_slots_and_takes_them_back() {
+        let pool = BufPool::new(3, 1000, 512);
+        assert_eq!(pool.buf_size(), 1024);
+        let mut a = pool.check_out();
+        let mut b = pool.try_check_out().unwrap();
+        let c = pool.check_out();
+        assert!(pool.try_check_out().is_none(), "three slots, three out");
+        assert_eq!(a.capacity(), 1024);
+        assert_eq!(a.as_mut_ptr() as usize % 512, 0);
+        assert_ne!(a.as_mut_ptr(), b.as_mut_ptr());
+        let ia = a.pool_index(&pool).unwrap();
+        assert_eq!(pool.regions()[ia as usize].0, a.as_mut_ptr());
+        assert_eq!(AlignedBuf::zeroed(8, 8).pool_index(&pool), None);
+        assert_eq!(BufPool::new(1, 8, 8).check_out().pool_index(&pool), None, "another pool's slot");
+        a.extend_from_slice(b"frozen");
+        let bytes = a.freeze();
+        drop(b);
+        assert_eq!(pool.available(), 1);
+        // A blocked check-out resumes when a slot comes back.
+        let p2 = pool.clone();
+        let waiter = std::thread::spawn(move || {
+            let _x = p2.check_out();
+            let _y = p2.check_out(); // may block until `c` or `bytes` comes back
+        });
+        drop(c);
+        assert_eq!(&bytes[..], b"frozen");
+        drop(bytes);
+        waiter.join().unwrap();
+        assert_eq!(pool.available(), 3);
     }
 
     #[test]

@@ -11,7 +11,8 @@
 //! * [`log`]: the [`SegmentLog`], an append-only, checksummed key-value log with crash recovery,
 //!   tombstones, garbage collection and compaction.
 //!
-//! `unsafe` code lives only in [`buf`] (aligned buffers); see `docs/safety.md`.
+//! `unsafe` code lives only in [`buf`] (aligned buffers, the buffer pool) and the io_uring backend;
+//! see `docs/safety.md`.
 #![deny(unsafe_code)]
 
 pub mod backend;
@@ -24,10 +25,11 @@ pub mod slot;
 #[cfg(not(spillway_loom))]
 pub mod store;
 pub mod sync;
+pub mod task;
 pub mod units;
 pub mod value;
 
-pub use backend::{Backend, PortableBackend, SimBackend};
+pub use backend::{AutoBackend, Backend, BackendKind, PortableBackend, SimBackend};
 pub use error::{Error, Result};
 pub use format::MAX_KEY_BYTES;
 pub use log::{CompactStats, Compression, Location, LogOptions, LogStats, RecoveryReport, SegmentLog, VerifyProblem};

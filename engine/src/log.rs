@@ -15,6 +15,7 @@
 //! for the bytes.
 
 use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock};
@@ -768,7 +769,7 @@ impl<B: Backend> SegmentLog<B> {
 
     fn read_aligned(&self, file: &B::File, offset: u64, len: usize, path: &Path) -> Result<AlignedBuf> {
         debug_assert!(offset % self.align == 0 && len as u64 % self.align == 0);
-        let buf = AlignedBuf::zeroed(len, self.align as usize);
+        let buf = self.backend.alloc_buf(len, self.align as usize);
         let (r, buf) = self.backend.read_at(file, offset, buf);
         r.map_err(|e| Error::io("read segment", path.to_path_buf(), e))?;
         Ok(buf)
@@ -812,38 +813,31 @@ impl<B: Backend> SegmentLog<B> {
 
     fn read_record(&self, file: &B::File, loc: Location, key: &[u8]) -> Result<Frames> {
         let raw = self.read_record_bytes(file, loc)?;
-        let r = format::decode_record(&raw).map_err(|e| e.at(loc.segment, loc.offset))?;
-        if r.key != key || r.header.segment != loc.segment || r.header.is_tombstone() {
-            return Err(Error::Corrupt {
-                segment: loc.segment,
-                offset: loc.offset,
-                reason: "record does not match the index (key, segment or kind)".into(),
-            });
+        decode_read(raw, loc, key)
+    }
+
+    /// As [`SegmentLog::get`], but the read runs as a future: with the io_uring backend many reads
+    /// from one thread are in flight at once (the index lookup happens before the first poll). The
+    /// future owns everything it needs, so it may outlive borrows of the log; dropping it early is
+    /// safe (the backend keeps the buffer until the kernel is done with it).
+    pub fn get_async(&self, key: &[u8]) -> impl Future<Output = Result<Option<Frames>>> + Send + 'static {
+        let started = self.lookup(key).map(|(loc, file)| {
+            let start = align_down(loc.offset, self.align);
+            let end = align_up(loc.offset + loc.len, self.align);
+            let buf = self.backend.alloc_buf((end - start) as usize, self.align as usize);
+            (loc, start, self.backend.read_at_async(&file, start, buf), self.seg_path(loc.segment))
+        });
+        let key = key.to_vec();
+        async move {
+            let Some((loc, start, read, path)) = started else {
+                return Ok(None);
+            };
+            let (r, buf) = read.await;
+            r.map_err(|e| Error::io("read segment", path, e))?;
+            let from = (loc.offset - start) as usize;
+            let raw = buf.freeze().slice(from..from + loc.len as usize);
+            decode_read(raw, loc, &key).map(Some)
         }
-        let h = r.header;
-        let po = h.payload_offset() as usize;
-        let data: Bytes = if h.is_lz4() {
-            let mut out = AlignedBuf::zeroed(h.raw_len as usize, 64);
-            match lz4_flex::block::decompress_into(r.payload, &mut out) {
-                Ok(n) if n as u64 == h.raw_len => out.freeze(),
-                Ok(_) | Err(_) => {
-                    return Err(Error::Corrupt {
-                        segment: loc.segment,
-                        offset: loc.offset,
-                        reason: "lz4 payload does not decompress to its recorded length".into(),
-                    })
-                }
-            }
-        } else {
-            raw.slice(po..po + h.stored_len as usize)
-        };
-        let mut frames = Vec::with_capacity(r.frame_lens.len());
-        let mut at = 0usize;
-        for &l in &r.frame_lens {
-            frames.push(data.slice(at..at + l as usize));
-            at += l as usize;
-        }
-        Ok(Frames(frames))
     }
 
     /// Whether `key` is live.
@@ -1051,7 +1045,7 @@ impl<B: Backend> SegmentLog<B> {
                 b.set_len(needed);
                 b
             }
-            _ => AlignedBuf::zeroed(needed, self.align as usize),
+            _ => self.backend.alloc_buf(needed, self.align as usize),
         };
         buf[..a.tail.len()].copy_from_slice(&a.tail);
         let mut pos = a.data_end;
@@ -1686,6 +1680,42 @@ impl<'a, B: Backend> ScanWindow<'a, B> {
         }
         Ok(self.limit)
     }
+}
+
+/// Check the record bytes read for `key` at `loc` and cut them into frames (decompressing if needed).
+fn decode_read(raw: Bytes, loc: Location, key: &[u8]) -> Result<Frames> {
+    let r = format::decode_record(&raw).map_err(|e| e.at(loc.segment, loc.offset))?;
+    if r.key != key || r.header.segment != loc.segment || r.header.is_tombstone() {
+        return Err(Error::Corrupt {
+            segment: loc.segment,
+            offset: loc.offset,
+            reason: "record does not match the index (key, segment or kind)".into(),
+        });
+    }
+    let h = r.header;
+    let po = h.payload_offset() as usize;
+    let data: Bytes = if h.is_lz4() {
+        let mut out = AlignedBuf::zeroed(h.raw_len as usize, 64);
+        match lz4_flex::block::decompress_into(r.payload, &mut out) {
+            Ok(n) if n as u64 == h.raw_len => out.freeze(),
+            Ok(_) | Err(_) => {
+                return Err(Error::Corrupt {
+                    segment: loc.segment,
+                    offset: loc.offset,
+                    reason: "lz4 payload does not decompress to its recorded length".into(),
+                })
+            }
+        }
+    } else {
+        raw.slice(po..po + h.stored_len as usize)
+    };
+    let mut frames = Vec::with_capacity(r.frame_lens.len());
+    let mut at = 0usize;
+    for &l in &r.frame_lens {
+        frames.push(data.slice(at..at + l as usize));
+        at += l as usize;
+    }
+    Ok(Frames(frames))
 }
 
 #[cfg(test)]

@@ -75,3 +75,24 @@ pub fn run_child(name: &str, arg: &str) -> (std::process::ExitStatus, String) {
         .expect("spawn child test process");
     (out.status, String::from_utf8_lossy(&out.stdout).into_owned())
 }
+
+/// An io_uring backend, or `None` after printing why the test is skipped. When the environment sets
+/// `SPILLWAY_REQUIRE_URING=1` (CI does, where the kernel allows io_uring) a missing io_uring fails the
+/// test instead, so nothing is skipped silently.
+pub fn uring_or_skip(test: &str, opts: spillway::backend::UringOptions) -> Option<spillway::backend::UringBackend> {
+    match spillway::backend::UringBackend::new(opts) {
+        Ok(b) => Some(b),
+        Err(e) if std::env::var("SPILLWAY_REQUIRE_URING").is_ok_and(|v| v == "1") => {
+            panic!("{test}: io_uring required (SPILLWAY_REQUIRE_URING=1) but unavailable: {e}")
+        }
+        Err(e) => {
+            println!("SKIPPED {test}: io_uring unavailable: {e}");
+            None
+        }
+    }
+}
+
+/// [`uring_or_skip`] with default options and O_DIRECT as given.
+pub fn uring_direct_or_skip(test: &str, direct: bool) -> Option<spillway::backend::UringBackend> {
+    uring_or_skip(test, spillway::backend::UringOptions { direct, ..Default::default() })
+}

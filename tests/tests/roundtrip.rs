@@ -117,3 +117,20 @@ fn oversized_inputs_are_rejected_with_typed_errors() {
         Err(spillway::Error::Locked { .. })
     ));
 }
+
+#[test]
+fn round_trip_io_uring_direct_and_buffered_then_reopen_portable() {
+    for direct in [true, false] {
+        let Some(be) = spillway_tests::uring_direct_or_skip("round_trip_io_uring", direct) else { return };
+        let tmp = tempfile::tempdir().unwrap();
+        {
+            let log = SegmentLog::open(be, tmp.path(), opts(Compression::None)).unwrap();
+            write_all(&log);
+            check_all(&log);
+        }
+        // The same files read by the other backend, and by io_uring again after reopen.
+        check_all(&SegmentLog::open(PortableBackend::new(), tmp.path(), opts(Compression::None)).unwrap());
+        let be = spillway_tests::uring_direct_or_skip("round_trip_io_uring", direct).unwrap();
+        check_all(&SegmentLog::open(be, tmp.path(), opts(Compression::Lz4)).unwrap());
+    }
+}

@@ -6,7 +6,9 @@
 //!   containers that block io_uring.
 //! * [`SimBackend`]: in-memory files with a durable/volatile split, crash simulation and deterministic
 //!   fault injection, for tests and fuzzing.
-//! * io_uring (its own issue): a driver that owns a ring and a registered buffer pool.
+//! * [`UringBackend`] (Linux): a driver thread that owns an io_uring, a registered buffer pool and a
+//!   registered file table; blocking and async APIs over the same driver.
+//! * [`AutoBackend`]: io_uring where it works, otherwise portable, with one log line saying why.
 //!
 //! ## Why buffers move in and out by value
 //! `read_at` and `write_at` take an [`AlignedBuf`] by value and hand it back with the result (the
@@ -17,16 +19,26 @@
 //! from a pool are just `AlignedBuf`s that the backend recognizes. [`Backend::read_many`] is the batch
 //! form (one submission for many reads); the default loops.
 
+use std::future::Future;
 use std::io;
 use std::path::Path;
+use std::pin::Pin;
+use std::sync::Arc;
 
 use crate::buf::AlignedBuf;
 
+mod auto;
 mod portable;
 mod sim;
+mod uring;
 
-pub use portable::PortableBackend;
+pub use auto::{AutoBackend, AutoFile, BackendKind};
+pub use portable::{dio_alignment, enable_direct, PortableBackend};
 pub use sim::{Fault, FaultKind, FaultOp, SimBackend};
+pub use uring::{UringBackend, UringFile, UringInfo, UringOp, UringOptions, PIECE};
+
+/// A read or write in flight, resolving to its outcome and buffer.
+pub type IoFuture = Pin<Box<dyn Future<Output = BufResult> + Send + 'static>>;
 
 /// A buffer handed back by an I/O call together with the call's outcome.
 pub type BufResult = (io::Result<()>, AlignedBuf);
@@ -81,6 +93,18 @@ pub trait Backend: Send + Sync + 'static {
     fn lock_dir(&self, dir: &Path) -> io::Result<DirLock>;
     /// I/O alignment for files in `dir` (offsets, lengths and buffer addresses).
     fn alignment(&self, dir: &Path) -> usize;
+
+    /// A buffer for an I/O of `len` bytes aligned to `align`: length `len`, contents initialized but
+    /// unspecified. A backend with a registered pool hands out pool slots when one is free.
+    fn alloc_buf(&self, len: usize, align: usize) -> AlignedBuf {
+        AlignedBuf::zeroed(len, align)
+    }
+
+    /// Start a read and return its future; the default performs it synchronously. Dropping the
+    /// future early is safe: a completion-based backend keeps the buffer until the kernel is done.
+    fn read_at_async(&self, file: &Arc<Self::File>, offset: u64, buf: AlignedBuf) -> IoFuture {
+        Box::pin(std::future::ready(self.read_at(file, offset, buf)))
+    }
 
     /// Many reads at once; backends with a submission queue submit them together.
     fn read_many(&self, reqs: Vec<ReadReq<'_, Self::File>>) -> Vec<BufResult> {

@@ -4,6 +4,8 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use rustix::fs::{AtFlags, FallocateFlags, FlockOperation, StatxFlags, CWD};
 
@@ -13,16 +15,44 @@ use crate::buf::AlignedBuf;
 /// Safe default I/O alignment when the file system does not report one.
 pub const DEFAULT_ALIGN: usize = 4096;
 
-/// Blocking `pread`/`pwrite`, buffered (page cache) I/O. Works everywhere.
+/// Blocking `pread`/`pwrite`. Works everywhere. Buffered (page cache) by default; with
+/// [`PortableBackend::with_direct`], O_DIRECT where the file system allows it.
 #[derive(Debug, Clone, Default)]
 pub struct PortableBackend {
-    _private: (),
+    direct: bool,
+    direct_refused: Arc<AtomicBool>,
 }
 
 impl PortableBackend {
-    /// A new portable backend.
+    /// A new portable backend doing buffered I/O.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A portable backend that opens files with O_DIRECT (buffered where the file system refuses).
+    pub fn with_direct(direct: bool) -> Self {
+        PortableBackend { direct, direct_refused: Arc::default() }
+    }
+
+    /// Whether files are opened with O_DIRECT (false also after the file system refused it).
+    pub fn direct(&self) -> bool {
+        self.direct && !self.direct_refused.load(Ordering::Relaxed)
+    }
+}
+
+/// Switch an open file to O_DIRECT. Returns false, after logging once per process why, when the file
+/// system refuses (tmpfs before 6.6, some FUSE and network file systems); the file stays buffered.
+pub fn enable_direct(file: &File, path: &Path) -> bool {
+    static WARNED: AtomicBool = AtomicBool::new(false);
+    let r = rustix::fs::fcntl_getfl(file).and_then(|fl| rustix::fs::fcntl_setfl(file, fl | rustix::fs::OFlags::DIRECT));
+    match r {
+        Ok(()) => true,
+        Err(e) => {
+            if !WARNED.swap(true, Ordering::Relaxed) {
+                log::warn!("O_DIRECT refused for {} ({e}); using buffered I/O", path.display());
+            }
+            false
+        }
     }
 }
 
@@ -58,6 +88,9 @@ impl Backend for PortableBackend {
         let f = o.open(path)?;
         if !f.metadata()?.is_file() {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "not a regular file"));
+        }
+        if self.direct() && !enable_direct(&f, path) {
+            self.direct_refused.store(true, Ordering::Relaxed);
         }
         Ok(f)
     }

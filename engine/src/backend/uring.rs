@@ -1,0 +1,766 @@
+//! The io_uring backend: one driver thread owns the ring; callers hand it operations and wait.
+//!
+//! ## Shape
+//! * **Driver.** [`UringBackend::new`] creates the ring, registers a [`BufPool`] and a sparse table of
+//!   files, and starts a thread that owns the ring for its whole life. Callers (any thread) push
+//!   requests on a mutex-protected queue and kick an `eventfd` only when the driver sleeps; the
+//!   driver keeps a read of that eventfd armed in the ring, so it can block in `io_uring_enter` waiting
+//!   for either a completion or new work. It never spins: when nothing is reaped it sleeps in the
+//!   kernel. Every pass moves every queued request into the submission queue at once (batched
+//!   submission, one `io_uring_enter` for many operations).
+//! * **Operations.** An operation owns its [`AlignedBuf`] and a reference to its file from the moment
+//!   it is queued until the driver reaps its last completion. `user_data` is the operation's key in a
+//!   [`Slab`] plus a piece number. A transfer larger than [`PIECE`] is cut into pieces submitted
+//!   together; a short read or write resubmits the rest; `EAGAIN`/`EINTR` resubmit; a zero-length
+//!   result is `UnexpectedEof` (read) or `WriteZero` (write); any other error fails the operation once
+//!   its pieces in flight have completed.
+//! * **Waiting.** The caller holds a [`UringOp`] future. [`Backend::read_at`]/`write_at` wait for it
+//!   with [`crate::task::block_on`] (the blocking API, callable from many threads); async callers
+//!   `.await` it. Dropping the future early does not free the buffer: the driver still owns it and
+//!   drops it only after the kernel's completion is reaped. Safe code therefore cannot touch or free
+//!   memory the kernel may write.
+//! * **Shutdown.** Dropping the backend sets a flag and kicks the driver, which submits one
+//!   `AsyncCancel` matching every request, reaps until nothing is in flight (cancelled or finished),
+//!   and only then drops the ring, the registered pool and the buffers.
+//!
+//! ## Fallbacks
+//! * No io_uring (`ENOSYS`, `EPERM` from seccomp, `kernel.io_uring_disabled`): [`UringBackend::new`]
+//!   fails with a message saying which; [`super::AutoBackend`] logs it and uses the portable backend.
+//! * Buffer registration refused (`RLIMIT_MEMLOCK` without `CAP_IPC_LOCK`): the pool is halved until
+//!   registration succeeds; with none registered, I/O uses plain `Read`/`Write` on unregistered memory.
+//! * O_DIRECT refused by the file system: files stay buffered (see [`super::enable_direct`]).
+//! * IOPOLL is never used: virtio disks without poll queues fail polled reads with `EOPNOTSUPP`.
+#![allow(unsafe_code)]
+
+use std::collections::VecDeque;
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::Path;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::task::{Context, Poll, Waker};
+use std::thread::JoinHandle;
+
+use io_uring::{opcode, squeue, types, IoUring, Probe};
+use slab::Slab;
+
+use super::{Backend, BufResult, DirLock, IoFuture, PortableBackend, ReadReq};
+use crate::buf::{AlignedBuf, BufPool, PoolShared};
+use crate::task::block_on;
+
+/// Largest single submission; bigger transfers are cut into pieces of this size, submitted together.
+pub const PIECE: usize = 4 << 20;
+
+const WAKE: u64 = u64::MAX;
+const CANCEL: u64 = u64::MAX - 1;
+const PIECE_BITS: u32 = 24;
+
+/// Settings of an [`UringBackend`].
+#[derive(Debug, Clone)]
+pub struct UringOptions {
+    /// Submission queue entries (the completion queue gets twice as many). Also the most pieces in
+    /// flight at once.
+    pub entries: u32,
+    /// Buffers in the registered pool (0: no pool). Halved on registration failure.
+    pub pool_buffers: usize,
+    /// Size of each pool buffer.
+    pub pool_buffer_size: usize,
+    /// Open segment files with O_DIRECT (falls back to buffered I/O where refused).
+    pub direct: bool,
+    /// Slots in the registered file table (0: use plain file descriptors).
+    pub file_slots: u32,
+}
+
+impl Default for UringOptions {
+    fn default() -> Self {
+        UringOptions { entries: 256, pool_buffers: 8, pool_buffer_size: 1 << 20, direct: false, file_slots: 1024 }
+    }
+}
+
+/// What the driver ended up with (fallbacks taken at start-up).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UringInfo {
+    /// Registered pool buffers (0 when registration failed or was not asked for).
+    pub registered_buffers: usize,
+    /// Size of each registered buffer.
+    pub buffer_size: usize,
+    /// Whether a registered file table is in use.
+    pub fixed_files: bool,
+}
+
+/// io_uring I/O through a driver thread that owns the ring. See the module documentation.
+pub struct UringBackend {
+    shared: Arc<Shared>,
+    driver: Option<JoinHandle<()>>,
+    pool: Option<BufPool>,
+    info: UringInfo,
+    direct: bool,
+    direct_refused: Arc<AtomicBool>,
+    portable: PortableBackend,
+}
+
+/// A file opened by an [`UringBackend`].
+#[derive(Clone)]
+pub struct UringFile(Arc<FileInner>);
+
+struct FileInner {
+    file: File,
+    /// Slot in the registered file table, when one was free.
+    slot: Option<u32>,
+    /// Set by the driver once the slot holds this file; read only by the driver.
+    registered: AtomicBool,
+    shared: Arc<Shared>,
+}
+
+impl Drop for FileInner {
+    fn drop(&mut self) {
+        if let Some(slot) = self.slot {
+            // No operation refers to this file any more (each holds an Arc of it), so clearing the slot
+            // cannot race with a submission that uses it.
+            self.shared.send(vec![Request::Unregister { slot }]);
+        }
+    }
+}
+
+impl UringFile {
+    /// The underlying std file.
+    pub fn file(&self) -> &File {
+        &self.0.file
+    }
+}
+
+enum Request {
+    Io(IoOp),
+    Register { file: Arc<FileInner> },
+    Unregister { slot: u32 },
+}
+
+struct Shared {
+    queue: Mutex<Vec<Request>>,
+    /// True while the driver is (about to be) asleep in the kernel; whoever flips it back kicks.
+    idle: AtomicBool,
+    shutdown: AtomicBool,
+    eventfd: OwnedFd,
+    free_slots: Mutex<Vec<u32>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Shared {
+    fn send(&self, reqs: Vec<Request>) {
+        lock(&self.queue).extend(reqs);
+        if self.idle.swap(false, Ordering::SeqCst) {
+            self.kick();
+        }
+    }
+
+    fn kick(&self) {
+        // An eventfd write only fails when the counter would overflow, which a wake-up counter that the
+        // driver drains cannot reach; a lost kick would show as a hang, so report it loudly.
+        if let Err(e) = rustix::io::write(&self.eventfd, &1u64.to_ne_bytes()) {
+            log::error!("io_uring driver: eventfd write failed: {e}");
+        }
+    }
+}
+
+/// The result slot an operation's future waits on.
+struct Completion<T> {
+    state: Mutex<(Option<T>, Option<Waker>)>,
+}
+
+impl<T> Completion<T> {
+    fn new() -> Arc<Self> {
+        Arc::new(Completion { state: Mutex::new((None, None)) })
+    }
+
+    fn complete(&self, v: T) {
+        let waker = {
+            let mut s = lock(&self.state);
+            s.0 = Some(v);
+            s.1.take()
+        };
+        if let Some(w) = waker {
+            w.wake();
+        }
+    }
+}
+
+/// An operation in flight: resolves to the operation's result and its buffer.
+///
+/// Dropping it before it resolves is allowed and safe: the driver keeps the buffer until the kernel
+/// is done with it, then frees it.
+pub struct UringOp {
+    comp: Arc<Completion<BufResult>>,
+}
+
+impl std::future::Future for UringOp {
+    type Output = BufResult;
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<BufResult> {
+        let mut s = lock(&self.comp.state);
+        if let Some(v) = s.0.take() {
+            return Poll::Ready(v);
+        }
+        match &s.1 {
+            Some(w) if w.will_wake(cx.waker()) => {}
+            _ => s.1 = Some(cx.waker().clone()),
+        }
+        Poll::Pending
+    }
+}
+
+struct IoOp {
+    write: bool,
+    file: Arc<FileInner>,
+    offset: u64,
+    buf: AlignedBuf,
+    /// Byte ranges of the buffer still to submit.
+    todo: VecDeque<(usize, usize)>,
+    /// Every range ever submitted, by piece number (for matching completions).
+    pieces: Vec<(usize, usize)>,
+    inflight: usize,
+    queued: bool,
+    error: Option<io::Error>,
+    comp: Arc<Completion<BufResult>>,
+}
+
+fn io_error(kind: io::ErrorKind, msg: String) -> io::Error {
+    io::Error::new(kind, msg)
+}
+
+/// Whether the kernel forbids io_uring outright (`kernel.io_uring_disabled = 2`).
+fn disabled_by_sysctl() -> bool {
+    std::fs::read_to_string("/proc/sys/kernel/io_uring_disabled").map(|s| s.trim() == "2").unwrap_or(false)
+}
+
+impl UringBackend {
+    /// Start a driver with `opts`. Fails, with a message saying why, when io_uring cannot be used here.
+    pub fn new(opts: UringOptions) -> io::Result<UringBackend> {
+        if disabled_by_sysctl() {
+            return Err(io_error(
+                io::ErrorKind::Unsupported,
+                "io_uring is disabled (kernel.io_uring_disabled = 2)".into(),
+            ));
+        }
+        let entries = opts.entries.clamp(8, 4096);
+        let ring: IoUring = IoUring::builder().setup_cqsize(entries * 2).build(entries).map_err(|e| {
+            let why = match e.raw_os_error() {
+                Some(libc::ENOSYS) => "the kernel has no io_uring (ENOSYS)".to_string(),
+                Some(libc::EPERM) => {
+                    "io_uring is not permitted here (EPERM: seccomp filter or kernel.io_uring_disabled)".into()
+                }
+                _ => format!("io_uring_setup failed: {e}"),
+            };
+            io_error(e.kind(), why)
+        })?;
+        let mut probe = Probe::new();
+        ring.submitter()
+            .register_probe(&mut probe)
+            .map_err(|e| io_error(e.kind(), format!("io_uring probe failed: {e}")))?;
+        for (code, name) in [
+            (opcode::Read::CODE, "READ"),
+            (opcode::Write::CODE, "WRITE"),
+            (opcode::ReadFixed::CODE, "READ_FIXED"),
+            (opcode::WriteFixed::CODE, "WRITE_FIXED"),
+            (opcode::AsyncCancel::CODE, "ASYNC_CANCEL"),
+        ] {
+            if !probe.is_supported(code) {
+                return Err(io_error(io::ErrorKind::Unsupported, format!("io_uring lacks opcode {name}")));
+            }
+        }
+
+        // The registered pool: halve on failure (RLIMIT_MEMLOCK), none at all as the last resort.
+        let mut pool = None;
+        let mut count = opts.pool_buffers;
+        while count > 0 {
+            let p = BufPool::new(count, opts.pool_buffer_size.max(4096), 4096);
+            let iovecs: Vec<libc::iovec> = p
+                .regions()
+                .into_iter()
+                .map(|(base, len)| libc::iovec { iov_base: base.cast(), iov_len: len })
+                .collect();
+            // SAFETY: every iovec describes one slot of `p`'s arena, which stays allocated while the driver
+            // holds `p.keep_alive()`; the driver keeps that handle until after the ring (and with it the
+            // registration) is dropped.
+            match unsafe { ring.submitter().register_buffers(&iovecs) } {
+                Ok(()) => {
+                    if count < opts.pool_buffers {
+                        log::warn!(
+                            "io_uring: registered {count} of {} buffers (RLIMIT_MEMLOCK too low for more)",
+                            opts.pool_buffers
+                        );
+                    }
+                    pool = Some(p);
+                    break;
+                }
+                Err(e) if count > 1 => {
+                    log::debug!("io_uring: registering {count} buffers failed ({e}); trying fewer");
+                    count /= 2;
+                }
+                Err(e) => {
+                    log::warn!("io_uring: buffer registration failed ({e}); using unregistered buffers");
+                    count = 0;
+                }
+            }
+        }
+
+        let fixed_files = opts.file_slots > 0
+            && match ring.submitter().register_files_sparse(opts.file_slots) {
+                Ok(()) => true,
+                Err(e) => {
+                    log::warn!("io_uring: registering a file table failed ({e}); using plain descriptors");
+                    false
+                }
+            };
+        let free_slots = if fixed_files { (0..opts.file_slots).rev().collect() } else { Vec::new() };
+
+        let eventfd = rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC)?;
+        let shared = Arc::new(Shared {
+            queue: Mutex::new(Vec::new()),
+            idle: AtomicBool::new(false),
+            shutdown: AtomicBool::new(false),
+            eventfd,
+            free_slots: Mutex::new(free_slots),
+        });
+        let info = UringInfo {
+            registered_buffers: pool.as_ref().map_or(0, |p| p.count()),
+            buffer_size: pool.as_ref().map_or(0, |p| p.buf_size()),
+            fixed_files,
+        };
+        let driver = Driver {
+            shared: shared.clone(),
+            ops: Slab::new(),
+            ready: VecDeque::new(),
+            inflight: 0,
+            max_inflight: entries as usize,
+            wake_buf: Box::new([0u8; 8]),
+            wake_armed: false,
+            cancel_inflight: false,
+            cancel_sent: false,
+            pool: pool.clone(),
+            _pool_alive: pool.as_ref().map(|p| p.keep_alive()),
+        };
+        let handle = std::thread::Builder::new().name("spillway-uring".into()).spawn(move || driver.run(ring))?;
+        Ok(UringBackend {
+            shared,
+            driver: Some(handle),
+            pool,
+            info,
+            direct: opts.direct,
+            direct_refused: Arc::new(AtomicBool::new(false)),
+            portable: PortableBackend::new(),
+        })
+    }
+
+    /// What start-up ended with (registered buffers, file table).
+    pub fn info(&self) -> &UringInfo {
+        &self.info
+    }
+
+    /// The registered buffer pool, if registration succeeded. Buffers checked out of it make reads
+    /// and writes use `ReadFixed`/`WriteFixed`.
+    pub fn pool(&self) -> Option<&BufPool> {
+        self.pool.as_ref()
+    }
+
+    /// Whether files are opened with O_DIRECT (false also after the file system refused it).
+    pub fn direct(&self) -> bool {
+        self.direct && !self.direct_refused.load(Ordering::Relaxed)
+    }
+
+    /// Start reading `buf.len()` bytes at `offset` of `file`.
+    pub fn read(&self, file: &UringFile, offset: u64, buf: AlignedBuf) -> UringOp {
+        self.submit(false, file, offset, buf)
+    }
+
+    /// Start writing all of `buf` at `offset` of `file`.
+    pub fn write(&self, file: &UringFile, offset: u64, buf: AlignedBuf) -> UringOp {
+        self.submit(true, file, offset, buf)
+    }
+
+    fn make_op(write: bool, file: &UringFile, offset: u64, buf: AlignedBuf) -> (Option<IoOp>, UringOp) {
+        let comp = Completion::new();
+        let fut = UringOp { comp: comp.clone() };
+        if buf.is_empty() {
+            comp.complete((Ok(()), buf));
+            return (None, fut);
+        }
+        let len = buf.len();
+        let todo = (0..len).step_by(PIECE).map(|s| (s, PIECE.min(len - s))).collect();
+        let op = IoOp {
+            write,
+            file: file.0.clone(),
+            offset,
+            buf,
+            todo,
+            pieces: Vec::new(),
+            inflight: 0,
+            queued: false,
+            error: None,
+            comp,
+        };
+        (Some(op), fut)
+    }
+
+    fn submit(&self, write: bool, file: &UringFile, offset: u64, buf: AlignedBuf) -> UringOp {
+        let (op, fut) = Self::make_op(write, file, offset, buf);
+        if let Some(op) = op {
+            self.shared.send(vec![Request::Io(op)]);
+        }
+        fut
+    }
+}
+
+impl Drop for UringBackend {
+    fn drop(&mut self) {
+        self.shared.shutdown.store(true, Ordering::SeqCst);
+        self.shared.kick();
+        if let Some(h) = self.driver.take() {
+            if h.join().is_err() {
+                log::error!("io_uring driver thread panicked");
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for UringBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UringBackend").field("info", &self.info).field("direct", &self.direct()).finish()
+    }
+}
+
+impl Backend for UringBackend {
+    type File = UringFile;
+
+    fn name(&self) -> &'static str {
+        "uring"
+    }
+    fn create_dir_all(&self, path: &Path) -> io::Result<()> {
+        self.portable.create_dir_all(path)
+    }
+    fn is_dir(&self, path: &Path) -> bool {
+        self.portable.is_dir(path)
+    }
+    fn list_dir(&self, path: &Path) -> io::Result<Vec<String>> {
+        self.portable.list_dir(path)
+    }
+
+    fn open(&self, path: &Path, create: bool) -> io::Result<UringFile> {
+        let file = self.portable.open(path, create)?;
+        if self.direct && !self.direct_refused.load(Ordering::Relaxed) && !super::enable_direct(&file, path) {
+            self.direct_refused.store(true, Ordering::Relaxed);
+        }
+        let slot = lock(&self.shared.free_slots).pop();
+        let inner = Arc::new(FileInner { file, slot, registered: AtomicBool::new(false), shared: self.shared.clone() });
+        if slot.is_some() {
+            self.shared.send(vec![Request::Register { file: inner.clone() }]);
+        }
+        Ok(UringFile(inner))
+    }
+
+    fn remove_file(&self, path: &Path) -> io::Result<()> {
+        self.portable.remove_file(path)
+    }
+    fn sync_dir(&self, path: &Path) -> io::Result<()> {
+        self.portable.sync_dir(path)
+    }
+    fn file_len(&self, file: &UringFile) -> io::Result<u64> {
+        self.portable.file_len(&file.0.file)
+    }
+    fn allocate(&self, file: &UringFile, len: u64) -> io::Result<()> {
+        self.portable.allocate(&file.0.file, len)
+    }
+
+    fn read_at(&self, file: &UringFile, offset: u64, buf: AlignedBuf) -> BufResult {
+        block_on(self.read(file, offset, buf))
+    }
+
+    fn write_at(&self, file: &UringFile, offset: u64, buf: AlignedBuf) -> BufResult {
+        block_on(self.write(file, offset, buf))
+    }
+
+    fn sync_data(&self, file: &UringFile) -> io::Result<()> {
+        file.0.file.sync_data()
+    }
+    fn lock_dir(&self, dir: &Path) -> io::Result<DirLock> {
+        self.portable.lock_dir(dir)
+    }
+    fn alignment(&self, dir: &Path) -> usize {
+        self.portable.alignment(dir)
+    }
+
+    fn alloc_buf(&self, len: usize, align: usize) -> AlignedBuf {
+        // Registered slots only for what fits, and never waiting: log buffers live long, so blocking on
+        // an empty pool here could wait forever. Streaming users check out with back-pressure instead.
+        if let Some(pool) = &self.pool {
+            if len <= pool.buf_size() && align <= 4096 {
+                if let Some(mut b) = pool.try_check_out() {
+                    b.set_len(len);
+                    return b;
+                }
+            }
+        }
+        AlignedBuf::zeroed(len, align)
+    }
+
+    fn read_at_async(&self, file: &Arc<UringFile>, offset: u64, buf: AlignedBuf) -> IoFuture {
+        Box::pin(self.read(file, offset, buf))
+    }
+
+    fn read_many(&self, reqs: Vec<ReadReq<'_, UringFile>>) -> Vec<BufResult> {
+        let mut futs = Vec::with_capacity(reqs.len());
+        let mut batch = Vec::with_capacity(reqs.len());
+        for r in reqs {
+            let (op, fut) = Self::make_op(false, r.file, r.offset, r.buf);
+            batch.extend(op.map(Request::Io));
+            futs.push(fut);
+        }
+        self.shared.send(batch);
+        futs.into_iter().map(block_on).collect()
+    }
+}
+
+/// The driver thread's state. Only the driver thread touches it.
+struct Driver {
+    shared: Arc<Shared>,
+    ops: Slab<IoOp>,
+    /// Operations with ranges left to submit, in arrival order.
+    ready: VecDeque<usize>,
+    /// Pieces submitted and not yet reaped.
+    inflight: usize,
+    max_inflight: usize,
+    /// Target of the armed eventfd read; boxed so its address is stable while the read is in flight.
+    wake_buf: Box<[u8; 8]>,
+    wake_armed: bool,
+    cancel_inflight: bool,
+    cancel_sent: bool,
+    pool: Option<BufPool>,
+    /// Keeps the registered arena allocated until the driver (and the ring before it) is gone.
+    _pool_alive: Option<Arc<PoolShared>>,
+}
+
+macro_rules! rw_entry {
+    ($fd:expr, $write:expr, $ptr:expr, $len:expr, $index:expr, $off:expr) => {
+        match ($write, $index) {
+            (false, Some(i)) => opcode::ReadFixed::new($fd, $ptr, $len, i).offset($off).build(),
+            (false, None) => opcode::Read::new($fd, $ptr, $len).offset($off).build(),
+            (true, Some(i)) => opcode::WriteFixed::new($fd, $ptr as *const u8, $len, i).offset($off).build(),
+            (true, None) => opcode::Write::new($fd, $ptr as *const u8, $len).offset($off).build(),
+        }
+    };
+}
+
+impl Driver {
+    fn run(mut self, mut ring: IoUring) {
+        self.arm_wake(&mut ring);
+        let mut cqes: Vec<(u64, i32)> = Vec::with_capacity(self.max_inflight * 2);
+        loop {
+            self.take_requests(&ring);
+            if self.shared.shutdown.load(Ordering::SeqCst) && !self.cancel_sent {
+                self.cancel_sent = true;
+                let e = opcode::AsyncCancel2::new(types::CancelBuilder::any()).build().user_data(CANCEL);
+                // SAFETY: a cancel entry refers to no memory.
+                if unsafe { ring.submission().push(&e) }.is_ok() {
+                    self.cancel_inflight = true;
+                }
+            }
+            self.fill(&mut ring);
+            cqes.clear();
+            cqes.extend(ring.completion().map(|c| (c.user_data(), c.result())));
+            for &(ud, res) in &cqes {
+                self.complete(&mut ring, ud, res);
+            }
+            if self.shared.shutdown.load(Ordering::SeqCst)
+                && self.ops.is_empty()
+                && !self.wake_armed
+                && !self.cancel_inflight
+                && lock(&self.shared.queue).is_empty()
+            {
+                break;
+            }
+            if !cqes.is_empty() {
+                if !ring.submission().is_empty() {
+                    self.enter(&ring, 0);
+                }
+                continue;
+            }
+            self.shared.idle.store(true, Ordering::SeqCst);
+            if !lock(&self.shared.queue).is_empty() {
+                self.shared.idle.store(false, Ordering::SeqCst);
+                continue;
+            }
+            self.enter(&ring, 1);
+            self.shared.idle.store(false, Ordering::SeqCst);
+        }
+        // Nothing is in flight: the ring (and its registrations) can go, then the pool.
+        drop(ring);
+        drop(self);
+    }
+
+    fn enter(&self, ring: &IoUring, want: usize) {
+        match ring.submit_and_wait(want) {
+            Ok(_) => {}
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR | libc::EAGAIN | libc::EBUSY)) => {}
+            Err(e) => {
+                // Nothing sensible to do but report and retry: the buffers of operations in flight must
+                // not be released while the kernel may still use them.
+                log::error!("io_uring_enter failed: {e}");
+                std::thread::yield_now();
+            }
+        }
+    }
+
+    fn arm_wake(&mut self, ring: &mut IoUring) {
+        let e = opcode::Read::new(types::Fd(self.shared.eventfd.as_raw_fd()), self.wake_buf.as_mut_ptr(), 8)
+            .build()
+            .user_data(WAKE);
+        // SAFETY: `wake_buf` is a boxed field of the driver, which outlives the ring (the ring is dropped
+        // first in `run`), and nothing else reads or writes it while the read is armed.
+        if unsafe { ring.submission().push(&e) }.is_ok() {
+            self.wake_armed = true;
+        }
+    }
+
+    fn take_requests(&mut self, ring: &IoUring) {
+        let reqs = std::mem::take(&mut *lock(&self.shared.queue));
+        for r in reqs {
+            match r {
+                Request::Io(op) => {
+                    let key = self.ops.insert(op);
+                    self.queue_op(key);
+                }
+                Request::Register { file } => {
+                    let slot = file.slot.expect("registered files have a slot");
+                    match ring.submitter().register_files_update(slot, &[file.file.as_raw_fd()]) {
+                        Ok(_) => file.registered.store(true, Ordering::Relaxed),
+                        Err(e) => log::debug!("io_uring: file slot {slot} not registered ({e}); using its fd"),
+                    }
+                }
+                Request::Unregister { slot } => {
+                    if let Err(e) = ring.submitter().register_files_update(slot, &[-1]) {
+                        log::debug!("io_uring: clearing file slot {slot} failed ({e})");
+                    }
+                    lock(&self.shared.free_slots).push(slot);
+                }
+            }
+        }
+    }
+
+    fn queue_op(&mut self, key: usize) {
+        let op = &mut self.ops[key];
+        if !op.queued {
+            op.queued = true;
+            self.ready.push_back(key);
+        }
+    }
+
+    /// Move ready ranges into the submission queue while it and the in-flight budget have room.
+    fn fill(&mut self, ring: &mut IoUring) {
+        let mut sq = ring.submission();
+        while let Some(&key) = self.ready.front() {
+            let Some(op) = self.ops.get_mut(key) else {
+                // Failed and completed while still listed; its key may even be reused (then listed twice).
+                self.ready.pop_front();
+                continue;
+            };
+            while let Some(&(start, len)) = op.todo.front() {
+                if sq.is_full() || self.inflight >= self.max_inflight {
+                    return;
+                }
+                let piece = op.pieces.len() as u64;
+                debug_assert!(piece < (1 << PIECE_BITS) && (key as u64) < (1 << (64 - PIECE_BITS)) - 2);
+                let ud = (key as u64) << PIECE_BITS | piece;
+                let index = self.pool.as_ref().and_then(|p| op.buf.pool_index(p)).map(|i| i as u16);
+                // SAFETY: `start + len <= buf.len() <= capacity`, so the pointer stays inside the buffer.
+                let ptr = unsafe { op.buf.as_mut_ptr().add(start) };
+                let off = op.offset + start as u64;
+                let n = len as u32;
+                let e = if op.file.registered.load(Ordering::Relaxed) {
+                    let fd = types::Fixed(op.file.slot.expect("registered files have a slot"));
+                    rw_entry!(fd, op.write, ptr, n, index, off)
+                } else {
+                    let fd = types::Fd(op.file.file.as_raw_fd());
+                    rw_entry!(fd, op.write, ptr, n, index, off)
+                };
+                let e: squeue::Entry = e.user_data(ud);
+                // SAFETY: the entry points into `op.buf`, which the op (in `self.ops`) owns until this
+                // piece's completion is reaped: ops leave the slab only in `complete` once `inflight` is 0,
+                // and the driver outlives every submitted entry (shutdown drains before dropping). The
+                // file (fd or fixed slot) is kept open by the op's Arc<FileInner>. Fixed buffer `index`
+                // is set only when the buffer is a slot of the registered pool.
+                unsafe { sq.push(&e) }.expect("checked not full");
+                op.todo.pop_front();
+                op.pieces.push((start, len));
+                op.inflight += 1;
+                self.inflight += 1;
+            }
+            op.queued = false;
+            self.ready.pop_front();
+        }
+    }
+
+    fn complete(&mut self, ring: &mut IoUring, ud: u64, res: i32) {
+        match ud {
+            WAKE => {
+                self.wake_armed = false;
+                if !self.shared.shutdown.load(Ordering::SeqCst) {
+                    self.arm_wake(ring);
+                }
+                return;
+            }
+            CANCEL => {
+                self.cancel_inflight = false;
+                return;
+            }
+            _ => {}
+        }
+        let key = (ud >> PIECE_BITS) as usize;
+        let piece = (ud & ((1 << PIECE_BITS) - 1)) as usize;
+        self.inflight -= 1;
+        let Some(op) = self.ops.get_mut(key) else {
+            log::error!("io_uring: completion for unknown operation {key}");
+            return;
+        };
+        op.inflight -= 1;
+        let (start, len) = op.pieces[piece];
+        let mut requeue = false;
+        if res < 0 {
+            let errno = -res;
+            if (errno == libc::EAGAIN || errno == libc::EINTR) && op.error.is_none() {
+                op.todo.push_back((start, len));
+                requeue = true;
+            } else if op.error.is_none() {
+                op.error = Some(io::Error::from_raw_os_error(errno));
+            }
+        } else if res == 0 {
+            let (kind, what) = if op.write {
+                (io::ErrorKind::WriteZero, "write returned 0 bytes")
+            } else {
+                (io::ErrorKind::UnexpectedEof, "read met end of file")
+            };
+            op.error.get_or_insert_with(|| io::Error::new(kind, what));
+        } else if (res as usize) < len {
+            let done = res as usize;
+            op.todo.push_back((start + done, len - done));
+            requeue = true;
+        }
+        if op.error.is_some() {
+            op.todo.clear();
+        } else if requeue {
+            self.queue_op(key);
+            return;
+        }
+        let op = &self.ops[key];
+        if op.inflight == 0 && op.todo.is_empty() {
+            let op = self.ops.remove(key);
+            let result = match op.error {
+                Some(e) => Err(e),
+                None => Ok(()),
+            };
+            op.comp.complete((result, op.buf));
+        }
+    }
+}

@@ -1,0 +1,184 @@
+//! The io_uring driver on its own: multi-piece transfers, end of file, registered buffers, abandoned
+//! futures, many threads, errors, and the log's async reads. Each test prints why it skipped when the
+//! kernel refuses io_uring (and fails instead under `SPILLWAY_REQUIRE_URING=1`).
+
+use std::sync::Arc;
+
+use spillway::backend::{UringBackend, UringOptions, PIECE};
+use spillway::buf::AlignedBuf;
+use spillway::task::block_on;
+use spillway::{AutoBackend, Backend, BackendKind, Frames, LogOptions, SegmentLog};
+use spillway_tests::{frames_for, uring_or_skip, value_for, Rng};
+
+fn filled(data: &[u8]) -> AlignedBuf {
+    let mut b = AlignedBuf::with_capacity(data.len(), 4096);
+    b.extend_from_slice(data);
+    b
+}
+
+fn backend(test: &str, direct: bool) -> Option<UringBackend> {
+    uring_or_skip(test, UringOptions { direct, pool_buffers: 4, ..Default::default() })
+}
+
+#[test]
+fn transfers_larger_than_a_piece_round_trip() {
+    for direct in [false, true] {
+        let Some(be) = backend("transfers_larger_than_a_piece_round_trip", direct) else { return };
+        let tmp = tempfile::tempdir().unwrap();
+        let f = be.open(&tmp.path().join("f"), true).unwrap();
+        let len = 2 * PIECE + 3 * 4096;
+        let data = value_for(b"big", len);
+        let (r, _) = be.write_at(&f, 8192, filled(&data));
+        r.unwrap();
+        let (r, got) = be.read_at(&f, 8192, AlignedBuf::zeroed(len, 4096));
+        r.unwrap();
+        assert!(got[..] == data[..], "read back differs (direct={direct})");
+        assert_eq!(be.file_len(&f).unwrap(), 8192 + len as u64);
+    }
+}
+
+#[test]
+fn reading_past_the_end_is_unexpected_eof_and_zero_length_is_a_no_op() {
+    let Some(be) = backend("reading_past_the_end", false) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let f = be.open(&tmp.path().join("f"), true).unwrap();
+    be.write_at(&f, 0, filled(&[7u8; 8192])).0.unwrap();
+    // A short read (8 KiB of 16) is resubmitted, then meets end of file.
+    let (r, _) = be.read_at(&f, 0, AlignedBuf::zeroed(16384, 4096));
+    assert_eq!(r.unwrap_err().kind(), std::io::ErrorKind::UnexpectedEof);
+    let (r, _) = be.read_at(&f, 1 << 20, AlignedBuf::zeroed(4096, 4096));
+    assert_eq!(r.unwrap_err().kind(), std::io::ErrorKind::UnexpectedEof);
+    let (r, b) = be.read_at(&f, 0, AlignedBuf::zeroed(0, 4096));
+    r.unwrap();
+    assert!(b.is_empty());
+}
+
+#[test]
+fn registered_pool_buffers_carry_data_both_ways() {
+    let Some(be) = backend("registered_pool_buffers", true) else { return };
+    let pool = be.pool().expect("root can register a 4 MiB pool").clone();
+    assert_eq!(be.info().registered_buffers, 4);
+    let tmp = tempfile::tempdir().unwrap();
+    let f = be.open(&tmp.path().join("f"), true).unwrap();
+    let mut w = be.alloc_buf(64 << 10, 4096);
+    assert!(w.pool_index(&pool).is_some(), "a pool slot fits 64 KiB");
+    let data = value_for(b"fixed", 64 << 10);
+    w.copy_from_slice(&data);
+    be.write_at(&f, 0, w).0.unwrap();
+    let r = be.alloc_buf(64 << 10, 4096);
+    assert!(r.pool_index(&pool).is_some());
+    let (res, r) = be.read_at(&f, 0, r);
+    res.unwrap();
+    assert!(r[..] == data[..]);
+    drop(r);
+    assert_eq!(pool.available(), 4, "slots come back when buffers drop");
+    // Larger than a slot: a heap buffer, plain Read/Write.
+    assert!(be.alloc_buf(2 << 20, 4096).pool_index(&pool).is_none());
+}
+
+#[test]
+fn abandoned_futures_keep_their_buffers_until_the_kernel_is_done() {
+    let Some(be) = backend("abandoned_futures", true) else { return };
+    let pool = be.pool().expect("pool").clone();
+    let tmp = tempfile::tempdir().unwrap();
+    let f = be.open(&tmp.path().join("f"), true).unwrap();
+    be.write_at(&f, 0, filled(&vec![1u8; 4 << 20])).0.unwrap();
+    for i in 0..4u64 {
+        let mut b = pool.check_out();
+        b.set_len(1 << 20);
+        drop(be.read(&f, i << 20, b)); // given up at once
+    }
+    // Until their completions are reaped the slots stay with the driver; dropping the backend drains
+    // them, after which every slot is back.
+    drop(be);
+    assert_eq!(pool.available(), 4);
+}
+
+#[test]
+fn many_threads_and_many_futures_share_one_driver() {
+    let Some(be) = backend("many_threads", true) else { return };
+    let be = Arc::new(be);
+    let tmp = tempfile::tempdir().unwrap();
+    let f = Arc::new(be.open(&tmp.path().join("f"), true).unwrap());
+    let block = 16 << 10;
+    let threads: Vec<_> = (0..6u64)
+        .map(|t| {
+            let (be, f) = (be.clone(), f.clone());
+            std::thread::spawn(move || {
+                let mut rng = Rng::new(t + 1);
+                for i in 0..150u64 {
+                    let slot = t * 1000 + rng.below(64);
+                    let data = value_for(&(slot, i).0.to_le_bytes(), block);
+                    be.write_at(&f, slot * block as u64, filled(&data)).0.unwrap();
+                    let (r, got) = be.read_at(&f, slot * block as u64, AlignedBuf::zeroed(block, 4096));
+                    r.unwrap();
+                    assert!(got[..] == data[..], "thread {t} slot {slot}");
+                }
+            })
+        })
+        .collect();
+    // Meanwhile, one thread with 128 operations in flight at once.
+    let futs: Vec<_> = (0..128u64).map(|i| be.write(&f, (1 << 30) + i * 4096, filled(&[i as u8; 4096]))).collect();
+    for fut in futs {
+        block_on(fut).0.unwrap();
+    }
+    let reads: Vec<_> =
+        (0..128u64).map(|i| be.read(&f, (1 << 30) + i * 4096, AlignedBuf::zeroed(4096, 4096))).collect();
+    for (i, fut) in reads.into_iter().enumerate().rev() {
+        let (r, b) = block_on(fut);
+        r.unwrap();
+        assert!(b.iter().all(|&x| x == i as u8));
+    }
+    for t in threads {
+        t.join().unwrap();
+    }
+}
+
+#[test]
+fn kernel_errors_come_back_typed() {
+    let Some(be) = backend("kernel_errors", true) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let f = be.open(&tmp.path().join("f"), true).unwrap();
+    if !be.direct() {
+        println!("SKIPPED kernel_errors: the file system refused O_DIRECT");
+        return;
+    }
+    // O_DIRECT with a length that is not a multiple of the block size: EINVAL from the kernel.
+    let (r, _) = be.write_at(&f, 0, filled(&[1u8; 100]));
+    assert_eq!(r.unwrap_err().raw_os_error(), Some(22), "EINVAL");
+    // The driver keeps working after an error.
+    be.write_at(&f, 0, filled(&[2u8; 4096])).0.unwrap();
+}
+
+#[test]
+fn log_reads_many_keys_concurrently_through_get_async() {
+    let Some(be) = backend("log_get_async", true) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let log = SegmentLog::open(be, tmp.path(), LogOptions { segment_bytes: 4 << 20, ..Default::default() }).unwrap();
+    let keys: Vec<Vec<u8>> = (0..600).map(|i| format!("k{i}").into_bytes()).collect();
+    for (i, k) in keys.iter().enumerate() {
+        log.put(k, &frames_for(k, (i * 37) % 20000)).unwrap();
+    }
+    let futs: Vec<_> = keys.iter().map(|k| log.get_async(k)).collect();
+    let missing = log.get_async(b"absent");
+    for (i, fut) in futs.into_iter().enumerate().rev() {
+        let got = block_on(fut).unwrap().unwrap();
+        assert_eq!(got, frames_for(&keys[i], (i * 37) % 20000));
+    }
+    assert!(block_on(missing).unwrap().is_none());
+}
+
+#[test]
+fn auto_backend_names_its_choice_and_refuses_unknown_kinds() {
+    let p = AutoBackend::new(BackendKind::Portable, false).unwrap();
+    assert_eq!(p.name(), "portable");
+    assert!("fast".parse::<BackendKind>().unwrap_err().contains("unknown backend"));
+    let auto = AutoBackend::new(BackendKind::Auto, true).unwrap();
+    if uring_or_skip("auto_backend", UringOptions::default()).is_some() {
+        assert_eq!(auto.name(), "uring");
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let log = SegmentLog::open(auto, tmp.path(), LogOptions::default()).unwrap();
+    log.put(b"a", &Frames::from(b"b".to_vec())).unwrap();
+    assert_eq!(log.get(b"a").unwrap().unwrap().concat(), &b"b"[..]);
+}
