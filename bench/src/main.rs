@@ -16,8 +16,9 @@ use hdrhistogram::Histogram;
 use rand::{Rng, SeedableRng};
 use serde_json::json;
 use spillway::units::{format_size, parse_size};
-use spillway::{Compression, Frames, LogOptions, PortableBackend, SegmentLog};
+use spillway::{AutoBackend, Backend, BackendKind, Compression, Frames, LogOptions, SegmentLog};
 
+mod depth;
 mod store_jobs;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -39,9 +40,31 @@ enum Rw {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum BackendKind {
+enum BackendArg {
+    /// io_uring where available, else portable (the reason is logged).
+    Auto,
+    /// io_uring (an error where unavailable).
+    Uring,
     /// Blocking pread/pwrite.
     Portable,
+}
+
+impl From<BackendArg> for BackendKind {
+    fn from(b: BackendArg) -> BackendKind {
+        match b {
+            BackendArg::Auto => BackendKind::Auto,
+            BackendArg::Uring => BackendKind::Uring,
+            BackendArg::Portable => BackendKind::Portable,
+        }
+    }
+}
+
+fn parse_bool01(s: &str) -> Result<bool, String> {
+    match s {
+        "1" | "true" | "yes" => Ok(true),
+        "0" | "false" | "no" => Ok(false),
+        other => Err(format!("expected 0 or 1, got '{other}'")),
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -67,7 +90,7 @@ enum OutputFormat {
 }
 
 /// A fio-like benchmark of the spillway segment log.
-#[derive(Parser, Debug)]
+#[derive(Parser, Debug, Clone)]
 #[command(name = "spillway-bench", version)]
 struct Args {
     /// Job to run; without it, the default set runs: write, then randread.
@@ -92,8 +115,15 @@ struct Args {
     #[arg(long, default_value_t = 50)]
     rwmixread: u32,
     /// I/O backend.
-    #[arg(long, value_enum, default_value = "portable")]
-    backend: BackendKind,
+    #[arg(long, value_enum, default_value = "auto")]
+    backend: BackendArg,
+    /// Operations in flight per job: reads run as that many concurrent futures on the io_uring
+    /// driver; writes go in batches of that many values (one aligned write the block layer splits).
+    #[arg(long, default_value_t = 1)]
+    iodepth: usize,
+    /// O_DIRECT segment files (`--direct` or `--direct=1`), bypassing the page cache.
+    #[arg(long, default_value = "false", num_args = 0..=1, default_missing_value = "true", value_parser = parse_bool01)]
+    direct: bool,
     /// Payload compression in the log.
     #[arg(long, value_enum, default_value = "none")]
     compress: CompressArg,
@@ -112,6 +142,10 @@ struct Args {
     /// Output format.
     #[arg(long, value_enum, default_value = "normal")]
     output_format: OutputFormat,
+    /// fdatasync each segment as it is sealed (the log's default for embedded use). Off by default:
+    /// a spill store does not need durability, and fio does not fsync unless asked either.
+    #[arg(long)]
+    durable: bool,
     /// Memory target of the store (store jobs).
     #[arg(long, value_parser = parse_size, default_value = "16MiB")]
     target: u64,
@@ -210,9 +244,16 @@ fn key(job: usize, i: u64) -> Vec<u8> {
 }
 
 /// Run `rw` on `numjobs` threads, each over its own key range.
-fn run_job(log: &Arc<SegmentLog>, args: &Args, rw: Rw, progress: bool) -> Result<JobResult> {
+fn run_job(log: &Arc<SegmentLog<AutoBackend>>, args: &Args, rw: Rw, progress: bool, layout: bool) -> Result<JobResult> {
     let nkeys = (args.size / args.bs).max(1);
-    let deadline = (args.runtime > 0).then(|| Instant::now() + Duration::from_secs(args.runtime));
+    let deadline = (args.runtime > 0 && !layout).then(|| Instant::now() + Duration::from_secs(args.runtime));
+    let layout_args;
+    let args = if layout {
+        layout_args = Args { time_based: false, ..args.clone() };
+        &layout_args
+    } else {
+        args
+    };
     let done_bytes = Arc::new(AtomicU64::new(0));
     let start = Instant::now();
     let reporter = progress.then(|| {
@@ -247,6 +288,12 @@ fn run_job(log: &Arc<SegmentLog>, args: &Args, rw: Rw, progress: bool) -> Result
                 s.spawn(move || -> Result<(Side, Side)> {
                     let mut rng = rand::rngs::SmallRng::seed_from_u64(job as u64 + 1);
                     let value = make_value(args.payload, args.bs as usize, &mut rng);
+                    if args.iodepth > 1 && matches!(rw, Rw::Read | Rw::Randread) {
+                        return depth::reads(&log, args, rw, job, nkeys, deadline, &done, &mut rng);
+                    }
+                    if args.iodepth > 1 && matches!(rw, Rw::Write | Rw::Randwrite) {
+                        return depth::writes(&log, args, rw, job, nkeys, deadline, &done, &mut rng, &value);
+                    }
                     let (mut r, mut w) = (Side::new(), Side::new());
                     let mut i = 0u64;
                     loop {
@@ -303,6 +350,7 @@ fn run_job(log: &Arc<SegmentLog>, args: &Args, rw: Rw, progress: bool) -> Result
 }
 
 fn main() -> Result<()> {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let args = Args::parse();
     if args.bs == 0 || args.size == 0 || args.numjobs == 0 {
         bail!("--bs, --size and --numjobs must be positive");
@@ -351,10 +399,13 @@ fn main() -> Result<()> {
             CompressArg::None => Compression::None,
             CompressArg::Lz4 => Compression::Lz4,
         },
+        durable: args.durable,
         ..Default::default()
     };
-    let BackendKind::Portable = args.backend;
-    let log = Arc::new(SegmentLog::open(PortableBackend::new(), &store_dir, opts).context("opening the store")?);
+    let backend = AutoBackend::new(args.backend.into(), args.direct).context("starting the I/O backend")?;
+    let backend_name = backend.name();
+    let direct = backend.direct();
+    let log = Arc::new(SegmentLog::open(backend, &store_dir, opts).context("opening the store")?);
     let jobs: Vec<Rw> = match args.rw {
         Some(Rw::Write) => vec![Rw::Write],
         // Read jobs need data: write it first (reported too, as fio reports its layout phase).
@@ -364,9 +415,10 @@ fn main() -> Result<()> {
     let human = args.output_format == OutputFormat::Normal;
     if human {
         println!(
-            "spillway-bench: backend {:?}, bs {}, size {} x {} job(s), compress {:?}, payload {:?}, dir {}",
-            args.backend,
+            "spillway-bench: backend {backend_name}{}, bs {}, iodepth {}, size {} x {} job(s), compress {:?}, payload {:?}, dir {}",
+            if direct { " (O_DIRECT)" } else { "" },
             format_size(args.bs),
+            args.iodepth,
             format_size(args.size),
             args.numjobs,
             args.compress,
@@ -375,8 +427,11 @@ fn main() -> Result<()> {
         );
     }
     let mut results = Vec::new();
-    for rw in jobs {
-        let r = run_job(&log, &args, rw, human)?;
+    let njobs = jobs.len();
+    for (i, rw) in jobs.into_iter().enumerate() {
+        // The write that lays out data for a read job writes `--size` once, like fio's layout phase.
+        let layout = rw == Rw::Write && i + 1 < njobs;
+        let r = run_job(&log, &args, rw, human, layout)?;
         if rw == Rw::Write {
             log.sync()?;
         }
@@ -410,7 +465,8 @@ fn main() -> Result<()> {
                     "error": 0,
                     "job options": {
                         "rw": r.name, "bs": args.bs.to_string(), "size": args.size.to_string(),
-                        "numjobs": args.numjobs.to_string(), "ioengine": format!("spillway-{:?}", args.backend).to_lowercase(),
+                        "numjobs": args.numjobs.to_string(), "iodepth": args.iodepth.to_string(),
+                        "direct": if direct { "1" } else { "0" }, "ioengine": format!("spillway-{backend_name}"),
                     },
                     "read": r.read.json(r.runtime),
                     "write": r.write.json(r.runtime),

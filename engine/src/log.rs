@@ -283,6 +283,8 @@ pub struct SegmentLog<B: Backend = PortableBackend> {
     seg_dir: PathBuf,
     opts: LogOptions,
     align: u64,
+    /// Alignment of single-record reads (the O_DIRECT minimum; divides `align`).
+    read_align: u64,
     index: RwLock<HashMap<Box<[u8]>, Location>>,
     files: RwLock<HashMap<u32, Arc<B::File>>>,
     state: Mutex<WriterState<B::File>>,
@@ -350,6 +352,7 @@ impl<B: Backend> SegmentLog<B> {
             Some(a) => return Err(Error::InvalidConfig(format!("alignment {a} is not a power of two in 512..=65536"))),
             None => backend.alignment(&dir).clamp(512, 65536) as u64,
         };
+        let read_align = (backend.read_alignment(&dir).clamp(512, 65536) as u64).min(align);
         if opts.segment_bytes < MIN_SEGMENT_BYTES {
             return Err(Error::InvalidConfig(format!(
                 "segment_bytes {} is below the minimum {MIN_SEGMENT_BYTES}",
@@ -365,6 +368,7 @@ impl<B: Backend> SegmentLog<B> {
             seg_dir,
             opts,
             align,
+            read_align,
             index: RwLock::new(HashMap::new()),
             files: RwLock::new(HashMap::new()),
             state: Mutex::new(WriterState {
@@ -769,7 +773,7 @@ impl<B: Backend> SegmentLog<B> {
 
     fn read_aligned(&self, file: &B::File, offset: u64, len: usize, path: &Path) -> Result<AlignedBuf> {
         debug_assert!(offset % self.align == 0 && len as u64 % self.align == 0);
-        let buf = self.backend.alloc_buf(len, self.align as usize);
+        let buf = AlignedBuf::zeroed(len, self.align as usize);
         let (r, buf) = self.backend.read_at(file, offset, buf);
         r.map_err(|e| Error::io("read segment", path.to_path_buf(), e))?;
         Ok(buf)
@@ -804,9 +808,12 @@ impl<B: Backend> SegmentLog<B> {
 
     /// Read the raw bytes of the record at `loc` (aligned read, zero-copy slice).
     fn read_record_bytes(&self, file: &B::File, loc: Location) -> Result<Bytes> {
-        let start = align_down(loc.offset, self.align);
-        let end = align_up(loc.offset + loc.len, self.align);
-        let buf = self.read_aligned(file, start, (end - start) as usize, &self.seg_path(loc.segment))?;
+        let start = align_down(loc.offset, self.read_align);
+        let end = align_up(loc.offset + loc.len, self.read_align);
+        let len = (end - start) as usize;
+        let buf = self.backend.alloc_buf(len, self.read_align as usize);
+        let (r, buf) = self.backend.read_at(file, start, buf);
+        r.map_err(|e| Error::io("read segment", self.seg_path(loc.segment), e))?;
         let b = buf.freeze();
         Ok(b.slice((loc.offset - start) as usize..(loc.offset - start + loc.len) as usize))
     }
@@ -822,9 +829,9 @@ impl<B: Backend> SegmentLog<B> {
     /// safe (the backend keeps the buffer until the kernel is done with it).
     pub fn get_async(&self, key: &[u8]) -> impl Future<Output = Result<Option<Frames>>> + Send + 'static {
         let started = self.lookup(key).map(|(loc, file)| {
-            let start = align_down(loc.offset, self.align);
-            let end = align_up(loc.offset + loc.len, self.align);
-            let buf = self.backend.alloc_buf((end - start) as usize, self.align as usize);
+            let start = align_down(loc.offset, self.read_align);
+            let end = align_up(loc.offset + loc.len, self.read_align);
+            let buf = self.backend.alloc_buf((end - start) as usize, self.read_align as usize);
             (loc, start, self.backend.read_at_async(&file, start, buf), self.seg_path(loc.segment))
         });
         let key = key.to_vec();

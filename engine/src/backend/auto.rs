@@ -165,6 +165,9 @@ impl Backend for AutoBackend {
     fn alignment(&self, dir: &Path) -> usize {
         PortableBackend::new().alignment(dir)
     }
+    fn read_alignment(&self, dir: &Path) -> usize {
+        PortableBackend::new().read_alignment(dir)
+    }
     fn alloc_buf(&self, len: usize, align: usize) -> AlignedBuf {
         match self {
             AutoBackend::Uring(u) => u.alloc_buf(len, align),

@@ -91,8 +91,16 @@ pub trait Backend: Send + Sync + 'static {
     fn sync_data(&self, file: &Self::File) -> io::Result<()>;
     /// Take the exclusive lock of a store directory, failing with `WouldBlock` if it is held.
     fn lock_dir(&self, dir: &Path) -> io::Result<DirLock>;
-    /// I/O alignment for files in `dir` (offsets, lengths and buffer addresses).
+    /// I/O alignment for files in `dir` (offsets, lengths and buffer addresses) of writes and of
+    /// everything the log lays out: the larger of the O_DIRECT alignment and the file system block,
+    /// because ext4 serializes (and zero-fills around) O_DIRECT writes that are not block-aligned.
     fn alignment(&self, dir: &Path) -> usize;
+
+    /// Alignment of reads of single records (the O_DIRECT minimum, often 512 B): smaller than
+    /// [`Backend::alignment`] so a small record costs fewer bytes to read. Must divide it.
+    fn read_alignment(&self, dir: &Path) -> usize {
+        self.alignment(dir)
+    }
 
     /// A buffer for an I/O of `len` bytes aligned to `align`: length `len`, contents initialized but
     /// unspecified. A backend with a registered pool hands out pool slots when one is free.

@@ -144,6 +144,18 @@ impl Backend for PortableBackend {
     }
 
     fn alignment(&self, dir: &Path) -> usize {
+        let dio = self.read_alignment(dir);
+        let block = rustix::fs::statx(CWD, dir, AtFlags::empty(), StatxFlags::BASIC_STATS)
+            .map(|st| st.stx_blksize as usize)
+            .unwrap_or(DEFAULT_ALIGN);
+        if block.is_power_of_two() {
+            dio.max(block.clamp(512, 65536))
+        } else {
+            dio.max(DEFAULT_ALIGN)
+        }
+    }
+
+    fn read_alignment(&self, dir: &Path) -> usize {
         // STATX_DIOALIGN is reported for regular files: ask about the lock file when it exists.
         dio_alignment(&dir.join("LOCK")).or_else(|| dio_alignment(dir)).unwrap_or(DEFAULT_ALIGN)
     }

@@ -246,7 +246,20 @@ impl UringBackend {
             ));
         }
         let entries = opts.entries.clamp(8, 4096);
-        let ring: IoUring = IoUring::builder().setup_cqsize(entries * 2).build(entries).map_err(|e| {
+        // Completions run as deferred task work on the driver, processed in batches when it enters the
+        // kernel to wait (DEFER_TASKRUN, which needs a single submitting task: the driver enables the
+        // ring itself). Kernels before 6.1 refuse the flags: plain setup then.
+        let tuned = IoUring::builder()
+            .setup_cqsize(entries * 2)
+            .setup_r_disabled()
+            .setup_single_issuer()
+            .setup_defer_taskrun()
+            .build(entries);
+        let (ring, deferred) = match tuned {
+            Ok(r) => (Ok(r), true),
+            Err(_) => (IoUring::builder().setup_cqsize(entries * 2).build(entries), false),
+        };
+        let ring: IoUring = ring.map_err(|e| {
             let why = match e.raw_os_error() {
                 Some(libc::ENOSYS) => "the kernel has no io_uring (ENOSYS)".to_string(),
                 Some(libc::EPERM) => {
@@ -343,7 +356,14 @@ impl UringBackend {
             pool: pool.clone(),
             _pool_alive: pool.as_ref().map(|p| p.keep_alive()),
         };
-        let handle = std::thread::Builder::new().name("spillway-uring".into()).spawn(move || driver.run(ring))?;
+        let handle = std::thread::Builder::new().name("spillway-uring".into()).spawn(move || {
+            if deferred {
+                if let Err(e) = ring.submitter().register_enable_rings() {
+                    log::error!("io_uring: enabling the ring failed: {e}");
+                }
+            }
+            driver.run(ring)
+        })?;
         Ok(UringBackend {
             shared,
             driver: Some(handle),
@@ -490,6 +510,9 @@ impl Backend for UringBackend {
     }
     fn alignment(&self, dir: &Path) -> usize {
         self.portable.alignment(dir)
+    }
+    fn read_alignment(&self, dir: &Path) -> usize {
+        self.portable.read_alignment(dir)
     }
 
     fn alloc_buf(&self, len: usize, align: usize) -> AlignedBuf {
