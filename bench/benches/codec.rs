@@ -2,6 +2,8 @@
 //! decode (header, frame table, both checksums), crc32 of payloads, and lz4 compress/decompress.
 //!
 //! `cargo bench -p spillway-bench --bench codec` (add `-- --quick` for a short run).
+// criterion_group! generates an undocumented public function.
+#![allow(missing_docs)]
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use spillway::format::{self, RecordHeader};
