@@ -120,8 +120,9 @@ fn oversized_inputs_are_rejected_with_typed_errors() {
 
 #[test]
 fn round_trip_io_uring_direct_and_buffered_then_reopen_portable() {
-    for direct in [true, false] {
-        let Some(be) = spillway_tests::uring_direct_or_skip("round_trip_io_uring", direct) else { return };
+    for (direct, inline_blocking) in [(true, false), (false, false), (true, true)] {
+        let opts_u = spillway::backend::UringOptions { direct, inline_blocking, ..Default::default() };
+        let Some(be) = spillway_tests::uring_or_skip("round_trip_io_uring", opts_u) else { return };
         let tmp = tempfile::tempdir().unwrap();
         {
             let log = SegmentLog::open(be, tmp.path(), opts(Compression::None)).unwrap();

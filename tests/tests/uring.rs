@@ -16,8 +16,9 @@ fn filled(data: &[u8]) -> AlignedBuf {
     b
 }
 
+/// The ring for every call, blocking ones included (the default runs lone blocking calls inline).
 fn backend(test: &str, direct: bool) -> Option<UringBackend> {
-    uring_or_skip(test, UringOptions { direct, pool_buffers: 4, ..Default::default() })
+    uring_or_skip(test, UringOptions { direct, pool_buffers: 4, inline_blocking: false, ..Default::default() })
 }
 
 #[test]

@@ -71,11 +71,24 @@ pub struct UringOptions {
     pub direct: bool,
     /// Slots in the registered file table (0: use plain file descriptors).
     pub file_slots: u32,
+    /// Run the blocking single-operation calls ([`Backend::read_at`], [`Backend::write_at`]) as
+    /// `pread`/`pwrite` on the calling thread instead of through the ring. A lone blocking operation
+    /// gains nothing from a queue, and the hand-off to the driver thread and back (two cross-CPU
+    /// wake-ups) cost 60-80 µs per call on the 2-vCPU VM we measure on: 4 KiB spills from Python ran
+    /// 6x faster inline. Batches ([`Backend::read_many`]) and async reads always use the ring.
+    pub inline_blocking: bool,
 }
 
 impl Default for UringOptions {
     fn default() -> Self {
-        UringOptions { entries: 256, pool_buffers: 8, pool_buffer_size: 1 << 20, direct: false, file_slots: 1024 }
+        UringOptions {
+            entries: 256,
+            pool_buffers: 8,
+            pool_buffer_size: 1 << 20,
+            direct: false,
+            file_slots: 1024,
+            inline_blocking: true,
+        }
     }
 }
 
@@ -98,6 +111,7 @@ pub struct UringBackend {
     info: UringInfo,
     direct: bool,
     direct_refused: Arc<AtomicBool>,
+    inline_blocking: bool,
     portable: PortableBackend,
 }
 
@@ -371,6 +385,7 @@ impl UringBackend {
             info,
             direct: opts.direct,
             direct_refused: Arc::new(AtomicBool::new(false)),
+            inline_blocking: opts.inline_blocking,
             portable: PortableBackend::new(),
         })
     }
@@ -495,10 +510,16 @@ impl Backend for UringBackend {
     }
 
     fn read_at(&self, file: &UringFile, offset: u64, buf: AlignedBuf) -> BufResult {
+        if self.inline_blocking {
+            return self.portable.read_at(&file.0.file, offset, buf);
+        }
         block_on(self.read(file, offset, buf))
     }
 
     fn write_at(&self, file: &UringFile, offset: u64, buf: AlignedBuf) -> BufResult {
+        if self.inline_blocking {
+            return self.portable.write_at(&file.0.file, offset, buf);
+        }
         block_on(self.write(file, offset, buf))
     }
 
