@@ -1,0 +1,23 @@
+"""spillway: a storage engine for dask workers.
+
+``SpillBuffer`` is a drop-in replacement for ``distributed.spill.SpillBuffer`` built on ``Log``, the
+engine's append-only segment log (the Rust extension ``spillway._core``).
+"""
+
+from spillway._core import DiskFull, Log, SpillwayError
+from spillway.buffer import PickleError, SpillBuffer, SpilledSize, encode_key
+from spillway.worker import worker_data
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DiskFull",
+    "Log",
+    "PickleError",
+    "SpillBuffer",
+    "SpilledSize",
+    "SpillwayError",
+    "__version__",
+    "encode_key",
+    "worker_data",
+]

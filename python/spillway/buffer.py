@@ -1,0 +1,1033 @@
+"""``SpillBuffer``: dask's spill store on the spillway segment log.
+
+A ``collections.abc.MutableMapping`` from dask keys to objects with the public contract of
+``distributed.spill.SpillBuffer``: least-recently-used values are pickled and written to disk when
+the total in-memory weight passes ``target``. Pass it to a dask worker as ``data=`` (see
+:func:`spillway.worker_data`).
+
+Tiers
+-----
+Each key is in exactly one tier:
+
+* ``"object"``: the Python object, weighed with ``dask.sizeof.sizeof`` (``sys.getsizeof`` when dask
+  is not installed), exactly as dask weighs it, so the same sequence of sets and gets spills the
+  same keys as dask's ``SpillBuffer``;
+* ``"frames"``: pickled frames held in memory (from :meth:`SpillBuffer.set_serialized`), weighed by
+  their exact byte length and spilled in the same LRU order as objects;
+  :meth:`~SpillBuffer.__getitem__` unpickles them once and keeps the object;
+* ``"disk"``: a record in the :class:`spillway.Log`.
+
+``fast`` (alias ``memory``) views the first two tiers, ``slow`` (alias ``disk``) the third.
+
+Policy (as dask's)
+------------------
+* Setting a key adds it to the tail of the LRU; while the in-memory weight is above ``target``, the
+  head is spilled. A value heavier than ``target`` is spilled first, at once, and is served from
+  disk without being brought back into memory. Reading a spilled key that is not heavier than
+  ``target`` moves it back into memory (and may spill others).
+* ``max_spill``: a spill that would take the bytes on disk above it is refused; the key stays in
+  memory and "Spill file on disk reached capacity; keeping data in memory" is logged (at most every
+  10 s).
+* A disk error (``OSError``, or a :class:`spillway.SpillwayError` other than ``DiskFull``) keeps the
+  key in memory and logs "Spill to disk failed; keeping data in memory" with the traceback (at most
+  every 10 s).
+* A value that fails to pickle: if it is the one being set, ``__setitem__`` raises
+  ``TypeError("Failed to pickle 'key'")`` (the pickling error chained as ``__cause__``) and the key
+  is forgotten; otherwise it stays in memory and "Failed to pickle 'key'" is logged once per key.
+* A failed spill stops the eviction round that hit it (as in dask); the key that failed keeps its
+  place in the LRU. If the key being set is heavier than ``target`` and cannot be spilled, the other
+  keys in memory are spilled instead (dask's rule).
+* A spilled object that is still referenced elsewhere is kept in a weak-reference cache: reading it
+  returns that same object without touching the disk (for types that allow weak references).
+
+Metrics
+-------
+``cumulative_metrics`` maps ``(label, unit)`` to an ever-increasing total, with dask's labels:
+``("disk-write", "count"|"bytes"|"seconds")``, ``("disk-read", "count"|"bytes"|"seconds")``,
+``("serialize", "seconds")``, ``("deserialize", "seconds")`` and ``("memory-read",
+"count"|"bytes")`` (reads of objects in memory, bytes being their sizeof). Bytes are payload bytes.
+When ``distributed`` is loaded, each metric is also reported to its ``context_meter``, as dask's
+store does, so that spilling shows in a worker's fine performance metrics.
+
+Differences from dask's ``SpillBuffer``
+---------------------------------------
+* ``evict()`` returns -1 when there is nothing to evict (dask raises ``KeyError``).
+* A spill failure while *reading* a key (the read brought the key back into memory and pushed
+  another one out) is logged and not raised (dask raises it from ``__getitem__``).
+* ``spilled_total.disk`` counts payload bytes before the log's compression.
+* No ``("compress", ...)``/``("decompress", ...)`` metrics: compression happens inside the log and
+  is counted in ``disk-write``/``disk-read`` seconds.
+
+Serialization
+-------------
+``pickle`` protocol 5 with out-of-band buffers (``cloudpickle`` as a fallback when plain pickle
+fails and cloudpickle is installed, as dask does): frames are ``[header, *buffers]``, handed to the
+log without joining them. Reading uses ``pickle.loads(frames[0], buffers=frames[1:])``, so a numpy
+array read back is built directly on the buffer the log returned.
+
+A top-level numpy array (exactly ``numpy.ndarray``, contiguous, of a plain dtype) is pickled as a
+call to ``spillway.buffer._array_from_buffer`` with the array's buffer out of band: the same
+out-of-band buffer as numpy's own reducer gives, in half the time (which matters for small values).
+Unpickling such frames (e.g. from :meth:`SpillBuffer.get_serialized`) needs spillway to be
+importable.
+
+Read-only buffers: ``Log.get`` may return read-only memoryviews. dask returns writeable arrays, so
+by default (``writeable=True``) an out-of-band buffer is copied once into a ``bytearray`` *only if*
+its view is read-only; writable views are used as they are (zero copy). ``writeable=False`` never
+copies and returns arrays that are read-only when the log's views are.
+
+Keys
+----
+The mapping itself is a Python dict, so keys follow dict semantics: ``1`` and ``"1"`` are distinct
+keys, while ``1``, ``1.0`` and ``True`` are the same key. A spilled record's log key is
+``encode_key(key)`` (deterministic, injective over dask keys up to dict equality; see
+:func:`encode_key`) followed by an 8-byte write counter, so every write has a log key of its own: a
+record written by an eviction that raced with a ``del`` or a new ``set`` of the same key is never
+mistaken for the current one.
+
+Directory
+---------
+Like dask's, a ``SpillBuffer`` starts empty: it opens a fresh log in a new ``spillway-*``
+subdirectory of ``spill_directory`` and removes that subdirectory in :meth:`~SpillBuffer.close`
+(also run when the buffer is garbage-collected or the interpreter exits). Nothing is ever reopened.
+
+Threads
+-------
+All methods may be called from several threads. One lock guards the bookkeeping; pickling,
+unpickling and disk I/O run outside it (the log releases the GIL while it reads or writes).
+Concurrent ``__getitem__`` of the same key that is not in memory as an object unpickles it once: the
+first thread reads and unpickles, the others wait on an event (GIL released) and receive the same
+object, or the same exception, in which case the data stays where it was.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import logging
+import math
+import numbers
+import os
+import pickle
+import shutil
+import sys
+import tempfile
+import threading
+import weakref
+from collections import OrderedDict, defaultdict
+from collections.abc import Hashable, ItemsView, Iterator, Mapping, MutableMapping, ValuesView
+from time import monotonic, perf_counter
+from typing import Any, Literal, NamedTuple
+
+from spillway._core import DiskFull, Log, SpillwayError
+
+try:
+    from dask.sizeof import sizeof as _dask_sizeof
+except ImportError:  # pragma: no cover - dask is optional
+    _dask_sizeof = None
+
+try:
+    import cloudpickle as _cloudpickle
+except ImportError:  # pragma: no cover - cloudpickle is optional
+    _cloudpickle = None
+
+__all__ = ["SpillBuffer", "SpilledSize", "PickleError", "encode_key", "reset_log_rate_limits"]
+
+logger = logging.getLogger("spillway")
+
+MAX_SPILL_MESSAGE = "Spill file on disk reached capacity; keeping data in memory"
+DISK_ERROR_MESSAGE = "Spill to disk failed; keeping data in memory"
+PICKLE_ERROR_MESSAGE = "Failed to pickle %r"
+
+#: Weight of a value whose ``sizeof`` raised (as ``distributed.sizeof.safe_sizeof``).
+SIZEOF_FALLBACK_BYTES = 1_000_000
+
+#: Encoded keys longer than this are shortened to a prefix and a digest (log keys are bounded).
+MAX_ENCODED_KEY_BYTES = 512
+
+
+# --------------------------------------------------------------------------------------------------
+# Logging
+
+
+class _RateLimit(logging.Filter):
+    """Let through a record whose message starts with ``prefix`` at most once every ``seconds``."""
+
+    def __init__(self, prefix: str, seconds: float = 10.0):
+        super().__init__()
+        self.prefix = prefix
+        self.seconds = seconds
+        self.last = -math.inf
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and record.msg.startswith(self.prefix):
+            now = monotonic()
+            if now - self.last < self.seconds:
+                return False
+            self.last = now
+        return True
+
+
+_RATE_LIMITS = (_RateLimit(MAX_SPILL_MESSAGE), _RateLimit(DISK_ERROR_MESSAGE))
+for _f in _RATE_LIMITS:
+    logger.addFilter(_f)
+
+
+def reset_log_rate_limits() -> None:
+    """Let the next rate-limited message through at once (for tests)."""
+    for f in _RATE_LIMITS:
+        f.last = -math.inf
+
+
+# --------------------------------------------------------------------------------------------------
+# Keys
+
+
+def encode_key(key: Hashable) -> bytes:
+    """Deterministic bytes describing a dask key.
+
+    Injective over dask keys (``str``, ``bytes``, ``int``, ``float``, ``None`` and tuples of these,
+    nested) up to dict equality: two keys get the same bytes if and only if they are the same dict
+    key. So ``1``, ``1.0`` and ``True`` encode alike, ``"1"`` and ``b"1"`` differ from them and
+    from each other, and ``("a", ("b", 1))`` differs from ``("a", "b", 1)``. numpy integer and
+    float scalars encode as the Python numbers they equal. Other types are encoded by type name and
+    ``repr``, which describes them but is not guaranteed to be injective; ``SpillBuffer`` never
+    relies on it for identity. Encodings longer than ``MAX_ENCODED_KEY_BYTES`` are cut to a prefix
+    plus a BLAKE2b digest of the whole.
+    """
+    out = bytearray()
+    _encode(key, out)
+    if len(out) > MAX_ENCODED_KEY_BYTES:
+        digest = hashlib.blake2b(out, digest_size=32).digest()
+        out = out[: MAX_ENCODED_KEY_BYTES // 2] + b"~" + digest
+    return bytes(out)
+
+
+def _encode(key: object, out: bytearray) -> None:
+    if isinstance(key, str):
+        b = key.encode("utf-8", "surrogatepass")
+        out += b"s%d:" % len(b)
+        out += b
+    elif isinstance(key, tuple):
+        out += b"t%d:" % len(key)
+        for item in key:
+            _encode(item, out)
+    elif isinstance(key, (bytes, bytearray)):
+        out += b"b%d:" % len(key)
+        out += key
+    elif key is None:
+        out += b"n"
+    elif isinstance(key, (int, numbers.Integral)):  # bool, int, numpy integers
+        out += b"i%d;" % int(key)
+    elif isinstance(key, float):  # float, numpy.float64
+        _encode_real(float(key), out)
+    elif isinstance(key, complex):
+        if key.imag == 0:
+            _encode_real(key.real, out)
+        else:
+            out += b"c%s,%s;" % (key.real.hex().encode(), key.imag.hex().encode())
+    else:
+        r = f"{type(key).__module__}.{type(key).__qualname__}:{key!r}".encode(
+            "utf-8", "backslashreplace"
+        )
+        out += b"r%d:" % len(r)
+        out += r
+
+
+def _encode_real(x: float, out: bytearray) -> None:
+    if math.isfinite(x) and x == int(x):
+        out += b"i%d;" % int(x)  # 1.0 == 1 and -0.0 == 0 as dict keys
+    else:
+        out += b"f%s;" % x.hex().encode()
+
+
+# --------------------------------------------------------------------------------------------------
+# Serialization
+
+
+class PickleError(TypeError):
+    """A value could not be pickled. ``str()`` is dask's ``"Failed to pickle 'key'"``; the pickling
+    error is chained as ``__cause__``."""
+
+    @property
+    def key(self) -> Hashable:
+        return self.args[0]
+
+    def __str__(self) -> str:
+        return f"Failed to pickle {self.key!r}"
+
+
+def _sizeof(value: object) -> int:
+    if _dask_sizeof is None:
+        return sys.getsizeof(value)
+    try:
+        return int(_dask_sizeof(value))
+    except Exception:
+        logger.warning(
+            "Sizeof calculation for object of type %r failed; defaulting to %d bytes",
+            type(value).__qualname__,
+            SIZEOF_FALLBACK_BYTES,
+            exc_info=True,
+        )
+        return SIZEOF_FALLBACK_BYTES
+
+
+def _dumps(value: object) -> list:
+    """``[header, *out-of-band buffers]``; each buffer a 1-D, C-contiguous byte view."""
+    buffers: list = []
+    if _is_plain_array(value):
+        value = _PlainArray(value)
+    try:
+        header = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
+    except Exception:
+        if _cloudpickle is None:
+            raise
+        buffers = []
+        header = _cloudpickle.dumps(value, protocol=5, buffer_callback=buffers.append)
+    return [header, *(b.raw() for b in buffers)]
+
+
+def _is_plain_array(value: object) -> bool:
+    """A contiguous numpy.ndarray (not a subclass) of a dtype that its ``.str`` describes fully."""
+    np = sys.modules.get("numpy")
+    return (
+        np is not None
+        and type(value) is np.ndarray
+        and value.dtype.kind in "biufcmMSU"
+        and (value.flags.c_contiguous or value.flags.f_contiguous)
+    )
+
+
+def _array_from_buffer(buffer: object, dtype: str, shape: tuple, order: str) -> object:
+    import numpy
+
+    return numpy.frombuffer(buffer, dtype=dtype).reshape(shape, order=order)
+
+
+class _PlainArray:
+    """Pickles a plain numpy array as ``_array_from_buffer(<out-of-band buffer>, dtype, shape,
+    order)``: the same out-of-band buffer as numpy's own reducer gives, in half the time, which
+    matters for small values."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: object):
+        self.array = array
+
+    def __reduce__(self) -> tuple:
+        a = self.array
+        order = "C" if a.flags.c_contiguous else "F"
+        return _array_from_buffer, (pickle.PickleBuffer(a), a.dtype.str, a.shape, order)
+
+
+def _loads(frames: list, writeable: bool) -> object:
+    buffers = frames[1:]
+    if writeable:
+        buffers = [bytearray(b) if memoryview(b).readonly else b for b in buffers]
+    return pickle.loads(frames[0], buffers=buffers)
+
+
+def _byte_frame(frame: object) -> object:
+    """``frame`` as a buffer of bytes the log accepts: bytes and bytearray as they are, any other
+    contiguous buffer (numpy array, memoryview of any format) as a 1-D byte view of it, no copy."""
+    if isinstance(frame, (bytes, bytearray)):
+        return frame
+    view = memoryview(frame)  # TypeError if not a buffer
+    if view.format == "B" and view.ndim == 1 and view.c_contiguous:
+        return frame
+    if not view.contiguous:
+        raise ValueError("frames must be contiguous buffers")
+    return pickle.PickleBuffer(view).raw()
+
+
+def _frame_bytes(frames: list) -> int:
+    return sum(memoryview(f).nbytes for f in frames)
+
+
+# --------------------------------------------------------------------------------------------------
+# State
+
+
+class Tier(enum.Enum):
+    """Where a key's value is."""
+
+    OBJECT = "object"
+    FRAMES = "frames"
+    DISK = "disk"
+
+
+_NO_KEY = object()  # "no key" where None would be a valid key
+_OBJECT = Tier.OBJECT
+_FRAMES = Tier.FRAMES
+_DISK = Tier.DISK
+
+
+class SpilledSize(NamedTuple):
+    """Size of what is on disk: ``memory`` is its in-memory weight (sizeof), ``disk`` its payload
+    bytes."""
+
+    memory: int
+    disk: int
+
+    def __add__(self, other: SpilledSize) -> SpilledSize:  # type: ignore[override]
+        return SpilledSize(self.memory + other.memory, self.disk + other.disk)
+
+    def __sub__(self, other: SpilledSize) -> SpilledSize:
+        return SpilledSize(self.memory - other.memory, self.disk - other.disk)
+
+
+class _Load:
+    """One in-flight unpickle of a key; other readers of the key wait for its outcome.
+
+    A plain lock, held by the reading thread from creation until the outcome is set, is the cheapest
+    event there is: a waiter blocks in ``acquire`` (with the GIL released), then passes it on.
+    """
+
+    __slots__ = ("_busy", "_value", "_error")
+
+    def __init__(self) -> None:
+        self._busy = threading.Lock()
+        self._busy.acquire()
+        self._value: object = None
+        self._error: BaseException | None = None
+
+    def set_result(self, value: object) -> None:
+        self._value = value
+        self._busy.release()
+
+    def set_exception(self, error: BaseException) -> None:
+        self._error = error
+        self._busy.release()
+
+    def wait(self) -> object:
+        with self._busy:  # blocks until the outcome is set; the GIL is released meanwhile
+            pass
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+class _Entry:
+    """One key. ``value`` is the object (tier OBJECT), the frames (FRAMES) or None (DISK)."""
+
+    __slots__ = ("tier", "value", "weight", "log_key", "disk_bytes", "loading", "evicting")
+
+    def __init__(self, tier: Tier, value: object, weight: int):
+        self.tier = tier
+        self.value = value
+        self.weight = weight  # sizeof (objects) or byte length (frames); kept while on disk
+        self.log_key = b""
+        self.disk_bytes = 0
+        self.loading: _Load | None = None  # a thread is reading/unpickling this key
+        self.evicting = False  # a thread is writing this key to disk
+
+
+class _SpillFailure(Exception):
+    """A spill that did not happen; the key is still in memory. ``kind`` is "pickle", "max_spill" or
+    "disk"; ``error`` the exception behind it."""
+
+    def __init__(self, kind: str, key: Hashable, error: BaseException):
+        super().__init__(kind, key, error)
+        self.kind = kind
+        self.key = key
+        self.error = error
+
+
+def _close_log(log: Log, directory: str) -> None:
+    try:
+        log.close()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# SpillBuffer
+
+
+class SpillBuffer(MutableMapping):
+    """A mapping from dask keys to objects that spills least-recently-used values to a spillway log.
+
+    Parameters
+    ----------
+    spill_directory:
+        Directory in which a fresh ``spillway-*`` log directory is created (and removed on close).
+    target:
+        In-memory weight, in bytes, above which least-recently-used values are spilled.
+    max_spill:
+        Most payload bytes on disk; ``False`` (or ``None``) for no limit.
+    compression:
+        The log's compression: ``"none"`` or ``"lz4"``.
+    backend:
+        The log's I/O backend: ``"auto"``, ``"uring"`` or ``"portable"``.
+    segment_bytes:
+        Size of the log's segment files.
+    serialized_in_memory:
+        Whether frames given to :meth:`set_serialized` stay in memory (tier ``"frames"``, weighed by
+        their byte length and spilled in LRU order like objects). If False they go straight to disk.
+    writeable:
+        Whether objects read back from the log get writeable buffers (see the module docstring). If
+        False, buffers are never copied and may be read-only.
+    """
+
+    #: keys whose pickling error was logged (dask's attribute of the same name)
+    logged_pickle_errors: set
+    #: (label, unit) -> ever-increasing cumulative value, with dask's labels
+    cumulative_metrics: defaultdict
+
+    def __init__(
+        self,
+        spill_directory: str | os.PathLike,
+        target: int,
+        max_spill: int | Literal[False] | None = False,
+        *,
+        compression: str = "none",
+        backend: str = "auto",
+        segment_bytes: int = 64 << 20,
+        serialized_in_memory: bool = True,
+        writeable: bool = True,
+    ):
+        self.target = target
+        self.max_spill = False if max_spill is None else max_spill
+        self.serialized_in_memory = serialized_in_memory
+        self.writeable = writeable
+        self.logged_pickle_errors = set()
+        self.cumulative_metrics = defaultdict(float)
+
+        os.makedirs(spill_directory, exist_ok=True)
+        self.directory = tempfile.mkdtemp(
+            prefix="spillway-", dir=os.path.abspath(os.fspath(spill_directory))
+        )
+        try:
+            self._log = Log(
+                self.directory,
+                segment_bytes=segment_bytes,
+                compression=compression,
+                backend=backend,
+            )
+        except BaseException:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            raise
+        self._finalizer = weakref.finalize(self, _close_log, self._log, self.directory)
+
+        self._lock = threading.RLock()
+        self._entries: dict[Hashable, _Entry] = {}
+        self._lru: OrderedDict[Hashable, None] = OrderedDict()  # in-memory keys, least recent first
+        self._heavy: OrderedDict[Hashable, None] = OrderedDict()  # in-memory keys to spill first
+        self._memory_weight = 0  # sum of weights of in-memory keys
+        self._evicting_weight = 0  # ... of those being written to disk right now
+        self._spilled_memory = 0  # sum of weights of keys on disk
+        self._spilled_disk = 0  # sum of payload bytes of keys on disk
+        self._reserved_disk = 0  # payload bytes of writes in flight (max_spill)
+        self._writes = 0  # makes every log key unique
+        self._weak: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        # Inside a dask worker, also report metrics to distributed's context meter (as dask's
+        # SpillBuffer does), so that they appear in the worker's fine performance metrics.
+        metrics_module = sys.modules.get("distributed.metrics")
+        self._context_meter = getattr(metrics_module, "context_meter", None)
+
+    # ---------------------------------------------------------------------------------------------
+    # Properties
+
+    @property
+    def log(self) -> Log:
+        """The underlying :class:`spillway.Log`."""
+        return self._log
+
+    @property
+    def fast(self) -> _TierView:
+        """Keys in memory (objects and held frames). For inspection: reading through this view
+        neither changes tiers nor the LRU order."""
+        return _TierView(self, in_memory=True)
+
+    @property
+    def slow(self) -> _TierView:
+        """Keys on disk. For inspection: reading through this view neither changes tiers nor the LRU
+        order."""
+        return _TierView(self, in_memory=False)
+
+    memory = fast
+    disk = slow
+
+    @property
+    def spilled_total(self) -> SpilledSize:
+        """(in-memory weight, payload bytes) of the keys on disk."""
+        with self._lock:
+            return SpilledSize(self._spilled_memory, self._spilled_disk)
+
+    def tier(self, key: Hashable) -> str:
+        """``"object"``, ``"frames"`` or ``"disk"``; KeyError if absent."""
+        return self._entries[key].tier.value
+
+    # ---------------------------------------------------------------------------------------------
+    # Mapping
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[Hashable]:
+        with self._lock:
+            keys = list(self._entries)
+        return iter(keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def __repr__(self) -> str:
+        with self._lock:
+            return (
+                f"<SpillBuffer: {len(self._lru)} in memory "
+                f"({self._memory_weight}/{self.target} B), "
+                f"{len(self._entries) - len(self._lru)} on disk ({self._spilled_disk} B), "
+                f"{self.directory}>"
+            )
+
+    def __setitem__(self, key: Hashable, value: object) -> None:
+        """Store ``value`` in memory, then spill least-recently-used keys while above ``target``.
+        A value heavier than ``target`` is written to disk at once.
+
+        Raises PickleError (a TypeError) if the value being set had to be spilled and could not be
+        pickled; the key is then forgotten. Every other failure (another key failed to pickle, disk
+        error, ``max_spill``) is logged and the key that caused it stays in memory.
+        """
+        weight = _sizeof(value)
+        self._insert(key, _Entry(_OBJECT, value, weight), heavy=weight > self.target)
+
+    def __getitem__(self, key: Hashable) -> object:
+        """The object of ``key``. An object in memory moves to the tail of the LRU. A key held as
+        frames or on disk is unpickled (once, whatever the number of concurrent readers) and, unless
+        heavier than ``target``, kept in memory as an object."""
+        with self._lock:
+            e = self._entries[key]
+            if e.tier is _OBJECT:
+                self._lru.move_to_end(key)
+                self._digest("memory-read", 1, "count")
+                self._digest("memory-read", e.weight, "bytes")
+                return e.value
+            obj = self._weak.get(key)
+            if obj is None:
+                load = e.loading
+                owner = load is None
+                if owner:
+                    load = e.loading = _Load()
+                tier, frames, log_key = e.tier, e.value, e.log_key
+        if obj is not None:
+            self._promote(key, e, obj)
+            return obj
+        if not owner:
+            return load.wait()
+        try:
+            if tier is _DISK:
+                frames = self._read(key, log_key)
+            t0 = perf_counter()
+            obj = _loads(frames, self.writeable)
+            self._digest_locked("deserialize", perf_counter() - t0, "seconds")
+        except BaseException as error:
+            with self._lock:
+                e.loading = None
+            load.set_exception(error)
+            raise
+        self._promote(key, e, obj, load)
+        return obj
+
+    def __delitem__(self, key: Hashable) -> None:
+        with self._lock:
+            if key not in self._entries:
+                raise KeyError(key)
+            self._drop(key)
+
+    def pop(self, key: Hashable, default: object = None) -> object:
+        raise NotImplementedError(
+            "Are you calling .pop(key, None) as a way to discard a key if it exists?"
+            "It may cause data to be read back from disk! Please use `del` instead."
+        )
+
+    def clear(self) -> None:
+        """Forget every key without reading anything back."""
+        with self._lock:
+            for key in list(self._entries):
+                self._drop(key)
+
+    def items(self) -> ItemsView:
+        """Items; reading them neither changes tiers nor the LRU order."""
+        return _PeekItemsView(self)
+
+    def values(self) -> ValuesView:
+        """Values; reading them neither changes tiers nor the LRU order."""
+        return _PeekValuesView(self)
+
+    # ---------------------------------------------------------------------------------------------
+    # Spilling
+
+    def evict(self) -> int:
+        """Spill the least-recently-used key in memory (a key heavier than ``target`` first), even
+        if below ``target``. Returns its in-memory weight, or -1 if nothing could be spilled
+        (nothing in memory, pickling error, disk error or ``max_spill``; the cause is logged).
+        Never raises."""
+        try:
+            weight = self._evict_one(force=True)
+        except _SpillFailure as failure:
+            self._log_failure(failure)
+            return -1
+        except Exception:
+            logger.exception("Unexpected error while spilling")
+            return -1
+        return -1 if weight is None else weight
+
+    # ---------------------------------------------------------------------------------------------
+    # Serialized data
+
+    def get_serialized(self, key: Hashable) -> list:
+        """The pickled frames of ``key`` (``[header, *buffers]``, for ``pickle.loads(frames[0],
+        buffers=frames[1:])`` or :meth:`set_serialized` elsewhere), without changing its tier.
+        An object is pickled (raising PickleError if it cannot be); frames held in memory are
+        returned as they are; a key on disk is read as zero-copy views of the log's buffers. A key
+        in memory moves to the tail of the LRU."""
+        with self._lock:
+            e = self._entries[key]
+            tier, value, log_key = e.tier, e.value, e.log_key
+            if tier is not _DISK:
+                self._lru.move_to_end(key)
+                self._digest("memory-read", 1, "count")
+                self._digest("memory-read", e.weight, "bytes")
+                if tier is _FRAMES:
+                    return list(value)
+        if tier is _DISK:
+            return self._read(key, log_key)
+        return self._pickle(key, value)
+
+    def set_serialized(self, key: Hashable, frames: list) -> None:
+        """Store pickled frames (as returned by :meth:`get_serialized`) without unpickling them.
+        They are held in memory, weighed by their byte length, until spilled or unpickled by
+        :meth:`__getitem__`; with ``serialized_in_memory=False``, or if heavier than ``target``,
+        they are written to disk at once. The buffers are kept, not copied."""
+        frames = [_byte_frame(f) for f in frames]
+        if not frames:
+            raise ValueError("frames must hold at least the pickle header")
+        weight = _frame_bytes(frames)
+        heavy = weight > self.target or not self.serialized_in_memory
+        self._insert(key, _Entry(_FRAMES, frames, weight), heavy=heavy)
+
+    # ---------------------------------------------------------------------------------------------
+    # Lifecycle
+
+    def close(self) -> None:
+        """Close the log and remove its directory. Idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> SpillBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------------------------------------
+    # Internals
+
+    def _insert(self, key: Hashable, e: _Entry, heavy: bool) -> None:
+        with self._lock:
+            self._drop(key)
+            self._entries[key] = e
+            self._lru[key] = None
+            self._memory_weight += e.weight
+            if heavy:
+                self._heavy[key] = None
+        try:
+            self._evict_until_below_target()
+        except _SpillFailure as failure:
+            with self._lock:
+                current = self._entries.get(key) is e
+                # dask (zict.LRU.__setitem__): the key being set is heavier than target and its own
+                # spill failed: spill all the other keys instead.
+                heavy_failed = current and e.weight > self.target and key not in self._heavy
+            if heavy_failed:
+                self._evict_all_but(key)
+            if failure.kind == "pickle" and failure.key == key:
+                with self._lock:
+                    if self._entries.get(key) is e:
+                        self._drop(key)
+                raise failure.error from failure.error.__cause__
+            self._log_failure(failure)
+
+    def _evict_until_below_target(self) -> None:
+        while self._evict_one(force=False) is not None:
+            pass
+
+    def _evict_all_but(self, key: Hashable) -> None:
+        try:
+            while self._evict_one(force=True, exclude=key) is not None:
+                pass
+        except _SpillFailure:
+            pass
+
+    def _victim(self, force: bool, exclude: object) -> object:
+        """Under the lock: the next key to spill (heavy keys first, then LRU order), or _NO_KEY.
+        Keys another thread is writing or reading are skipped."""
+        for key in self._heavy:
+            e = self._entries[key]
+            if not e.evicting and e.loading is None and (exclude is _NO_KEY or key != exclude):
+                return key
+        if force or self._memory_weight - self._evicting_weight > self.target:
+            for key in self._lru:
+                e = self._entries[key]
+                if not e.evicting and e.loading is None and (exclude is _NO_KEY or key != exclude):
+                    return key
+        return _NO_KEY
+
+    def _evict_one(self, force: bool, exclude: object = _NO_KEY) -> int | None:
+        """Spill one key: the head of the LRU, if above target or ``force``. Returns its weight,
+        None if there was nothing to spill, raises _SpillFailure if the spill failed (the key stays
+        in memory, in its place in the LRU)."""
+        with self._lock:
+            key = self._victim(force, exclude)
+            if key is _NO_KEY:
+                return None
+            e = self._entries[key]
+            e.evicting = True
+            self._heavy.pop(key, None)  # a heavy key whose spill fails stays at the LRU tail
+            self._evicting_weight += e.weight
+            tier, value, weight = e.tier, e.value, e.weight
+            self._writes += 1
+            write_number = self._writes
+        try:
+            log_key, stored, seconds = self._write(key, tier, value, write_number)
+        except BaseException as error:
+            with self._lock:
+                e.evicting = False
+                self._evicting_weight -= weight
+            if isinstance(error, PickleError):
+                raise _SpillFailure("pickle", key, error) from None
+            if isinstance(error, DiskFull):
+                raise _SpillFailure("max_spill", key, error) from None
+            if isinstance(error, (OSError, SpillwayError)):
+                raise _SpillFailure("disk", key, error) from None
+            raise
+
+        with self._lock:
+            e.evicting = False
+            self._evicting_weight -= weight
+            self._digest("disk-write", 1, "count")
+            self._digest("disk-write", stored, "bytes")
+            self._digest("disk-write", seconds, "seconds")
+            if self._entries.get(key) is not e or e.tier is not tier:
+                # Deleted, replaced or unpickled by another thread while we were writing.
+                self._delete_record(key, log_key)
+                return 0
+            del self._lru[key]
+            self._memory_weight -= weight
+            e.tier = _DISK
+            e.value = None
+            e.log_key = log_key
+            e.disk_bytes = stored
+            self._spilled_memory += weight
+            self._spilled_disk += stored
+            if tier is _OBJECT:
+                try:
+                    self._weak[key] = value
+                except TypeError:  # no weak references to this type
+                    pass
+        return weight
+
+    def _write(self, key: Hashable, tier: Tier, value: object, write_number: int):
+        """Pickle (objects) and write one value to the log, within ``max_spill``. Returns (log
+        key, payload bytes, seconds). Raises PickleError, DiskFull (max_spill), OSError,
+        SpillwayError."""
+        frames = value if tier is _FRAMES else self._pickle(key, value)
+        log_key = encode_key(key) + write_number.to_bytes(8, "big")
+        if self.max_spill is False:
+            t0 = perf_counter()
+            stored = self._log.put(log_key, frames)
+            return log_key, stored, perf_counter() - t0
+        nbytes = _frame_bytes(frames)
+        with self._lock:  # reserve the space, so that concurrent spills cannot overshoot together
+            if self._spilled_disk + self._reserved_disk + nbytes > self.max_spill:
+                raise DiskFull(f"spilling {nbytes} bytes would exceed max_spill={self.max_spill}")
+            self._reserved_disk += nbytes
+        try:
+            t0 = perf_counter()
+            stored = self._log.put(log_key, frames)
+            return log_key, stored, perf_counter() - t0
+        finally:
+            with self._lock:
+                self._reserved_disk -= nbytes
+
+    def _promote(self, key: Hashable, e: _Entry, obj: object, load: _Load | None = None) -> None:
+        """After ``obj`` was unpickled (or found in the weak cache) for a key held as frames or on
+        disk: keep it in memory unless it is heavier than target, wake the waiters, then spill
+        others if above target (failures logged, not raised)."""
+        weight = _sizeof(obj)
+        memory_changed = False
+        with self._lock:
+            if load is not None:
+                e.loading = None
+            if self._entries.get(key) is e and e.tier is not _OBJECT:
+                if weight <= self.target:
+                    if e.tier is _DISK:
+                        self._spilled_memory -= e.weight
+                        self._spilled_disk -= e.disk_bytes
+                        self._delete_record(key, e.log_key)
+                        self._lru[key] = None
+                    else:
+                        self._memory_weight -= e.weight
+                        self._heavy.pop(key, None)
+                        self._lru.move_to_end(key)
+                    self._weak.pop(key, None)
+                    e.tier = _OBJECT
+                    e.value = obj
+                    e.weight = weight
+                    e.log_key = b""
+                    e.disk_bytes = 0
+                    self._memory_weight += weight
+                    memory_changed = True
+                else:
+                    if self._weak.get(key) is not obj:
+                        try:
+                            self._weak[key] = obj
+                        except TypeError:
+                            pass
+                    if e.tier is _FRAMES:
+                        self._heavy[key] = None  # served from disk from now on, as dask does
+                        memory_changed = True
+        if load is not None:
+            load.set_result(obj)
+        if memory_changed:
+            try:
+                self._evict_until_below_target()
+            except _SpillFailure as failure:
+                self._log_failure(failure)
+
+    def _drop(self, key: Hashable) -> None:
+        """Under the lock: forget ``key`` if present, with its disk record."""
+        e = self._entries.pop(key, None)
+        if e is None:
+            return
+        if e.tier is _DISK:
+            self._spilled_memory -= e.weight
+            self._spilled_disk -= e.disk_bytes
+            self._delete_record(key, e.log_key)
+        else:
+            del self._lru[key]
+            self._heavy.pop(key, None)
+            self._memory_weight -= e.weight
+        self._weak.pop(key, None)
+        self.logged_pickle_errors.discard(key)
+
+    def _delete_record(self, key: Hashable, log_key: bytes) -> None:
+        try:
+            self._log.delete(log_key)
+        except (OSError, SpillwayError):
+            logger.error("Failed to delete the spilled data of %r from disk", key, exc_info=True)
+
+    def _pickle(self, key: Hashable, value: object) -> list:
+        t0 = perf_counter()
+        try:
+            frames = _dumps(value)
+        except Exception as error:
+            raise PickleError(key) from error
+        self._digest_locked("serialize", perf_counter() - t0, "seconds")
+        return frames
+
+    def _read(self, key: Hashable, log_key: bytes) -> list:
+        t0 = perf_counter()
+        try:
+            frames = self._log.get(log_key)
+        except KeyError:
+            raise KeyError(key) from None  # deleted by another thread meanwhile
+        seconds = perf_counter() - t0
+        with self._lock:
+            self._digest("disk-read", 1, "count")
+            self._digest("disk-read", _frame_bytes(frames), "bytes")
+            self._digest("disk-read", seconds, "seconds")
+        return frames
+
+    def _log_failure(self, failure: _SpillFailure) -> None:
+        if failure.kind == "max_spill":
+            logger.warning(MAX_SPILL_MESSAGE)
+        elif failure.kind == "disk":
+            logger.error(DISK_ERROR_MESSAGE, exc_info=failure.error)
+        else:
+            with self._lock:
+                first = failure.key not in self.logged_pickle_errors
+                self.logged_pickle_errors.add(failure.key)
+            if first:
+                logger.error(PICKLE_ERROR_MESSAGE, failure.key, exc_info=failure.error)
+
+    def _digest(self, label: str, value: float, unit: str) -> None:
+        """Under the lock: add to ``cumulative_metrics`` (and to distributed's context meter)."""
+        self.cumulative_metrics[label, unit] += value
+        if self._context_meter is not None:
+            self._context_meter.digest_metric(label, value, unit)
+
+    def _digest_locked(self, label: str, value: float, unit: str) -> None:
+        with self._lock:
+            self._digest(label, value, unit)
+
+    def _peek(self, key: Hashable) -> object:
+        """The object of ``key`` without changing its tier or the LRU order."""
+        with self._lock:
+            e = self._entries[key]
+            tier, value, log_key = e.tier, e.value, e.log_key
+            if tier is _DISK:
+                value = self._weak.get(key)
+        if tier is _OBJECT:
+            return value
+        if tier is _FRAMES:
+            return _loads(value, self.writeable)
+        if value is not None:  # still alive elsewhere
+            return value
+        return _loads(self._read(key, log_key), self.writeable)
+
+
+class _TierView(Mapping):
+    """Read-only view of the keys of a SpillBuffer in memory (``in_memory=True``) or on disk."""
+
+    def __init__(self, buffer: SpillBuffer, in_memory: bool):
+        self._buffer = buffer
+        self._in_memory = in_memory
+
+    def __contains__(self, key: object) -> bool:
+        e = self._buffer._entries.get(key)
+        return e is not None and (e.tier is not _DISK) == self._in_memory
+
+    def __getitem__(self, key: Hashable) -> object:
+        if key not in self:
+            raise KeyError(key)
+        return self._buffer._peek(key)
+
+    def __iter__(self) -> Iterator[Hashable]:
+        b = self._buffer
+        with b._lock:
+            if self._in_memory:
+                keys = list(b._lru)
+            else:
+                keys = [k for k, e in b._entries.items() if e.tier is _DISK]
+        return iter(keys)
+
+    def __len__(self) -> int:
+        b = self._buffer
+        with b._lock:
+            return len(b._lru) if self._in_memory else len(b._entries) - len(b._lru)
+
+    @property
+    def total_weight(self) -> int:
+        """Sum of the weights of the keys in this view (sizeof for objects, bytes for frames)."""
+        b = self._buffer
+        with b._lock:
+            return b._memory_weight if self._in_memory else b._spilled_memory
+
+    def __repr__(self) -> str:
+        return f"<{'fast' if self._in_memory else 'slow'} view of {len(self)} keys>"
+
+
+class _PeekItemsView(ItemsView):
+    def __iter__(self) -> Iterator[tuple[Hashable, Any]]:
+        for key in self._mapping:
+            try:
+                yield key, self._mapping._peek(key)
+            except KeyError:  # deleted meanwhile
+                pass
+
+
+class _PeekValuesView(ValuesView):
+    def __iter__(self) -> Iterator[Any]:
+        for _, value in _PeekItemsView(self._mapping):
+            yield value

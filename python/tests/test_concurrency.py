@@ -1,0 +1,233 @@
+"""Several Python threads: a key read concurrently is unpickled once; mixed operations stay
+consistent."""
+
+from __future__ import annotations
+
+import random
+import sys
+import threading
+import time
+
+import pytest
+
+N_THREADS = 8
+
+
+class Gate:
+    """Counts unpickles of ``Counted`` objects; each unpickle blocks until ``release`` is set."""
+
+    def __init__(self):
+        self.count = 0
+        self.lock = threading.Lock()
+        self.release = threading.Event()
+        self.fail = False
+
+
+GATES: dict[int, Gate] = {}
+
+
+def _rebuild(gate_id: int, payload: bytes) -> Counted:
+    gate = GATES[gate_id]
+    with gate.lock:
+        gate.count += 1
+    assert gate.release.wait(60), "test never released the unpickle"
+    if gate.fail:
+        raise ValueError("unpickle failed")
+    return Counted(gate_id, payload)
+
+
+class Counted:
+    def __init__(self, gate_id: int, payload: bytes):
+        self.gate_id = gate_id
+        self.payload = payload
+
+    def __reduce__(self):
+        return _rebuild, (self.gate_id, self.payload)
+
+
+def _where(thread: threading.Thread) -> str | None:
+    """ "unpickling" if the thread is inside _rebuild, "waiting" if it is blocked in a wait() called
+    (directly or not) from SpillBuffer.__getitem__, else None."""
+    frame = sys._current_frames().get(thread.ident)
+    names = []
+    while frame is not None:
+        names.append((frame.f_code.co_name, frame.f_code.co_filename))
+        frame = frame.f_back
+    in_getitem = any(n == "__getitem__" and f.endswith("buffer.py") for n, f in names)
+    if not in_getitem:
+        return None
+    if any(n == "_rebuild" for n, _ in names):
+        return "unpickling"
+    if names and names[0][0] == "wait":
+        return "waiting"
+    return None
+
+
+def read_concurrently(buf, key, gate: Gate):
+    """Start N threads that all read ``key``; release the unpickle only once every thread is inside
+    ``buf[key]``, either unpickling or waiting. Returns (results, errors)."""
+    results = [None] * N_THREADS
+    errors = [None] * N_THREADS
+    barrier = threading.Barrier(N_THREADS)
+
+    def read(i):
+        barrier.wait()
+        try:
+            results[i] = buf[key]
+        except BaseException as e:  # noqa: BLE001
+            errors[i] = e
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(N_THREADS)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while True:
+        states = [_where(t) for t in threads]
+        if all(states) and "unpickling" in states:
+            break
+        assert time.monotonic() < deadline, f"threads never all arrived: {states}"
+        time.sleep(0.001)
+    gate.release.set()
+    for t in threads:
+        t.join(60)
+    return results, errors, states
+
+
+@pytest.fixture
+def gate():
+    g = Gate()
+    GATES[id(g)] = g
+    yield g
+    g.release.set()
+    del GATES[id(g)]
+
+
+@pytest.mark.parametrize("heavy", [False, True], ids=["promoted", "heavy"])
+def test_concurrent_get_unpickles_once(make_buffer, gate, heavy):
+    buf = make_buffer(target=10 if heavy else 1 << 20)
+    buf["x"] = Counted(id(gate), b"p" * 1000)
+    if not heavy:
+        assert buf.evict() > 0
+    assert "x" in buf.slow
+    gate.count = 0
+
+    results, errors, states = read_concurrently(buf, "x", gate)
+    assert errors == [None] * N_THREADS
+    assert gate.count == 1, f"unpickled {gate.count} times"
+    assert states.count("unpickling") == 1 and states.count("waiting") == N_THREADS - 1
+    assert all(r is results[0] for r in results)
+    assert results[0].payload == b"p" * 1000
+    assert buf.cumulative_metrics["disk-read", "count"] == 1
+    if heavy:
+        assert "x" in buf.slow
+    else:
+        assert "x" in buf.fast and buf["x"] is results[0]
+
+
+def test_concurrent_get_of_held_frames_unpickles_once(make_buffer, gate):
+    src = make_buffer()
+    src["x"] = Counted(id(gate), b"q" * 100)
+    frames = src.get_serialized("x")
+    buf = make_buffer()
+    buf.set_serialized("x", frames)
+    assert buf.tier("x") == "frames"
+    results, errors, _ = read_concurrently(buf, "x", gate)
+    assert errors == [None] * N_THREADS and gate.count == 1
+    assert all(r is results[0] for r in results)
+    assert buf.tier("x") == "object"
+
+
+def test_failed_unpickle_wakes_waiters_with_the_error_and_keeps_the_data(make_buffer, gate):
+    buf = make_buffer()
+    buf["x"] = Counted(id(gate), b"r" * 100)
+    buf.evict()
+    gate.count = 0
+    gate.fail = True
+    results, errors, _ = read_concurrently(buf, "x", gate)
+    assert gate.count == 1
+    assert all(isinstance(e, ValueError) for e in errors), errors
+    assert results == [None] * N_THREADS
+    assert "x" in buf.slow and buf.spilled_total.disk > 0
+
+    gate.fail = False
+    assert buf["x"].payload == b"r" * 100  # the data survived
+    assert "x" in buf.fast
+
+
+def test_mixed_operations_from_many_threads(make_buffer):
+    """Random set/get/del/evict/get_serialized from 6 threads; every read returns a value that was
+    set for that key, and the accounting adds up at the end."""
+    buf = make_buffer(target=200_000)
+    n_keys = 40
+
+    def value(key, version):
+        return (key, version, bytes([version % 256]) * random.Random(version).randrange(1, 30_000))
+
+    errors = []
+
+    def work(seed):
+        rng = random.Random(seed)
+        try:
+            for i in range(400):
+                key = rng.randrange(n_keys)
+                op = rng.random()
+                if op < 0.4:
+                    buf[key] = value(key, seed * 10_000 + i)
+                elif op < 0.75:
+                    try:
+                        v = buf[key]
+                    except KeyError:
+                        continue
+                    assert v[0] == key and v[2] == value(key, v[1])[2]
+                elif op < 0.85:
+                    try:
+                        del buf[key]
+                    except KeyError:
+                        pass
+                elif op < 0.95:
+                    try:
+                        frames = buf.get_serialized(key)
+                    except KeyError:
+                        continue
+                    import pickle
+
+                    v = pickle.loads(frames[0], buffers=frames[1:])
+                    assert v[0] == key
+                else:
+                    buf.evict()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(6)]
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # many more thread switches, so many more interleavings
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch_interval)
+    assert errors == []
+    assert_consistent(buf)
+    assert buf.fast.total_weight <= buf.target or buf.evict() == -1
+    for key in list(buf):
+        assert buf[key][0] == key
+    assert_consistent(buf)
+
+
+def assert_consistent(buf):
+    """The bookkeeping agrees with the entries and with the log (white box)."""
+    with buf._lock:
+        entries = buf._entries
+        in_memory = {k for k, e in entries.items() if e.tier.value != "disk"}
+        on_disk = {k: e for k, e in entries.items() if e.tier.value == "disk"}
+        assert set(buf._lru) == in_memory
+        assert set(buf._heavy) <= in_memory
+        assert buf._memory_weight == sum(entries[k].weight for k in in_memory)
+        assert buf._evicting_weight == 0 and buf._reserved_disk == 0
+        assert not any(e.evicting or e.loading is not None for e in entries.values())
+        assert buf.spilled_total.memory == sum(e.weight for e in on_disk.values())
+        assert buf.spilled_total.disk == sum(e.disk_bytes for e in on_disk.values())
+        assert buf.spilled_total.disk == buf.log.disk_bytes
+        assert sorted(buf.log.keys()) == sorted(e.log_key for e in on_disk.values())

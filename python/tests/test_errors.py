@@ -1,0 +1,345 @@
+"""Failures: max_spill, pickling errors, disk errors. The data stays in memory and the log says why,
+in dask's words."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import multiprocessing
+import os
+import shutil
+import subprocess
+import tempfile
+import traceback
+
+import pytest
+
+import spillway
+from spillway.buffer import DISK_ERROR_MESSAGE, MAX_SPILL_MESSAGE, reset_log_rate_limits
+
+np = pytest.importorskip("numpy")
+
+
+class Refuses(Exception):
+    pass
+
+
+class Unpicklable:
+    def __init__(self, payload: bytes = b""):
+        self.payload = payload
+
+    def __reduce__(self):
+        raise Refuses("this object refuses to be pickled")
+
+    def __sizeof__(self):
+        return object.__sizeof__(self) + len(self.payload)
+
+
+def messages(caplog, level=None):
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "spillway" and (level is None or r.levelno == level)
+    ]
+
+
+# --------------------------------------------------------------------------------------------------
+# max_spill
+
+
+def test_max_spill_keeps_data_in_memory_with_a_rate_limited_warning(make_buffer, caplog_spillway):
+    buf = make_buffer(target=1000, max_spill=7000)
+    buf["a"] = bytes(3000)  # heavy: to disk (3000 payload bytes + pickle header)
+    buf["b"] = bytes(3000)
+    assert set(buf.slow) == {"a", "b"}
+    assert messages(caplog_spillway) == []
+
+    buf["c"] = bytes(3000)  # would exceed max_spill
+    assert set(buf.fast) == {"c"} and set(buf.slow) == {"a", "b"}
+    assert buf.log.disk_bytes <= 7000
+    assert messages(caplog_spillway, logging.WARNING) == [MAX_SPILL_MESSAGE]
+    assert MAX_SPILL_MESSAGE == "Spill file on disk reached capacity; keeping data in memory"
+
+    buf["d"] = bytes(3000)  # refused again; not logged again within 10 s
+    assert set(buf.fast) == {"c", "d"}
+    assert buf.evict() == -1
+    assert messages(caplog_spillway, logging.WARNING) == [MAX_SPILL_MESSAGE]
+    reset_log_rate_limits()
+    assert buf.evict() == -1
+    assert messages(caplog_spillway, logging.WARNING) == [MAX_SPILL_MESSAGE] * 2
+
+    del buf["a"]  # frees disk space: spilling works again
+    assert buf.evict() >= 3000
+    assert len(buf.slow) == 2
+    assert buf["c"] == bytes(3000) and buf["d"] == bytes(3000)
+
+
+def test_max_spill_counts_bytes_already_on_disk(make_buffer):
+    buf = make_buffer(target=0, max_spill=10_000)
+    for i in range(20):
+        buf[i] = bytes(1000)
+    assert 8 <= len(buf.slow) <= 9
+    assert buf.spilled_total.disk <= 10_000 and buf.log.disk_bytes <= 10_000
+    assert len(buf.fast) == 20 - len(buf.slow)
+    assert all(buf[i] == bytes(1000) for i in range(20))
+
+
+def test_max_spill_false_and_none_mean_no_limit(make_buffer):
+    for limit in (False, None):
+        buf = make_buffer(target=0, max_spill=limit)
+        for i in range(10):
+            buf[i] = bytes(10_000)
+        assert len(buf.slow) == 10
+
+
+# --------------------------------------------------------------------------------------------------
+# Pickling errors
+
+
+def test_unpicklable_value_being_set_raises_and_is_forgotten(make_buffer, caplog_spillway):
+    buf = make_buffer(target=100)
+    buf["other"] = 1
+    with pytest.raises(TypeError, match=r"^Failed to pickle 'x'$") as info:
+        buf["x"] = Unpicklable(b"y" * 1000)  # heavier than target: must go to disk
+    assert isinstance(info.value, spillway.PickleError)
+    assert isinstance(info.value.__cause__, Refuses)
+    assert "x" not in buf and "x" not in buf.fast and "x" not in buf.slow
+    assert buf["other"] == 1
+    assert len(buf.log) == 0
+
+    with pytest.raises(TypeError, match=r"^Failed to pickle \('x', 1\)$"):
+        buf[("x", 1)] = Unpicklable(b"y" * 1000)
+
+
+def test_unpicklable_evicted_key_stays_in_memory_and_is_logged_once(make_buffer, caplog_spillway):
+    buf = make_buffer(target=1000)
+    bad = Unpicklable(b"y" * 600)
+    buf["bad"] = bad
+    buf["good"] = bytes(600)  # pushes "bad" (LRU) out: fails, stays in memory
+    assert set(buf.fast) == {"bad", "good"} and not buf.slow
+    assert buf["bad"] is bad
+
+    errors = [r for r in caplog_spillway.records if r.name == "spillway"]
+    assert [r.getMessage() for r in errors] == ["Failed to pickle 'bad'"]
+    assert errors[0].levelno == logging.ERROR
+    assert errors[0].exc_info is not None
+    text = caplog_spillway.text
+    assert "Refuses: this object refuses to be pickled" in text
+    assert "Traceback" in text
+    assert "bad" in buf.logged_pickle_errors
+
+    buf["more"] = bytes(600)
+    assert buf.evict() == -1  # the LRU head is "bad"
+    assert len([r for r in caplog_spillway.records if r.name == "spillway"]) == 1  # once per key
+
+    del buf["bad"]
+    assert "bad" not in buf.logged_pickle_errors
+    assert buf.evict() > 0  # now something can go
+
+
+def test_unpicklable_key_failing_during_get_is_logged_not_raised(make_buffer, caplog_spillway):
+    buf = make_buffer(target=1000)
+    buf["x"] = bytes(600)
+    buf.evict()
+    buf["bad"] = Unpicklable(b"y" * 600)
+    assert buf["x"] == bytes(600)  # promotion pushes "bad" out, which fails
+    assert set(buf.fast) == {"x", "bad"}
+    assert messages(caplog_spillway) == ["Failed to pickle 'bad'"]
+
+
+def test_cloudpickle_fallback_for_lambdas(make_buffer):
+    pytest.importorskip("cloudpickle")
+    buf = make_buffer(target=0)
+    buf["f"] = lambda x: x + 1
+    assert "f" in buf.slow
+    assert buf["f"](1) == 2
+
+
+# --------------------------------------------------------------------------------------------------
+# Disk errors (simulated)
+
+
+def test_disk_error_keeps_data_in_memory_and_logs(make_buffer, recording, caplog_spillway):
+    buf = make_buffer(target=1000)
+    rec = recording(buf)
+    rec.put_error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    buf["a"] = bytes(600)
+    buf["b"] = bytes(600)  # "a" fails to spill
+    assert set(buf.fast) == {"a", "b"} and not buf.slow
+    assert messages(caplog_spillway, logging.ERROR) == [DISK_ERROR_MESSAGE]
+    assert DISK_ERROR_MESSAGE == "Spill to disk failed; keeping data in memory"
+    assert "No space left on device" in caplog_spillway.text
+
+    buf["big"] = bytes(5000)  # heavy, fails too: stays in memory, no exception
+    assert "big" in buf.fast
+    assert buf.evict() == -1
+    assert len(messages(caplog_spillway, logging.ERROR)) == 1  # rate-limited
+
+    rec.put_error = None
+    assert buf.evict() > 0
+    assert buf["big"] == bytes(5000)
+
+
+def test_spillway_error_from_the_log_is_a_disk_error(make_buffer, recording, caplog_spillway):
+    buf = make_buffer(target=0)
+    rec = recording(buf)
+    rec.put_error = spillway.SpillwayError("checksum mismatch")
+    buf["a"] = bytes(100)
+    assert "a" in buf.fast
+    assert messages(caplog_spillway, logging.ERROR) == [DISK_ERROR_MESSAGE]
+
+
+def test_disk_full_from_the_log_is_max_spill(make_buffer, recording, caplog_spillway):
+    buf = make_buffer(target=0)
+    rec = recording(buf)
+    rec.put_error = spillway.DiskFull("max_disk_bytes")
+    buf["a"] = bytes(100)
+    assert "a" in buf.fast
+    assert messages(caplog_spillway, logging.WARNING) == [MAX_SPILL_MESSAGE]
+
+
+def test_heavy_key_that_cannot_be_spilled_spills_the_others_as_dask(make_buffer, recording):
+    buf = make_buffer(target=1000)
+    buf["a"] = bytes(300)
+    buf["b"] = bytes(300)
+    rec = recording(buf)
+    fail_for = b"big"
+
+    def put(key, frames, inner=rec.inner):
+        if fail_for in key:
+            raise OSError(errno.EIO, "injected")
+        return inner.put(key, frames)
+
+    rec.put = put
+    buf["big"] = bytes(5000)
+    assert set(buf.fast) == {"big"} and set(buf.slow) == {"a", "b"}
+
+
+def test_evict_never_raises(make_buffer, recording):
+    buf = make_buffer()
+    buf["a"] = 1
+    rec = recording(buf)
+    rec.put_error = RuntimeError("something unexpected")
+    assert buf.evict() == -1
+    assert "a" in buf.fast
+
+
+# --------------------------------------------------------------------------------------------------
+# Disk errors (real)
+
+NOBODY = 65534
+
+
+def _spill_into_readonly_directory(directory: str, conn) -> None:
+    """Child process: drop root (which ignores permissions), spill, chmod the log's directories
+    read-only, spill more. Sends back what happened."""
+    try:
+        if os.geteuid() == 0:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+        records = []
+
+        class Keep(logging.Handler):
+            def emit(self, record):
+                records.append((record.getMessage(), record.exc_info and record.exc_info[1]))
+
+        logging.getLogger("spillway").addHandler(Keep())
+        reset_log_rate_limits()
+        buf = spillway.SpillBuffer(directory, target=0, segment_bytes=64 * 1024, backend="portable")
+        buf["first"] = np.full(40_000, 1, dtype=np.uint8)
+        spilled_before = set(buf.slow)
+        for root, dirs, _ in os.walk(buf.directory):
+            for d in [root, *(os.path.join(root, d) for d in dirs)]:
+                os.chmod(d, 0o500)
+        kept = None
+        for i in range(8):  # the log needs a new segment file within a few records
+            buf[i] = np.full(40_000, i, dtype=np.uint8)
+            if i in buf.fast:
+                kept = i
+                break
+        value_ok = kept is not None and bool((buf[kept] == kept).all())
+        errors = [(msg, type(exc).__name__, getattr(exc, "errno", None)) for msg, exc in records]
+        conn.send(
+            dict(
+                spilled_before=spilled_before,
+                kept=kept,
+                value_ok=value_ok,
+                errors=errors,
+                first_ok=bool((buf["first"] == 1).all()),
+            )
+        )
+    except BaseException:
+        conn.send(dict(crash=traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_readonly_directory_keeps_data_in_memory(tmp_path):
+    """A chmod'ed spill directory (root ignores chmod: the child drops to nobody)."""
+    directory = tempfile.mkdtemp(prefix="spillway-chmod-")
+    try:
+        if os.geteuid() == 0:
+            os.chown(directory, NOBODY, NOBODY)
+        ctx = multiprocessing.get_context("fork")
+        parent, child = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_spill_into_readonly_directory, args=(directory, child))
+        proc.start()
+        child.close()
+        answered = parent.poll(120)
+        if not answered:
+            proc.kill()
+        assert answered, "the child process did not answer within 120 s"
+        result = parent.recv()
+        proc.join(30)
+    finally:
+        for root, dirs, _ in os.walk(directory):
+            for d in dirs:
+                os.chmod(os.path.join(root, d), 0o700)
+        shutil.rmtree(directory, ignore_errors=True)
+    assert "crash" not in result, result.get("crash")
+    assert result["spilled_before"] == {"first"}
+    assert result["kept"] is not None, "no spill failed in a read-only directory"
+    assert result["value_ok"] and result["first_ok"]
+    assert result["errors"], "nothing logged"
+    msg, exc_type, err = result["errors"][0]
+    assert msg == DISK_ERROR_MESSAGE
+    assert err in (errno.EACCES, errno.EPERM, errno.EROFS), result["errors"]
+
+
+@pytest.fixture
+def tiny_tmpfs():
+    """A 512 KiB tmpfs (needs mount rights; skipped otherwise)."""
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command")
+    directory = tempfile.mkdtemp(prefix="spillway-tmpfs-")
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", directory],
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        os.rmdir(directory)
+        pytest.skip(f"cannot mount a tmpfs: {proc.stderr.strip()}")
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", "-l", directory], check=False)
+        os.rmdir(directory)
+
+
+def test_full_disk_keeps_data_in_memory(tiny_tmpfs, caplog_spillway):
+    buf = spillway.SpillBuffer(tiny_tmpfs, target=0, segment_bytes=64 * 1024, backend="portable")
+    try:
+        for i in range(40):
+            buf[i] = np.full(40_000, i, dtype=np.uint8)
+        assert buf.slow, "nothing was spilled"
+        assert buf.fast, "the 1.6 MB never filled the 512 KiB tmpfs"
+        for i in range(40):
+            assert (buf[i] == i).all()
+        errors = [r for r in caplog_spillway.records if r.name == "spillway"]
+        assert errors and errors[0].getMessage() == DISK_ERROR_MESSAGE
+        assert errors[0].exc_info[1].errno == errno.ENOSPC
+    finally:
+        buf.close()

@@ -1,0 +1,70 @@
+"""spillway as a dask worker's data store."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import spillway
+
+
+def test_package_exports():
+    assert spillway.__version__ == "0.1.0"
+    for name in ("SpillBuffer", "Log", "SpillwayError", "DiskFull", "__version__"):
+        assert hasattr(spillway, name)
+    assert issubclass(spillway.DiskFull, spillway.SpillwayError)
+
+
+def test_worker_data_uses_dask_config(tmp_path):
+    dask = pytest.importorskip("dask")
+    with dask.config.set(
+        {"distributed.worker.memory.target": 0.5, "distributed.worker.memory.max-spill": "1 MiB"}
+    ):
+        buf = spillway.worker_data(str(tmp_path), memory_limit="100 MiB")
+    try:
+        assert buf.target == 50 * 2**20
+        assert buf.max_spill == 2**20
+        assert os.path.dirname(buf.directory) == str(tmp_path / "spillway")
+    finally:
+        buf.close()
+    with dask.config.set({"distributed.worker.memory.max-spill": False}):
+        buf = spillway.worker_data(str(tmp_path), target=1234, compression="lz4")
+    try:
+        assert buf.target == 1234 and buf.max_spill is False
+    finally:
+        buf.close()
+    with pytest.raises(TypeError):
+        spillway.worker_data(str(tmp_path))
+
+
+def test_local_cluster_with_spillway_spills_and_computes():
+    """An in-process worker whose data is a SpillBuffer: results match numpy, data was spilled."""
+    distributed = pytest.importorskip("distributed")
+    da = pytest.importorskip("dask.array")
+    np = pytest.importorskip("numpy")
+
+    with (
+        distributed.LocalCluster(
+            n_workers=1,
+            threads_per_worker=2,
+            processes=False,
+            memory_limit=0,  # no memory monitor: spilling is driven by target only
+            dashboard_address=":0",
+            data=(spillway.worker_data, {"target": 4 * 2**20}),
+        ) as cluster,
+        distributed.Client(cluster) as client,
+    ):
+        x = da.random.default_rng(0).random((1000, 1000), chunks=(250, 250))  # 8 MB
+        x = x.persist()
+        distributed.wait(x)
+        (worker,) = cluster.workers.values()
+        assert isinstance(worker.data, spillway.SpillBuffer)
+        assert len(worker.data.slow) > 0
+        assert worker.data.cumulative_metrics["disk-write", "count"] > 0
+        total = (x + x.T).sum().compute()
+        expected = x.compute()
+        assert total == pytest.approx((expected + expected.T).sum())
+        spilled = client.run(lambda dask_worker: dask_worker.data.spilled_total)
+        assert list(spilled.values())[0].disk > 0
+        np.testing.assert_array_equal(x[:3, :3].compute(), expected[:3, :3])
