@@ -21,7 +21,7 @@
 //! record (56 B header)
 //!  off size field
 //!    0   4  magic        "SPRC"
-//!    4   1  version      1
+//!    4   1  version      2
 //!    5   1  flags        bit0 LZ4 payload, bit1 TOMBSTONE, bit2 SYNC_MARK; other bits zero
 //!    6   2  frame_count  number of frames in the value
 //!    8   4  key_len
@@ -29,16 +29,23 @@
 //!   16   4  epoch        open epoch of the writer; non-decreasing along a segment
 //!   20   4  payload_crc  crc32 of the stored payload bytes
 //!   24   8  seq          sequence number, unique and increasing across the store
-//!   32   8  raw_len      sum of frame lengths (uncompressed value size)
-//!   40   8  stored_len   payload bytes that follow the key
+//!   32   8  raw_len      length of the laid-out frames (uncompressed payload, see below)
+//!   40   8  stored_len   payload bytes that follow the key and its padding
 //!   48   4  aux          tombstone: oldest segment that may hold an older version of the key; else 0
-//!   52   4  header_crc   crc32 of bytes 0..52, the frame table and the key
+//!   52   4  header_crc   crc32 of bytes 0..52 and 56..payload start (frame table, key, padding)
 //!   56  8*n frame table  frame lengths (u64 each)
 //!    .      key
-//!    .      payload      stored_len bytes (lz4 block of the concatenated frames when LZ4 is set)
-//!    .      zero padding to the next multiple of 8
+//!    .      zero padding to the next multiple of 64 (FRAME_ALIGN) from the record start
+//!    .      payload      stored_len bytes: the frames laid out with each one starting at a multiple of
+//!                        64 from the payload start, zeros between (or an lz4 block of that layout)
+//!    .      zero padding to the next multiple of 64 (records start at multiples of 64)
 //!
-//! footer entry (40 B + key, padded to 8)
+//! Records start at multiples of 64 in the file and segment data starts aligned, so every frame read
+//! back into an aligned buffer starts 64-byte aligned: consumers (numpy, Arrow) wrap it without a copy,
+//! and SIMD code sees the same alignment whichever tier the value comes from (numpy's float sums
+//! depend on it, so unaligned frames made results differ in the last bit from dask's own store).
+//!
+//! footer entry (40 B + key, padded to 8 = FOOTER_ALIGN)
 //!    0   4  key_len     4  1 flags   5  3 reserved
 //!    8   8  offset      16 8 record_len (unpadded)   24 8 seq   32 4 aux   36 4 reserved
 //!   40   .  key
@@ -54,7 +61,7 @@
 //! ```
 
 /// Format version written by this build (records, footers, trailers, segment headers).
-pub const FORMAT_VERSION: u8 = 1;
+pub const FORMAT_VERSION: u8 = 2;
 /// Longest key accepted, in bytes.
 pub const MAX_KEY_BYTES: usize = 64 * 1024;
 /// Most frames a value may have.
@@ -67,8 +74,13 @@ pub const FOOTER_ENTRY_FIXED_LEN: usize = 40;
 pub const TRAILER_LEN: usize = 64;
 /// Size of the segment header at the start of every segment.
 pub const SEGMENT_HEADER_LEN: usize = 64;
-/// Records (and footer entries) start at multiples of this.
-pub const RECORD_ALIGN: u64 = 8;
+/// Records start at multiples of this (and so do their payloads and frames).
+pub const RECORD_ALIGN: u64 = 64;
+/// Frames start at multiples of this from the payload start; the payload at a multiple of it from the
+/// record start.
+pub const FRAME_ALIGN: u64 = 64;
+/// Footer entries are padded to multiples of this.
+pub const FOOTER_ALIGN: u64 = 8;
 
 const RECORD_MAGIC: [u8; 4] = *b"SPRC";
 const TRAILER_MAGIC: [u8; 4] = *b"SPTR";
@@ -84,8 +96,9 @@ pub const FLAG_TOMBSTONE: u8 = 2;
 pub const FLAG_SYNC_MARK: u8 = 4;
 const KNOWN_FLAGS: u8 = FLAG_LZ4 | FLAG_TOMBSTONE | FLAG_SYNC_MARK;
 
-const _: () = assert!(RECORD_HEADER_LEN as u64 % RECORD_ALIGN == 0);
-const _: () = assert!(FOOTER_ENTRY_FIXED_LEN as u64 % RECORD_ALIGN == 0);
+const _: () = assert!(RECORD_HEADER_LEN % 8 == 0);
+const _: () = assert!(FOOTER_ENTRY_FIXED_LEN as u64 % FOOTER_ALIGN == 0);
+const _: () = assert!(RECORD_ALIGN % FRAME_ALIGN == 0);
 const _: () = assert!(SEGMENT_HEADER_LEN <= 512 && TRAILER_LEN <= 512);
 
 /// Why bytes failed to decode. Locations are added by the caller, which knows the segment and offset.
@@ -218,9 +231,9 @@ impl RecordHeader {
     pub fn key_offset(&self) -> usize {
         RECORD_HEADER_LEN + 8 * self.frame_count as usize
     }
-    /// Offset of the payload from the record start.
+    /// Offset of the payload from the record start (after the key, padded to [`FRAME_ALIGN`]).
     pub fn payload_offset(&self) -> u64 {
-        self.key_offset() as u64 + self.key_len as u64
+        align_up(self.key_offset() as u64 + self.key_len as u64, FRAME_ALIGN)
     }
     /// Unpadded record length.
     pub fn record_len(&self) -> u64 {
@@ -230,7 +243,33 @@ impl RecordHeader {
 
 /// Unpadded length of a record with these parts.
 pub fn record_len(frame_count: usize, key_len: usize, stored_len: u64) -> u64 {
-    (RECORD_HEADER_LEN + 8 * frame_count + key_len) as u64 + stored_len
+    align_up((RECORD_HEADER_LEN + 8 * frame_count + key_len) as u64, FRAME_ALIGN) + stored_len
+}
+
+/// Where each frame starts in the laid-out payload, and the layout's total length: frame `i` starts at
+/// the first multiple of [`FRAME_ALIGN`] at or after the end of frame `i - 1`. `None` on overflow.
+pub fn frame_layout(lens: impl IntoIterator<Item = u64>) -> Option<(Vec<u64>, u64)> {
+    let mut offsets = Vec::new();
+    let mut end: u64 = 0;
+    for l in lens {
+        let start = end.checked_add(FRAME_ALIGN - 1)? & !(FRAME_ALIGN - 1);
+        offsets.push(start);
+        end = start.checked_add(l)?;
+    }
+    Some((offsets, end))
+}
+
+/// Copy `frames` into `dst` at their [`frame_layout`] offsets, zeroing the gaps; `dst` must be exactly
+/// the layout's length.
+pub fn lay_out_frames<'a>(dst: &mut [u8], frames: impl IntoIterator<Item = &'a [u8]>) {
+    let mut at = 0usize;
+    for f in frames {
+        let start = align_up(at as u64, FRAME_ALIGN) as usize;
+        dst[at..start].fill(0);
+        dst[start..start + f.len()].copy_from_slice(f);
+        at = start + f.len();
+    }
+    debug_assert_eq!(at, dst.len(), "destination is the layout's length");
 }
 
 /// Write header, frame table and key of a record into `dst[..payload_offset]` and compute the header
@@ -255,7 +294,9 @@ pub fn write_record_head(dst: &mut [u8], h: &RecordHeader, frame_lens: &[u64], k
     }
     let ko = h.key_offset();
     dst[ko..ko + key.len()].copy_from_slice(key);
-    let c = crc(&[&dst[0..52], &dst[RECORD_HEADER_LEN..ko + key.len()]]);
+    let po = h.payload_offset() as usize;
+    dst[ko + key.len()..po].fill(0);
+    let c = crc(&[&dst[0..52], &dst[RECORD_HEADER_LEN..po]]);
     put_u32(dst, 52, c);
 }
 
@@ -316,19 +357,19 @@ pub fn verify_record_head(b: &[u8], h: &RecordHeader) -> Result<Vec<u64>, Decode
     if (b.len() as u64) < need {
         return Err(DecodeError::Truncated { need, have: b.len() as u64 });
     }
-    let ko = h.key_offset();
-    let actual = crc(&[&b[0..52], &b[RECORD_HEADER_LEN..ko + h.key_len as usize]]);
+    let key_end = h.key_offset() + h.key_len as usize;
+    if b[key_end..need as usize].iter().any(|&x| x != 0) {
+        return Err(DecodeError::Invalid("non-zero padding after the key"));
+    }
+    let actual = crc(&[&b[0..52], &b[RECORD_HEADER_LEN..need as usize]]);
     let expected = u32_at(b, 52);
     if actual != expected {
         return Err(DecodeError::Checksum { what: "record header", expected, actual });
     }
     let frames: Vec<u64> = (0..h.frame_count as usize).map(|i| u64_at(b, RECORD_HEADER_LEN + 8 * i)).collect();
-    let mut sum: u64 = 0;
-    for f in &frames {
-        sum = sum.checked_add(*f).ok_or(DecodeError::Invalid("frame lengths overflow"))?;
-    }
-    if sum != h.raw_len {
-        return Err(DecodeError::Invalid("frame lengths do not sum to raw_len"));
+    let (_, laid_out) = frame_layout(frames.iter().copied()).ok_or(DecodeError::Invalid("frame lengths overflow"))?;
+    if laid_out != h.raw_len {
+        return Err(DecodeError::Invalid("laid-out frame lengths do not match raw_len"));
     }
     Ok(frames)
 }
@@ -361,7 +402,7 @@ pub fn decode_record(b: &[u8]) -> Result<RecordRef<'_>, DecodeError> {
     if actual != header.payload_crc {
         return Err(DecodeError::Checksum { what: "record payload", expected: header.payload_crc, actual });
     }
-    Ok(RecordRef { header, frame_lens, key: &b[ko..po], payload })
+    Ok(RecordRef { header, frame_lens, key: &b[ko..ko + header.key_len as usize], payload })
 }
 
 /// Rewrite, in place, the `segment` and `epoch` of a verified record copy and recompute its header
@@ -369,8 +410,7 @@ pub fn decode_record(b: &[u8]) -> Result<RecordRef<'_>, DecodeError> {
 pub fn relocate_record(b: &mut [u8], h: &RecordHeader, segment: u32, epoch: u32) {
     put_u32(b, 12, segment);
     put_u32(b, 16, epoch);
-    let ko = h.key_offset();
-    let c = crc(&[&b[0..52], &b[RECORD_HEADER_LEN..ko + h.key_len as usize]]);
+    let c = crc(&[&b[0..52], &b[RECORD_HEADER_LEN..h.payload_offset() as usize]]);
     put_u32(b, 52, c);
 }
 
@@ -398,7 +438,7 @@ pub struct FooterEntry {
 impl FooterEntry {
     /// Encoded length, padded to 8.
     pub fn encoded_len(key_len: usize) -> u64 {
-        align_up((FOOTER_ENTRY_FIXED_LEN + key_len) as u64, RECORD_ALIGN)
+        align_up((FOOTER_ENTRY_FIXED_LEN + key_len) as u64, FOOTER_ALIGN)
     }
 }
 
@@ -605,8 +645,10 @@ mod tests {
     use super::*;
 
     fn build(key: &[u8], frames: &[&[u8]], flags: u8) -> Vec<u8> {
-        let payload: Vec<u8> = frames.concat();
         let lens: Vec<u64> = frames.iter().map(|f| f.len() as u64).collect();
+        let (_, total) = frame_layout(lens.iter().copied()).unwrap();
+        let mut payload = vec![0xAAu8; total as usize];
+        lay_out_frames(&mut payload, frames.iter().copied());
         let h = RecordHeader {
             flags,
             frame_count: lens.len() as u16,
@@ -632,7 +674,13 @@ mod tests {
         let r = decode_record(&b).unwrap();
         assert_eq!(r.key, b"key");
         assert_eq!(r.frame_lens, vec![5, 0, 6]);
-        assert_eq!(r.payload, b"helloworld!");
+        let (offs, total) = frame_layout(r.frame_lens.iter().copied()).unwrap();
+        assert_eq!(offs, vec![0, 64, 64]);
+        assert_eq!(total, 70);
+        assert_eq!(&r.payload[0..5], b"hello");
+        assert!(r.payload[5..64].iter().all(|&x| x == 0), "gaps are zeroed");
+        assert_eq!(&r.payload[64..70], b"world!");
+        assert_eq!(r.header.payload_offset() % FRAME_ALIGN, 0);
         assert_eq!(r.header.seq, 42);
     }
 
@@ -669,7 +717,7 @@ mod tests {
     fn footer_and_trailer_round_trip() {
         let entries = vec![
             FooterEntry { key: b"a".to_vec(), flags: 0, offset: 4096, record_len: 100, seq: 1, aux: 0 },
-            FooterEntry { key: vec![], flags: FLAG_TOMBSTONE, offset: 4200, record_len: 56, seq: 2, aux: 3 },
+            FooterEntry { key: vec![], flags: FLAG_TOMBSTONE, offset: 4224, record_len: 64, seq: 2, aux: 3 },
         ];
         let mut out = Vec::new();
         for e in &entries {

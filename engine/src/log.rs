@@ -309,6 +309,11 @@ fn parse_seg_file_name(name: &str) -> Option<u32> {
     u32::from_str_radix(hex, 16).ok()
 }
 
+/// Length of `frames` laid out at [`format::FRAME_ALIGN`] boundaries (the uncompressed payload).
+fn laid_out_len(frames: &Frames) -> u64 {
+    format::frame_layout(frames.iter().map(|f| f.len() as u64)).map_or(u64::MAX, |(_, n)| n)
+}
+
 fn padded(len: u64) -> u64 {
     align_up(len, RECORD_ALIGN)
 }
@@ -736,7 +741,7 @@ impl<B: Backend> SegmentLog<B> {
         if format::verify_record_head(head, &h).is_err() {
             return Ok(invalid);
         }
-        let key = head[h.key_offset()..].to_vec();
+        let key = head[h.key_offset()..h.key_offset() + h.key_len as usize].to_vec();
         if h.segment != id || h.epoch < prev_epoch {
             // A valid record, but from an earlier life of this file or from before a torn tail was cut.
             // (Sequence numbers are not monotonic along a segment: compaction keeps a record's seq.)
@@ -963,10 +968,11 @@ impl<B: Backend> SegmentLog<B> {
                 return Prepared { len: bytes.len() as u64, payload: Payload::Relocated(bytes), rec };
             }
             NewRecord::Value { frames, .. } => {
-                let raw = frames.total_len();
+                let raw = laid_out_len(frames);
                 let frames: &'a Frames = frames;
                 if self.opts.compression == Compression::Lz4 && raw >= MIN_COMPRESS_BYTES {
-                    let joined = frames.concat();
+                    let mut joined = vec![0u8; raw as usize];
+                    format::lay_out_frames(&mut joined, frames.iter().map(|f| &f[..]));
                     let c = lz4_flex::block::compress(&joined);
                     if (c.len() as u64) <= raw - raw / 8 {
                         let n = c.len() as u64;
@@ -1079,24 +1085,23 @@ impl<B: Backend> SegmentLog<B> {
                         (NewRecord::Tombstone { aux, .. }, _) => (format::FLAG_TOMBSTONE, *aux, Vec::new(), 0),
                         (NewRecord::SyncMark, _) => (format::FLAG_SYNC_MARK, 0, Vec::new(), 0),
                         (NewRecord::Value { frames, .. }, Payload::Compressed(_)) => {
-                            (format::FLAG_LZ4, 0, frames.iter().map(|f| f.len() as u64).collect(), frames.total_len())
+                            (format::FLAG_LZ4, 0, frames.iter().map(|f| f.len() as u64).collect(), laid_out_len(frames))
                         }
                         (NewRecord::Value { frames, .. }, _) => {
-                            (0, 0, frames.iter().map(|f| f.len() as u64).collect(), frames.total_len())
+                            (0, 0, frames.iter().map(|f| f.len() as u64).collect(), laid_out_len(frames))
                         }
                         (NewRecord::Relocated { .. }, _) => {
                             unreachable!("relocated records carry their bytes")
                         }
                     };
-                    let po = format::RECORD_HEADER_LEN + 8 * frame_lens.len() + key.len();
+                    let head = format::RECORD_HEADER_LEN + 8 * frame_lens.len() + key.len();
+                    let po = align_up(head as u64, format::FRAME_ALIGN) as usize;
                     let stored_len = p.len - po as u64;
-                    let mut w = po;
+                    let w = po;
                     match payload {
                         Payload::Frames(frames) => {
-                            for f in frames.iter() {
-                                dst[w..w + f.len()].copy_from_slice(f);
-                                w += f.len();
-                            }
+                            let n = laid_out_len(frames) as usize;
+                            format::lay_out_frames(&mut dst[w..w + n], frames.iter().map(|f| &f[..]));
                         }
                         Payload::Compressed(c) => dst[w..w + c.len()].copy_from_slice(c),
                         Payload::Empty | Payload::Relocated(_) => {}
@@ -1486,7 +1491,7 @@ impl<B: Backend> SegmentLog<B> {
                     NewRecord::Relocated {
                         bytes: b,
                         header,
-                        key: &b[header.key_offset()..header.payload_offset() as usize],
+                        key: &b[header.key_offset()..header.key_offset() + header.key_len as usize],
                     }
                 })
                 .collect();
@@ -1716,12 +1721,8 @@ fn decode_read(raw: Bytes, loc: Location, key: &[u8]) -> Result<Frames> {
     } else {
         raw.slice(po..po + h.stored_len as usize)
     };
-    let mut frames = Vec::with_capacity(r.frame_lens.len());
-    let mut at = 0usize;
-    for &l in &r.frame_lens {
-        frames.push(data.slice(at..at + l as usize));
-        at += l as usize;
-    }
+    let (offsets, _) = format::frame_layout(r.frame_lens.iter().copied()).expect("checked when decoding");
+    let frames = r.frame_lens.iter().zip(offsets).map(|(&l, at)| data.slice(at as usize..(at + l) as usize)).collect();
     Ok(Frames(frames))
 }
 

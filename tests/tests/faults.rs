@@ -93,9 +93,11 @@ fn failure_at_every_io_step_of_a_workload_never_panics_and_loses_no_synced_recor
             log.put(k.as_bytes(), &frames_for(k.as_bytes(), 2500))?;
             pending.push(k);
             if i % 3 == 2 {
-                log.delete(format!("k{}", i - 2).as_bytes())?;
+                // A delete that fails may still have reached the disk (a torn write can carry the
+                // whole tombstone), so the key stops being expected before the attempt.
                 pending.retain(|p| *p != format!("k{}", i - 2));
                 synced.retain(|p| *p != format!("k{}", i - 2));
+                log.delete(format!("k{}", i - 2).as_bytes())?;
             }
             if i % 10 == 9 {
                 log.sync()?;

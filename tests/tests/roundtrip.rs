@@ -135,3 +135,23 @@ fn round_trip_io_uring_direct_and_buffered_then_reopen_portable() {
         check_all(&SegmentLog::open(be, tmp.path(), opts(Compression::Lz4)).unwrap());
     }
 }
+
+#[test]
+fn frames_read_back_start_64_byte_aligned() {
+    // Consumers wrap frames without copying (numpy, Arrow); SIMD results can depend on alignment.
+    for compression in [Compression::None, Compression::Lz4] {
+        let tmp = tempfile::tempdir().unwrap();
+        let log = SegmentLog::open(PortableBackend::new(), tmp.path(), opts(compression)).unwrap();
+        for (i, key) in ["a", "odd-key-length", ""].iter().enumerate() {
+            let frames = Frames(
+                [3usize, 1000, 65537, 0, 5].iter().map(|&n| bytes::Bytes::from(vec![b'a' + i as u8; n + i])).collect(),
+            );
+            log.put(key.as_bytes(), &frames).unwrap();
+            let got = log.get(key.as_bytes()).unwrap().unwrap();
+            assert_eq!(got, frames);
+            for f in got.iter().filter(|f| !f.is_empty()) {
+                assert_eq!(f.as_ptr() as usize % 64, 0, "frame of {} bytes under {key:?} ({compression:?})", f.len());
+            }
+        }
+    }
+}
