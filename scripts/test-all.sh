@@ -14,11 +14,29 @@ step "clippy (all targets, warnings are errors)"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
 step "unit and integration tests"
-cargo test --workspace --locked 2>&1 | tee -a "$log"
+# The Python extension is a cdylib tested from Python (below), not by cargo test.
+cargo test --workspace --exclude spillway-python --locked 2>&1 | tee -a "$log"
 
 step "loom models (own target dir, --cfg spillway_loom)"
 RUSTFLAGS="--cfg spillway_loom" CARGO_TARGET_DIR=target/loom \
   cargo test --release --locked -p spillway-loom-tests --test slot 2>&1 | tee -a "$log"
+
+step "python bindings: build the extension, run pytest"
+missing=""
+command -v maturin >/dev/null || missing="$missing maturin"
+for m in pytest numpy dask distributed psutil; do
+  python3 -c "import $m" 2>/dev/null || missing="$missing $m"
+done
+if [ -n "$missing" ]; then
+  echo "missing Python tools:$missing (pip install maturin pytest numpy dask distributed psutil)" | tee -a "$log"
+  echo "python: 1 failed" >>"$log"
+else
+  maturin build --release --locked -q -m python/Cargo.toml -o target/wheels
+  # Unpack the wheel next to the build instead of installing it: nothing outside target/ changes.
+  rm -rf target/python && mkdir -p target/python
+  python3 -m zipfile -e "$(ls -t target/wheels/spillway-*.whl | head -1)" target/python
+  PYTHONPATH="$PWD/target/python" python3 -m pytest -p no:cacheprovider -q python/tests 2>&1 | tee -a "$log"
+fi
 
 # One closing line over every suite above.
 passed=$(grep -Eo '[0-9]+ passed' "$log" | awk '{s+=$1} END {print s+0}')

@@ -1,0 +1,108 @@
+"""The Rust core directly: frames in and out, both backends, typed errors, limits."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from spillway import DiskFull, Log, SpillwayError
+
+
+def uring_required() -> bool:
+    return os.environ.get("SPILLWAY_REQUIRE_URING") == "1"
+
+
+@pytest.mark.parametrize("backend", ["portable", "uring"])
+@pytest.mark.parametrize("compression", ["none", "lz4"])
+def test_frames_round_trip_aligned_and_writable(tmp_path, backend, compression):
+    try:
+        log = Log(str(tmp_path / "log"), backend=backend, compression=compression)
+    except OSError as e:
+        if backend == "uring" and not uring_required():
+            pytest.skip(f"io_uring unavailable: {e}")
+        raise
+    assert log.backend == backend
+    frames = [b"header", bytearray(b"x" * 100_001), memoryview(b"tail" * 1000), b""]
+    assert log.put(b"k", frames) == sum(len(f) for f in frames)
+    got = log.get(b"k")
+    assert [bytes(g) for g in got] == [bytes(f) for f in frames]
+    for g in got:
+        assert isinstance(g, memoryview) and not g.readonly
+        if len(g):
+            # Frames come back 64-byte aligned: numpy wraps them without a copy.
+            assert np.frombuffer(g, dtype=np.uint8).ctypes.data % 64 == 0
+    got[1][0] = ord("y")  # writable, and private to this result
+    assert bytes(log.get(b"k")[1][:1]) == b"x"
+    assert log.stored_bytes(b"k") == log.disk_bytes == sum(len(f) for f in frames)
+    assert b"k" in log and len(log) == 1 and log.keys() == [b"k"]
+    assert log.delete(b"k") is True and log.delete(b"k") is False
+    with pytest.raises(KeyError):
+        log.get(b"k")
+    assert log.disk_bytes == 0
+    log.close()
+    log.close()  # idempotent
+    with pytest.raises(ValueError):
+        log.get(b"k")
+
+
+def test_numpy_buffers_go_in_without_joining(tmp_path):
+    log = Log(str(tmp_path / "log"))
+    a = np.arange(1_000_000, dtype=np.float64)
+    log.put(b"a", [memoryview(a).cast("B")])
+    (back,) = log.get(b"a")
+    assert np.array_equal(np.frombuffer(back, dtype=np.float64), a)
+    # Non-contiguous exports are accepted too (copied once).
+    log.put(b"b", [memoryview(np.arange(10, dtype=np.uint8))[::2]])
+    assert bytes(log.get(b"b")[0]) == bytes(range(0, 10, 2))
+
+
+def test_max_disk_bytes_refuses_whole_values(tmp_path):
+    log = Log(str(tmp_path / "log"), max_disk_bytes=1000)
+    log.put(b"a", [b"x" * 600])
+    with pytest.raises(DiskFull):
+        log.put(b"b", [b"x" * 600])
+    assert issubclass(DiskFull, SpillwayError)
+    assert b"b" not in log and log.disk_bytes == 600
+    log.put(b"a", [b"x" * 900])  # replacing counts the old value out
+    assert log.disk_bytes == 900
+
+
+def test_bad_arguments_and_os_errors_are_typed(tmp_path):
+    with pytest.raises(ValueError):
+        Log(str(tmp_path / "a"), compression="zstd")
+    with pytest.raises(ValueError):
+        Log(str(tmp_path / "b"), backend="fast")
+    (tmp_path / "file").write_bytes(b"not a directory")
+    with pytest.raises(OSError) as e:
+        Log(str(tmp_path / "file" / "log"))
+    assert e.value.errno in (errno.ENOTDIR, errno.EEXIST)
+    log = Log(str(tmp_path / "c"))
+    with pytest.raises(ValueError):
+        log.put(b"k" * (64 * 1024 + 1), [b"v"])
+
+
+def test_concurrent_puts_and_gets_from_threads(tmp_path):
+    log = Log(str(tmp_path / "log"))
+    errors = []
+
+    def work(t):
+        try:
+            for i in range(200):
+                key = b"%d-%d" % (t, i)
+                val = bytes([t]) * (i * 37 % 5000)
+                log.put(key, [val])
+                assert bytes(log.get(key)[0]) == val
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(log) == 1600
