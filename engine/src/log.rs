@@ -14,6 +14,7 @@
 //! See `docs/architecture.md` for the write and recovery paths step by step, and `docs/format.md`
 //! for the bytes.
 
+use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::io;
@@ -22,7 +23,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock};
 
 use bytes::Bytes;
 
-use crate::backend::{Backend, DirLock, PortableBackend};
+use crate::backend::{Backend, BufResult, DirLock, PipelinedRead, PortableBackend};
 use crate::buf::AlignedBuf;
 use crate::error::{Error, Result};
 use crate::format::{self, align_down, align_up, FooterEntry, RecordHeader, RECORD_ALIGN};
@@ -850,6 +851,47 @@ impl<B: Backend> SegmentLog<B> {
             let raw = buf.freeze().slice(from..from + loc.len as usize);
             decode_read(raw, loc, &key).map(Some)
         }
+    }
+
+    /// Read many keys with up to `depth` reads in flight, on the calling thread: `keys` is drained
+    /// lazily, and `on_value` receives every key with its result, in completion order (an absent
+    /// key right away, as `Ok(None)`). With the io_uring backend the calling thread owns a ring for
+    /// the call and submits and reaps itself ([`Backend::read_pipelined`]); the portable backend
+    /// reads one key after another. The bulk form of [`SegmentLog::get`]: unspilling a batch,
+    /// sending many keys to a peer.
+    pub fn get_pipelined(
+        &self,
+        depth: usize,
+        keys: &mut dyn Iterator<Item = Vec<u8>>,
+        on_value: &mut dyn FnMut(Vec<u8>, Result<Option<Frames>>),
+    ) -> Result<()> {
+        let pending: RefCell<slab::Slab<(Vec<u8>, Location, u64)>> = RefCell::new(slab::Slab::new());
+        let on_value = RefCell::new(on_value);
+        let mut next = || loop {
+            let key = keys.next()?;
+            match self.lookup(&key) {
+                None => (on_value.borrow_mut())(key, Ok(None)),
+                Some((loc, file)) => {
+                    let start = align_down(loc.offset, self.read_align);
+                    let end = align_up(loc.offset + loc.len, self.read_align);
+                    let buf = self.backend.alloc_buf((end - start) as usize, self.read_align as usize);
+                    let tag = pending.borrow_mut().insert((key, loc, start)) as u64;
+                    return Some(PipelinedRead { file, offset: start, buf, tag });
+                }
+            }
+        };
+        let mut done = |tag: u64, (r, buf): BufResult| {
+            let (key, loc, start) = pending.borrow_mut().remove(tag as usize);
+            let res = match r {
+                Err(e) => Err(Error::io("read segment", self.seg_path(loc.segment), e)),
+                Ok(()) => {
+                    let from = (loc.offset - start) as usize;
+                    decode_read(buf.freeze().slice(from..from + loc.len as usize), loc, &key).map(Some)
+                }
+            };
+            (on_value.borrow_mut())(key, res);
+        };
+        self.backend.read_pipelined(depth, &mut next, &mut done).map_err(|e| Error::io("read pipeline", None, e))
     }
 
     /// Whether `key` is live.

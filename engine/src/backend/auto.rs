@@ -6,8 +6,12 @@ use std::path::Path;
 use std::str::FromStr;
 use std::sync::Arc;
 
-use super::{Backend, BufResult, DirLock, IoFuture, PortableBackend, ReadReq, UringBackend, UringFile, UringOptions};
+use super::{
+    Backend, BufResult, DirLock, IoFuture, PipelinedRead, PortableBackend, ReadReq, UringBackend, UringFile,
+    UringOptions,
+};
 use crate::buf::AlignedBuf;
+use std::os::fd::AsRawFd;
 
 /// Which backend to run on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -180,6 +184,36 @@ impl Backend for AutoBackend {
             _ => Box::pin(std::future::ready(self.read_at(file, offset, buf))),
         }
     }
+    fn read_pipelined(
+        &self,
+        depth: usize,
+        next: &mut dyn FnMut() -> Option<PipelinedRead<AutoFile>>,
+        done: &mut dyn FnMut(u64, BufResult),
+    ) -> io::Result<()> {
+        match self {
+            // Any open file works on a ring of the calling thread.
+            AutoBackend::Uring(_) => super::pipeline::run(
+                depth,
+                |f: &AutoFile| match f {
+                    AutoFile::Uring(u) => u.file().as_raw_fd(),
+                    AutoFile::Portable(p) => p.as_raw_fd(),
+                },
+                next,
+                done,
+            ),
+            AutoBackend::Portable(p) => {
+                while let Some(r) = next() {
+                    let res = match &*r.file {
+                        AutoFile::Portable(f) => p.read_at(f, r.offset, r.buf),
+                        AutoFile::Uring(_) => (Err(mismatch()), r.buf),
+                    };
+                    done(r.tag, res);
+                }
+                Ok(())
+            }
+        }
+    }
+
     fn read_many(&self, reqs: Vec<ReadReq<'_, AutoFile>>) -> Vec<BufResult> {
         if let AutoBackend::Uring(u) = self {
             if reqs.iter().all(|r| matches!(r.file, AutoFile::Uring(_))) {

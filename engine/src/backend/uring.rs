@@ -46,7 +46,7 @@ use std::thread::JoinHandle;
 use io_uring::{opcode, squeue, types, IoUring, Probe};
 use slab::Slab;
 
-use super::{Backend, BufResult, DirLock, IoFuture, PortableBackend, ReadReq};
+use super::{Backend, BufResult, DirLock, IoFuture, PipelinedRead, PortableBackend, ReadReq};
 use crate::buf::{AlignedBuf, BufPool, PoolShared};
 use crate::task::block_on;
 
@@ -552,6 +552,15 @@ impl Backend for UringBackend {
 
     fn read_at_async(&self, file: &Arc<UringFile>, offset: u64, buf: AlignedBuf) -> IoFuture {
         Box::pin(self.read(file, offset, buf))
+    }
+
+    fn read_pipelined(
+        &self,
+        depth: usize,
+        next: &mut dyn FnMut() -> Option<PipelinedRead<UringFile>>,
+        done: &mut dyn FnMut(u64, BufResult),
+    ) -> io::Result<()> {
+        super::pipeline::run(depth, |f: &UringFile| f.0.file.as_raw_fd(), next, done)
     }
 
     fn read_many(&self, reqs: Vec<ReadReq<'_, UringFile>>) -> Vec<BufResult> {
