@@ -12,7 +12,7 @@ use std::process::ExitCode;
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use spillway::units::{format_size, parse_size};
-use spillway::{Frames, LogOptions, PortableBackend, SegmentLog};
+use spillway::{AutoBackend, BackendKind, Frames, LogOptions, SegmentLog};
 
 #[derive(Parser)]
 #[command(name = "spillway", version, about = "Inspect and edit a spillway store")]
@@ -83,13 +83,14 @@ enum Cmd {
 /// A failure with its own exit code.
 struct Exit(u8);
 
-fn open(dir: &Path, create: bool, segment_bytes: Option<u64>) -> Result<SegmentLog> {
+fn open(dir: &Path, create: bool, segment_bytes: Option<u64>) -> Result<SegmentLog<AutoBackend>> {
     let mut opts = LogOptions { create_if_missing: create, ..Default::default() };
     if let Some(s) = segment_bytes {
         opts.segment_bytes = s;
     }
-    let log =
-        SegmentLog::open(PortableBackend::new(), dir, opts).with_context(|| format!("opening {}", dir.display()))?;
+    // io_uring where the kernel allows it (`SPILLWAY_BACKEND=portable` forces the portable backend).
+    let backend = AutoBackend::new(BackendKind::Auto, false).context("starting the I/O backend")?;
+    let log = SegmentLog::open(backend, dir, opts).with_context(|| format!("opening {}", dir.display()))?;
     let r = log.recovery_report();
     if r.truncated_bytes > 0 {
         eprintln!("spillway: recovery cut a torn tail of {} bytes", r.truncated_bytes);

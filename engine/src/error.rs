@@ -147,7 +147,7 @@ impl fmt::Display for Error {
                 write!(f, "corrupt data in segment {segment} at offset {offset}: {reason}")
             }
             Error::UnsupportedVersion { what, found, supported } => {
-                write!(f, "unsupported {what} format version {found} (this build reads up to version {supported})")
+                write!(f, "unsupported {what} format version {found} (this build reads version {supported})")
             }
             Error::KeyTooLarge { len, max } => write!(f, "key of {len} bytes exceeds the limit of {max} bytes"),
             Error::ValueTooLarge { len, max, unit } => {

@@ -8,7 +8,7 @@
 //! +--------------------+  0
 //! | segment header     |  64 B, padded to one alignment block (`data_start`)
 //! +--------------------+  data_start
-//! | record             |  each record starts 8-byte aligned; records are contiguous
+//! | record             |  each record starts 64-byte aligned; records are contiguous
 //! | record             |
 //! | ...                |
 //! +--------------------+  data_end            (sealed segments only from here)

@@ -11,8 +11,9 @@
 //! * [`log`]: the [`SegmentLog`], an append-only, checksummed key-value log with crash recovery,
 //!   tombstones, garbage collection and compaction.
 //!
-//! `unsafe` code lives only in [`buf`] (aligned buffers, the buffer pool) and the io_uring backend;
-//! see `docs/safety.md`.
+//! `unsafe` code lives only in [`buf`] (aligned buffers, the buffer pool), [`slot`] (the
+//! materialization slot's cell) and the io_uring backend (`backend::uring`, `backend::pipeline`); see
+//! `docs/safety.md`.
 #![deny(unsafe_code)]
 
 pub mod backend;

@@ -203,7 +203,7 @@ struct Active<F> {
     id: u32,
     file: Arc<F>,
     size: u64,
-    /// Next record offset (8-aligned).
+    /// Next record offset (64-aligned).
     data_end: u64,
     /// Bytes `[align_down(data_end), data_end)` as on disk, so the next write can rewrite that block.
     tail: Vec<u8>,

@@ -35,6 +35,7 @@ use bytes::Bytes;
 use crate::backend::{Backend, PortableBackend};
 use crate::buf::AlignedBuf;
 use crate::error::{Error, Result};
+use crate::format;
 use crate::log::{LogOptions, SegmentLog};
 use crate::slot::Slot;
 use crate::value::Frames;
@@ -347,32 +348,24 @@ fn key_str(k: &[u8]) -> String {
 }
 
 fn compress(frames: &Frames) -> Compressed {
-    let joined = frames.concat();
-    Compressed {
-        block: Bytes::from(lz4_flex::block::compress(&joined)),
-        frame_lens: frames.iter().map(|f| f.len() as u64).collect(),
-        raw_len: frames.total_len(),
-    }
+    // The same layout as on disk: each frame at a 64-byte boundary, so decompressed frames come back
+    // aligned like frames read from a segment.
+    let lens: Vec<u64> = frames.iter().map(|f| f.len() as u64).collect();
+    let (_, raw_len) = format::frame_layout(lens.iter().copied()).expect("in-memory frames fit in u64");
+    let mut joined = vec![0u8; raw_len as usize];
+    format::lay_out_frames(&mut joined, frames.iter().map(|f| &f[..]));
+    Compressed { block: Bytes::from(lz4_flex::block::compress(&joined)), frame_lens: lens, raw_len }
 }
 
 fn decompress(c: &Compressed) -> Result<Frames> {
-    let mut out = AlignedBuf::zeroed(c.raw_len as usize, 64);
+    let mut out = AlignedBuf::zeroed(c.raw_len as usize, format::FRAME_ALIGN as usize);
     match lz4_flex::block::decompress_into(&c.block, &mut out) {
         Ok(n) if n as u64 == c.raw_len => {}
         _ => return Err(Error::InvalidConfig("in-memory lz4 block does not decompress".into())),
     }
     let data = out.freeze();
-    let mut at = 0usize;
-    Ok(Frames(
-        c.frame_lens
-            .iter()
-            .map(|&l| {
-                let f = data.slice(at..at + l as usize);
-                at += l as usize;
-                f
-            })
-            .collect(),
-    ))
+    let (offsets, _) = format::frame_layout(c.frame_lens.iter().copied()).expect("laid out when compressed");
+    Ok(Frames(c.frame_lens.iter().zip(offsets).map(|(&l, at)| data.slice(at as usize..(at + l) as usize)).collect()))
 }
 
 impl<C: Codec, B: Backend> Store<C, B> {

@@ -71,10 +71,10 @@ out-of-band buffer as numpy's own reducer gives, in half the time (which matters
 Unpickling such frames (e.g. from :meth:`SpillBuffer.get_serialized`) needs spillway to be
 importable.
 
-Read-only buffers: ``Log.get`` may return read-only memoryviews. dask returns writeable arrays, so
-by default (``writeable=True``) an out-of-band buffer is copied once into a ``bytearray`` *only if*
-its view is read-only; writable views are used as they are (zero copy). ``writeable=False`` never
-copies and returns arrays that are read-only when the log's views are.
+Read-only buffers: ``Log.get`` returns writable memoryviews over a read buffer private to that call,
+so arrays unspilled from disk are writeable without a copy, as dask's are. Frames kept in memory
+(``set_serialized``) may be read-only (``bytes``): by default (``writeable=True``) such an
+out-of-band buffer is copied once into a ``bytearray``; ``writeable=False`` never copies.
 
 Keys
 ----

@@ -63,8 +63,17 @@ impl AutoBackend {
     }
 
     /// As [`AutoBackend::new`] with explicit io_uring settings (`opts.direct` applies to both).
+    ///
+    /// [`BackendKind::Auto`] first looks at the `SPILLWAY_BACKEND` environment variable (`uring` or
+    /// `portable`), so an operator can force a backend for every spillway user of a process.
     pub fn with_options(kind: BackendKind, opts: UringOptions) -> io::Result<AutoBackend> {
         let direct = opts.direct;
+        let kind = match (kind, std::env::var("SPILLWAY_BACKEND")) {
+            (BackendKind::Auto, Ok(v)) if !v.is_empty() => v
+                .parse()
+                .map_err(|e: String| io::Error::new(io::ErrorKind::InvalidInput, format!("SPILLWAY_BACKEND: {e}")))?,
+            (k, _) => k,
+        };
         match kind {
             BackendKind::Portable => Ok(AutoBackend::Portable(PortableBackend::with_direct(direct))),
             BackendKind::Uring => UringBackend::new(opts).map(AutoBackend::Uring),
@@ -76,15 +85,6 @@ impl AutoBackend {
                 }
             },
         }
-    }
-
-    /// [`BackendKind::Auto`], or the kind named by the `SPILLWAY_BACKEND` environment variable.
-    pub fn from_env(direct: bool) -> io::Result<AutoBackend> {
-        let kind = match std::env::var("SPILLWAY_BACKEND") {
-            Ok(v) => v.parse().map_err(|e: String| io::Error::new(io::ErrorKind::InvalidInput, e))?,
-            Err(_) => BackendKind::Auto,
-        };
-        Self::new(kind, direct)
     }
 
     /// The io_uring backend, when that is what runs.

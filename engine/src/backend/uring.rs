@@ -101,6 +101,8 @@ pub struct UringInfo {
     pub buffer_size: usize,
     /// Whether a registered file table is in use.
     pub fixed_files: bool,
+    /// Whether completions run as deferred task work of the driver (Linux 6.1+).
+    pub deferred_taskrun: bool,
 }
 
 /// io_uring I/O through a driver thread that owns the ring. See the module documentation.
@@ -271,7 +273,10 @@ impl UringBackend {
             .build(entries);
         let (ring, deferred) = match tuned {
             Ok(r) => (Ok(r), true),
-            Err(_) => (IoUring::builder().setup_cqsize(entries * 2).build(entries), false),
+            Err(e) => {
+                log::debug!("io_uring: DEFER_TASKRUN/SINGLE_ISSUER refused ({e}); plain ring");
+                (IoUring::builder().setup_cqsize(entries * 2).build(entries), false)
+            }
         };
         let ring: IoUring = ring.map_err(|e| {
             let why = match e.raw_os_error() {
@@ -356,6 +361,7 @@ impl UringBackend {
             registered_buffers: pool.as_ref().map_or(0, |p| p.count()),
             buffer_size: pool.as_ref().map_or(0, |p| p.buf_size()),
             fixed_files,
+            deferred_taskrun: deferred,
         };
         let driver = Driver {
             shared: shared.clone(),
@@ -370,14 +376,30 @@ impl UringBackend {
             pool: pool.clone(),
             _pool_alive: pool.as_ref().map(|p| p.keep_alive()),
         };
+        // The driver enables the ring itself (it is the single issuer) and says whether that worked
+        // before any request can reach it.
+        let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel::<io::Result<()>>(1);
         let handle = std::thread::Builder::new().name("spillway-uring".into()).spawn(move || {
             if deferred {
                 if let Err(e) = ring.submitter().register_enable_rings() {
-                    log::error!("io_uring: enabling the ring failed: {e}");
+                    let _ = ready_tx.send(Err(e));
+                    return;
                 }
             }
+            let _ = ready_tx.send(Ok(()));
             driver.run(ring)
         })?;
+        match ready_rx.recv() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                let _ = handle.join();
+                return Err(io_error(e.kind(), format!("io_uring: enabling the ring failed: {e}")));
+            }
+            Err(_) => {
+                let _ = handle.join();
+                return Err(io_error(io::ErrorKind::Other, "io_uring driver thread died at start-up".into()));
+            }
+        }
         Ok(UringBackend {
             shared,
             driver: Some(handle),
@@ -606,12 +628,32 @@ macro_rules! rw_entry {
     };
 }
 
+impl Drop for Driver {
+    fn drop(&mut self) {
+        if std::thread::panicking() && !self.ops.is_empty() {
+            log::error!("io_uring driver panicked with {} operations in flight; leaking their buffers", self.ops.len());
+            std::mem::forget(std::mem::take(&mut self.ops));
+        }
+    }
+}
+
 impl Driver {
-    fn run(mut self, mut ring: IoUring) {
-        self.arm_wake(&mut ring);
+    fn run(mut self, ring: IoUring) {
+        // If the loop below panicked, unwinding would drop the ring (whose exit does not wait for
+        // the kernel to finish with our memory) and then the buffers of operations in flight. Both
+        // are leaked instead (`ManuallyDrop` here, `Drop for Driver`): a bug costs memory, never
+        // memory safety.
+        let mut kept = std::mem::ManuallyDrop::new(ring);
+        let ring: &mut IoUring = &mut kept;
+        self.arm_wake(ring);
         let mut cqes: Vec<(u64, i32)> = Vec::with_capacity(self.max_inflight * 2);
         loop {
-            self.take_requests(&ring);
+            // A wake-up read that completed while the submission queue was full is re-armed here
+            // (`fill` always leaves room for it and for the shutdown cancel).
+            if !self.wake_armed && !self.shared.shutdown.load(Ordering::SeqCst) {
+                self.arm_wake(ring);
+            }
+            self.take_requests(ring);
             if self.shared.shutdown.load(Ordering::SeqCst) && !self.cancel_sent {
                 self.cancel_sent = true;
                 let e = opcode::AsyncCancel2::new(types::CancelBuilder::any()).build().user_data(CANCEL);
@@ -620,11 +662,11 @@ impl Driver {
                     self.cancel_inflight = true;
                 }
             }
-            self.fill(&mut ring);
+            self.fill(ring);
             cqes.clear();
             cqes.extend(ring.completion().map(|c| (c.user_data(), c.result())));
             for &(ud, res) in &cqes {
-                self.complete(&mut ring, ud, res);
+                self.complete(ring, ud, res);
             }
             if self.shared.shutdown.load(Ordering::SeqCst)
                 && self.ops.is_empty()
@@ -636,7 +678,7 @@ impl Driver {
             }
             if !cqes.is_empty() {
                 if !ring.submission().is_empty() {
-                    self.enter(&ring, 0);
+                    self.enter(ring, 0);
                 }
                 continue;
             }
@@ -645,11 +687,12 @@ impl Driver {
                 self.shared.idle.store(false, Ordering::SeqCst);
                 continue;
             }
-            self.enter(&ring, 1);
+            self.enter(ring, 1);
             self.shared.idle.store(false, Ordering::SeqCst);
         }
         // Nothing is in flight: the ring (and its registrations) can go, then the pool.
-        drop(ring);
+        // SAFETY: `kept` is dropped exactly once, here, and not used afterwards.
+        unsafe { std::mem::ManuallyDrop::drop(&mut kept) };
         drop(self);
     }
 
@@ -720,7 +763,8 @@ impl Driver {
                 continue;
             };
             while let Some(&(start, len)) = op.todo.front() {
-                if sq.is_full() || self.inflight >= self.max_inflight {
+                // Two entries stay free for the wake-up read and the shutdown cancel.
+                if sq.len() + 2 >= sq.capacity() || self.inflight >= self.max_inflight {
                     return;
                 }
                 let piece = op.pieces.len() as u64;
