@@ -70,6 +70,34 @@ enum Cmd {
         /// Store directory.
         dir: PathBuf,
     },
+    /// Serve the store in DIR to peers (see `spillway fetch`) until killed. Spilled values are sent
+    /// with splice, never read into memory.
+    Serve {
+        /// Store directory.
+        dir: PathBuf,
+        /// Address to listen on (port 0 picks a free port; the bound address is printed).
+        #[arg(long, default_value = "127.0.0.1:7878")]
+        listen: String,
+        /// Allow listening on a non-loopback address (the protocol has no authentication).
+        #[arg(long)]
+        allow_remote: bool,
+        /// Read each value into memory and write it, instead of splicing it (for comparison).
+        #[arg(long)]
+        copy: bool,
+    },
+    /// Fetch KEY from a server: to stdout, or with --into DIR2 straight into the store at DIR2.
+    Fetch {
+        /// Server address (host:port).
+        addr: String,
+        /// Key.
+        key: std::ffi::OsString,
+        /// Store the value into this store directory (created if needed) instead of printing it.
+        #[arg(long)]
+        into: Option<PathBuf>,
+        /// Connect, read and write timeout in seconds.
+        #[arg(long, default_value_t = 30)]
+        timeout: u64,
+    },
     /// Segments, records, live and dead bytes.
     Stats {
         /// Store directory.
@@ -178,6 +206,52 @@ fn run(cli: Cli) -> Result<Option<Exit>> {
                 }
                 eprintln!("spillway: {} damaged record(s) or region(s)", problems.len());
                 return Ok(Some(Exit(1)));
+            }
+        }
+        Cmd::Serve { dir, listen, allow_remote, copy } => {
+            let addrs: Vec<std::net::SocketAddr> = std::net::ToSocketAddrs::to_socket_addrs(&listen)
+                .with_context(|| format!("resolving {listen}"))?
+                .collect();
+            if !allow_remote {
+                if let Some(a) = addrs.iter().find(|a| !a.ip().is_loopback()) {
+                    eprintln!(
+                        "spillway: refusing to listen on non-loopback address {a} without --allow-remote (the protocol has no authentication)"
+                    );
+                    return Ok(Some(Exit(2)));
+                }
+            }
+            let log = std::sync::Arc::new(open(&dir, false, None)?);
+            let listener = std::net::TcpListener::bind(&addrs[..]).with_context(|| format!("listening on {listen}"))?;
+            let bound = listener.local_addr().context("reading the bound address")?;
+            println!("listening on {bound}");
+            io::stdout().flush().context("writing stdout")?;
+            let opts = spillway::transfer::TransferOptions { copy, ..Default::default() };
+            spillway::transfer::serve(log, listener, opts)?;
+        }
+        Cmd::Fetch { addr, key, into, timeout } => {
+            let opts = spillway::transfer::TransferOptions {
+                timeout: std::time::Duration::from_secs(timeout.max(1)),
+                ..Default::default()
+            };
+            let mut client =
+                spillway::transfer::Client::connect(&addr, opts).with_context(|| format!("connecting to {addr}"))?;
+            let found = match into {
+                Some(dir2) => {
+                    let log = open(&dir2, true, None)?;
+                    let found = client.get_into(key.as_bytes(), &log, key.as_bytes())?;
+                    log.sync()?;
+                    found
+                }
+                None => {
+                    let mut out = io::stdout().lock();
+                    let found = client.get_to(key.as_bytes(), &mut out)?;
+                    out.flush().context("writing stdout")?;
+                    found
+                }
+            };
+            if !found {
+                eprintln!("spillway: key {:?} not found on {addr}", key);
+                return Ok(Some(Exit(2)));
             }
         }
         Cmd::Stats { dir, json } => {

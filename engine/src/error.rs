@@ -92,6 +92,9 @@ pub enum Error {
     },
     /// An invalid configuration value.
     InvalidConfig(String),
+    /// A peer broke the transfer protocol (bad magic, unknown version, a length over its bound, a
+    /// malformed frame) or reported an error of its own.
+    Protocol(String),
     /// The codec failed to serialize or deserialize a value.
     Codec {
         /// `"serialize"` or `"deserialize"`.
@@ -159,6 +162,7 @@ impl fmt::Display for Error {
             Error::Locked { path } => write!(f, "store {} is locked by another process", path.display()),
             Error::NotAStore { path, reason } => write!(f, "{} is not a spillway store: {reason}", path.display()),
             Error::InvalidConfig(msg) => write!(f, "invalid configuration: {msg}"),
+            Error::Protocol(msg) => write!(f, "transfer protocol: {msg}"),
             Error::Codec { op, key, source } => write!(f, "failed to {op} {key:?}: {source}"),
         }
     }

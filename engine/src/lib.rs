@@ -27,13 +27,18 @@ pub mod slot;
 pub mod store;
 pub mod sync;
 pub mod task;
+#[cfg(not(spillway_loom))]
+pub mod transfer;
 pub mod units;
 pub mod value;
 
 pub use backend::{AutoBackend, Backend, BackendKind, PortableBackend, SimBackend};
 pub use error::{Error, Result};
 pub use format::MAX_KEY_BYTES;
-pub use log::{CompactStats, Compression, Location, LogOptions, LogStats, RecoveryReport, SegmentLog, VerifyProblem};
+pub use log::{
+    CompactStats, Compression, Location, LogOptions, LogStats, RecoveryReport, SegmentLog, StoredValue, StreamedValue,
+    VerifyProblem,
+};
 #[cfg(not(spillway_loom))]
 pub use store::{Codec, CodecError, MetricsSnapshot, Store, StoreConfig, Tier};
 pub use value::Frames;

@@ -86,6 +86,33 @@ impl Default for LogOptions {
     }
 }
 
+/// The stored form of a value arriving from a peer, for [`SegmentLog::put_stream`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamedValue {
+    /// The payload is an lz4 block of the laid-out frames.
+    pub lz4: bool,
+    /// Length of each frame.
+    pub frame_lens: Vec<u64>,
+    /// Length of the laid-out frames ([`format::frame_layout`]).
+    pub raw_len: u64,
+    /// Bytes that follow on the stream.
+    pub stored_len: u64,
+    /// crc32 of those bytes.
+    pub payload_crc: u32,
+}
+
+/// A value's stored form on disk (see [`SegmentLog::stored_value`]).
+pub struct StoredValue<F> {
+    /// The segment file (kept open while this is held, even if the segment is deleted meanwhile).
+    pub file: Arc<F>,
+    /// Path of the segment file, for error messages.
+    pub path: PathBuf,
+    /// Offset of the payload in the file.
+    pub payload_offset: u64,
+    /// The record's metadata: what a receiver needs besides the payload bytes.
+    pub meta: StreamedValue,
+}
+
 /// Where a live record is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Location {
@@ -894,6 +921,59 @@ impl<B: Backend> SegmentLog<B> {
         self.backend.read_pipelined(depth, &mut next, &mut done).map_err(|e| Error::io("read pipeline", None, e))
     }
 
+    /// Where `key`'s stored form is on disk, for sending it without reading it into memory: the
+    /// segment file, the payload's offset in it, and the record's metadata (header checksum
+    /// verified). `None` if the key is absent.
+    pub fn stored_value(&self, key: &[u8]) -> Result<Option<StoredValue<B::File>>> {
+        let Some((loc, file)) = self.lookup(key) else { return Ok(None) };
+        let fixed = self.read_range(&file, loc, 0, format::RECORD_HEADER_LEN as u64)?;
+        let h = format::peek_record_header(&fixed).map_err(|e| e.at(loc.segment, loc.offset))?;
+        let head = self.read_range(&file, loc, 0, h.payload_offset())?;
+        let frame_lens = format::verify_record_head(&head, &h).map_err(|e| e.at(loc.segment, loc.offset))?;
+        let k = &head[h.key_offset()..h.key_offset() + h.key_len as usize];
+        if k != key || h.segment != loc.segment || h.is_tombstone() {
+            return Err(Error::Corrupt {
+                segment: loc.segment,
+                offset: loc.offset,
+                reason: "record does not match the index (key, segment or kind)".into(),
+            });
+        }
+        Ok(Some(StoredValue {
+            file,
+            path: self.seg_path(loc.segment),
+            payload_offset: loc.offset + h.payload_offset(),
+            meta: StreamedValue {
+                lz4: h.is_lz4(),
+                frame_lens,
+                raw_len: h.raw_len,
+                stored_len: h.stored_len,
+                payload_crc: h.payload_crc,
+            },
+        }))
+    }
+
+    /// The stored payload of `sv` read into memory (the transfer's copy path).
+    pub fn read_stored(&self, sv: &StoredValue<B::File>) -> Result<Bytes> {
+        let a = sv.payload_offset;
+        let start = align_down(a, self.read_align);
+        let end = align_up(a + sv.meta.stored_len, self.read_align);
+        let buf = self.backend.alloc_buf((end - start) as usize, self.read_align as usize);
+        let (r, buf) = self.backend.read_at(&sv.file, start, buf);
+        r.map_err(|e| Error::io("read segment", sv.path.clone(), e))?;
+        Ok(buf.freeze().slice((a - start) as usize..(a - start + sv.meta.stored_len) as usize))
+    }
+
+    /// `len` bytes from `from` within the record at `loc` (an aligned read, sliced).
+    fn read_range(&self, file: &B::File, loc: Location, from: u64, len: u64) -> Result<Bytes> {
+        let a = loc.offset + from;
+        let start = align_down(a, self.read_align);
+        let end = align_up(a + len, self.read_align);
+        let buf = AlignedBuf::zeroed((end - start) as usize, self.read_align as usize);
+        let (r, buf) = self.backend.read_at(file, start, buf);
+        r.map_err(|e| Error::io("read segment", self.seg_path(loc.segment), e))?;
+        Ok(buf.freeze().slice((a - start) as usize..(a - start + len) as usize))
+    }
+
     /// Whether `key` is live.
     pub fn contains(&self, key: &[u8]) -> bool {
         self.index.read().unwrap_or_else(|p| p.into_inner()).contains_key(key)
@@ -969,6 +1049,183 @@ impl<B: Backend> SegmentLog<B> {
         let recs: Vec<NewRecord<'_>> = items.iter().map(|(key, frames)| NewRecord::Value { key, frames }).collect();
         let mut st = lock(&self.state);
         self.append(&mut st, recs).map(|_| ())
+    }
+
+    /// Store a value whose stored form arrives from `src` (a peer's socket), without holding it in
+    /// memory: the record is written to the active segment in aligned chunks of at most 1 MiB as the
+    /// bytes arrive, the payload checksum is computed on the way, and the key is published only when
+    /// all `meta.stored_len` bytes arrived and match `meta.payload_crc`. On a short read (the sender
+    /// hung up), a read error or a checksum mismatch, the bytes written so far are zeroed, nothing
+    /// becomes visible and the log stays usable. Holds the writer lock while streaming.
+    pub fn put_stream(&self, key: &[u8], meta: &StreamedValue, src: &mut dyn io::Read) -> Result<()> {
+        if key.len() > format::MAX_KEY_BYTES {
+            return Err(Error::KeyTooLarge { len: key.len(), max: format::MAX_KEY_BYTES });
+        }
+        let invalid = |why: &str| Error::Corrupt { segment: 0, offset: 0, reason: format!("streamed value: {why}") };
+        if meta.frame_lens.len() > format::MAX_FRAMES {
+            return Err(invalid("too many frames"));
+        }
+        let laid_out = format::frame_layout(meta.frame_lens.iter().copied()).map(|(_, n)| n);
+        if laid_out != Some(meta.raw_len) {
+            return Err(invalid("frame lengths do not lay out to raw_len"));
+        }
+        if !meta.lz4 && meta.stored_len != meta.raw_len {
+            return Err(invalid("uncompressed value with stored_len != raw_len"));
+        }
+        let total: u64 = meta.frame_lens.iter().sum();
+        if total > self.opts.max_value_bytes || meta.stored_len > self.opts.max_value_bytes + (1 << 20) {
+            return Err(Error::ValueTooLarge {
+                len: total.max(meta.stored_len),
+                max: self.opts.max_value_bytes,
+                unit: "bytes",
+            });
+        }
+        self.check_writable()?;
+        let mut guard = lock(&self.state);
+        let st = &mut *guard;
+        let len = format::record_len(meta.frame_lens.len(), key.len(), meta.stored_len);
+        let need_new = match &st.active {
+            Some(a) => !self.fits(a, len, key.len()),
+            None => true,
+        };
+        if need_new {
+            self.rotate(st, len, key.len())?;
+        }
+        let epoch = st.epoch;
+        let seq = st.next_seq;
+        st.next_seq += 1;
+        let align = self.align as usize;
+        let a = st.active.as_ref().expect("active after rotate");
+        let (id, start, old_tail) = (a.id, a.data_end, a.tail.clone());
+        let base = align_down(start, self.align);
+        let h = RecordHeader {
+            flags: if meta.lz4 { format::FLAG_LZ4 } else { 0 },
+            frame_count: meta.frame_lens.len() as u16,
+            key_len: key.len() as u32,
+            segment: id,
+            epoch,
+            payload_crc: meta.payload_crc,
+            seq,
+            raw_len: meta.raw_len,
+            stored_len: meta.stored_len,
+            aux: 0,
+        };
+        let po = h.payload_offset() as usize;
+        let mut head = vec![0u8; po];
+        format::write_record_head(&mut head, &h, &meta.frame_lens, key);
+
+        const CHUNK: usize = 1 << 20;
+        // Chunks are written `fill` bytes at a time (a multiple of the alignment); the extra block of
+        // capacity leaves room for the last record's padding.
+        let fill = CHUNK.max(align_up((old_tail.len() + po) as u64, self.align) as usize);
+        let cap = fill + align;
+        let mut buf = self.backend.alloc_buf(cap, align);
+        buf.set_len(0);
+        buf.extend_from_slice(&old_tail);
+        buf.extend_from_slice(&head);
+        let mut buf_base = base;
+        let mut crc = crc32fast::Hasher::new();
+        let mut left = meta.stored_len;
+        let file = &a.file;
+        let end = start + len;
+        let result: Result<()> = (|| {
+            loop {
+                // Fill the buffer from the peer, then write it whole (it is a multiple of `align`).
+                while left > 0 && buf.len() < fill {
+                    let at = buf.len();
+                    let want = ((fill - at) as u64).min(left) as usize;
+                    buf.set_len(at + want);
+                    let n = match src.read(&mut buf[at..at + want]) {
+                        Ok(n) => n,
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => 0,
+                        Err(e) => {
+                            buf.set_len(at);
+                            return Err(Error::io("receive value", None, e));
+                        }
+                    };
+                    buf.set_len(at + n);
+                    if n == 0 && want > 0 {
+                        return Err(Error::io(
+                            "receive value",
+                            None,
+                            io::Error::new(
+                                io::ErrorKind::UnexpectedEof,
+                                "the sender stopped before the whole value arrived",
+                            ),
+                        ));
+                    }
+                    crc.update(&buf[at..at + n]);
+                    left -= n as u64;
+                }
+                if left == 0 {
+                    break;
+                }
+                let (r, b) =
+                    self.backend.write_at(file, buf_base, std::mem::replace(&mut buf, AlignedBuf::zeroed(0, align)));
+                buf = b;
+                r.map_err(|e| Error::io("write segment", self.seg_path(id), e))?;
+                buf_base += buf.len() as u64;
+                buf.set_len(0);
+            }
+            Ok(())
+        })();
+        let result = result.and_then(|()| {
+            let actual = crc.finalize();
+            if actual != meta.payload_crc {
+                return Err(Error::ChecksumMismatch {
+                    segment: id,
+                    offset: start,
+                    what: "streamed value payload",
+                    expected: meta.payload_crc,
+                    actual,
+                });
+            }
+            // Last piece: pad the record and the block, write, keep the new tail block.
+            let at = buf.len();
+            let rec_end = (end - buf_base) as usize;
+            debug_assert_eq!(at, rec_end);
+            let block_end = (align_up(padded(end), self.align) - buf_base) as usize;
+            buf.set_len(block_end.max(at));
+            buf[at..].fill(0);
+            let (r, b) =
+                self.backend.write_at(file, buf_base, std::mem::replace(&mut buf, AlignedBuf::zeroed(0, align)));
+            buf = b;
+            r.map_err(|e| Error::io("write segment", self.seg_path(id), e))
+        });
+        if let Err(e) = result {
+            // Nothing was published: put back the previous tail block and zero what this value wrote,
+            // so neither the next records nor recovery ever see a partial record.
+            let zero_end = align_up(end, self.align).min(buf_base + buf.capacity() as u64);
+            let mut z = AlignedBuf::zeroed(CHUNK, align);
+            let mut pos = base;
+            while pos < zero_end {
+                let n = ((zero_end - pos) as usize).min(CHUNK);
+                z.set_len(n);
+                z.fill(0);
+                if pos == base {
+                    z[..old_tail.len()].copy_from_slice(&old_tail);
+                }
+                let (r, b) = self.backend.write_at(file, pos, z);
+                z = b;
+                if let Err(we) = r {
+                    return Err(self.poison(Error::io("zero an aborted value", self.seg_path(id), we)));
+                }
+                pos += n as u64;
+            }
+            return Err(e);
+        }
+        // The record's padding is part of the tail block the next write rewrites.
+        let pend = padded(end);
+        let tail_start = align_down(pend, self.align);
+        let tail = buf[(tail_start - buf_base) as usize..(pend - buf_base) as usize].to_vec();
+        let empty = Frames::default();
+        let chunk = [Prepared { rec: NewRecord::Value { key, frames: &empty }, payload: Payload::Empty, len }];
+        self.publish_chunk(st, &chunk, &[(start, len, seq)], pend, tail, epoch)?;
+        if st.compact_pending && !st.compacting {
+            st.compact_pending = false;
+            self.compact_locked(st)?;
+        }
+        Ok(())
     }
 
     /// Delete `key`. Returns whether it was live. Writes a tombstone so the deletion survives reopen.
@@ -1175,18 +1432,34 @@ impl<B: Backend> SegmentLog<B> {
         if let Err(e) = r {
             return Err(self.poison(Error::io("write segment", self.seg_path(a.id), e)));
         }
-        a.dirty = true;
-        a.last_is_mark = chunk.last().is_some_and(|p| matches!(p.rec, NewRecord::SyncMark));
         let tail_start = align_down(end, self.align);
-        a.tail = buf[(tail_start - base) as usize..(end - base) as usize].to_vec();
+        let tail = buf[(tail_start - base) as usize..(end - base) as usize].to_vec();
         if buf.capacity() <= MAX_SPARE_BUF {
             st.spare_buf = Some(buf);
         }
+        self.publish_chunk(st, chunk, &placed, end, tail, epoch)
+    }
+
+    /// After the bytes of `chunk` are written at `placed` (offset, len, seq) up to `end`: update the
+    /// active segment (tail block, footer, metadata), then the index and the live accounting.
+    fn publish_chunk(
+        &self,
+        st: &mut WriterState<B::File>,
+        chunk: &[Prepared<'_>],
+        placed: &[(u64, u64, u64)],
+        end: u64,
+        tail: Vec<u8>,
+        epoch: u32,
+    ) -> Result<Vec<Location>> {
+        let a = st.active.as_mut().expect("active segment");
+        a.dirty = true;
+        a.last_is_mark = chunk.last().is_some_and(|p| matches!(p.rec, NewRecord::SyncMark));
+        a.tail = tail;
         let a = st.active.as_mut().expect("active segment");
         a.data_end = end;
         a.max_epoch = a.max_epoch.max(epoch);
         let id = a.id;
-        for (p, &(offset, len, seq)) in chunk.iter().zip(&placed) {
+        for (p, &(offset, len, seq)) in chunk.iter().zip(placed) {
             let key = p.rec.key();
             let (flags, aux) = match &p.rec {
                 NewRecord::Tombstone { aux, .. } => (format::FLAG_TOMBSTONE, *aux),
@@ -1211,7 +1484,7 @@ impl<B: Backend> SegmentLog<B> {
         let mut emptied = Vec::new();
         {
             let mut index = self.index.write().unwrap_or_else(|p| p.into_inner());
-            for (p, &(offset, len, _seq)) in chunk.iter().zip(&placed) {
+            for (p, &(offset, len, _seq)) in chunk.iter().zip(placed) {
                 let key = p.rec.key();
                 match &p.rec {
                     NewRecord::Tombstone { aux, .. } => {

@@ -154,6 +154,13 @@ impl Backend for AutoBackend {
     fn allocate(&self, file: &AutoFile, len: u64) -> io::Result<()> {
         with_file!(self, file, u, f => u.allocate(f, len), p, f => p.allocate(f, len), Err(mismatch()))
     }
+    fn as_fd<'a>(&self, file: &'a AutoFile) -> Option<std::os::fd::BorrowedFd<'a>> {
+        Some(match file {
+            AutoFile::Uring(u) => std::os::fd::AsFd::as_fd(u.file()),
+            AutoFile::Portable(p) => std::os::fd::AsFd::as_fd(p),
+        })
+    }
+
     fn read_at(&self, file: &AutoFile, offset: u64, buf: AlignedBuf) -> BufResult {
         with_file!(self, file, u, f => u.read_at(f, offset, buf), p, f => p.read_at(f, offset, buf), (Err(mismatch()), buf))
     }

@@ -116,6 +116,12 @@ pub trait Backend: Send + Sync + 'static {
         self.alignment(dir)
     }
 
+    /// The file's descriptor, for zero-copy transfers (splice); `None` for files without one.
+    fn as_fd<'a>(&self, file: &'a Self::File) -> Option<std::os::fd::BorrowedFd<'a>> {
+        let _ = file;
+        None
+    }
+
     /// A buffer for an I/O of `len` bytes aligned to `align`: length `len`, contents initialized but
     /// unspecified. A backend with a registered pool hands out pool slots when one is free.
     fn alloc_buf(&self, len: usize, align: usize) -> AlignedBuf {

@@ -121,6 +121,10 @@ impl Backend for PortableBackend {
         }
     }
 
+    fn as_fd<'a>(&self, file: &'a File) -> Option<std::os::fd::BorrowedFd<'a>> {
+        Some(std::os::fd::AsFd::as_fd(file))
+    }
+
     fn read_at(&self, file: &File, offset: u64, mut buf: AlignedBuf) -> BufResult {
         // `read_exact_at` loops over short reads and EINTR and reports EOF as UnexpectedEof.
         let r = file.read_exact_at(&mut buf, offset);

@@ -531,6 +531,10 @@ impl Backend for UringBackend {
         self.portable.allocate(&file.0.file, len)
     }
 
+    fn as_fd<'a>(&self, file: &'a UringFile) -> Option<std::os::fd::BorrowedFd<'a>> {
+        Some(std::os::fd::AsFd::as_fd(file.file()))
+    }
+
     fn read_at(&self, file: &UringFile, offset: u64, buf: AlignedBuf) -> BufResult {
         if self.inline_blocking {
             return self.portable.read_at(&file.0.file, offset, buf);

@@ -1,0 +1,455 @@
+//! Peer transfer: send stored values to another spillway over TCP, without reading them into memory.
+//!
+//! The protocol is in `docs/wire.md`. In short: both sides open with `SPWY` and a version; the client
+//! sends `GET key` requests; the server answers each with the value's *stored form* (lz4 flag, frame
+//! lengths, laid-out length, stored length, payload crc) followed by the stored bytes, so the receiver
+//! verifies them and can keep them as they are. Every length is checked against a bound before
+//! anything is allocated.
+//!
+//! Send path: the payload goes file -> pipe -> socket with `splice(2)`, a pipe's worth (1 MiB) at a
+//! time, so the sender's memory stays flat whatever the value size; `copy` mode reads the stored
+//! payload into memory and writes it (the baseline, and the path for backends without descriptors).
+//! Receive paths: into memory ([`Client::get`]), straight into a segment log in 1 MiB chunks
+//! ([`Client::get_into`], [`SegmentLog::put_stream`]), or streamed to a writer ([`Client::get_to`]).
+//!
+//! Connections are served by blocking threads (one per connection, bounded). A peer that hangs up
+//! mid-value ends that connection only; a partial value is never published.
+
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use crate::backend::Backend;
+use crate::buf::AlignedBuf;
+use crate::error::{Error, Result};
+use crate::format::{self, MAX_FRAMES, MAX_KEY_BYTES};
+use crate::log::{SegmentLog, StreamedValue};
+use crate::value::Frames;
+
+/// Protocol version spoken by this build.
+pub const PROTOCOL_VERSION: u16 = 1;
+const MAGIC: [u8; 4] = *b"SPWY";
+const OP_GET: u8 = 1;
+const ST_VALUE: u8 = 0;
+const ST_NOT_FOUND: u8 = 1;
+const ST_ERROR: u8 = 2;
+const MAX_ERROR_BYTES: usize = 4096;
+/// Bytes moved per splice round (the pipe is resized to this where the system allows).
+const PIPE_BYTES: usize = 1 << 20;
+
+/// Settings of a server or a client.
+#[derive(Debug, Clone)]
+pub struct TransferOptions {
+    /// Largest stored value accepted (receiving) or sent.
+    pub max_value_bytes: u64,
+    /// Server: read each payload into memory and write it, instead of splicing it.
+    pub copy: bool,
+    /// Socket read and write timeout.
+    pub timeout: Duration,
+    /// Server: connections served at once; more are refused with an error response.
+    pub max_connections: usize,
+}
+
+impl Default for TransferOptions {
+    fn default() -> Self {
+        TransferOptions { max_value_bytes: 4 << 30, copy: false, timeout: Duration::from_secs(30), max_connections: 64 }
+    }
+}
+
+fn io_err(op: &'static str, e: io::Error) -> Error {
+    Error::io(op, None, e)
+}
+
+fn proto(msg: impl Into<String>) -> Error {
+    Error::Protocol(msg.into())
+}
+
+fn hello() -> [u8; 8] {
+    let mut h = [0u8; 8];
+    h[..4].copy_from_slice(&MAGIC);
+    h[4..6].copy_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+    h
+}
+
+fn check_hello(h: &[u8; 8]) -> Result<()> {
+    if h[..4] != MAGIC {
+        return Err(proto("peer is not a spillway transfer endpoint (bad magic)"));
+    }
+    let v = u16::from_le_bytes([h[4], h[5]]);
+    if v != PROTOCOL_VERSION {
+        return Err(Error::UnsupportedVersion {
+            what: "transfer protocol",
+            found: v as u32,
+            supported: PROTOCOL_VERSION as u32,
+        });
+    }
+    Ok(())
+}
+
+/// The fixed part of a VALUE response after its status byte.
+fn value_header(m: &StreamedValue) -> Vec<u8> {
+    let mut h = Vec::with_capacity(32 + 8 * m.frame_lens.len());
+    h.push(u8::from(m.lz4));
+    h.extend_from_slice(&[0u8; 3]);
+    h.extend_from_slice(&(m.frame_lens.len() as u32).to_le_bytes());
+    h.extend_from_slice(&m.raw_len.to_le_bytes());
+    h.extend_from_slice(&m.stored_len.to_le_bytes());
+    h.extend_from_slice(&m.payload_crc.to_le_bytes());
+    h.extend_from_slice(&[0u8; 4]);
+    for l in &m.frame_lens {
+        h.extend_from_slice(&l.to_le_bytes());
+    }
+    h
+}
+
+fn read_value_header(r: &mut impl Read, max: u64) -> Result<StreamedValue> {
+    let mut h = [0u8; 32];
+    r.read_exact(&mut h).map_err(|e| io_err("receive value header", e))?;
+    let flags = h[0];
+    if flags & !1 != 0 || h[1..4] != [0, 0, 0] {
+        return Err(proto(format!("unknown value flags {flags:#x}")));
+    }
+    let n = u32::from_le_bytes(h[4..8].try_into().expect("4 bytes")) as usize;
+    let raw_len = u64::from_le_bytes(h[8..16].try_into().expect("8 bytes"));
+    let stored_len = u64::from_le_bytes(h[16..24].try_into().expect("8 bytes"));
+    let payload_crc = u32::from_le_bytes(h[24..28].try_into().expect("4 bytes"));
+    if n > MAX_FRAMES {
+        return Err(proto(format!("{n} frames is over the limit of {MAX_FRAMES}")));
+    }
+    if stored_len > max || raw_len > max.saturating_add(64 * n as u64) {
+        return Err(proto(format!("value of {stored_len} stored bytes is over the limit of {max}")));
+    }
+    let mut lens = vec![0u8; 8 * n];
+    r.read_exact(&mut lens).map_err(|e| io_err("receive frame table", e))?;
+    let frame_lens: Vec<u64> =
+        lens.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
+    if format::frame_layout(frame_lens.iter().copied()).map(|(_, l)| l) != Some(raw_len) {
+        return Err(proto("frame lengths do not lay out to the announced length"));
+    }
+    let lz4 = flags & 1 != 0;
+    if !lz4 && stored_len != raw_len {
+        return Err(proto("uncompressed value whose stored length differs from its length"));
+    }
+    Ok(StreamedValue { lz4, frame_lens, raw_len, stored_len, payload_crc })
+}
+
+/// Serve `log` on `listener` until the listener fails: one thread per connection, at most
+/// `opts.max_connections` at once.
+pub fn serve<B: Backend>(log: Arc<SegmentLog<B>>, listener: TcpListener, opts: TransferOptions) -> Result<()> {
+    let active = Arc::new(AtomicUsize::new(0));
+    loop {
+        let (mut stream, peer) = listener.accept().map_err(|e| io_err("accept", e))?;
+        if active.fetch_add(1, Ordering::SeqCst) >= opts.max_connections {
+            active.fetch_sub(1, Ordering::SeqCst);
+            let _ = refuse(&mut stream, "too many connections");
+            continue;
+        }
+        let (log, opts, active) = (log.clone(), opts.clone(), active.clone());
+        let spawned = std::thread::Builder::new().name(format!("spillway-serve-{peer}")).spawn(move || {
+            if let Err(e) = serve_connection(&log, stream, &opts) {
+                log::info!("transfer: connection from {peer} ended: {e}");
+            }
+            active.fetch_sub(1, Ordering::SeqCst);
+        });
+        if let Err(e) = spawned {
+            log::warn!("transfer: cannot start a thread for {peer}: {e}");
+        }
+    }
+}
+
+fn refuse(stream: &mut TcpStream, why: &str) -> io::Result<()> {
+    let mut out = hello().to_vec();
+    out.push(ST_ERROR);
+    out.extend_from_slice(&(why.len() as u32).to_le_bytes());
+    out.extend_from_slice(why.as_bytes());
+    stream.write_all(&out)
+}
+
+/// Serve one connection until the peer closes it (`Ok`) or breaks the protocol (`Err`, after an
+/// error response where one can still be sent).
+pub fn serve_connection<B: Backend>(log: &SegmentLog<B>, mut stream: TcpStream, opts: &TransferOptions) -> Result<()> {
+    stream.set_read_timeout(Some(opts.timeout)).map_err(|e| io_err("set timeout", e))?;
+    stream.set_write_timeout(Some(opts.timeout)).map_err(|e| io_err("set timeout", e))?;
+    let _ = stream.set_nodelay(true);
+    let mut h = [0u8; 8];
+    stream.read_exact(&mut h).map_err(|e| io_err("receive hello", e))?;
+    if let Err(e) = check_hello(&h) {
+        let _ = refuse(&mut stream, &e.to_string());
+        return Err(e);
+    }
+    stream.write_all(&hello()).map_err(|e| io_err("send hello", e))?;
+    let mut pipe = None;
+    loop {
+        let mut req = [0u8; 5];
+        match stream.read(&mut req[..1]) {
+            Ok(0) => return Ok(()), // the client is done
+            Ok(_) => {}
+            Err(e) => return Err(io_err("receive request", e)),
+        }
+        stream.read_exact(&mut req[1..]).map_err(|e| io_err("receive request", e))?;
+        let key_len = u32::from_le_bytes(req[1..5].try_into().expect("4 bytes")) as usize;
+        if req[0] != OP_GET || key_len > MAX_KEY_BYTES {
+            let e = proto(format!("malformed request (op {}, key of {key_len} bytes)", req[0]));
+            let _ = send_error(&mut stream, &e.to_string());
+            return Err(e);
+        }
+        let mut key = vec![0u8; key_len];
+        stream.read_exact(&mut key).map_err(|e| io_err("receive key", e))?;
+        let sv = match log.stored_value(&key) {
+            Ok(Some(sv)) if sv.meta.stored_len <= opts.max_value_bytes => sv,
+            Ok(Some(sv)) => {
+                send_error(&mut stream, &format!("value of {} bytes is over the limit", sv.meta.stored_len))?;
+                continue;
+            }
+            Ok(None) => {
+                stream.write_all(&[ST_NOT_FOUND]).map_err(|e| io_err("send response", e))?;
+                continue;
+            }
+            Err(e) => {
+                send_error(&mut stream, &e.to_string())?;
+                continue;
+            }
+        };
+        let mut head = vec![ST_VALUE];
+        head.extend_from_slice(&value_header(&sv.meta));
+        stream.write_all(&head).map_err(|e| io_err("send value header", e))?;
+        match log.backend().as_fd(&sv.file) {
+            Some(fd) if !opts.copy => {
+                if pipe.is_none() {
+                    pipe = Some(make_pipe().map_err(|e| io_err("create pipe", e))?);
+                }
+                let (r, w) = pipe.as_ref().expect("just made");
+                if let Err(e) = splice_out(fd, sv.payload_offset, sv.meta.stored_len, r, w, &stream) {
+                    // Bytes may be stuck in the pipe: the connection cannot continue in step.
+                    let _ = stream.shutdown(Shutdown::Both);
+                    return Err(io_err("splice value", e));
+                }
+            }
+            _ => {
+                let payload = log.read_stored(&sv)?;
+                stream.write_all(&payload).map_err(|e| io_err("send value", e))?;
+            }
+        }
+    }
+}
+
+fn send_error(stream: &mut TcpStream, msg: &str) -> Result<()> {
+    let msg = &msg.as_bytes()[..msg.len().min(MAX_ERROR_BYTES)];
+    let mut out = vec![ST_ERROR];
+    out.extend_from_slice(&(msg.len() as u32).to_le_bytes());
+    out.extend_from_slice(msg);
+    stream.write_all(&out).map_err(|e| io_err("send error response", e))
+}
+
+type Pipe = (std::os::fd::OwnedFd, std::os::fd::OwnedFd);
+
+fn make_pipe() -> io::Result<Pipe> {
+    let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
+    // Larger pipes move more per splice; the system may cap the size (fs.pipe-max-size).
+    let _ = rustix::pipe::fcntl_setpipe_size(&w, PIPE_BYTES);
+    Ok((r, w))
+}
+
+/// `len` bytes at `offset` of `file` into `sock`, through the pipe, never through user memory.
+fn splice_out(
+    file: std::os::fd::BorrowedFd<'_>,
+    offset: u64,
+    len: u64,
+    r: &std::os::fd::OwnedFd,
+    w: &std::os::fd::OwnedFd,
+    sock: &TcpStream,
+) -> io::Result<()> {
+    use rustix::pipe::{splice, SpliceFlags};
+    let mut off = offset;
+    let mut left = len;
+    while left > 0 {
+        let want = (left as usize).min(PIPE_BYTES);
+        let n = splice(file, Some(&mut off), w, None, want, SpliceFlags::MORE)?;
+        if n == 0 {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "segment file shorter than its record"));
+        }
+        let mut in_pipe = n;
+        while in_pipe > 0 {
+            let m = splice(r, None, sock, None, in_pipe, SpliceFlags::MORE)?;
+            if m == 0 {
+                return Err(io::Error::new(io::ErrorKind::WriteZero, "peer closed the connection"));
+            }
+            in_pipe -= m;
+        }
+        left -= n as u64;
+    }
+    Ok(())
+}
+
+/// A connection to a spillway server.
+pub struct Client {
+    stream: TcpStream,
+    opts: TransferOptions,
+}
+
+impl Client {
+    /// Connect (within `opts.timeout`) and exchange the protocol greeting.
+    pub fn connect(addr: impl ToSocketAddrs, opts: TransferOptions) -> Result<Client> {
+        let addrs: Vec<_> = addr.to_socket_addrs().map_err(|e| io_err("resolve address", e))?.collect();
+        let mut last = io::Error::new(io::ErrorKind::InvalidInput, "no address to connect to");
+        for a in addrs {
+            match TcpStream::connect_timeout(&a, opts.timeout) {
+                Ok(mut stream) => {
+                    stream.set_read_timeout(Some(opts.timeout)).map_err(|e| io_err("set timeout", e))?;
+                    stream.set_write_timeout(Some(opts.timeout)).map_err(|e| io_err("set timeout", e))?;
+                    let _ = stream.set_nodelay(true);
+                    stream.write_all(&hello()).map_err(|e| io_err("send hello", e))?;
+                    let mut h = [0u8; 8];
+                    stream.read_exact(&mut h).map_err(|e| io_err("receive hello", e))?;
+                    check_hello(&h)?;
+                    return Ok(Client { stream, opts });
+                }
+                Err(e) => last = e,
+            }
+        }
+        Err(io_err("connect", last))
+    }
+
+    fn request(&mut self, key: &[u8]) -> Result<Option<StreamedValue>> {
+        if key.len() > MAX_KEY_BYTES {
+            return Err(Error::KeyTooLarge { len: key.len(), max: MAX_KEY_BYTES });
+        }
+        let mut req = vec![OP_GET];
+        req.extend_from_slice(&(key.len() as u32).to_le_bytes());
+        req.extend_from_slice(key);
+        self.stream.write_all(&req).map_err(|e| io_err("send request", e))?;
+        let mut st = [0u8; 1];
+        self.stream.read_exact(&mut st).map_err(|e| io_err("receive response", e))?;
+        match st[0] {
+            ST_VALUE => read_value_header(&mut self.stream, self.opts.max_value_bytes).map(Some),
+            ST_NOT_FOUND => Ok(None),
+            ST_ERROR => {
+                let mut l = [0u8; 4];
+                self.stream.read_exact(&mut l).map_err(|e| io_err("receive error", e))?;
+                let n = (u32::from_le_bytes(l) as usize).min(MAX_ERROR_BYTES);
+                let mut msg = vec![0u8; n];
+                self.stream.read_exact(&mut msg).map_err(|e| io_err("receive error", e))?;
+                Err(proto(format!("server error: {}", String::from_utf8_lossy(&msg))))
+            }
+            other => Err(proto(format!("unknown response status {other}"))),
+        }
+    }
+
+    /// Fetch `key` into memory (verified, decompressed). `None` if the server does not have it.
+    pub fn get(&mut self, key: &[u8]) -> Result<Option<Frames>> {
+        let Some(m) = self.request(key)? else { return Ok(None) };
+        let mut buf = AlignedBuf::zeroed(m.stored_len as usize, format::FRAME_ALIGN as usize);
+        self.stream.read_exact(&mut buf).map_err(|e| io_err("receive value", e))?;
+        let actual = format::payload_crc(&buf);
+        if actual != m.payload_crc {
+            return Err(Error::ChecksumMismatch {
+                segment: 0,
+                offset: 0,
+                what: "received value",
+                expected: m.payload_crc,
+                actual,
+            });
+        }
+        let data: Bytes = if m.lz4 {
+            let mut out = AlignedBuf::zeroed(m.raw_len as usize, format::FRAME_ALIGN as usize);
+            match lz4_flex::block::decompress_into(&buf, &mut out) {
+                Ok(n) if n as u64 == m.raw_len => out.freeze(),
+                _ => return Err(proto("lz4 payload does not decompress to its announced length")),
+            }
+        } else {
+            buf.freeze()
+        };
+        let (offsets, _) = format::frame_layout(m.frame_lens.iter().copied()).expect("checked");
+        Ok(Some(Frames(
+            m.frame_lens.iter().zip(offsets).map(|(&l, at)| data.slice(at as usize..(at + l) as usize)).collect(),
+        )))
+    }
+
+    /// Fetch `key` straight into `log` under `as_key`, in stored form, never holding the value in
+    /// memory. Returns whether the server had it; on any failure nothing is stored.
+    pub fn get_into<B: Backend>(&mut self, key: &[u8], log: &SegmentLog<B>, as_key: &[u8]) -> Result<bool> {
+        let Some(m) = self.request(key)? else { return Ok(false) };
+        match log.put_stream(as_key, &m, &mut self.stream) {
+            Ok(()) => Ok(true),
+            Err(e) => {
+                // The rest of the value may still be on the wire: this connection is out of step.
+                let _ = self.stream.shutdown(Shutdown::Both);
+                Err(e)
+            }
+        }
+    }
+
+    /// Fetch `key` and write its frames, back to back, to `out`, streaming uncompressed values in
+    /// pieces. The checksum is checked at the end: on a mismatch the bytes are already written and
+    /// the error says so. Returns whether the server had the key.
+    pub fn get_to(&mut self, key: &[u8], out: &mut dyn Write) -> Result<bool> {
+        let Some(m) = self.request(key)? else { return Ok(false) };
+        if m.lz4 {
+            // An lz4 block decompresses only whole: bounded by `max_value_bytes`.
+            let mut buf = vec![0u8; m.stored_len as usize];
+            self.stream.read_exact(&mut buf).map_err(|e| io_err("receive value", e))?;
+            if format::payload_crc(&buf) != m.payload_crc {
+                return Err(proto("received value failed its checksum"));
+            }
+            let raw = lz4_flex::block::decompress(&buf, m.raw_len as usize)
+                .map_err(|_| proto("lz4 payload does not decompress"))?;
+            let (offsets, _) = format::frame_layout(m.frame_lens.iter().copied()).expect("checked");
+            for (&l, at) in m.frame_lens.iter().zip(offsets) {
+                out.write_all(&raw[at as usize..(at + l) as usize]).map_err(|e| io_err("write output", e))?;
+            }
+            return Ok(true);
+        }
+        let (offsets, _) = format::frame_layout(m.frame_lens.iter().copied()).expect("checked");
+        // Payload positions that belong to frames (the rest is alignment padding).
+        let spans: Vec<(u64, u64)> = m.frame_lens.iter().zip(offsets).map(|(&l, at)| (at, at + l)).collect();
+        let mut crc = crc32fast::Hasher::new();
+        let mut buf = vec![0u8; PIPE_BYTES];
+        let mut pos = 0u64;
+        while pos < m.stored_len {
+            let want = ((m.stored_len - pos) as usize).min(buf.len());
+            let n = self.stream.read(&mut buf[..want]).map_err(|e| io_err("receive value", e))?;
+            if n == 0 {
+                return Err(io_err(
+                    "receive value",
+                    io::Error::new(io::ErrorKind::UnexpectedEof, "the sender stopped before the whole value arrived"),
+                ));
+            }
+            crc.update(&buf[..n]);
+            let (lo, hi) = (pos, pos + n as u64);
+            for &(a, b) in &spans {
+                let (s, e) = (a.max(lo), b.min(hi));
+                if s < e {
+                    out.write_all(&buf[(s - lo) as usize..(e - lo) as usize]).map_err(|e| io_err("write output", e))?;
+                }
+            }
+            pos = hi;
+        }
+        let actual = crc.finalize();
+        if actual != m.payload_crc {
+            return Err(Error::ChecksumMismatch {
+                segment: 0,
+                offset: 0,
+                what: "received value (already written out)",
+                expected: m.payload_crc,
+                actual,
+            });
+        }
+        Ok(true)
+    }
+}
+
+/// The stored form of a value, for tests and tools that speak the protocol by hand.
+pub fn encode_value_response(meta: &StreamedValue) -> Vec<u8> {
+    let mut v = vec![ST_VALUE];
+    v.extend_from_slice(&value_header(meta));
+    v
+}
+
+/// The greeting both sides send first.
+pub fn greeting() -> [u8; 8] {
+    hello()
+}

@@ -1,0 +1,189 @@
+//! Peer transfer over 127.0.0.1: splice and copy send paths, the three receive paths, and every way a
+//! peer can misbehave (bad greeting, oversized lengths, hang-ups mid-value, wrong checksums).
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::Arc;
+use std::time::Duration;
+
+use spillway::transfer::{self, Client, TransferOptions};
+use spillway::{Compression, Frames, LogOptions, PortableBackend, SegmentLog, StreamedValue};
+use spillway_tests::{frames_for, value_for};
+
+fn opts() -> TransferOptions {
+    TransferOptions { timeout: Duration::from_secs(10), ..Default::default() }
+}
+
+fn log_at(dir: &std::path::Path, compression: Compression) -> SegmentLog {
+    SegmentLog::open(
+        PortableBackend::new(),
+        dir,
+        LogOptions { segment_bytes: 8 << 20, compression, ..Default::default() },
+    )
+    .unwrap()
+}
+
+/// A server on an ephemeral loopback port, serving `log` from a background thread.
+fn start_server(log: SegmentLog, copy: bool) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let o = TransferOptions { copy, ..opts() };
+    std::thread::spawn(move || transfer::serve(Arc::new(log), listener, o));
+    addr
+}
+
+fn sizes() -> Vec<(String, usize)> {
+    [0usize, 1, 63, 64, 65, 4096, 100_000, 5 << 20, 33 << 20].iter().map(|&n| (format!("v{n}"), n)).collect()
+}
+
+#[test]
+fn values_arrive_intact_by_every_path_on_both_send_paths() {
+    for (copy, compression) in [(false, Compression::None), (true, Compression::None), (false, Compression::Lz4)] {
+        let src = tempfile::tempdir().unwrap();
+        let log = log_at(src.path(), compression);
+        for (k, n) in sizes() {
+            log.put(k.as_bytes(), &frames_for(k.as_bytes(), n)).unwrap();
+        }
+        let addr = start_server(log, copy);
+        let dst = tempfile::tempdir().unwrap();
+        let into = log_at(dst.path(), Compression::None);
+        let mut c = Client::connect(&addr, opts()).unwrap();
+        for (k, n) in sizes() {
+            let want = frames_for(k.as_bytes(), n);
+            assert_eq!(c.get(k.as_bytes()).unwrap().as_ref(), Some(&want), "{k} into memory");
+            assert!(c.get_into(k.as_bytes(), &into, k.as_bytes()).unwrap(), "{k} into a log");
+            assert_eq!(into.get(k.as_bytes()).unwrap().as_ref(), Some(&want), "{k} read back from the log");
+            let mut out = Vec::new();
+            assert!(c.get_to(k.as_bytes(), &mut out).unwrap());
+            assert_eq!(out, want.concat(), "{k} streamed");
+        }
+        assert_eq!(c.get(b"absent").unwrap(), None);
+        assert!(!c.get_into(b"absent", &into, b"absent").unwrap());
+        assert!(into.verify().unwrap().is_empty());
+        // The stored form travels as is: a received lz4 record is still lz4 on the receiver's disk.
+        drop(into);
+        let into = log_at(dst.path(), Compression::None);
+        assert_eq!(into.len(), sizes().len());
+    }
+}
+
+/// A fake server that greets, reads one request, answers with `response`, then closes.
+fn fake_server(response: Vec<u8>) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let mut hello = [0u8; 8];
+        s.read_exact(&mut hello).unwrap();
+        s.write_all(&transfer::greeting()).unwrap();
+        let mut req = [0u8; 5];
+        s.read_exact(&mut req).unwrap();
+        let mut key = vec![0u8; u32::from_le_bytes(req[1..5].try_into().unwrap()) as usize];
+        s.read_exact(&mut key).unwrap();
+        let _ = s.write_all(&response);
+        // Dropping `s` hangs up, mid-value if the response was short.
+    });
+    addr
+}
+
+fn meta(len: u64, crc: u32) -> StreamedValue {
+    StreamedValue { lz4: false, frame_lens: vec![len], raw_len: len, stored_len: len, payload_crc: crc }
+}
+
+#[test]
+fn a_sender_that_hangs_up_mid_value_leaves_nothing_behind() {
+    let payload = value_for(b"cut", 3 << 20);
+    let mut resp = transfer::encode_value_response(&meta(10 << 20, 0));
+    resp.extend_from_slice(&payload); // 3 of the announced 10 MiB
+    let addr = fake_server(resp);
+    let dst = tempfile::tempdir().unwrap();
+    let log = log_at(dst.path(), Compression::None);
+    log.put(b"before", &Frames::from(b"kept".to_vec())).unwrap();
+    let mut c = Client::connect(&addr, opts()).unwrap();
+    let err = c.get_into(b"k", &log, b"k").unwrap_err();
+    assert_eq!(err.io_kind(), Some(std::io::ErrorKind::UnexpectedEof), "{err}");
+    assert!(log.get(b"k").unwrap().is_none(), "no partial value is visible");
+    // The log keeps working, and a reopen finds neither the partial value nor damage.
+    log.put(b"after", &Frames::from(b"also kept".to_vec())).unwrap();
+    drop(log);
+    let log = log_at(dst.path(), Compression::None);
+    assert!(log.get(b"k").unwrap().is_none());
+    assert_eq!(log.get(b"before").unwrap().unwrap().concat(), &b"kept"[..]);
+    assert_eq!(log.get(b"after").unwrap().unwrap().concat(), &b"also kept"[..]);
+    assert!(log.verify().unwrap().is_empty());
+    assert_eq!(log.recovery_report().truncated_bytes, 0, "the aborted bytes were zeroed, not left as a torn tail");
+}
+
+#[test]
+fn a_wrong_checksum_is_an_error_and_stores_nothing() {
+    let payload = value_for(b"crc", 200_000);
+    let good = spillway::format::payload_crc(&payload);
+    let mut resp = transfer::encode_value_response(&meta(payload.len() as u64, good ^ 1));
+    resp.extend_from_slice(&payload);
+    let dst = tempfile::tempdir().unwrap();
+    let log = log_at(dst.path(), Compression::None);
+    let mut c = Client::connect(fake_server(resp.clone()), opts()).unwrap();
+    let err = c.get_into(b"k", &log, b"k").unwrap_err();
+    assert!(matches!(err, spillway::Error::ChecksumMismatch { .. }), "{err}");
+    assert!(log.get(b"k").unwrap().is_none());
+    let mut c = Client::connect(fake_server(resp), opts()).unwrap();
+    assert!(matches!(c.get(b"k").unwrap_err(), spillway::Error::ChecksumMismatch { .. }));
+}
+
+#[test]
+fn oversized_and_malformed_responses_are_refused_before_allocating() {
+    let o = TransferOptions { max_value_bytes: 1 << 20, ..opts() };
+    // Announces 1 TiB.
+    let mut c = Client::connect(fake_server(transfer::encode_value_response(&meta(1 << 40, 0))), o.clone()).unwrap();
+    assert!(matches!(c.get(b"k").unwrap_err(), spillway::Error::Protocol(_)));
+    // Frame lengths that do not lay out to the announced length.
+    let mut bad = meta(100, 0);
+    bad.frame_lens = vec![50, 49];
+    let mut c = Client::connect(fake_server(transfer::encode_value_response(&bad)), o.clone()).unwrap();
+    assert!(matches!(c.get(b"k").unwrap_err(), spillway::Error::Protocol(_)));
+    // An unknown status byte.
+    let mut c = Client::connect(fake_server(vec![9]), o).unwrap();
+    assert!(matches!(c.get(b"k").unwrap_err(), spillway::Error::Protocol(_)));
+}
+
+#[test]
+fn the_server_refuses_bad_peers_and_keeps_serving() {
+    let src = tempfile::tempdir().unwrap();
+    let log = log_at(src.path(), Compression::None);
+    log.put(b"k", &frames_for(b"k", 8 << 20)).unwrap();
+    let addr = start_server(log, false);
+    // Wrong magic: an error response, then the connection closes.
+    let mut s = TcpStream::connect(&addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(b"HTTP/1.1").unwrap();
+    let mut got = Vec::new();
+    s.read_to_end(&mut got).unwrap();
+    assert!(String::from_utf8_lossy(&got).contains("bad magic"), "{got:?}");
+    // A future protocol version.
+    let mut s = TcpStream::connect(&addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut h = transfer::greeting();
+    h[4] = 99;
+    s.write_all(&h).unwrap();
+    let mut got = Vec::new();
+    s.read_to_end(&mut got).unwrap();
+    assert!(String::from_utf8_lossy(&got).contains("version 99"), "{}", String::from_utf8_lossy(&got));
+    // A key length over the limit.
+    let mut s = TcpStream::connect(&addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(&transfer::greeting()).unwrap();
+    s.write_all(&[1, 0xff, 0xff, 0xff, 0x7f]).unwrap();
+    let mut got = Vec::new();
+    s.read_to_end(&mut got).unwrap();
+    assert!(String::from_utf8_lossy(&got).contains("malformed request"));
+    // A client that hangs up mid-value: the server drops that connection only.
+    let mut s = TcpStream::connect(&addr).unwrap();
+    s.write_all(&transfer::greeting()).unwrap();
+    s.write_all(&[1, 1, 0, 0, 0, b'k']).unwrap();
+    let mut part = vec![0u8; 100_000];
+    s.read_exact(&mut part).unwrap();
+    drop(s);
+    // Still serving, correctly.
+    let mut c = Client::connect(&addr, opts()).unwrap();
+    assert_eq!(c.get(b"k").unwrap().unwrap(), frames_for(b"k", 8 << 20));
+}
