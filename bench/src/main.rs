@@ -20,6 +20,7 @@ use spillway::{AutoBackend, Backend, BackendKind, Compression, Frames, LogOption
 
 mod depth;
 mod store_jobs;
+mod transfer_job;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Rw {
@@ -37,6 +38,8 @@ enum Rw {
     SpillUnspill,
     /// Store: `--numjobs` threads get the same serialized keys; deserializations must equal keys.
     Materialize,
+    /// Peer transfer of spilled values over 127.0.0.1: splice vs copy, throughput and peak RSS.
+    Transfer,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -146,6 +149,12 @@ struct Args {
     /// a spill store does not need durability, and fio does not fsync unless asked either.
     #[arg(long)]
     durable: bool,
+    /// Internal: serve this store directory to peers (the sender process of `--rw transfer`).
+    #[arg(long, hide = true)]
+    serve_dir: Option<PathBuf>,
+    /// Internal: with --serve-dir, use the copy path.
+    #[arg(long, hide = true)]
+    serve_copy: bool,
     /// Memory target of the store (store jobs).
     #[arg(long, value_parser = parse_size, default_value = "16MiB")]
     target: u64,
@@ -307,7 +316,9 @@ fn run_job(log: &Arc<SegmentLog<AutoBackend>>, args: &Args, rw: Rw, progress: bo
                         let is_read = match rw {
                             Rw::Write | Rw::Randwrite => false,
                             Rw::Read | Rw::Randread => true,
-                            Rw::SpillUnspill | Rw::Materialize => unreachable!("store jobs run elsewhere"),
+                            Rw::SpillUnspill | Rw::Materialize | Rw::Transfer => {
+                                unreachable!("store and transfer jobs run elsewhere")
+                            }
                             Rw::Randrw => rng.gen_range(0..100) < args.rwmixread,
                         };
                         let k = match rw {
@@ -352,6 +363,9 @@ fn run_job(log: &Arc<SegmentLog<AutoBackend>>, args: &Args, rw: Rw, progress: bo
 fn main() -> Result<()> {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let args = Args::parse();
+    if let Some(dir) = &args.serve_dir {
+        return transfer_job::serve(dir, args.serve_copy);
+    }
     if args.bs == 0 || args.size == 0 || args.numjobs == 0 {
         bail!("--bs, --size and --numjobs must be positive");
     }
@@ -369,6 +383,19 @@ fn main() -> Result<()> {
         }
     };
     let store_dir = dir.join("store");
+    if args.rw == Some(Rw::Transfer) {
+        std::fs::create_dir_all(&dir)?;
+        let out = transfer_job::run(args.bs, args.size, &dir, args.output_format == OutputFormat::Normal)?;
+        if args.output_format == OutputFormat::Json {
+            println!("{}", serde_json::to_string_pretty(&json!({"jobs": [out]}))?);
+        }
+        match (args.keep, tmp) {
+            (true, Some(t)) => eprintln!("kept {}", t.keep().display()),
+            (false, Some(t)) => t.close().context("removing the temporary directory")?,
+            _ => {}
+        }
+        return Ok(());
+    }
     if matches!(args.rw, Some(Rw::SpillUnspill | Rw::Materialize)) {
         std::fs::create_dir_all(&dir)?;
         let job = store_jobs::StoreJob {
