@@ -62,7 +62,8 @@ pub(crate) fn serve(dir: &Path, copy: bool) -> Result<()> {
     println!("listening on {}", listener.local_addr()?);
     use std::io::Write;
     std::io::stdout().flush()?;
-    let opts = TransferOptions { copy, max_value_bytes: 1 << 40, ..Default::default() };
+    // Pure paths for the comparison: splice every value (the server default copies values under 8 MiB).
+    let opts = TransferOptions { copy, max_value_bytes: 1 << 40, splice_min_bytes: 0, ..Default::default() };
     spillway::transfer::serve(std::sync::Arc::new(log), listener, opts)?;
     Ok(())
 }

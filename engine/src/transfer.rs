@@ -52,11 +52,21 @@ pub struct TransferOptions {
     pub timeout: Duration,
     /// Server: connections served at once; more are refused with an error response.
     pub max_connections: usize,
+    /// Server: values smaller than this are read into memory and written (bounded by this size per
+    /// connection) rather than spliced. Measured on loopback: splice ran at 0.35x the copy path for
+    /// 1 MiB values, 1.1x for 64 MiB and 5.4x for 1 GiB (where the copy path also costs 1 GiB of RSS).
+    pub splice_min_bytes: u64,
 }
 
 impl Default for TransferOptions {
     fn default() -> Self {
-        TransferOptions { max_value_bytes: 4 << 30, copy: false, timeout: Duration::from_secs(30), max_connections: 64 }
+        TransferOptions {
+            max_value_bytes: 4 << 30,
+            copy: false,
+            timeout: Duration::from_secs(30),
+            max_connections: 64,
+            splice_min_bytes: 8 << 20,
+        }
     }
 }
 
@@ -218,7 +228,7 @@ pub fn serve_connection<B: Backend>(log: &SegmentLog<B>, mut stream: TcpStream, 
         head.extend_from_slice(&value_header(&sv.meta));
         stream.write_all(&head).map_err(|e| io_err("send value header", e))?;
         match log.backend().as_fd(&sv.file) {
-            Some(fd) if !opts.copy => {
+            Some(fd) if !opts.copy && sv.meta.stored_len >= opts.splice_min_bytes => {
                 if pipe.is_none() {
                     pipe = Some(make_pipe().map_err(|e| io_err("create pipe", e))?);
                 }
@@ -268,13 +278,16 @@ fn splice_out(
     let mut left = len;
     while left > 0 {
         let want = (left as usize).min(PIPE_BYTES);
-        let n = splice(file, Some(&mut off), w, None, want, SpliceFlags::MORE)?;
+        let n = splice(file, Some(&mut off), w, None, want, SpliceFlags::empty())?;
         if n == 0 {
             return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "segment file shorter than its record"));
         }
         let mut in_pipe = n;
+        // MORE (MSG_MORE) only while more of the value follows: on the last piece it would hold the
+        // final partial segment back (about 200 ms per value for values of a pipe or less).
+        let flags = if left > n as u64 { SpliceFlags::MORE } else { SpliceFlags::empty() };
         while in_pipe > 0 {
-            let m = splice(r, None, sock, None, in_pipe, SpliceFlags::MORE)?;
+            let m = splice(r, None, sock, None, in_pipe, flags)?;
             if m == 0 {
                 return Err(io::Error::new(io::ErrorKind::WriteZero, "peer closed the connection"));
             }

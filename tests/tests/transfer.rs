@@ -27,7 +27,7 @@ fn log_at(dir: &std::path::Path, compression: Compression) -> SegmentLog {
 fn start_server(log: SegmentLog, copy: bool) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
-    let o = TransferOptions { copy, ..opts() };
+    let o = TransferOptions { copy, splice_min_bytes: 0, ..opts() };
     std::thread::spawn(move || transfer::serve(Arc::new(log), listener, o));
     addr
 }
