@@ -33,7 +33,7 @@ mod sim;
 mod uring;
 
 pub use auto::{AutoBackend, AutoFile, BackendKind};
-pub use portable::{dio_alignment, enable_direct, PortableBackend};
+pub use portable::{allocate_file, dio_alignment, enable_direct, PortableBackend};
 pub use sim::{Fault, FaultKind, FaultOp, SimBackend};
 pub use uring::{UringBackend, UringFile, UringInfo, UringOp, UringOptions, PIECE};
 

@@ -108,17 +108,7 @@ impl Backend for PortableBackend {
     }
 
     fn allocate(&self, file: &File, len: u64) -> io::Result<()> {
-        match rustix::fs::fallocate(file, FallocateFlags::empty(), 0, len) {
-            Ok(()) => Ok(()),
-            // File systems without fallocate (some FUSE, old NFS): extend with a sparse hole instead.
-            Err(e) if e == rustix::io::Errno::OPNOTSUPP || e == rustix::io::Errno::NOSYS => {
-                if file.metadata()?.len() < len {
-                    file.set_len(len)?;
-                }
-                Ok(())
-            }
-            Err(e) => Err(e.into()),
-        }
+        allocate_file(file, len, self.direct())
     }
 
     fn as_fd<'a>(&self, file: &'a File) -> Option<std::os::fd::BorrowedFd<'a>> {
@@ -177,4 +167,25 @@ pub fn dio_alignment(path: &Path) -> Option<usize> {
         return None;
     }
     Some(a.clamp(512, 4096))
+}
+
+/// Give a new segment file its size. For O_DIRECT files, reserve the blocks (fallocate): direct
+/// writes into allocated extents need no allocation on the way, and a full disk shows up here as a
+/// retryable ENOSPC. For buffered files, extend sparsely instead: ext4 writes buffered data into
+/// fallocated (unwritten) extents without delayed allocation, which made 16 MiB buffered puts 6x
+/// slower (store spill 0.54x -> 1.61x the file-per-key baseline); delayed allocation still reserves
+/// space at write time, so a full disk is an ENOSPC from the write.
+pub fn allocate_file(file: &File, len: u64, preallocate: bool) -> io::Result<()> {
+    if preallocate {
+        match rustix::fs::fallocate(file, FallocateFlags::empty(), 0, len) {
+            Ok(()) => return Ok(()),
+            // File systems without fallocate (some FUSE, old NFS): a sparse extension instead.
+            Err(e) if e == rustix::io::Errno::OPNOTSUPP || e == rustix::io::Errno::NOSYS => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    if file.metadata()?.len() < len {
+        file.set_len(len)?;
+    }
+    Ok(())
 }

@@ -528,7 +528,7 @@ impl Backend for UringBackend {
         self.portable.file_len(&file.0.file)
     }
     fn allocate(&self, file: &UringFile, len: u64) -> io::Result<()> {
-        self.portable.allocate(&file.0.file, len)
+        super::portable::allocate_file(&file.0.file, len, self.direct())
     }
 
     fn as_fd<'a>(&self, file: &'a UringFile) -> Option<std::os::fd::BorrowedFd<'a>> {
