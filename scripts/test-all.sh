@@ -38,6 +38,24 @@ else
   PYTHONPATH="$PWD/target/python" python3 -m pytest -p no:cacheprovider -q python/tests 2>&1 | tee -a "$log"
 fi
 
+step "fuzz smoke: every cargo-fuzz target for ${FUZZ_SECONDS:-20} s from its seed corpus"
+if ! cargo fuzz --help >/dev/null 2>&1; then
+  echo "cargo-fuzz is missing (cargo install cargo-fuzz --locked): fuzz: 1 failed" | tee -a "$log"
+else
+  for t in $(cargo fuzz list); do
+    # Work on a copy: new corpus entries found by the run stay out of the repository.
+    rm -rf "target/fuzz-corpus/$t" && mkdir -p "target/fuzz-corpus/$t"
+    cp fuzz/corpus/"$t"/seed-* "target/fuzz-corpus/$t/" 2>/dev/null || true
+    if cargo fuzz run -s none "$t" "target/fuzz-corpus/$t" -- -max_total_time="${FUZZ_SECONDS:-20}" \
+        -rss_limit_mb=2048 >"target/fuzz-$t.log" 2>&1; then
+      echo "fuzz $t: 1 passed ($(grep -Eo 'Done [0-9]+ runs' "target/fuzz-$t.log" | tail -1))" | tee -a "$log"
+    else
+      tail -30 "target/fuzz-$t.log"
+      echo "fuzz $t: 1 failed (see target/fuzz-$t.log and fuzz/artifacts/$t)" | tee -a "$log"
+    fi
+  done
+fi
+
 # One closing line over every suite above.
 passed=$(grep -Eo '[0-9]+ passed' "$log" | awk '{s+=$1} END {print s+0}')
 failed=$(grep -Eo '[0-9]+ failed' "$log" | awk '{s+=$1} END {print s+0}')

@@ -70,8 +70,8 @@ enum Cmd {
         /// Store directory.
         dir: PathBuf,
     },
-    /// Serve the store in DIR to peers (see `spillway fetch`) until killed. Spilled values are sent
-    /// with splice, never read into memory.
+    /// Serve the store in DIR to peers (see `spillway fetch`) until killed. Values of 8 MiB or more
+    /// are sent with splice (file -> pipe -> socket, never read into memory); smaller ones are copied.
     Serve {
         /// Store directory.
         dir: PathBuf,

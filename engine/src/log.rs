@@ -1137,7 +1137,10 @@ impl<B: Backend> SegmentLog<B> {
                     buf.set_len(at + want);
                     let n = match src.read(&mut buf[at..at + want]) {
                         Ok(n) => n,
-                        Err(e) if e.kind() == io::ErrorKind::Interrupted => 0,
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {
+                            buf.set_len(at);
+                            continue;
+                        }
                         Err(e) => {
                             buf.set_len(at);
                             return Err(Error::io("receive value", None, e));

@@ -116,7 +116,9 @@ fn value_header(m: &StreamedValue) -> Vec<u8> {
     h
 }
 
-fn read_value_header(r: &mut impl Read, max: u64) -> Result<StreamedValue> {
+/// Parse the header of a VALUE response (after its status byte) from `r`, applying every bound the
+/// client applies (`max` stored bytes). Public for fuzzing and for tools speaking the protocol.
+pub fn read_value_header(r: &mut impl Read, max: u64) -> Result<StreamedValue> {
     let mut h = [0u8; 32];
     r.read_exact(&mut h).map_err(|e| io_err("receive value header", e))?;
     let flags = h[0];
@@ -152,26 +154,41 @@ fn read_value_header(r: &mut impl Read, max: u64) -> Result<StreamedValue> {
 pub fn serve<B: Backend>(log: Arc<SegmentLog<B>>, listener: TcpListener, opts: TransferOptions) -> Result<()> {
     let active = Arc::new(AtomicUsize::new(0));
     loop {
-        let (mut stream, peer) = listener.accept().map_err(|e| io_err("accept", e))?;
+        let (mut stream, peer) = match listener.accept() {
+            Ok(c) => c,
+            Err(e) => {
+                // Out of descriptors, an aborted handshake...: this connection only. Back off a little
+                // so a persistent condition does not spin.
+                log::warn!("transfer: accept failed: {e}");
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+        };
         if active.fetch_add(1, Ordering::SeqCst) >= opts.max_connections {
             active.fetch_sub(1, Ordering::SeqCst);
             let _ = refuse(&mut stream, "too many connections");
             continue;
         }
-        let (log, opts, active) = (log.clone(), opts.clone(), active.clone());
+        let (log, opts, slot) = (log.clone(), opts.clone(), active.clone());
         let spawned = std::thread::Builder::new().name(format!("spillway-serve-{peer}")).spawn(move || {
             if let Err(e) = serve_connection(&log, stream, &opts) {
                 log::info!("transfer: connection from {peer} ended: {e}");
             }
-            active.fetch_sub(1, Ordering::SeqCst);
+            slot.fetch_sub(1, Ordering::SeqCst);
         });
         if let Err(e) = spawned {
+            active.fetch_sub(1, Ordering::SeqCst);
             log::warn!("transfer: cannot start a thread for {peer}: {e}");
         }
     }
 }
 
 fn refuse(stream: &mut TcpStream, why: &str) -> io::Result<()> {
+    // Read the client's greeting first: closing with unread data would reset the connection and the
+    // client might never see the reason.
+    stream.set_read_timeout(Some(Duration::from_secs(1)))?;
+    let mut h = [0u8; 8];
+    let _ = stream.read_exact(&mut h);
     let mut out = hello().to_vec();
     out.push(ST_ERROR);
     out.extend_from_slice(&(why.len() as u32).to_le_bytes());
@@ -248,7 +265,11 @@ pub fn serve_connection<B: Backend>(log: &SegmentLog<B>, mut stream: TcpStream, 
 }
 
 fn send_error(stream: &mut TcpStream, msg: &str) -> Result<()> {
-    let msg = &msg.as_bytes()[..msg.len().min(MAX_ERROR_BYTES)];
+    let mut cut = msg.len().min(MAX_ERROR_BYTES);
+    while !msg.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    let msg = &msg.as_bytes()[..cut];
     let mut out = vec![ST_ERROR];
     out.extend_from_slice(&(msg.len() as u32).to_le_bytes());
     out.extend_from_slice(msg);
@@ -302,6 +323,9 @@ fn splice_out(
 pub struct Client {
     stream: TcpStream,
     opts: TransferOptions,
+    /// Set after an error that may have left part of a response unread: the connection is out of
+    /// step and every later call fails instead of misreading.
+    broken: bool,
 }
 
 impl Client {
@@ -319,12 +343,27 @@ impl Client {
                     let mut h = [0u8; 8];
                     stream.read_exact(&mut h).map_err(|e| io_err("receive hello", e))?;
                     check_hello(&h)?;
-                    return Ok(Client { stream, opts });
+                    return Ok(Client { stream, opts, broken: false });
                 }
                 Err(e) => last = e,
             }
         }
         Err(io_err("connect", last))
+    }
+
+    /// Run `f` (one request and its response), marking the connection unusable if it fails midway.
+    fn guarded<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+        if self.broken {
+            return Err(proto("the connection is unusable after an earlier error; connect again"));
+        }
+        let r = f(self);
+        if let Err(e) = &r {
+            if !matches!(e, Error::KeyTooLarge { .. }) {
+                self.broken = true;
+                let _ = self.stream.shutdown(Shutdown::Both);
+            }
+        }
+        r
     }
 
     fn request(&mut self, key: &[u8]) -> Result<Option<StreamedValue>> {
@@ -354,6 +393,10 @@ impl Client {
 
     /// Fetch `key` into memory (verified, decompressed). `None` if the server does not have it.
     pub fn get(&mut self, key: &[u8]) -> Result<Option<Frames>> {
+        self.guarded(|c| c.get_inner(key))
+    }
+
+    fn get_inner(&mut self, key: &[u8]) -> Result<Option<Frames>> {
         let Some(m) = self.request(key)? else { return Ok(None) };
         let mut buf = AlignedBuf::zeroed(m.stored_len as usize, format::FRAME_ALIGN as usize);
         self.stream.read_exact(&mut buf).map_err(|e| io_err("receive value", e))?;
@@ -385,31 +428,40 @@ impl Client {
     /// Fetch `key` straight into `log` under `as_key`, in stored form, never holding the value in
     /// memory. Returns whether the server had it; on any failure nothing is stored.
     pub fn get_into<B: Backend>(&mut self, key: &[u8], log: &SegmentLog<B>, as_key: &[u8]) -> Result<bool> {
-        let Some(m) = self.request(key)? else { return Ok(false) };
-        match log.put_stream(as_key, &m, &mut self.stream) {
-            Ok(()) => Ok(true),
-            Err(e) => {
-                // The rest of the value may still be on the wire: this connection is out of step.
-                let _ = self.stream.shutdown(Shutdown::Both);
-                Err(e)
-            }
-        }
+        self.guarded(|c| {
+            let Some(m) = c.request(key)? else { return Ok(false) };
+            log.put_stream(as_key, &m, &mut c.stream).map(|()| true)
+        })
     }
 
     /// Fetch `key` and write its frames, back to back, to `out`, streaming uncompressed values in
     /// pieces. The checksum is checked at the end: on a mismatch the bytes are already written and
     /// the error says so. Returns whether the server had the key.
     pub fn get_to(&mut self, key: &[u8], out: &mut dyn Write) -> Result<bool> {
+        self.guarded(|c| c.get_to_inner(key, out))
+    }
+
+    fn get_to_inner(&mut self, key: &[u8], out: &mut dyn Write) -> Result<bool> {
         let Some(m) = self.request(key)? else { return Ok(false) };
         if m.lz4 {
             // An lz4 block decompresses only whole: bounded by `max_value_bytes`.
             let mut buf = vec![0u8; m.stored_len as usize];
             self.stream.read_exact(&mut buf).map_err(|e| io_err("receive value", e))?;
-            if format::payload_crc(&buf) != m.payload_crc {
-                return Err(proto("received value failed its checksum"));
+            let actual = format::payload_crc(&buf);
+            if actual != m.payload_crc {
+                return Err(Error::ChecksumMismatch {
+                    segment: 0,
+                    offset: 0,
+                    what: "received value",
+                    expected: m.payload_crc,
+                    actual,
+                });
             }
             let raw = lz4_flex::block::decompress(&buf, m.raw_len as usize)
                 .map_err(|_| proto("lz4 payload does not decompress"))?;
+            if raw.len() as u64 != m.raw_len {
+                return Err(proto("lz4 payload does not decompress to its announced length"));
+            }
             let (offsets, _) = format::frame_layout(m.frame_lens.iter().copied()).expect("checked");
             for (&l, at) in m.frame_lens.iter().zip(offsets) {
                 out.write_all(&raw[at as usize..(at + l) as usize]).map_err(|e| io_err("write output", e))?;

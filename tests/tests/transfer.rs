@@ -187,3 +187,44 @@ fn the_server_refuses_bad_peers_and_keeps_serving() {
     let mut c = Client::connect(&addr, opts()).unwrap();
     assert_eq!(c.get(b"k").unwrap().unwrap(), frames_for(b"k", 8 << 20));
 }
+
+#[test]
+fn a_short_lz4_block_is_an_error_not_a_panic_and_the_client_stops_reading() {
+    // A valid lz4 block of 10 bytes announced as a 1000-byte value, with a matching checksum.
+    let block = lz4_flex::block::compress(&[7u8; 10]);
+    let m = StreamedValue {
+        lz4: true,
+        frame_lens: vec![1000],
+        raw_len: 1000,
+        stored_len: block.len() as u64,
+        payload_crc: spillway::format::payload_crc(&block),
+    };
+    let mut resp = transfer::encode_value_response(&m);
+    resp.extend_from_slice(&block);
+    for path in ["memory", "writer"] {
+        let mut c = Client::connect(fake_server(resp.clone()), opts()).unwrap();
+        let err = match path {
+            "memory" => c.get(b"k").unwrap_err(),
+            _ => c.get_to(b"k", &mut Vec::new()).unwrap_err(),
+        };
+        assert!(matches!(err, spillway::Error::Protocol(_)), "{path}: {err}");
+        // The connection may be out of step: later calls refuse instead of misreading.
+        assert!(matches!(c.get(b"k").unwrap_err(), spillway::Error::Protocol(m) if m.contains("unusable")));
+    }
+}
+
+#[test]
+fn connections_over_the_limit_are_told_why() {
+    let src = tempfile::tempdir().unwrap();
+    let log = log_at(src.path(), Compression::None);
+    log.put(b"k", &Frames::from(b"v".to_vec())).unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let o = TransferOptions { max_connections: 1, ..opts() };
+    std::thread::spawn(move || transfer::serve(Arc::new(log), listener, o));
+    let mut first = Client::connect(&addr, opts()).unwrap();
+    assert_eq!(first.get(b"k").unwrap().unwrap().concat(), &b"v"[..]);
+    let err = Client::connect(&addr, opts()).and_then(|mut c| c.get(b"k")).unwrap_err();
+    assert!(err.to_string().contains("too many connections"), "{err}");
+    drop(first);
+}
