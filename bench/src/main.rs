@@ -19,6 +19,7 @@ use spillway::units::{format_size, parse_size};
 use spillway::{AutoBackend, Backend, BackendKind, Compression, Frames, LogOptions, SegmentLog};
 
 mod depth;
+mod open_job;
 mod store_jobs;
 mod transfer_job;
 
@@ -40,6 +41,8 @@ enum Rw {
     Materialize,
     /// Peer transfer of spilled values over 127.0.0.1: splice vs copy, throughput and peak RSS.
     Transfer,
+    /// Scale: index memory per key (`--keys`) and the open time of a `--size` store.
+    Open,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -149,6 +152,9 @@ struct Args {
     /// a spill store does not need durability, and fio does not fsync unless asked either.
     #[arg(long)]
     durable: bool,
+    /// Keys for `--rw open`'s index-memory measurement.
+    #[arg(long, default_value_t = 1_000_000)]
+    keys: u64,
     /// Internal: serve this store directory to peers (the sender process of `--rw transfer`).
     #[arg(long, hide = true)]
     serve_dir: Option<PathBuf>,
@@ -316,7 +322,7 @@ fn run_job(log: &Arc<SegmentLog<AutoBackend>>, args: &Args, rw: Rw, progress: bo
                         let is_read = match rw {
                             Rw::Write | Rw::Randwrite => false,
                             Rw::Read | Rw::Randread => true,
-                            Rw::SpillUnspill | Rw::Materialize | Rw::Transfer => {
+                            Rw::SpillUnspill | Rw::Materialize | Rw::Transfer | Rw::Open => {
                                 unreachable!("store and transfer jobs run elsewhere")
                             }
                             Rw::Randrw => rng.gen_range(0..100) < args.rwmixread,
@@ -383,9 +389,14 @@ fn main() -> Result<()> {
         }
     };
     let store_dir = dir.join("store");
-    if args.rw == Some(Rw::Transfer) {
+    if matches!(args.rw, Some(Rw::Transfer | Rw::Open)) {
         std::fs::create_dir_all(&dir)?;
-        let out = transfer_job::run(args.bs, args.size, &dir, args.output_format == OutputFormat::Normal)?;
+        let human = args.output_format == OutputFormat::Normal;
+        let out = if args.rw == Some(Rw::Open) {
+            open_job::run(args.keys, args.size, &dir, human)?
+        } else {
+            transfer_job::run(args.bs, args.size, &dir, human)?
+        };
         if args.output_format == OutputFormat::Json {
             println!("{}", serde_json::to_string_pretty(&json!({"jobs": [out]}))?);
         }
