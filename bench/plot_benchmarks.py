@@ -1,0 +1,51 @@
+"""Draw docs/benchmarks.png from the ratios recorded in docs/benchmarks.md.
+
+The numbers are copied from that file's tables (each measured with the command shown there); update
+both together. Usage: python3 bench/plot_benchmarks.py  (needs matplotlib).
+"""
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+# (label, measured ratio, target ratio)
+RESULTS = [
+    ("seq write 1M QD16\nvs fio", 0.72, 0.9),
+    ("randread 64K QD16\nvs fio", 0.77, 0.9),
+    ("randread 4K QD32\nvs fio", 0.54, 0.8),
+    ("uring QD32 vs\nportable 1 thread", 3.1, 1.5),
+    ("uring QD32 vs\nportable 32 threads", 0.75, 1.5),
+    ("store spill 4K\nvs file-per-key", 7.5, 10),
+    ("store unspill 4K\nvs file-per-key", 4.3, 10),
+    ("store spill 64K\nvs file-per-key", 7.3, 5),
+    ("store unspill 64K\nvs file-per-key", 2.8, 5),
+    ("python spill 64K\nvs dask", 16.2, 10),
+    ("python unspill 4K\nvs dask", 4.5, 5),
+    ("python spill 16M\nvs dask", 3.3, 1.5),
+    ("python unspill 16M\nvs dask", 0.96, 1.0),
+    ("transfer 1 GiB\nsplice vs copy", 6.4, 1.0),
+]
+
+
+def main() -> None:
+    fig, ax = plt.subplots(figsize=(12, 5))
+    xs = range(len(RESULTS))
+    ratios = [r for _, r, _ in RESULTS]
+    targets = [t for _, _, t in RESULTS]
+    colors = ["tab:green" if r >= t else "tab:red" for _, r, t in RESULTS]
+    ax.bar(xs, ratios, color=colors, label="measured")
+    ax.scatter(xs, targets, color="black", marker="_", s=600, label="target", zorder=3)
+    ax.set_yscale("log")
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels([label for label, _, _ in RESULTS], rotation=60, ha="right", fontsize=8)
+    ax.set_ylabel("ratio (log scale)")
+    ax.axhline(1.0, color="gray", linewidth=0.5)
+    ax.set_title("spillway: measured ratios against same-run baselines (2026-11-29, 2 vCPU VM)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig("docs/benchmarks.png", dpi=110)
+
+
+if __name__ == "__main__":
+    main()
