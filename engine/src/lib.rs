@@ -20,6 +20,7 @@ pub mod backend;
 pub mod buf;
 pub mod error;
 pub mod format;
+pub mod key;
 pub mod log;
 pub mod slot;
 // The store is built on std's Arc; under loom only the lock-free parts it uses are compiled and modeled.
@@ -37,7 +38,7 @@ pub use error::{Error, Result};
 pub use format::MAX_KEY_BYTES;
 pub use log::{
     CompactStats, Compression, Location, LogOptions, LogStats, RecoveryReport, SegmentLog, StoredValue, StreamedValue,
-    VerifyProblem,
+    VerifyProblem, MAX_SEGMENT_BYTES, MAX_VALUE_BYTES,
 };
 #[cfg(not(spillway_loom))]
 pub use store::{Codec, CodecError, MetricsSnapshot, Store, StoreConfig, Tier};

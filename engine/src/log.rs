@@ -27,6 +27,7 @@ use crate::backend::{Backend, BufResult, DirLock, PipelinedRead, PortableBackend
 use crate::buf::AlignedBuf;
 use crate::error::{Error, Result};
 use crate::format::{self, align_down, align_up, FooterEntry, RecordHeader, RECORD_ALIGN};
+use crate::key::IndexKey;
 use crate::value::Frames;
 
 /// Name of the sub-directory holding segment files.
@@ -78,7 +79,7 @@ impl Default for LogOptions {
             segment_bytes: 64 << 20,
             compression: Compression::None,
             create_if_missing: true,
-            max_value_bytes: 4 << 30,
+            max_value_bytes: MAX_VALUE_BYTES,
             auto_compact: true,
             alignment: None,
             durable: true,
@@ -125,6 +126,35 @@ pub struct Location {
     /// Unpadded record length.
     pub len: u64,
 }
+
+/// A [`Location`] as the index stores it: 16 bytes instead of 24 (1 M keys: 16 MB less). Offsets fit
+/// because a segment is at most [`MAX_SEGMENT_BYTES`] (a jumbo segment holds one record, at its
+/// start), lengths because values are at most [`MAX_VALUE_BYTES`].
+#[derive(Debug, Clone, Copy)]
+struct PackedLoc {
+    segment: u32,
+    first_segment: u32,
+    offset: u32,
+    len: u32,
+}
+
+impl From<Location> for PackedLoc {
+    fn from(l: Location) -> Self {
+        debug_assert!(l.offset <= u32::MAX as u64 && l.len <= u32::MAX as u64, "{l:?} does not pack");
+        PackedLoc { segment: l.segment, first_segment: l.first_segment, offset: l.offset as u32, len: l.len as u32 }
+    }
+}
+
+impl From<PackedLoc> for Location {
+    fn from(p: PackedLoc) -> Self {
+        Location { segment: p.segment, first_segment: p.first_segment, offset: p.offset as u64, len: p.len as u64 }
+    }
+}
+
+/// Largest segment size accepted (offsets in the index are 32-bit).
+pub const MAX_SEGMENT_BYTES: u64 = (4 << 30) - (1 << 20);
+/// Largest value accepted (record lengths in the index are 32-bit).
+pub const MAX_VALUE_BYTES: u64 = (4 << 30) - (1 << 20);
 
 /// What recovery found when the log was opened.
 #[derive(Debug, Clone, Default)]
@@ -313,7 +343,7 @@ pub struct SegmentLog<B: Backend = PortableBackend> {
     align: u64,
     /// Alignment of single-record reads (the O_DIRECT minimum; divides `align`).
     read_align: u64,
-    index: RwLock<HashMap<Box<[u8]>, Location>>,
+    index: RwLock<HashMap<IndexKey, PackedLoc>>,
     files: RwLock<HashMap<u32, Arc<B::File>>>,
     state: Mutex<WriterState<B::File>>,
     poisoned: OnceLock<String>,
@@ -386,6 +416,12 @@ impl<B: Backend> SegmentLog<B> {
             None => backend.alignment(&dir).clamp(512, 65536) as u64,
         };
         let read_align = (backend.read_alignment(&dir).clamp(512, 65536) as u64).min(align);
+        if opts.segment_bytes > MAX_SEGMENT_BYTES || opts.max_value_bytes > MAX_VALUE_BYTES {
+            return Err(Error::InvalidConfig(format!(
+                "segment_bytes {} and max_value_bytes {} must be at most {MAX_SEGMENT_BYTES} and {MAX_VALUE_BYTES}",
+                opts.segment_bytes, opts.max_value_bytes
+            )));
+        }
         if opts.segment_bytes < MIN_SEGMENT_BYTES {
             return Err(Error::InvalidConfig(format!(
                 "segment_bytes {} is below the minimum {MIN_SEGMENT_BYTES}",
@@ -537,8 +573,13 @@ impl<B: Backend> SegmentLog<B> {
             m.live_records += 1;
             m.live_bytes += padded(w.len);
             index.insert(
-                Box::<[u8]>::from(key),
-                Location { segment: w.segment, first_segment: w.first_segment, offset: w.offset, len: w.len },
+                IndexKey::from(key),
+                PackedLoc::from(Location {
+                    segment: w.segment,
+                    first_segment: w.first_segment,
+                    offset: w.offset,
+                    len: w.len,
+                }),
             );
         }
         for (&id, scan) in &scans {
@@ -827,14 +868,14 @@ impl<B: Backend> SegmentLog<B> {
 
     /// Where `key`'s record is, if it is live.
     pub fn location(&self, key: &[u8]) -> Option<Location> {
-        self.index.read().unwrap_or_else(|p| p.into_inner()).get(key).copied()
+        self.index.read().unwrap_or_else(|p| p.into_inner()).get(key).map(|&p| Location::from(p))
     }
 
     fn lookup(&self, key: &[u8]) -> Option<(Location, Arc<B::File>)> {
         // Hold the index lock while taking the file handle: a segment is only deleted after the index
         // stopped pointing at it, so the pair is consistent (and an unlinked file stays readable).
         let index = self.index.read().unwrap_or_else(|p| p.into_inner());
-        let loc = *index.get(key)?;
+        let loc = Location::from(*index.get(key)?);
         let file = self.files.read().unwrap_or_else(|p| p.into_inner()).get(&loc.segment)?.clone();
         Some((loc, file))
     }
@@ -1252,7 +1293,7 @@ impl<B: Backend> SegmentLog<B> {
         self.check_writable()?;
         let mut st = lock(&self.state);
         let old = self.index.write().unwrap_or_else(|p| p.into_inner()).remove(key);
-        let Some(old) = old else { return Ok(false) };
+        let Some(old) = old.map(Location::from) else { return Ok(false) };
         let mut emptied = Vec::new();
         Self::release(&mut st, old, &mut emptied);
         if !emptied.is_empty() {
@@ -1501,7 +1542,7 @@ impl<B: Backend> SegmentLog<B> {
                 match &p.rec {
                     NewRecord::Tombstone { aux, .. } => {
                         if let Some(old) = index.remove(key) {
-                            Self::release(st, old, &mut emptied);
+                            Self::release(st, old.into(), &mut emptied);
                         }
                         let m = st.segs.get_mut(&id).expect("active");
                         m.tombstones += 1;
@@ -1520,8 +1561,8 @@ impl<B: Backend> SegmentLog<B> {
                     _ => {
                         let first_segment = index.get(key).map_or(id, |o| o.first_segment.min(id));
                         let loc = Location { segment: id, first_segment, offset, len };
-                        if let Some(old) = index.insert(Box::from(key), loc) {
-                            Self::release(st, old, &mut emptied);
+                        if let Some(old) = index.insert(IndexKey::from(key), loc.into()) {
+                            Self::release(st, old.into(), &mut emptied);
                         }
                         let m = st.segs.get_mut(&id).expect("active");
                         m.live_records += 1;
@@ -1799,7 +1840,7 @@ impl<B: Backend> SegmentLog<B> {
                     let keep = if e.flags & format::FLAG_TOMBSTONE != 0 {
                         !index.contains_key(e.key.as_slice()) && st.segs.range(e.aux..id).next().is_some()
                     } else {
-                        index.get(e.key.as_slice()).is_some_and(|l| l.segment == id && l.offset == e.offset)
+                        index.get(e.key.as_slice()).is_some_and(|l| l.segment == id && l.offset as u64 == e.offset)
                     };
                     (e, keep)
                 })
