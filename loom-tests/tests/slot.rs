@@ -157,3 +157,52 @@ fn failure_wakes_waiters_with_the_error_and_retry_succeeds() {
         assert_eq!(*slot.get_or_materialize(|| Ok(1)).unwrap(), 1);
     });
 }
+
+/// States are reported as they are (inside the deserialize: materializing), the debug form shows
+/// state and reader count, and an eviction with no reader in the fast path takes the value out.
+#[test]
+fn states_debug_form_and_uncontended_eviction() {
+    loom::model(|| {
+        let slot = Arc::new(S::new());
+        assert_eq!(slot.state(), SlotState::Idle);
+        let inner = slot.clone();
+        let v = slot
+            .get_or_materialize(|| {
+                assert_eq!(inner.state(), SlotState::Materializing);
+                Ok(7)
+            })
+            .unwrap();
+        assert_eq!(*v, 7);
+        assert_eq!(slot.state(), SlotState::Ready);
+        assert_eq!(format!("{:?}", *slot), "Slot { state: 2, readers: 0 }");
+        assert_eq!(slot.evict().as_deref(), Some(&7), "nobody reads: eviction must succeed");
+        assert_eq!(slot.state(), SlotState::Idle);
+        assert_eq!(format!("{:?}", *slot), "Slot { state: 0, readers: 0 }");
+        assert!(slot.evict().is_none(), "nothing left to evict");
+    });
+}
+
+/// An old failure is never reported for a later attempt: after a failed deserialize, two threads get
+/// again while a third evicts. Whoever waited on the (successful) second attempt and then finds the
+/// slot idle (evicted) must deserialize again, not return the first attempt's error.
+#[test]
+fn a_stale_failure_is_not_reported_after_a_later_success() {
+    let mut b = loom::model::Builder::new();
+    b.preemption_bound = Some(2);
+    b.check(|| {
+        let slot = Arc::new(S::new());
+        assert_eq!(slot.get_or_materialize(|| Err("first attempt")).unwrap_err(), "first attempt");
+        let getter = |slot: Arc<S>| thread::spawn(move || slot.get_or_materialize(|| Ok(5)).map(|v| *v));
+        let a = getter(slot.clone());
+        let b = getter(slot.clone());
+        let evictor = {
+            let slot = slot.clone();
+            thread::spawn(move || {
+                slot.evict();
+            })
+        };
+        assert_eq!(a.join().unwrap(), Ok(5));
+        assert_eq!(b.join().unwrap(), Ok(5));
+        evictor.join().unwrap();
+    });
+}
