@@ -38,6 +38,13 @@ pub const MIN_SEGMENT_BYTES: u64 = 64 * 1024;
 const SCAN_WINDOW: usize = 1 << 20;
 /// Largest write buffer kept for reuse between writes.
 const MAX_SPARE_BUF: usize = 64 << 20;
+/// With a backend that queues writes, records are encoded and written in groups of about this size,
+/// up to `WRITES_IN_FLIGHT` at once (see `write_chunk`). Measured for 1 MiB values in batches of 16
+/// on io_uring with O_DIRECT: 0.72x fio as one 16 MiB write, 0.77x as 4 MiB groups 4 in flight,
+/// 0.86-0.91x as 1 MiB groups 16 in flight (fio: 1 MiB writes, QD16).
+const WRITE_GROUP_BYTES: u64 = 1 << 20;
+/// Writes of one chunk in flight at once.
+const WRITES_IN_FLIGHT: usize = 16;
 /// Values smaller than this are never compressed.
 const MIN_COMPRESS_BYTES: u64 = 256;
 
@@ -65,6 +72,9 @@ pub struct LogOptions {
     pub max_value_bytes: u64,
     /// Compact automatically when a segment is sealed and sealed segments hold more dead than live bytes.
     pub auto_compact: bool,
+    /// With a backend that queues writes (io_uring), a batch is encoded and written in groups of about
+    /// this many bytes, several in flight at once, so encoding overlaps writing. Default 1 MiB.
+    pub write_group_bytes: u64,
     /// I/O alignment override (power of two, 512..=65536); `None` asks the backend (statx).
     pub alignment: Option<usize>,
     /// fdatasync on its own where crash consistency needs it: before sealing a segment and before
@@ -82,6 +92,7 @@ impl Default for LogOptions {
             max_value_bytes: MAX_VALUE_BYTES,
             auto_compact: true,
             alignment: None,
+            write_group_bytes: WRITE_GROUP_BYTES,
             durable: true,
         }
     }
@@ -287,7 +298,8 @@ struct WriterState<F> {
     /// Sealed segments whose footer and trailer are not yet fdatasync'ed (done by the next `sync`).
     unsynced_sealed: Vec<Arc<F>>,
     /// The last write buffer, kept for reuse.
-    spare_buf: Option<AlignedBuf>,
+    /// Write buffers kept for reuse (a fresh multi-MiB buffer costs a page fault per 4 KiB).
+    spare_bufs: Vec<AlignedBuf>,
 }
 
 /// A record ready to be appended.
@@ -450,7 +462,7 @@ impl<B: Backend> SegmentLog<B> {
                 compact_pending: false,
                 compacting: false,
                 unsynced_sealed: Vec::new(),
-                spare_buf: None,
+                spare_bufs: Vec::new(),
             }),
             poisoned: OnceLock::new(),
             recovery: RecoveryReport::default(),
@@ -1387,110 +1399,164 @@ impl<B: Backend> SegmentLog<B> {
 
     /// Encode `chunk` into one aligned buffer, write it, then publish the new locations.
     fn write_chunk(&self, st: &mut WriterState<B::File>, chunk: &[Prepared<'_>]) -> Result<Vec<Location>> {
+        // The chunk is encoded in groups of about WRITE_GROUP_BYTES. Each group's write covers its
+        // whole blocks only; its last, partial block is rewritten by the next group (or, for the last
+        // group, written with it). So the writes of one chunk never overlap, several can be in flight
+        // at once (up to WRITES_IN_FLIGHT, through `write_at_async`), and group k+1 is encoded while
+        // group k is being written. The chunk is published only when every write has completed.
         let epoch = st.epoch;
-        let spare = st.spare_buf.take();
-        let a = st.active.as_mut().expect("active segment");
-        let base = align_down(a.data_end, self.align);
-        let total: u64 = chunk.iter().map(|p| padded(p.len)).sum();
-        let end = a.data_end + total;
-        let needed = (align_up(end, self.align) - base) as usize;
-        // Reuse the previous write buffer when it is large enough: a fresh multi-MiB allocation per
-        // write costs a page fault per 4 KiB. Reused bytes are overwritten below, padding is zeroed.
-        let mut buf = match spare {
-            Some(mut b) if b.capacity() >= needed => {
-                b.set_len(needed);
-                b
-            }
-            _ => {
-                // Room to grow: the next batch of same-sized values needs a little more or less
-                // depending on where the last one ended in its block. Without the slack, writing
-                // 8 MiB values alternated between reusing the buffer and allocating (and faulting in)
-                // a fresh one; profiled in a dask worker, that was a quarter of the spill time.
-                let cap = (needed + (needed / 8).max(64 << 10)).min(MAX_SPARE_BUF.max(needed));
-                let mut b = self.backend.alloc_buf(cap, self.align as usize);
-                b.set_len(needed);
-                b
-            }
+        let align = self.align;
+        let (id, file, mut data_end, mut tail) = {
+            let a = st.active.as_mut().expect("active segment");
+            (a.id, a.file.clone(), a.data_end, std::mem::take(&mut a.tail))
         };
-        buf[..a.tail.len()].copy_from_slice(&a.tail);
-        let mut pos = a.data_end;
         let mut placed: Vec<(u64, u64, u64)> = Vec::with_capacity(chunk.len()); // (offset, len, seq)
-        for p in chunk {
-            let seq = match &p.rec {
-                NewRecord::Relocated { header, .. } => header.seq,
-                _ => {
-                    let s = st.next_seq;
-                    st.next_seq += 1;
-                    s
-                }
-            };
-            let at = (pos - base) as usize;
-            let dst = &mut buf[at..at + p.len as usize];
-            match (&p.rec, &p.payload) {
-                (NewRecord::Relocated { header, .. }, Payload::Relocated(bytes)) => {
-                    dst.copy_from_slice(bytes);
-                    format::relocate_record(dst, header, a.id, epoch);
-                }
-                (rec, payload) => {
-                    let key = rec.key();
-                    let (flags, aux, frame_lens, raw_len): (u8, u32, Vec<u64>, u64) = match (rec, payload) {
-                        (NewRecord::Tombstone { aux, .. }, _) => (format::FLAG_TOMBSTONE, *aux, Vec::new(), 0),
-                        (NewRecord::SyncMark, _) => (format::FLAG_SYNC_MARK, 0, Vec::new(), 0),
-                        (NewRecord::Value { frames, .. }, Payload::Compressed(_)) => {
-                            (format::FLAG_LZ4, 0, frames.iter().map(|f| f.len() as u64).collect(), laid_out_len(frames))
-                        }
-                        (NewRecord::Value { frames, .. }, _) => {
-                            (0, 0, frames.iter().map(|f| f.len() as u64).collect(), laid_out_len(frames))
-                        }
-                        (NewRecord::Relocated { .. }, _) => {
-                            unreachable!("relocated records carry their bytes")
-                        }
-                    };
-                    let head = format::RECORD_HEADER_LEN + 8 * frame_lens.len() + key.len();
-                    let po = align_up(head as u64, format::FRAME_ALIGN) as usize;
-                    let stored_len = p.len - po as u64;
-                    let w = po;
-                    match payload {
-                        Payload::Frames(frames) => {
-                            let n = laid_out_len(frames) as usize;
-                            format::lay_out_frames(&mut dst[w..w + n], frames.iter().map(|f| &f[..]));
-                        }
-                        Payload::Compressed(c) => dst[w..w + c.len()].copy_from_slice(c),
-                        Payload::Empty | Payload::Relocated(_) => {}
-                    }
-                    let h = RecordHeader {
-                        flags,
-                        frame_count: frame_lens.len() as u16,
-                        key_len: key.len() as u32,
-                        segment: a.id,
-                        epoch,
-                        payload_crc: format::payload_crc(&dst[po..]),
-                        seq,
-                        raw_len,
-                        stored_len,
-                        aux,
-                    };
-                    format::write_record_head(dst, &h, &frame_lens, key);
-                }
+        let mut in_flight: std::collections::VecDeque<crate::backend::IoFuture> = std::collections::VecDeque::new();
+        let mut failure: Option<io::Error> = None;
+        // Without a submission queue, one write per chunk (several would only add syscalls).
+        let group_bytes = if self.backend.queues_writes() { self.opts.write_group_bytes.max(1) } else { u64::MAX };
+        let mut i = 0;
+        while i < chunk.len() {
+            let mut j = i;
+            let mut total = 0u64;
+            while j < chunk.len() && (j == i || total + padded(chunk[j].len) <= group_bytes) {
+                total += padded(chunk[j].len);
+                j += 1;
             }
-            placed.push((pos, p.len, seq));
-            let rec_end = (pos + p.len - base) as usize;
-            pos = padded(pos + p.len);
-            buf[rec_end..(pos - base) as usize].fill(0); // padding between records
+            let group = &chunk[i..j];
+            let last = j == chunk.len();
+            let base = align_down(data_end, align);
+            let end = data_end + total;
+            let needed = (align_up(end, align) - base) as usize;
+            let mut buf = self.write_buffer(st, needed);
+            buf[..tail.len()].copy_from_slice(&tail);
+            let mut pos = data_end;
+            for p in group {
+                let seq = match &p.rec {
+                    NewRecord::Relocated { header, .. } => header.seq,
+                    _ => {
+                        let s = st.next_seq;
+                        st.next_seq += 1;
+                        s
+                    }
+                };
+                let at = (pos - base) as usize;
+                let dst = &mut buf[at..at + p.len as usize];
+                match (&p.rec, &p.payload) {
+                    (NewRecord::Relocated { header, .. }, Payload::Relocated(bytes)) => {
+                        dst.copy_from_slice(bytes);
+                        format::relocate_record(dst, header, id, epoch);
+                    }
+                    (rec, payload) => {
+                        let key = rec.key();
+                        let (flags, aux, frame_lens, raw_len): (u8, u32, Vec<u64>, u64) = match (rec, payload) {
+                            (NewRecord::Tombstone { aux, .. }, _) => (format::FLAG_TOMBSTONE, *aux, Vec::new(), 0),
+                            (NewRecord::SyncMark, _) => (format::FLAG_SYNC_MARK, 0, Vec::new(), 0),
+                            (NewRecord::Value { frames, .. }, Payload::Compressed(_)) => (
+                                format::FLAG_LZ4,
+                                0,
+                                frames.iter().map(|f| f.len() as u64).collect(),
+                                laid_out_len(frames),
+                            ),
+                            (NewRecord::Value { frames, .. }, _) => {
+                                (0, 0, frames.iter().map(|f| f.len() as u64).collect(), laid_out_len(frames))
+                            }
+                            (NewRecord::Relocated { .. }, _) => {
+                                unreachable!("relocated records carry their bytes")
+                            }
+                        };
+                        let head = format::RECORD_HEADER_LEN + 8 * frame_lens.len() + key.len();
+                        let po = align_up(head as u64, format::FRAME_ALIGN) as usize;
+                        let stored_len = p.len - po as u64;
+                        let w = po;
+                        match payload {
+                            Payload::Frames(frames) => {
+                                let n = laid_out_len(frames) as usize;
+                                format::lay_out_frames(&mut dst[w..w + n], frames.iter().map(|f| &f[..]));
+                            }
+                            Payload::Compressed(c) => dst[w..w + c.len()].copy_from_slice(c),
+                            Payload::Empty | Payload::Relocated(_) => {}
+                        }
+                        let h = RecordHeader {
+                            flags,
+                            frame_count: frame_lens.len() as u16,
+                            key_len: key.len() as u32,
+                            segment: id,
+                            epoch,
+                            payload_crc: format::payload_crc(&dst[po..]),
+                            seq,
+                            raw_len,
+                            stored_len,
+                            aux,
+                        };
+                        format::write_record_head(dst, &h, &frame_lens, key);
+                    }
+                }
+                placed.push((pos, p.len, seq));
+                let rec_end = (pos + p.len - base) as usize;
+                pos = padded(pos + p.len);
+                buf[rec_end..(pos - base) as usize].fill(0); // padding between records
+            }
+            debug_assert_eq!(pos, end);
+            buf[(end - base) as usize..].fill(0); // padding up to the aligned end
+            let tail_start = align_down(end, align);
+            tail = buf[(tail_start - base) as usize..(end - base) as usize].to_vec();
+            // Whole blocks only, except for the last group (the next group rewrites this partial block).
+            let write_len = if last { needed } else { (tail_start - base) as usize };
+            data_end = end;
+            i = j;
+            if write_len == 0 {
+                st.spare_bufs.push(buf);
+                continue;
+            }
+            buf.set_len(write_len);
+            while in_flight.len() >= WRITES_IN_FLIGHT {
+                let w = in_flight.pop_front().expect("non-empty");
+                self.reap_write(st, w, &mut failure);
+            }
+            if failure.is_some() {
+                st.spare_bufs.push(buf);
+                break;
+            }
+            in_flight.push_back(self.backend.write_at_async(&file, base, buf));
         }
-        debug_assert_eq!(pos, end);
-        buf[(end - base) as usize..].fill(0); // padding up to the aligned end
+        while let Some(w) = in_flight.pop_front() {
+            self.reap_write(st, w, &mut failure);
+        }
+        if let Some(e) = failure {
+            // Nothing of the chunk is published; the log is read-only from here (poisoned).
+            return Err(self.poison(Error::io("write segment", self.seg_path(id), e)));
+        }
+        self.publish_chunk(st, chunk, &placed, data_end, tail, epoch)
+    }
 
-        let (r, buf) = self.backend.write_at(&a.file, base, buf);
-        if let Err(e) = r {
-            return Err(self.poison(Error::io("write segment", self.seg_path(a.id), e)));
-        }
-        let tail_start = align_down(end, self.align);
-        let tail = buf[(tail_start - base) as usize..(end - base) as usize].to_vec();
+    /// Wait for one write of `write_chunk`, keep its buffer for reuse, remember the first failure.
+    fn reap_write(&self, st: &mut WriterState<B::File>, w: crate::backend::IoFuture, failure: &mut Option<io::Error>) {
+        let (r, buf) = crate::task::block_on(w);
         if buf.capacity() <= MAX_SPARE_BUF {
-            st.spare_buf = Some(buf);
+            st.spare_bufs.push(buf);
         }
-        self.publish_chunk(st, chunk, &placed, end, tail, epoch)
+        if let Err(e) = r {
+            failure.get_or_insert(e);
+        }
+    }
+
+    /// A write buffer of `needed` bytes: a spare one if large enough, else a new one with slack.
+    fn write_buffer(&self, st: &mut WriterState<B::File>, needed: usize) -> AlignedBuf {
+        if let Some(k) = st.spare_bufs.iter().position(|b| b.capacity() >= needed) {
+            let mut b = st.spare_bufs.swap_remove(k);
+            b.set_len(needed);
+            return b;
+        }
+        // Room to grow: the next batch of same-sized values needs a little more or less depending on
+        // where the last one ended in its block. Without the slack, writing 8 MiB values alternated
+        // between reusing the buffer and allocating (and faulting in) a fresh one; profiled in a dask
+        // worker, that was a quarter of the spill time.
+        st.spare_bufs.truncate(WRITES_IN_FLIGHT);
+        let cap = (needed + (needed / 8).max(64 << 10)).min(MAX_SPARE_BUF.max(needed));
+        let mut b = self.backend.alloc_buf(cap, self.align as usize);
+        b.set_len(needed);
+        b
     }
 
     /// After the bytes of `chunk` are written at `placed` (offset, len, seq) up to `end`: update the

@@ -90,7 +90,19 @@ fn failure_at_every_io_step_of_a_workload_never_panics_and_loses_no_synced_recor
         let mut pending = Vec::new();
         for i in 0..60 {
             let k = format!("k{i}");
-            log.put(k.as_bytes(), &frames_for(k.as_bytes(), 2500))?;
+            if i % 10 == 5 {
+                // A batch spanning several 8 KiB groups.
+                let extra: Vec<String> = (0..4).map(|j| format!("b{i}-{j}")).collect();
+                let values: Vec<Frames> = extra.iter().map(|e| frames_for(e.as_bytes(), 2500)).collect();
+                let mut items: Vec<(&[u8], &Frames)> =
+                    extra.iter().zip(&values).map(|(e, v)| (e.as_bytes(), v)).collect();
+                let v = frames_for(k.as_bytes(), 2500);
+                items.push((k.as_bytes(), &v));
+                log.put_many(&items)?;
+                pending.extend(extra);
+            } else {
+                log.put(k.as_bytes(), &frames_for(k.as_bytes(), 2500))?;
+            }
             pending.push(k);
             if i % 3 == 2 {
                 // A delete that fails may still have reached the disk (a torn write can carry the
@@ -108,32 +120,39 @@ fn failure_at_every_io_step_of_a_workload_never_panics_and_loses_no_synced_recor
         log.sync()?;
         Ok(())
     }
-    // Count the I/O steps of a clean run, then fail each one in turn.
-    let clean = SimBackend::new();
-    let ops_before = clean.op_count();
-    workload(&SegmentLog::open(clean.clone(), "/s", opts()).unwrap(), &mut Vec::new()).unwrap();
-    let steps = clean.op_count() - ops_before;
-    assert!(steps > 20);
-    for step in 0..steps {
-        for kind in [FaultKind::Eio, FaultKind::Enospc, FaultKind::TornWrite] {
-            let be = SimBackend::new();
-            let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
-            be.inject(Fault { op: FaultOp::Any, after: step, kind, sticky: false });
-            let mut synced = Vec::new();
-            let r = workload(&log, &mut synced);
-            if be.fault_fired() {
-                assert!(r.is_err(), "step {step} {kind:?}: a fault fired but the workload succeeded");
-            }
-            drop(log);
-            // Power cut after the fault: every record synced (and not deleted) before it is readable.
-            let be = be.crash(Some(step));
-            let log = SegmentLog::open(be, "/s", opts()).unwrap_or_else(|e| panic!("step {step}: reopen: {e}"));
-            for k in &synced {
-                assert_eq!(
-                    log.get(k.as_bytes()).unwrap_or_else(|e| panic!("step {step} {kind:?}: {k}: {e}")),
-                    Some(frames_for(k.as_bytes(), 2500)),
-                    "step {step} {kind:?}: synced record {k} lost"
-                );
+    // Once with one write per batch, once with batches cut into 8 KiB groups written "in flight" (the
+    // io_uring path: the sim backend claims a queue, so a fault can hit any group of a batch).
+    for grouped in [false, true] {
+        let opts = || LogOptions { write_group_bytes: 8 << 10, ..opts() };
+        // Count the I/O steps of a clean run, then fail each one in turn.
+        let clean = SimBackend::new();
+        clean.set_queue_writes(grouped);
+        let ops_before = clean.op_count();
+        workload(&SegmentLog::open(clean.clone(), "/s", opts()).unwrap(), &mut Vec::new()).unwrap();
+        let steps = clean.op_count() - ops_before;
+        assert!(steps > 20);
+        for step in 0..steps {
+            for kind in [FaultKind::Eio, FaultKind::Enospc, FaultKind::TornWrite] {
+                let be = SimBackend::new();
+                be.set_queue_writes(grouped);
+                let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
+                be.inject(Fault { op: FaultOp::Any, after: step, kind, sticky: false });
+                let mut synced = Vec::new();
+                let r = workload(&log, &mut synced);
+                if be.fault_fired() {
+                    assert!(r.is_err(), "step {step} {kind:?}: a fault fired but the workload succeeded");
+                }
+                drop(log);
+                // Power cut after the fault: every record synced (and not deleted) before it is readable.
+                let be = be.crash(Some(step));
+                let log = SegmentLog::open(be, "/s", opts()).unwrap_or_else(|e| panic!("step {step}: reopen: {e}"));
+                for k in &synced {
+                    assert_eq!(
+                        log.get(k.as_bytes()).unwrap_or_else(|e| panic!("step {step} {kind:?}: {k}: {e}")),
+                        Some(frames_for(k.as_bytes(), 2500)),
+                        "step {step} {kind:?} grouped={grouped}: synced record {k} lost"
+                    );
+                }
             }
         }
     }

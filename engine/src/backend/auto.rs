@@ -191,6 +191,17 @@ impl Backend for AutoBackend {
             _ => Box::pin(std::future::ready(self.read_at(file, offset, buf))),
         }
     }
+    fn queues_writes(&self) -> bool {
+        matches!(self, AutoBackend::Uring(_))
+    }
+
+    fn write_at_async(&self, file: &Arc<AutoFile>, offset: u64, buf: AlignedBuf) -> IoFuture {
+        match (self, &**file) {
+            (AutoBackend::Uring(u), AutoFile::Uring(f)) => Box::pin(u.write(f, offset, buf)),
+            _ => Box::pin(std::future::ready(self.write_at(file, offset, buf))),
+        }
+    }
+
     fn read_pipelined(
         &self,
         depth: usize,

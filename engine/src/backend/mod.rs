@@ -134,6 +134,18 @@ pub trait Backend: Send + Sync + 'static {
         Box::pin(std::future::ready(self.read_at(file, offset, buf)))
     }
 
+    /// Whether `write_at_async` really overlaps writes (a submission queue). The log then writes a
+    /// batch as many smaller writes in flight at once; otherwise as one large write.
+    fn queues_writes(&self) -> bool {
+        false
+    }
+
+    /// Start a write and return its future; the default performs it synchronously. As with reads, the
+    /// backend owns the buffer until the write completes, even if the future is dropped.
+    fn write_at_async(&self, file: &Arc<Self::File>, offset: u64, buf: AlignedBuf) -> IoFuture {
+        Box::pin(std::future::ready(self.write_at(file, offset, buf)))
+    }
+
     /// A stream of reads with up to `depth` in flight, all on the calling thread: `next` supplies reads
     /// until it returns `None`, `done` receives each result (in completion order) with its tag. The
     /// default runs them one after another. The io_uring backend keeps `depth` in flight on a ring

@@ -122,6 +122,8 @@ struct SimState {
     fired: u64,
     ops: u64,
     align: usize,
+    /// Report `queues_writes`, so the log uses its grouped write path (writes still run in order).
+    queue_writes: bool,
 }
 
 /// An open simulated file.
@@ -161,12 +163,19 @@ impl SimBackend {
                 fired: 0,
                 ops: 0,
                 align,
+                queue_writes: false,
             })),
         }
     }
 
     fn lock(&self) -> MutexGuard<'_, SimState> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Claim a submission queue (`Backend::queues_writes`), so the log writes batches as groups the
+    /// way it does on io_uring; the writes themselves still happen one by one, in order.
+    pub fn set_queue_writes(&self, on: bool) {
+        self.lock().queue_writes = on;
     }
 
     /// Schedule a fault.
@@ -275,6 +284,7 @@ impl SimBackend {
                 fired: 0,
                 ops: 0,
                 align: st.align,
+                queue_writes: st.queue_writes,
             })),
         }
     }
@@ -447,6 +457,10 @@ impl Backend for SimBackend {
         }
         buf.copy_from_slice(&d.cur[offset as usize..end]);
         (Ok(()), buf)
+    }
+
+    fn queues_writes(&self) -> bool {
+        self.lock().queue_writes
     }
 
     fn write_at(&self, file: &SimFile, offset: u64, buf: AlignedBuf) -> BufResult {

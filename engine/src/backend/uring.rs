@@ -580,6 +580,14 @@ impl Backend for UringBackend {
         Box::pin(self.read(file, offset, buf))
     }
 
+    fn queues_writes(&self) -> bool {
+        true
+    }
+
+    fn write_at_async(&self, file: &Arc<UringFile>, offset: u64, buf: AlignedBuf) -> IoFuture {
+        Box::pin(self.write(file, offset, buf))
+    }
+
     fn read_pipelined(
         &self,
         depth: usize,
