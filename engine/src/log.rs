@@ -1518,6 +1518,17 @@ impl<B: Backend> SegmentLog<B> {
                 st.spare_bufs.push(buf);
                 break;
             }
+            if last && in_flight.is_empty() {
+                // Nothing to overlap with: a plain blocking write (inline on io_uring, no hand-off).
+                let (r, buf) = self.backend.write_at(&file, base, buf);
+                if buf.capacity() <= MAX_SPARE_BUF {
+                    st.spare_bufs.push(buf);
+                }
+                if let Err(e) = r {
+                    failure.get_or_insert(e);
+                }
+                break;
+            }
             in_flight.push_back(self.backend.write_at_async(&file, base, buf));
         }
         while let Some(w) = in_flight.pop_front() {
