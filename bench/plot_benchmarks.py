@@ -11,11 +11,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 # (label, measured ratio, target ratio)
 RESULTS = [
-    ("seq write 1M QD16\nvs fio", 0.72, 0.9),
-    ("randread 64K QD16\nvs fio", 0.77, 0.9),
-    ("randread 4K QD32\nvs fio", 0.54, 0.8),
+    ("seq write 1M QD16\nvs fio", 0.97, 0.9),
+    ("randread 64K QD16\nvs fio", 0.81, 0.9),
+    ("randread 4K QD32\nvs fio", 0.56, 0.8),
     ("uring QD32 vs\nportable 1 thread", 3.1, 1.5),
-    ("uring QD32 vs\nportable 32 threads", 0.75, 1.5),
+    ("uring QD32 vs\nportable 32 threads", 0.78, 1.5),
     ("store spill 4K\nvs file-per-key", 7.5, 10),
     ("store unspill 4K\nvs file-per-key", 4.3, 10),
     ("store spill 64K\nvs file-per-key", 7.3, 5),
