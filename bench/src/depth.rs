@@ -27,19 +27,24 @@ fn more(args: &Args, issued: u64, nkeys: u64, deadline: Option<Instant>) -> bool
     issued < nkeys || (args.time_based && deadline.is_some())
 }
 
+/// What one job thread works on.
+pub(crate) struct Job<'a> {
+    pub log: &'a Arc<SegmentLog<AutoBackend>>,
+    pub args: &'a Args,
+    pub rw: Rw,
+    /// Index of the job thread (its key range).
+    pub job: usize,
+    /// Keys per job thread.
+    pub nkeys: u64,
+    pub deadline: Option<Instant>,
+    /// Bytes done by all jobs (for the progress line).
+    pub done: &'a AtomicU64,
+}
+
 /// `--iodepth` reads per job thread, through [`SegmentLog::get_pipelined`]: on io_uring the job
 /// thread owns a ring and keeps `iodepth` reads in flight, submitting and reaping itself.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn reads(
-    log: &Arc<SegmentLog<AutoBackend>>,
-    args: &Args,
-    rw: Rw,
-    job: usize,
-    nkeys: u64,
-    deadline: Option<Instant>,
-    done: &AtomicU64,
-    rng: &mut SmallRng,
-) -> Result<(Side, Side)> {
+pub(crate) fn reads(j: &Job<'_>, rng: &mut SmallRng) -> Result<(Side, Side)> {
+    let Job { log, args, rw, job, nkeys, deadline, done } = *j;
     let mut issued = 0u64;
     // Start times of the reads in flight, by key (a random key may be in flight twice).
     let mut started: HashMap<Vec<u8>, Vec<Instant>> = HashMap::new();
@@ -77,18 +82,8 @@ pub(crate) fn reads(
 }
 
 /// `--iodepth` values per `put_many`.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn writes(
-    log: &Arc<SegmentLog<AutoBackend>>,
-    args: &Args,
-    rw: Rw,
-    job: usize,
-    nkeys: u64,
-    deadline: Option<Instant>,
-    done: &AtomicU64,
-    rng: &mut SmallRng,
-    value: &Frames,
-) -> Result<(Side, Side)> {
+pub(crate) fn writes(j: &Job<'_>, rng: &mut SmallRng, value: &Frames) -> Result<(Side, Side)> {
+    let Job { log, args, rw, job, nkeys, deadline, done } = *j;
     let mut w = Side::new();
     let mut issued = 0u64;
     while more(args, issued, nkeys, deadline) {

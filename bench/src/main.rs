@@ -303,11 +303,12 @@ fn run_job(log: &Arc<SegmentLog<AutoBackend>>, args: &Args, rw: Rw, progress: bo
                 s.spawn(move || -> Result<(Side, Side)> {
                     let mut rng = rand::rngs::SmallRng::seed_from_u64(job as u64 + 1);
                     let value = make_value(args.payload, args.bs as usize, &mut rng);
+                    let j = depth::Job { log: &log, args, rw, job, nkeys, deadline, done: &done };
                     if args.iodepth > 1 && matches!(rw, Rw::Read | Rw::Randread) {
-                        return depth::reads(&log, args, rw, job, nkeys, deadline, &done, &mut rng);
+                        return depth::reads(&j, &mut rng);
                     }
                     if args.iodepth > 1 && matches!(rw, Rw::Write | Rw::Randwrite) {
-                        return depth::writes(&log, args, rw, job, nkeys, deadline, &done, &mut rng, &value);
+                        return depth::writes(&j, &mut rng, &value);
                     }
                     let (mut r, mut w) = (Side::new(), Side::new());
                     let mut i = 0u64;

@@ -398,6 +398,12 @@ impl Client {
 
     fn get_inner(&mut self, key: &[u8]) -> Result<Option<Frames>> {
         let Some(m) = self.request(key)? else { return Ok(None) };
+        self.receive_whole(&m).map(Some)
+    }
+
+    /// Read the stored payload announced by `m` into memory, verify it, decompress it, cut it into
+    /// frames (bounded by `max_value_bytes`, checked when the header was read).
+    fn receive_whole(&mut self, m: &StreamedValue) -> Result<Frames> {
         let mut buf = AlignedBuf::zeroed(m.stored_len as usize, format::FRAME_ALIGN as usize);
         self.stream.read_exact(&mut buf).map_err(|e| io_err("receive value", e))?;
         let actual = format::payload_crc(&buf);
@@ -420,9 +426,9 @@ impl Client {
             buf.freeze()
         };
         let (offsets, _) = format::frame_layout(m.frame_lens.iter().copied()).expect("checked");
-        Ok(Some(Frames(
+        Ok(Frames(
             m.frame_lens.iter().zip(offsets).map(|(&l, at)| data.slice(at as usize..(at + l) as usize)).collect(),
-        )))
+        ))
     }
 
     /// Fetch `key` straight into `log` under `as_key`, in stored form, never holding the value in
@@ -445,26 +451,8 @@ impl Client {
         let Some(m) = self.request(key)? else { return Ok(false) };
         if m.lz4 {
             // An lz4 block decompresses only whole: bounded by `max_value_bytes`.
-            let mut buf = vec![0u8; m.stored_len as usize];
-            self.stream.read_exact(&mut buf).map_err(|e| io_err("receive value", e))?;
-            let actual = format::payload_crc(&buf);
-            if actual != m.payload_crc {
-                return Err(Error::ChecksumMismatch {
-                    segment: 0,
-                    offset: 0,
-                    what: "received value",
-                    expected: m.payload_crc,
-                    actual,
-                });
-            }
-            let raw = lz4_flex::block::decompress(&buf, m.raw_len as usize)
-                .map_err(|_| proto("lz4 payload does not decompress"))?;
-            if raw.len() as u64 != m.raw_len {
-                return Err(proto("lz4 payload does not decompress to its announced length"));
-            }
-            let (offsets, _) = format::frame_layout(m.frame_lens.iter().copied()).expect("checked");
-            for (&l, at) in m.frame_lens.iter().zip(offsets) {
-                out.write_all(&raw[at as usize..(at + l) as usize]).map_err(|e| io_err("write output", e))?;
+            for f in self.receive_whole(&m)?.iter() {
+                out.write_all(f).map_err(|e| io_err("write output", e))?;
             }
             return Ok(true);
         }
