@@ -1915,7 +1915,13 @@ impl<B: Backend> SegmentLog<B> {
                 .into_iter()
                 .map(|e| {
                     let keep = if e.flags & format::FLAG_TOMBSTONE != 0 {
-                        !index.contains_key(e.key.as_slice()) && st.segs.range(e.aux..id).next().is_some()
+                        // Needed while a segment it shadows exists, unless the key is live again with
+                        // a record whose own (future) tombstone will shadow at least as far back. A key
+                        // deleted and then put again gets a `first_segment` after this tombstone's
+                        // `aux`: dropping the tombstone then let an old copy come back once the new
+                        // record was deleted too (found by the `log_model` fuzz target).
+                        st.segs.range(e.aux..id).next().is_some()
+                            && index.get(e.key.as_slice()).is_none_or(|l| l.first_segment > e.aux)
                     } else {
                         index.get(e.key.as_slice()).is_some_and(|l| l.segment == id && l.offset as u64 == e.offset)
                     };

@@ -36,7 +36,7 @@ use crate::backend::{Backend, PortableBackend};
 use crate::buf::AlignedBuf;
 use crate::error::{Error, Result};
 use crate::format;
-use crate::log::{LogOptions, SegmentLog};
+use crate::log::{LogOptions, SegmentLog, StreamedValue};
 use crate::slot::Slot;
 use crate::value::Frames;
 
@@ -526,6 +526,34 @@ impl<C: Codec, B: Backend> Store<C, B> {
             inner.any_stuck = true;
         }
         self.insert(inner, key, e)?;
+        Ok(())
+    }
+
+    /// Store a value arriving from a peer (`src`, in the stored form `meta` announces) straight into
+    /// the log, never holding it in memory: for a receiver over its target. The value is then on
+    /// disk, like a spilled one. When `max_spill` refuses it, it is received into memory instead
+    /// (serialized). The store's lock is held while the bytes arrive, so concurrent operations wait
+    /// for the transfer; nothing of the value is visible until it arrived whole and verified.
+    pub fn put_stream(&self, key: &[u8], meta: &StreamedValue, src: &mut dyn std::io::Read) -> Result<()> {
+        let raw: u64 = meta.frame_lens.iter().sum();
+        let mut inner = self.lock();
+        if !self.spill_allowed(&mut inner, raw) {
+            drop(inner);
+            let frames = crate::transfer::read_stored_form(meta, src, self.log.options().max_value_bytes)?;
+            return self.put_serialized(key, frames);
+        }
+        let t = Instant::now();
+        self.drop_entry(&mut inner, key)?;
+        self.log.put_stream(key, meta, src)?;
+        let m = &self.metrics.acts[DISK_WRITE];
+        m.count.fetch_add(1, Ordering::Relaxed);
+        m.bytes.fetch_add(raw, Ordering::Relaxed);
+        m.ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        let mut e = Entry::new(Slot::new(), Tier::Disk, 0);
+        e.disk_raw = raw;
+        e.disk_bytes = self.log.location(key).map_or(0, |l| l.len);
+        e.large = raw > self.cfg.target_bytes;
+        self.insert(&mut inner, key, e)?;
         Ok(())
     }
 

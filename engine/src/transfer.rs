@@ -27,7 +27,8 @@ use crate::backend::Backend;
 use crate::buf::AlignedBuf;
 use crate::error::{Error, Result};
 use crate::format::{self, MAX_FRAMES, MAX_KEY_BYTES};
-use crate::log::{SegmentLog, StreamedValue};
+use crate::log::{SegmentLog, StoredValue, StreamedValue};
+use crate::store::{Codec, Store, Tier};
 use crate::value::Frames;
 
 /// Protocol version spoken by this build.
@@ -149,9 +150,55 @@ pub fn read_value_header(r: &mut impl Read, max: u64) -> Result<StreamedValue> {
     Ok(StreamedValue { lz4, frame_lens, raw_len, stored_len, payload_crc })
 }
 
-/// Serve `log` on `listener` until the listener fails: one thread per connection, at most
+/// What a server sends values from: a [`SegmentLog`] (everything on disk) or a [`Store`] (values on
+/// disk, serialized in memory, or materialized).
+pub trait Source: Send + Sync + 'static {
+    /// The backend of the log that holds spilled values.
+    type Backend: Backend;
+    /// That log.
+    fn log(&self) -> &SegmentLog<Self::Backend>;
+    /// How `key`'s value goes on the wire, or `None` if there is no such key.
+    fn outgoing(&self, key: &[u8]) -> Result<Option<Outgoing<<Self::Backend as Backend>::File>>>;
+}
+
+/// A value on its way out.
+pub enum Outgoing<F> {
+    /// In the log: the stored form is sent as it is on disk (spliced when large).
+    Stored(StoredValue<F>),
+    /// In memory: the frames are sent from their buffers, laid out as on disk (uncompressed).
+    Frames(Frames),
+}
+
+impl<B: Backend> Source for SegmentLog<B> {
+    type Backend = B;
+    fn log(&self) -> &SegmentLog<B> {
+        self
+    }
+    fn outgoing(&self, key: &[u8]) -> Result<Option<Outgoing<B::File>>> {
+        Ok(self.stored_value(key)?.map(Outgoing::Stored))
+    }
+}
+
+impl<C: Codec, B: Backend> Source for Store<C, B> {
+    type Backend = B;
+    fn log(&self) -> &SegmentLog<B> {
+        Store::log(self)
+    }
+    /// A spilled value is sent from its segment (never read back into memory); a value in memory is
+    /// sent from its serialized frames (a materialized one is serialized once for this).
+    fn outgoing(&self, key: &[u8]) -> Result<Option<Outgoing<B::File>>> {
+        if self.tier(key) == Some(Tier::Disk) {
+            if let Some(sv) = Store::log(self).stored_value(key)? {
+                return Ok(Some(Outgoing::Stored(sv)));
+            }
+        }
+        Ok(self.get_serialized(key)?.map(Outgoing::Frames))
+    }
+}
+
+/// Serve `src` on `listener` until the listener fails: one thread per connection, at most
 /// `opts.max_connections` at once.
-pub fn serve<B: Backend>(log: Arc<SegmentLog<B>>, listener: TcpListener, opts: TransferOptions) -> Result<()> {
+pub fn serve<S: Source>(log: Arc<S>, listener: TcpListener, opts: TransferOptions) -> Result<()> {
     let active = Arc::new(AtomicUsize::new(0));
     loop {
         let (mut stream, peer) = match listener.accept() {
@@ -171,7 +218,7 @@ pub fn serve<B: Backend>(log: Arc<SegmentLog<B>>, listener: TcpListener, opts: T
         }
         let (log, opts, slot) = (log.clone(), opts.clone(), active.clone());
         let spawned = std::thread::Builder::new().name(format!("spillway-serve-{peer}")).spawn(move || {
-            if let Err(e) = serve_connection(&log, stream, &opts) {
+            if let Err(e) = serve_connection(&*log, stream, &opts) {
                 log::info!("transfer: connection from {peer} ended: {e}");
             }
             slot.fetch_sub(1, Ordering::SeqCst);
@@ -198,7 +245,7 @@ fn refuse(stream: &mut TcpStream, why: &str) -> io::Result<()> {
 
 /// Serve one connection until the peer closes it (`Ok`) or breaks the protocol (`Err`, after an
 /// error response where one can still be sent).
-pub fn serve_connection<B: Backend>(log: &SegmentLog<B>, mut stream: TcpStream, opts: &TransferOptions) -> Result<()> {
+pub fn serve_connection<S: Source>(src: &S, mut stream: TcpStream, opts: &TransferOptions) -> Result<()> {
     stream.set_read_timeout(Some(opts.timeout)).map_err(|e| io_err("set timeout", e))?;
     stream.set_write_timeout(Some(opts.timeout)).map_err(|e| io_err("set timeout", e))?;
     let _ = stream.set_nodelay(true);
@@ -226,10 +273,18 @@ pub fn serve_connection<B: Backend>(log: &SegmentLog<B>, mut stream: TcpStream, 
         }
         let mut key = vec![0u8; key_len];
         stream.read_exact(&mut key).map_err(|e| io_err("receive key", e))?;
-        let sv = match log.stored_value(&key) {
-            Ok(Some(sv)) if sv.meta.stored_len <= opts.max_value_bytes => sv,
-            Ok(Some(sv)) => {
+        let sv = match src.outgoing(&key) {
+            Ok(Some(Outgoing::Stored(sv))) if sv.meta.stored_len <= opts.max_value_bytes => sv,
+            Ok(Some(Outgoing::Stored(sv))) => {
                 send_error(&mut stream, &format!("value of {} bytes is over the limit", sv.meta.stored_len))?;
+                continue;
+            }
+            Ok(Some(Outgoing::Frames(frames))) => {
+                if frames.total_len() > opts.max_value_bytes {
+                    send_error(&mut stream, &format!("value of {} bytes is over the limit", frames.total_len()))?;
+                } else {
+                    send_frames(&mut stream, &frames)?;
+                }
                 continue;
             }
             Ok(None) => {
@@ -241,6 +296,7 @@ pub fn serve_connection<B: Backend>(log: &SegmentLog<B>, mut stream: TcpStream, 
                 continue;
             }
         };
+        let log = src.log();
         let mut head = vec![ST_VALUE];
         head.extend_from_slice(&value_header(&sv.meta));
         stream.write_all(&head).map_err(|e| io_err("send value header", e))?;
@@ -262,6 +318,32 @@ pub fn serve_connection<B: Backend>(log: &SegmentLog<B>, mut stream: TcpStream, 
             }
         }
     }
+}
+
+/// Send in-memory frames as an uncompressed VALUE: the same layout as on disk (each frame at a
+/// 64-byte boundary, zeros between), written from the frames' own buffers.
+fn send_frames(stream: &mut TcpStream, frames: &Frames) -> Result<()> {
+    const ZEROS: [u8; format::FRAME_ALIGN as usize] = [0; format::FRAME_ALIGN as usize];
+    let frame_lens: Vec<u64> = frames.iter().map(|f| f.len() as u64).collect();
+    let (offsets, total) = format::frame_layout(frame_lens.iter().copied()).expect("in-memory frames fit");
+    let mut crc = crc32fast::Hasher::new();
+    let mut at = 0u64;
+    for (f, &o) in frames.iter().zip(&offsets) {
+        crc.update(&ZEROS[..(o - at) as usize]);
+        crc.update(f);
+        at = o + f.len() as u64;
+    }
+    let meta = StreamedValue { lz4: false, frame_lens, raw_len: total, stored_len: total, payload_crc: crc.finalize() };
+    let mut head = vec![ST_VALUE];
+    head.extend_from_slice(&value_header(&meta));
+    stream.write_all(&head).map_err(|e| io_err("send value header", e))?;
+    let mut at = 0u64;
+    for (f, &o) in frames.iter().zip(&offsets) {
+        stream.write_all(&ZEROS[..(o - at) as usize]).map_err(|e| io_err("send value", e))?;
+        stream.write_all(f).map_err(|e| io_err("send value", e))?;
+        at = o + f.len() as u64;
+    }
+    Ok(())
 }
 
 fn send_error(stream: &mut TcpStream, msg: &str) -> Result<()> {
@@ -404,31 +486,7 @@ impl Client {
     /// Read the stored payload announced by `m` into memory, verify it, decompress it, cut it into
     /// frames (bounded by `max_value_bytes`, checked when the header was read).
     fn receive_whole(&mut self, m: &StreamedValue) -> Result<Frames> {
-        let mut buf = AlignedBuf::zeroed(m.stored_len as usize, format::FRAME_ALIGN as usize);
-        self.stream.read_exact(&mut buf).map_err(|e| io_err("receive value", e))?;
-        let actual = format::payload_crc(&buf);
-        if actual != m.payload_crc {
-            return Err(Error::ChecksumMismatch {
-                segment: 0,
-                offset: 0,
-                what: "received value",
-                expected: m.payload_crc,
-                actual,
-            });
-        }
-        let data: Bytes = if m.lz4 {
-            let mut out = AlignedBuf::zeroed(m.raw_len as usize, format::FRAME_ALIGN as usize);
-            match lz4_flex::block::decompress_into(&buf, &mut out) {
-                Ok(n) if n as u64 == m.raw_len => out.freeze(),
-                _ => return Err(proto("lz4 payload does not decompress to its announced length")),
-            }
-        } else {
-            buf.freeze()
-        };
-        let (offsets, _) = format::frame_layout(m.frame_lens.iter().copied()).expect("checked");
-        Ok(Frames(
-            m.frame_lens.iter().zip(offsets).map(|(&l, at)| data.slice(at as usize..(at + l) as usize)).collect(),
-        ))
+        read_stored_form(m, &mut self.stream, self.opts.max_value_bytes)
     }
 
     /// Fetch `key` straight into `log` under `as_key`, in stored form, never holding the value in
@@ -437,6 +495,24 @@ impl Client {
         self.guarded(|c| {
             let Some(m) = c.request(key)? else { return Ok(false) };
             log.put_stream(as_key, &m, &mut c.stream).map(|()| true)
+        })
+    }
+
+    /// Fetch `key` into `store` under the same key. A receiver at or under its target keeps the value
+    /// in memory, serialized (deserialized only when a task asks for it); one over its target stores
+    /// it straight into its log without holding it in memory ([`Store::put_stream`]). Returns whether
+    /// the server had the key; on any failure nothing is stored.
+    pub fn get_into_store<C: Codec, B: Backend>(&mut self, key: &[u8], store: &Store<C, B>) -> Result<bool> {
+        self.guarded(|c| {
+            let Some(m) = c.request(key)? else { return Ok(false) };
+            let total: u64 = m.frame_lens.iter().sum();
+            if store.memory_bytes().saturating_add(total) <= store.config().target_bytes {
+                let frames = c.receive_whole(&m)?;
+                store.put_serialized(key, frames)?;
+            } else {
+                store.put_stream(key, &m, &mut c.stream)?;
+            }
+            Ok(true)
         })
     }
 
@@ -505,4 +581,39 @@ pub fn encode_value_response(meta: &StreamedValue) -> Vec<u8> {
 /// The greeting both sides send first.
 pub fn greeting() -> [u8; 8] {
     hello()
+}
+
+/// Read the stored form `m` announces from `src` into memory (at most `max` bytes), verify its
+/// checksum, decompress it and cut it into frames.
+pub fn read_stored_form(m: &StreamedValue, src: &mut dyn Read, max: u64) -> Result<Frames> {
+    if m.stored_len > max {
+        return Err(proto(format!("value of {} stored bytes is over the limit of {max}", m.stored_len)));
+    }
+    let mut buf = AlignedBuf::zeroed(m.stored_len as usize, format::FRAME_ALIGN as usize);
+    src.read_exact(&mut buf).map_err(|e| io_err("receive value", e))?;
+    let actual = format::payload_crc(&buf);
+    if actual != m.payload_crc {
+        return Err(Error::ChecksumMismatch {
+            segment: 0,
+            offset: 0,
+            what: "received value",
+            expected: m.payload_crc,
+            actual,
+        });
+    }
+    let data: Bytes = if m.lz4 {
+        let mut out = AlignedBuf::zeroed(m.raw_len as usize, format::FRAME_ALIGN as usize);
+        match lz4_flex::block::decompress_into(&buf, &mut out) {
+            Ok(n) if n as u64 == m.raw_len => out.freeze(),
+            _ => return Err(proto("lz4 payload does not decompress to its announced length")),
+        }
+    } else {
+        buf.freeze()
+    };
+    let (offsets, laid_out) =
+        format::frame_layout(m.frame_lens.iter().copied()).ok_or_else(|| proto("frame lengths overflow"))?;
+    if laid_out != m.raw_len || (!m.lz4 && m.stored_len != m.raw_len) {
+        return Err(proto("frame lengths do not lay out to the announced length"));
+    }
+    Ok(Frames(m.frame_lens.iter().zip(offsets).map(|(&l, at)| data.slice(at as usize..(at + l) as usize)).collect()))
 }

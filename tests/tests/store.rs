@@ -375,3 +375,50 @@ fn a_value_read_back_from_disk_is_evicted_again_without_a_write() {
     assert_eq!(s.metrics().activity("disk-write").count, writes + 1);
     assert_eq!(*s.get(b"a").unwrap().unwrap(), val(1, 3000));
 }
+
+/// A store served to a peer: each tier goes out as it is held (a spilled value from its segment, a
+/// serialized one from its frames, a materialized one serialized once); the receiver keeps values
+/// serialized while under its target and stores them straight to disk once over it. Nothing is
+/// deserialized on either side.
+#[test]
+fn transfer_between_stores_by_tier_without_deserializing() {
+    use spillway::transfer::{self, Client, TransferOptions};
+    let tmp = tempfile::tempdir().unwrap();
+    let sender = Arc::new(
+        Store::open(TestCodec::default(), spillway::PortableBackend::new(), tmp.path(), cfg(100_000)).unwrap(),
+    );
+    sender.put(b"materialized", val(b'm', 5_000)).unwrap();
+    sender.put_serialized(b"serialized", ser(&val(b's', 7_000))).unwrap();
+    sender.put_serialized(b"large", ser(&val(b'l', 300_000))).unwrap(); // heavier than target: on disk
+    for i in 0..40u8 {
+        sender.put_serialized(&[b'x', i], ser(&val(i, 9_000))).unwrap(); // pushes older ones to disk
+    }
+    assert_eq!(sender.tier(b"large"), Some(Tier::Disk));
+    let on_disk = (0..40u8).find(|&i| sender.tier(&[b'x', i]) == Some(Tier::Disk)).expect("some spilled");
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let opts = TransferOptions { splice_min_bytes: 0, ..Default::default() };
+    let served = sender.clone();
+    std::thread::spawn(move || transfer::serve(served, listener, opts));
+
+    let receiver = Store::open(TestCodec::default(), SimBackend::new(), "/r", cfg(20_000)).unwrap();
+    let mut c = Client::connect(&addr, TransferOptions::default()).unwrap();
+    for key in [&b"materialized"[..], b"serialized"] {
+        assert!(c.get_into_store(key, &receiver).unwrap());
+        assert_eq!(receiver.tier(key), Some(Tier::Serialized), "under target: kept serialized");
+    }
+    assert!(c.get_into_store(b"large", &receiver).unwrap());
+    assert_eq!(receiver.tier(b"large"), Some(Tier::Disk), "over target: straight to disk");
+    assert!(c.get_into_store(&[b'x', on_disk], &receiver).unwrap());
+    assert!(!c.get_into_store(b"absent", &receiver).unwrap());
+    assert_eq!(receiver.codec().deserialized.load(Ordering::SeqCst), 0, "nothing deserialized on arrival");
+    assert_eq!(sender.codec().deserialized.load(Ordering::SeqCst), 0, "nothing deserialized to send");
+    assert!(sender.memory_bytes() <= 100_000);
+    assert!(receiver.memory_bytes() <= 20_000);
+    assert_eq!(*receiver.get(b"materialized").unwrap().unwrap(), val(b'm', 5_000));
+    assert_eq!(*receiver.get(b"serialized").unwrap().unwrap(), val(b's', 7_000));
+    assert_eq!(*receiver.get(b"large").unwrap().unwrap(), val(b'l', 300_000));
+    assert_eq!(*receiver.get(&[b'x', on_disk]).unwrap().unwrap(), val(on_disk, 9_000));
+    let m = receiver.metrics();
+    assert!(m.activity("disk-write").bytes >= 300_000, "the large value was written on arrival");
+}

@@ -131,3 +131,41 @@ fn automatic_compaction_keeps_a_churning_store_bounded() {
     assert_eq!(s.live_records, 50);
     assert!(s.disk_bytes <= 2 * s.live_bytes + 2 * SEG, "{s:?}");
 }
+
+/// A key deleted, put again and deleted again must stay deleted after compaction and reopen. The
+/// first tombstone shadows the key's oldest copy; the re-put record's own tombstone shadows only
+/// segments from the re-put on. Compaction used to drop the first tombstone while the key was live
+/// again, so the oldest copy came back (found by the `log_model` fuzz target).
+#[test]
+fn a_reput_key_deleted_again_stays_deleted_after_compaction() {
+    let be = SimBackend::new();
+    let opts = || LogOptions { segment_bytes: 64 << 10, ..Default::default() };
+    let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
+    let v = |n: usize| Frames::from(vec![9u8; n]);
+    log.put(b"k", &v(10_000)).unwrap(); // oldest copy, segment 1
+    log.put(b"keep-1", &v(40_000)).unwrap(); // keeps segment 1 alive
+    for i in 0..4 {
+        log.put(format!("fill{i}").as_bytes(), &v(20_000)).unwrap(); // rotate on
+    }
+    log.delete(b"k").unwrap(); // tombstone shadowing segment 1, in segment S
+    log.put(b"k", &v(5_000)).unwrap(); // live again in S, first_segment = S
+    for i in 0..4 {
+        log.put(format!("after{i}").as_bytes(), &v(20_000)).unwrap(); // seal S
+    }
+    for i in 0..4 {
+        log.delete(format!("fill{i}").as_bytes()).unwrap();
+        log.delete(format!("after{i}").as_bytes()).unwrap();
+    }
+    log.compact().unwrap(); // S is sparse: its live record and needed tombstones move on
+    log.delete(b"k").unwrap(); // tombstone shadowing only segments from S on
+    for i in 0..4 {
+        log.put(format!("more{i}").as_bytes(), &v(20_000)).unwrap();
+    }
+    log.compact().unwrap();
+    log.sync().unwrap();
+    assert!(log.get(b"k").unwrap().is_none());
+    drop(log);
+    let log = SegmentLog::open(be, "/s", opts()).unwrap();
+    assert!(log.get(b"k").unwrap().is_none(), "the deleted key's oldest copy came back");
+    assert!(log.get(b"keep-1").unwrap().is_some());
+}
