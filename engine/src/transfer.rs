@@ -75,6 +75,11 @@ fn io_err(op: &'static str, e: io::Error) -> Error {
     Error::io(op, None, e)
 }
 
+/// A received payload whose crc32 differs from the one its header announced.
+fn received_crc_mismatch(what: &'static str, expected: u32, actual: u32) -> Error {
+    Error::ChecksumMismatch { segment: 0, offset: 0, what, expected, actual }
+}
+
 fn proto(msg: impl Into<String>) -> Error {
     Error::Protocol(msg.into())
 }
@@ -297,9 +302,7 @@ pub fn serve_connection<S: Source>(src: &S, mut stream: TcpStream, opts: &Transf
             }
         };
         let log = src.log();
-        let mut head = vec![ST_VALUE];
-        head.extend_from_slice(&value_header(&sv.meta));
-        stream.write_all(&head).map_err(|e| io_err("send value header", e))?;
+        stream.write_all(&encode_value_response(&sv.meta)).map_err(|e| io_err("send value header", e))?;
         match log.backend().as_fd(&sv.file) {
             Some(fd) if !opts.copy && sv.meta.stored_len >= opts.splice_min_bytes => {
                 if pipe.is_none() {
@@ -334,9 +337,7 @@ fn send_frames(stream: &mut TcpStream, frames: &Frames) -> Result<()> {
         at = o + f.len() as u64;
     }
     let meta = StreamedValue { lz4: false, frame_lens, raw_len: total, stored_len: total, payload_crc: crc.finalize() };
-    let mut head = vec![ST_VALUE];
-    head.extend_from_slice(&value_header(&meta));
-    stream.write_all(&head).map_err(|e| io_err("send value header", e))?;
+    stream.write_all(&encode_value_response(&meta)).map_err(|e| io_err("send value header", e))?;
     let mut at = 0u64;
     for (f, &o) in frames.iter().zip(&offsets) {
         stream.write_all(&ZEROS[..(o - at) as usize]).map_err(|e| io_err("send value", e))?;
@@ -559,19 +560,14 @@ impl Client {
         }
         let actual = crc.finalize();
         if actual != m.payload_crc {
-            return Err(Error::ChecksumMismatch {
-                segment: 0,
-                offset: 0,
-                what: "received value (already written out)",
-                expected: m.payload_crc,
-                actual,
-            });
+            return Err(received_crc_mismatch("received value (already written out)", m.payload_crc, actual));
         }
         Ok(true)
     }
 }
 
-/// The stored form of a value, for tests and tools that speak the protocol by hand.
+/// The head of a VALUE response (status byte, header, frame table); the stored bytes follow. Used by
+/// the server, and by tests and tools that speak the protocol by hand.
 pub fn encode_value_response(meta: &StreamedValue) -> Vec<u8> {
     let mut v = vec![ST_VALUE];
     v.extend_from_slice(&value_header(meta));
@@ -593,13 +589,7 @@ pub fn read_stored_form(m: &StreamedValue, src: &mut dyn Read, max: u64) -> Resu
     src.read_exact(&mut buf).map_err(|e| io_err("receive value", e))?;
     let actual = format::payload_crc(&buf);
     if actual != m.payload_crc {
-        return Err(Error::ChecksumMismatch {
-            segment: 0,
-            offset: 0,
-            what: "received value",
-            expected: m.payload_crc,
-            actual,
-        });
+        return Err(received_crc_mismatch("received value", m.payload_crc, actual));
     }
     let data: Bytes = if m.lz4 {
         let mut out = AlignedBuf::zeroed(m.raw_len as usize, format::FRAME_ALIGN as usize);
