@@ -12,7 +12,11 @@
 use std::alloc::{self, Layout};
 use std::fmt;
 use std::ptr::NonNull;
-use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::sync::{Arc, PoisonError};
+
+// The free list's lock and condvar come from the sync shim, so `loom-tests/` models check-out and
+// check-in as they are.
+use crate::sync::{Condvar, Mutex};
 
 use bytes::Bytes;
 

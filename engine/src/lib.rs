@@ -23,12 +23,9 @@ pub mod format;
 pub mod key;
 pub mod log;
 pub mod slot;
-// The store is built on std's Arc; under loom only the lock-free parts it uses are compiled and modeled.
-#[cfg(not(spillway_loom))]
 pub mod store;
 pub mod sync;
 pub mod task;
-#[cfg(not(spillway_loom))]
 pub mod transfer;
 pub mod units;
 pub mod value;
@@ -40,6 +37,5 @@ pub use log::{
     CompactStats, Compression, Location, LogOptions, LogStats, RecoveryReport, SegmentLog, StoredValue, StreamedValue,
     VerifyProblem, MAX_SEGMENT_BYTES, MAX_VALUE_BYTES,
 };
-#[cfg(not(spillway_loom))]
 pub use store::{Codec, CodecError, MetricsSnapshot, Store, StoreConfig, Tier};
 pub use value::Frames;

@@ -26,8 +26,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -38,6 +37,9 @@ use crate::error::{Error, Result};
 use crate::format;
 use crate::log::{LogOptions, SegmentLog, StreamedValue};
 use crate::slot::Slot;
+// Locks, counters and the values' `Arc` come from the sync shim, so the loom models in `loom-tests/`
+// run this code as it is (keys and slots are plain `Arc`s: only their contents are shared state).
+use crate::sync::{self, AtomicU64, Mutex, MutexGuard, Ordering};
 use crate::value::Frames;
 
 /// Entries looked at per eviction round.
@@ -481,7 +483,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             return self.put_large(&mut inner, key, frames);
         }
         let mut inner = self.lock();
-        let e = Entry::new(Slot::ready(Arc::new(value)), Tier::Materialized, weight);
+        let e = Entry::new(Slot::ready(sync::Arc::new(value)), Tier::Materialized, weight);
         let k = self.insert(&mut inner, key, e)?;
         self.enforce(&mut inner, Some(&k))
     }
@@ -782,63 +784,79 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// The materialized value of `key`, deserializing it (exactly once, whatever the concurrency) if it
     /// is held serialized. A value read back from disk is promoted to memory unless it is heavier than
     /// the target.
-    pub fn get(&self, key: &[u8]) -> Result<Option<Arc<C::Value>>> {
-        let (k, slot, source) = {
-            let mut inner = self.lock();
-            let Some((k, e)) = inner.map.get_key_value(key) else { return Ok(None) };
-            let k = k.clone();
-            if let Some(v) = e.slot.try_get() {
+    ///
+    /// A get that races a `remove` (or a new `put`) of the key returns the old value, `None` or the new
+    /// value, never an error caused by the race: if reading fails and the entry it was reading has been
+    /// removed or replaced meanwhile, the get starts over.
+    pub fn get(&self, key: &[u8]) -> Result<Option<sync::Arc<C::Value>>> {
+        loop {
+            let (k, slot, source) = {
+                let mut inner = self.lock();
+                let Some((k, e)) = inner.map.get_key_value(key) else { return Ok(None) };
+                let k = k.clone();
+                if let Some(v) = e.slot.try_get() {
+                    Self::touch(&mut inner, &k);
+                    return Ok(Some(v));
+                }
+                let source = match (e.tier, &e.frames, &e.compressed) {
+                    (Tier::Disk, ..) => Source::Disk,
+                    (_, Some(f), _) => Source::Frames(f.clone()),
+                    (_, None, Some(c)) => Source::Compressed(c.clone()),
+                    // A materialized entry always has a ready slot while the store lock is held.
+                    _ => {
+                        return Err(Error::InvalidConfig(format!(
+                            "{:?}: materialized entry without a value",
+                            key_str(key)
+                        )))
+                    }
+                };
+                let slot = e.slot.clone();
                 Self::touch(&mut inner, &k);
+                (k, slot, source)
+            };
+            let got = slot.get_or_materialize(|| {
+                let frames = self.fetch(&k, source)?;
+                let t = Instant::now();
+                let n = frames.total_len();
+                let v = self.codec.deserialize(frames).map_err(|e| Error::Codec {
+                    op: "deserialize",
+                    key: key_str(&k),
+                    source: Arc::from(e),
+                })?;
+                self.metrics.acts[DESERIALIZE].add(n, t);
+                Ok(v)
+            });
+            let mut inner = self.lock();
+            let current = inner.map.get(&k).filter(|e| Arc::ptr_eq(&e.slot, &slot));
+            let v = match got {
+                Ok(v) => v,
+                // The entry was removed or replaced while it was being read: start over.
+                Err(_) if current.is_none() => continue,
+                Err(e) => return Err(e),
+            };
+            // Promote (or, for large values, let the caller keep the only reference).
+            let Some(e) = current else { return Ok(Some(v)) };
+            if e.tier == Tier::Materialized {
                 return Ok(Some(v));
             }
-            let source = match (e.tier, &e.frames, &e.compressed) {
-                (Tier::Disk, ..) => Source::Disk,
-                (_, Some(f), _) => Source::Frames(f.clone()),
-                (_, None, Some(c)) => Source::Compressed(c.clone()),
-                // A materialized entry always has a ready slot while the store lock is held.
-                _ => {
-                    return Err(Error::InvalidConfig(format!("{:?}: materialized entry without a value", key_str(key))))
-                }
-            };
-            let slot = e.slot.clone();
-            Self::touch(&mut inner, &k);
-            (k, slot, source)
-        };
-        let v = slot.get_or_materialize(|| {
-            let frames = self.fetch(&k, source)?;
-            let t = Instant::now();
-            let n = frames.total_len();
-            let v = self.codec.deserialize(frames).map_err(|e| Error::Codec {
-                op: "deserialize",
-                key: key_str(&k),
-                source: Arc::from(e),
-            })?;
-            self.metrics.acts[DESERIALIZE].add(n, t);
-            Ok(v)
-        })?;
-        // Promote (or, for large values, let the caller keep the only reference).
-        let mut inner = self.lock();
-        let Some(e) = inner.map.get(&k) else { return Ok(Some(v)) };
-        if !Arc::ptr_eq(&e.slot, &slot) || e.tier == Tier::Materialized {
+            if e.large {
+                e.slot.evict();
+                return Ok(Some(v));
+            }
+            let mut ne = self.take_entry(&mut inner, &k);
+            ne.tier = Tier::Materialized;
+            ne.frames = None;
+            ne.compressed = None;
+            ne.weight = self.codec.size_of(&v);
+            ne.stuck = false;
+            ne.tick = inner.next_tick;
+            inner.next_tick += 1;
+            // A value read back from disk keeps its disk copy (disk_* fields unchanged): evicting it
+            // again costs no write.
+            self.put_entry(&mut inner, &k, ne);
+            self.enforce(&mut inner, None)?;
             return Ok(Some(v));
         }
-        if e.large {
-            e.slot.evict();
-            return Ok(Some(v));
-        }
-        let mut ne = self.take_entry(&mut inner, &k);
-        ne.tier = Tier::Materialized;
-        ne.frames = None;
-        ne.compressed = None;
-        ne.weight = self.codec.size_of(&v);
-        ne.stuck = false;
-        ne.tick = inner.next_tick;
-        inner.next_tick += 1;
-        // A value read back from disk keeps its disk copy (disk_* fields unchanged): evicting it again
-        // costs no write.
-        self.put_entry(&mut inner, &k, ne);
-        self.enforce(&mut inner, None)?;
-        Ok(Some(v))
     }
 
     fn fetch(&self, key: &[u8], source: Source) -> Result<Frames> {
@@ -871,34 +889,44 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// peer). A materialized value is serialized (its object stays); a value on disk is read and, unless
     /// heavier than the target, promoted to the serialized tier.
     pub fn get_serialized(&self, key: &[u8]) -> Result<Option<Frames>> {
-        let (k, slot, source, large) = {
-            let mut inner = self.lock();
-            let Some((k, e)) = inner.map.get_key_value(key) else { return Ok(None) };
-            let k = k.clone();
-            let large = e.large;
-            let slot = e.slot.clone();
-            let source = match (e.tier, &e.frames, &e.compressed) {
-                (Tier::Disk, ..) => Source::Disk,
-                (_, Some(f), _) => Source::Frames(f.clone()),
-                (_, None, Some(c)) => Source::Compressed(c.clone()),
-                (Tier::Materialized, None, None) => match e.slot.try_get() {
-                    Some(v) => {
-                        Self::touch(&mut inner, &k);
-                        drop(inner);
-                        return self.serialize(&k, &v).map(Some);
-                    }
-                    None => Source::Disk, // unreachable in practice: materialized entries have a value
-                },
-                _ => Source::Disk,
+        loop {
+            let (k, slot, source, large) = {
+                let mut inner = self.lock();
+                let Some((k, e)) = inner.map.get_key_value(key) else { return Ok(None) };
+                let k = k.clone();
+                let large = e.large;
+                let slot = e.slot.clone();
+                let source = match (e.tier, &e.frames, &e.compressed) {
+                    (Tier::Disk, ..) => Source::Disk,
+                    (_, Some(f), _) => Source::Frames(f.clone()),
+                    (_, None, Some(c)) => Source::Compressed(c.clone()),
+                    (Tier::Materialized, None, None) => match e.slot.try_get() {
+                        Some(v) => {
+                            Self::touch(&mut inner, &k);
+                            drop(inner);
+                            return self.serialize(&k, &v).map(Some);
+                        }
+                        None => Source::Disk, // unreachable in practice: materialized entries have a value
+                    },
+                    _ => Source::Disk,
+                };
+                Self::touch(&mut inner, &k);
+                (k, slot, source, large)
             };
-            Self::touch(&mut inner, &k);
-            (k, slot, source, large)
-        };
-        let was_disk = matches!(source, Source::Disk);
-        let frames = self.fetch(&k, source)?;
-        if was_disk && !large {
+            let was_disk = matches!(source, Source::Disk);
+            let got = self.fetch(&k, source);
+            if !was_disk {
+                return got.map(Some); // in-memory sources cannot vanish under a reader
+            }
             let mut inner = self.lock();
-            if inner.map.get(&k).is_some_and(|e| Arc::ptr_eq(&e.slot, &slot) && e.tier == Tier::Disk) {
+            let current = inner.map.get(&k).is_some_and(|e| Arc::ptr_eq(&e.slot, &slot));
+            let frames = match got {
+                Ok(f) => f,
+                // The entry was removed or replaced while it was being read: start over.
+                Err(_) if !current => continue,
+                Err(e) => return Err(e),
+            };
+            if !large && current && inner.map.get(&k).is_some_and(|e| e.tier == Tier::Disk) {
                 let mut ne = self.take_entry(&mut inner, &k);
                 ne.tier = Tier::Serialized;
                 ne.weight = frames.total_len();
@@ -908,8 +936,8 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 self.put_entry(&mut inner, &k, ne); // keeps its disk copy, like `get`
                 self.enforce(&mut inner, None)?;
             }
+            return Ok(Some(frames));
         }
-        Ok(Some(frames))
     }
 
     /// Delete `key` from every tier. Returns whether it existed.
@@ -941,6 +969,66 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// The tier `key` is in.
     pub fn tier(&self, key: &[u8]) -> Option<Tier> {
         self.lock().map.get(key).map(|e| e.tier)
+    }
+
+    /// Recompute the accounting from the entries and compare it with the running totals, the LRU order
+    /// and the log's index. `Err` names the first difference. For tests and debugging: it walks every
+    /// entry under the store's lock.
+    pub fn check_accounting(&self) -> std::result::Result<(), String> {
+        let inner = self.lock();
+        let (mut mem, mut disk, mut raw) = (0u64, 0u64, 0u64);
+        let (mut count, mut bytes) = ([0u64; 4], [0u64; 4]);
+        let mut in_lru = 0usize;
+        for (k, e) in &inner.map {
+            let name = key_str(k);
+            count[e.tier.idx()] += 1;
+            bytes[e.tier.idx()] += if e.tier == Tier::Disk { e.disk_bytes } else { e.weight };
+            mem += e.weight;
+            disk += e.disk_bytes;
+            raw += e.disk_raw;
+            let logged = self.log.location(k).map(|l| l.len);
+            if (e.disk_bytes > 0) != logged.is_some() || logged.is_some_and(|l| l != e.disk_bytes) {
+                return Err(format!("{name:?}: accounted {} bytes on disk, the log has {logged:?}", e.disk_bytes));
+            }
+            match e.tier {
+                Tier::Disk => {
+                    if e.weight != 0 || e.frames.is_some() || e.compressed.is_some() || e.disk_bytes == 0 {
+                        return Err(format!("{name:?}: disk entry with memory state or no record"));
+                    }
+                }
+                _ => {
+                    in_lru += 1;
+                    if inner.lru.get(&e.tick).is_none_or(|l| l != k) {
+                        return Err(format!("{name:?}: in memory but not in the LRU at its tick {}", e.tick));
+                    }
+                }
+            }
+            let has_bytes = match e.tier {
+                Tier::Materialized => e.slot.state() == crate::slot::SlotState::Ready,
+                Tier::Serialized => e.frames.as_ref().is_some_and(|f| f.total_len() == e.weight),
+                Tier::Compressed => e.compressed.as_ref().is_some_and(|c| c.block.len() as u64 == e.weight),
+                Tier::Disk => true,
+            };
+            if !has_bytes {
+                return Err(format!("{name:?}: {} entry without its value (or with a wrong weight)", e.tier.name()));
+            }
+        }
+        if in_lru != inner.lru.len() {
+            return Err(format!("LRU holds {} keys, {in_lru} entries are in memory", inner.lru.len()));
+        }
+        if (mem, disk, raw, count, bytes)
+            != (inner.mem_bytes, inner.disk_bytes, inner.disk_raw, inner.tier_count, inner.tier_bytes)
+        {
+            return Err(format!(
+                "totals drifted: recomputed mem {mem} disk {disk} raw {raw} counts {count:?} bytes {bytes:?}, \
+                 running mem {} disk {} raw {} counts {:?} bytes {:?}",
+                inner.mem_bytes, inner.disk_bytes, inner.disk_raw, inner.tier_count, inner.tier_bytes
+            ));
+        }
+        if self.log.len() != inner.map.values().filter(|e| e.disk_bytes > 0).count() {
+            return Err(format!("the log holds {} keys the store does not know of", self.log.len()));
+        }
+        Ok(())
     }
 
     /// Total memory weight.

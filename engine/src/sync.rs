@@ -7,13 +7,13 @@
 #[cfg(not(spillway_loom))]
 pub use std::sync::{
     atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering},
-    Arc, Condvar, Mutex, MutexGuard,
+    Arc, Condvar, Mutex, MutexGuard, RwLock,
 };
 
 #[cfg(spillway_loom)]
 pub use loom::sync::{
     atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering},
-    Arc, Condvar, Mutex, MutexGuard,
+    Arc, Condvar, Mutex, MutexGuard, RwLock,
 };
 
 /// Yield the thread (loom's yield under the loom cfg, so spin loops are explored).
