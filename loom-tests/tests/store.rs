@@ -1,0 +1,228 @@
+//! loom models of the store (`spillway::Store`) as it is: compiled with `--cfg spillway_loom`, its lock,
+//! its metrics counters and every value's `Arc` and slot come from loom through the sync shim.
+//!
+//! The store runs on the simulated (in-memory) backend. The segment log's own locks are std's, so
+//! loom treats each log call as one step: these models explore the interleavings of store operations
+//! (the store lock, the slots, the windows between them where a reader holds no lock), not of the
+//! log's internals, which its own tests and the `log_model` fuzz target cover.
+#![cfg(spillway_loom)]
+
+use bytes::Bytes;
+use loom::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use loom::sync::Arc;
+use loom::thread;
+use spillway::{Codec, CodecError, Frames, SimBackend, Store, StoreConfig, Tier};
+
+/// Values are byte strings; the codec counts its calls.
+#[derive(Default)]
+struct Counting {
+    deserialized: AtomicUsize,
+}
+
+impl Codec for Counting {
+    type Value = Vec<u8>;
+    fn serialize(&self, v: &Vec<u8>) -> Result<Frames, CodecError> {
+        Ok(Frames(vec![Bytes::from(v.clone())]))
+    }
+    fn deserialize(&self, f: Frames) -> Result<Vec<u8>, CodecError> {
+        self.deserialized.fetch_add(1, Ordering::SeqCst);
+        Ok(f.0.iter().flat_map(|b| b.iter().copied()).collect())
+    }
+    fn size_of(&self, v: &Vec<u8>) -> u64 {
+        v.len() as u64
+    }
+}
+
+type S = Store<Counting, SimBackend>;
+
+/// Target 100 bytes: two 64-byte values do not fit, one does.
+fn store() -> Arc<S> {
+    let cfg = StoreConfig { target_bytes: 100, ..StoreConfig::default() };
+    Arc::new(Store::open(Counting::default(), SimBackend::new(), "/loom", cfg).unwrap())
+}
+
+fn val(tag: u8, len: usize) -> Vec<u8> {
+    vec![tag; len]
+}
+
+/// `a` (64 bytes of 1) on disk, `b` (64 bytes of 2) serialized in memory.
+fn store_with_a_spilled() -> Arc<S> {
+    let s = store();
+    s.put_serialized(b"a", Frames(vec![Bytes::from(val(1, 64))])).unwrap();
+    s.put_serialized(b"b", Frames(vec![Bytes::from(val(2, 64))])).unwrap();
+    assert_eq!(s.tier(b"a"), Some(Tier::Disk));
+    assert_eq!(s.tier(b"b"), Some(Tier::Serialized));
+    s
+}
+
+/// loom's explorer with the preemption bound `LOOM_MAX_PREEMPTIONS` (default 2; 0 is no bound), for
+/// models whose threads both run long paths.
+fn bounded() -> loom::model::Builder {
+    let mut b = loom::model::Builder::new();
+    let bound = std::env::var("LOOM_MAX_PREEMPTIONS").ok().and_then(|v| v.parse().ok()).unwrap_or(2);
+    b.preemption_bound = (bound > 0).then_some(bound);
+    b
+}
+
+fn deserialized(s: &S) -> usize {
+    s.codec().deserialized.load(Ordering::SeqCst)
+}
+
+/// Two threads get a spilled key: one disk read, one deserialize, the same `Arc` for both, and the
+/// promotion leaves the accounting exact. Both threads run long paths (store lock, slot, log index,
+/// promotion), so this model is explored under a preemption bound (see `bounded`).
+#[test]
+fn concurrent_gets_of_a_spilled_key_read_and_deserialize_once() {
+    bounded().check(|| {
+        let s = store();
+        s.put_serialized(b"a", Frames(vec![Bytes::from(val(1, 64))])).unwrap();
+        assert_eq!(s.evict().unwrap(), 64);
+        assert_eq!(s.tier(b"a"), Some(Tier::Disk));
+        let t = {
+            let s = s.clone();
+            thread::spawn(move || s.get(b"a").unwrap().unwrap())
+        };
+        let x = s.get(b"a").unwrap().unwrap();
+        let y = t.join().unwrap();
+        assert!(Arc::ptr_eq(&x, &y));
+        assert_eq!(*x, val(1, 64));
+        assert_eq!(deserialized(&s), 1);
+        let m = s.metrics();
+        assert_eq!(m.activity("disk-read").count, 1);
+        assert_eq!(m.activity("deserialize").count, 1);
+        assert_eq!(s.tier(b"a"), Some(Tier::Materialized));
+        assert_eq!(s.memory_bytes(), 64);
+        s.check_accounting().unwrap();
+    });
+}
+
+/// A get of a spilled key races its removal: the get returns the value or nothing, never an error (the
+/// record it was about to read may be gone), and nothing of the key is left in memory, on disk or in
+/// the accounting.
+#[test]
+fn get_races_remove_of_a_spilled_key() {
+    loom::model(|| {
+        let s = store_with_a_spilled();
+        let t = {
+            let s = s.clone();
+            thread::spawn(move || s.get(b"a").unwrap())
+        };
+        assert!(s.remove(b"a").unwrap());
+        if let Some(v) = t.join().unwrap() {
+            assert_eq!(*v, val(1, 64));
+        }
+        assert!(!s.contains(b"a"));
+        assert!(s.get(b"a").unwrap().is_none());
+        assert_eq!(s.len(), 1);
+        s.check_accounting().unwrap();
+    });
+}
+
+/// A get of a key held serialized in memory races its removal, with the same guarantees.
+#[test]
+fn get_races_remove_of_a_serialized_key() {
+    loom::model(|| {
+        let s = store_with_a_spilled();
+        let t = {
+            let s = s.clone();
+            thread::spawn(move || s.get(b"b").unwrap())
+        };
+        assert!(s.remove(b"b").unwrap());
+        if let Some(v) = t.join().unwrap() {
+            assert_eq!(*v, val(2, 64));
+        }
+        assert!(s.get(b"b").unwrap().is_none());
+        s.check_accounting().unwrap();
+    });
+}
+
+/// `remove` then a new `put` of the same key, racing a get: the get returns the old value, nothing or
+/// the new value; once it has seen the new put complete, only the new value. The new generation is
+/// put in memory (`large == false`) or straight to disk (`large == true`, heavier than the target).
+fn remove_then_put_races_get(large: bool) {
+    loom::model(move || {
+        let s = store_with_a_spilled();
+        let done = Arc::new(AtomicBool::new(false));
+        let new = if large { val(3, 128) } else { val(3, 64) };
+        let writer = {
+            let (s, done, new) = (s.clone(), done.clone(), new.clone());
+            thread::spawn(move || {
+                assert!(s.remove(b"a").unwrap());
+                s.put(b"a", new).unwrap();
+                done.store(true, Ordering::Release);
+            })
+        };
+        let seen_done = done.load(Ordering::Acquire);
+        let got = s.get(b"a").unwrap();
+        match got.as_deref() {
+            Some(v) if *v == new => {}
+            Some(v) => {
+                assert_eq!(*v, val(1, 64), "a value of neither generation");
+                assert!(!seen_done, "old generation returned after the new put completed");
+            }
+            None => assert!(!seen_done, "nothing returned after the new put completed"),
+        }
+        writer.join().unwrap();
+        assert_eq!(*s.get(b"a").unwrap().unwrap(), new);
+        s.check_accounting().unwrap();
+    });
+}
+
+#[test]
+fn remove_then_put_in_memory_races_get() {
+    remove_then_put_races_get(false);
+}
+
+#[test]
+fn remove_then_put_to_disk_races_get() {
+    remove_then_put_races_get(true);
+}
+
+/// A get materializing a key held serialized races `evict` (the memory monitor's manual spill): the
+/// value is never lost or corrupted, at most one deserialize runs per materialization, and the
+/// accounting ends exact whichever tier the key ends in.
+#[test]
+fn get_races_evict() {
+    loom::model(|| {
+        let s = store();
+        s.put_serialized(b"a", Frames(vec![Bytes::from(val(1, 64))])).unwrap();
+        let t = {
+            let s = s.clone();
+            thread::spawn(move || s.evict().unwrap())
+        };
+        let v = s.get(b"a").unwrap().unwrap();
+        let freed = t.join().unwrap();
+        assert_eq!(*v, val(1, 64));
+        assert!(freed <= 64);
+        s.check_accounting().unwrap();
+        assert_eq!(*s.get(b"a").unwrap().unwrap(), val(1, 64));
+        let m = s.metrics();
+        assert_eq!(m.activity("deserialize").count as usize, deserialized(&s));
+        assert!(deserialized(&s) <= 2);
+        s.check_accounting().unwrap();
+    });
+}
+
+/// Metrics counters updated from two threads sum exactly: each thread puts and gets its own key.
+#[test]
+fn metrics_counters_sum_exactly() {
+    loom::model(|| {
+        let s = store();
+        let work = |s: &S, k: &[u8], tag: u8| {
+            s.put_serialized(k, Frames(vec![Bytes::from(val(tag, 16))])).unwrap();
+            assert_eq!(*s.get(k).unwrap().unwrap(), val(tag, 16));
+        };
+        let t = {
+            let s = s.clone();
+            thread::spawn(move || work(&s, b"x", 7))
+        };
+        work(&s, b"y", 8);
+        t.join().unwrap();
+        let m = s.metrics();
+        assert_eq!(m.activity("deserialize").count, 2);
+        assert_eq!(m.activity("deserialize").bytes, 32);
+        assert_eq!(m.activity("memory-read").count, 2);
+        assert_eq!(m.memory_bytes, 32);
+        s.check_accounting().unwrap();
+    });
+}
