@@ -32,6 +32,8 @@ const MATERIALIZING: u64 = 1;
 const READY: u64 = 2;
 const EVICTING: u64 = 3;
 const READER: u64 = 4;
+// IDLE is the zero state: moving out of it adds the new state, moving into it subtracts the old one.
+const _: () = assert!(IDLE == 0);
 
 /// The state of a slot, as observed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -153,7 +155,7 @@ impl<V, E: Clone> Slot<V, E> {
                         }
                         match self.word.compare_exchange_weak(
                             cur,
-                            cur + (MATERIALIZING - IDLE),
+                            cur + MATERIALIZING,
                             Ordering::AcqRel,
                             Ordering::Acquire,
                         ) {
@@ -183,9 +185,9 @@ impl<V, E: Clone> Slot<V, E> {
                         }
                     }
                 }
-                READY => {}
                 _ => {
-                    // EVICTING is a few instructions long and never waits on anything: spin.
+                    // READY: published since `try_get` above, so loop to take it. EVICTING is a few
+                    // instructions long and never waits on anything: spin.
                     drop(w);
                     yield_now();
                 }
@@ -209,7 +211,7 @@ impl<V, E: Clone> Slot<V, E> {
             Err(e) => {
                 let mut w = self.wait.lock().unwrap_or_else(|p| p.into_inner());
                 w.failure = Some((attempt, e.clone()));
-                self.word.fetch_sub(MATERIALIZING - IDLE, Ordering::AcqRel);
+                self.word.fetch_sub(MATERIALIZING, Ordering::AcqRel);
                 self.cond.notify_all();
                 Err(e)
             }
@@ -227,7 +229,7 @@ impl<V, E: Clone> Slot<V, E> {
             // read, and no other writer exists in this state.
             unsafe { (*p).take() }
         });
-        self.word.fetch_sub(EVICTING - IDLE, Ordering::AcqRel);
+        self.word.fetch_sub(EVICTING, Ordering::AcqRel);
         v
     }
 }
