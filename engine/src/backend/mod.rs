@@ -28,6 +28,7 @@ use std::sync::Arc;
 use crate::buf::AlignedBuf;
 
 mod auto;
+pub mod doorbell;
 mod portable;
 mod sim;
 mod uring;

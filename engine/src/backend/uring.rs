@@ -43,6 +43,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Waker};
 use std::thread::JoinHandle;
 
+use super::doorbell::Doorbell;
+
 use io_uring::{opcode, squeue, types, IoUring, Probe};
 use slab::Slab;
 
@@ -155,8 +157,8 @@ enum Request {
 
 struct Shared {
     queue: Mutex<Vec<Request>>,
-    /// True while the driver is (about to be) asleep in the kernel; whoever flips it back kicks.
-    idle: AtomicBool,
+    /// The driver's sleep/wake handshake (loom-modelled in `loom-tests/tests/doorbell.rs`).
+    idle: Doorbell,
     shutdown: AtomicBool,
     eventfd: OwnedFd,
     free_slots: Mutex<Vec<u32>>,
@@ -169,7 +171,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl Shared {
     fn send(&self, reqs: Vec<Request>) {
         lock(&self.queue).extend(reqs);
-        if self.idle.swap(false, Ordering::SeqCst) {
+        if self.idle.must_ring() {
             self.kick();
         }
     }
@@ -352,7 +354,7 @@ impl UringBackend {
         let eventfd = rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC)?;
         let shared = Arc::new(Shared {
             queue: Mutex::new(Vec::new()),
-            idle: AtomicBool::new(false),
+            idle: Doorbell::new(),
             shutdown: AtomicBool::new(false),
             eventfd,
             free_slots: Mutex::new(free_slots),
@@ -694,13 +696,11 @@ impl Driver {
                 }
                 continue;
             }
-            self.shared.idle.store(true, Ordering::SeqCst);
-            if !lock(&self.shared.queue).is_empty() {
-                self.shared.idle.store(false, Ordering::SeqCst);
+            if !self.shared.idle.may_sleep(|| !lock(&self.shared.queue).is_empty()) {
                 continue;
             }
             self.enter(ring, 1);
-            self.shared.idle.store(false, Ordering::SeqCst);
+            self.shared.idle.awake();
         }
         // Nothing is in flight: the ring (and its registrations) can go, then the pool.
         // SAFETY: `kept` is dropped exactly once, here, and not used afterwards.
