@@ -1072,7 +1072,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
         self.log.sync()
     }
 
-    /// A snapshot of the metrics and the current accounting.
+    /// A snapshot of the metrics and the current accounting. The accounting is read under the store's
+    /// lock and is consistent; the activity counters are read one after another while other threads may
+    /// be bumping them, so two counters of one snapshot need not be from the same instant.
     pub fn metrics(&self) -> MetricsSnapshot {
         let inner = self.lock();
         MetricsSnapshot {
