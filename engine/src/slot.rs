@@ -177,11 +177,12 @@ impl<V, E: Clone> Slot<V, E> {
                     while self.word.load(Ordering::Acquire) & STATE_MASK == MATERIALIZING {
                         w = self.cond.wait(w).unwrap_or_else(|p| p.into_inner());
                     }
-                    if self.word.load(Ordering::Acquire) & STATE_MASK == IDLE {
-                        if let Some((a, e)) = &w.failure {
-                            if *a == seen {
-                                return Err(e.clone());
-                            }
+                    // The attempt this thread waited for failed: report its error, even if another
+                    // thread has started a new attempt since (every waiter of one attempt gets the
+                    // same answer, whatever the timing).
+                    if let Some((a, e)) = &w.failure {
+                        if *a == seen {
+                            return Err(e.clone());
                         }
                     }
                 }
