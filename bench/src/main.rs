@@ -117,6 +117,10 @@ struct Args {
     /// With --runtime, loop over the data until the time is up.
     #[arg(long)]
     time_based: bool,
+    /// Measured rounds of `spill-unspill` (alternating which side runs first; the best round of each
+    /// side is reported).
+    #[arg(long, default_value_t = 2)]
+    loops: usize,
     /// Percentage of reads in randrw.
     #[arg(long, default_value_t = 50)]
     rwmixread: u32,
@@ -415,6 +419,7 @@ fn main() -> Result<()> {
             size: args.size,
             target: args.target,
             numjobs: args.numjobs,
+            loops: args.loops,
             segment_size: args.segment_size,
             dir: &dir,
             human: args.output_format == OutputFormat::Normal,
