@@ -49,6 +49,11 @@ const MAX_SPARE_BUF: usize = 64 << 20;
 const WRITE_GROUP_BYTES: u64 = 1 << 20;
 /// Writes of one chunk in flight at once.
 const WRITES_IN_FLIGHT: usize = 16;
+/// A chunk holding a value at least this large is written gathered (no staging copy) where the
+/// backend supports it.
+const GATHER_MIN_BYTES: u64 = 256 << 10;
+/// Zeros for padding in gathered writes.
+static ZEROS: [u8; 4096] = [0; 4096];
 /// Values smaller than this are never compressed.
 const MIN_COMPRESS_BYTES: u64 = 256;
 
@@ -79,6 +84,10 @@ pub struct LogOptions {
     /// With a backend that queues writes (io_uring), a batch is encoded and written in groups of about
     /// this many bytes, several in flight at once, so encoding overlaps writing. Default 1 MiB.
     pub write_group_bytes: u64,
+    /// With a backend that writes gathered slices (buffered portable files), a batch holding a value
+    /// of at least this many bytes is written with one `pwritev` straight from the values' buffers,
+    /// without copying them into a staging buffer. Default 256 KiB.
+    pub gather_min_bytes: u64,
     /// I/O alignment override (power of two, 512..=65536); `None` asks the backend (statx).
     pub alignment: Option<usize>,
     /// fdatasync on its own where crash consistency needs it: before sealing a segment and before
@@ -97,6 +106,7 @@ impl Default for LogOptions {
             auto_compact: true,
             alignment: None,
             write_group_bytes: WRITE_GROUP_BYTES,
+            gather_min_bytes: GATHER_MIN_BYTES,
             durable: true,
         }
     }
@@ -1408,6 +1418,14 @@ impl<B: Backend> SegmentLog<B> {
         // group, written with it). So the writes of one chunk never overlap, several can be in flight
         // at once (up to WRITES_IN_FLIGHT, through `write_at_async`), and group k+1 is encoded while
         // group k is being written. The chunk is published only when every write has completed.
+        if self.backend.gathers_writes()
+            && !self.backend.queues_writes()
+            && chunk
+                .iter()
+                .any(|p| matches!(p.payload, Payload::Frames(f) if laid_out_len(f) >= self.opts.gather_min_bytes))
+        {
+            return self.write_chunk_gathered(st, chunk);
+        }
         let epoch = st.epoch;
         let align = self.align;
         let (id, file, mut data_end, mut tail) = {
@@ -1445,57 +1463,7 @@ impl<B: Backend> SegmentLog<B> {
                     }
                 };
                 let at = (pos - base) as usize;
-                let dst = &mut buf[at..at + p.len as usize];
-                match (&p.rec, &p.payload) {
-                    (NewRecord::Relocated { header, .. }, Payload::Relocated(bytes)) => {
-                        dst.copy_from_slice(bytes);
-                        format::relocate_record(dst, header, id, epoch);
-                    }
-                    (rec, payload) => {
-                        let key = rec.key();
-                        let (flags, aux, frame_lens, raw_len): (u8, u32, Vec<u64>, u64) = match (rec, payload) {
-                            (NewRecord::Tombstone { aux, .. }, _) => (format::FLAG_TOMBSTONE, *aux, Vec::new(), 0),
-                            (NewRecord::SyncMark, _) => (format::FLAG_SYNC_MARK, 0, Vec::new(), 0),
-                            (NewRecord::Value { frames, .. }, Payload::Compressed(_)) => (
-                                format::FLAG_LZ4,
-                                0,
-                                frames.iter().map(|f| f.len() as u64).collect(),
-                                laid_out_len(frames),
-                            ),
-                            (NewRecord::Value { frames, .. }, _) => {
-                                (0, 0, frames.iter().map(|f| f.len() as u64).collect(), laid_out_len(frames))
-                            }
-                            (NewRecord::Relocated { .. }, _) => {
-                                unreachable!("relocated records carry their bytes")
-                            }
-                        };
-                        let head = format::RECORD_HEADER_LEN + 8 * frame_lens.len() + key.len();
-                        let po = align_up(head as u64, format::FRAME_ALIGN) as usize;
-                        let stored_len = p.len - po as u64;
-                        let w = po;
-                        match payload {
-                            Payload::Frames(frames) => {
-                                let n = laid_out_len(frames) as usize;
-                                format::lay_out_frames(&mut dst[w..w + n], frames.iter().map(|f| &f[..]));
-                            }
-                            Payload::Compressed(c) => dst[w..w + c.len()].copy_from_slice(c),
-                            Payload::Empty | Payload::Relocated(_) => {}
-                        }
-                        let h = RecordHeader {
-                            flags,
-                            frame_count: frame_lens.len() as u16,
-                            key_len: key.len() as u32,
-                            segment: id,
-                            epoch,
-                            payload_crc: format::payload_crc(&dst[po..]),
-                            seq,
-                            raw_len,
-                            stored_len,
-                            aux,
-                        };
-                        format::write_record_head(dst, &h, &frame_lens, key);
-                    }
-                }
+                Self::encode_record(p, &mut buf[at..at + p.len as usize], id, epoch, seq);
                 placed.push((pos, p.len, seq));
                 let rec_end = (pos + p.len - base) as usize;
                 pos = padded(pos + p.len);
@@ -1543,6 +1511,178 @@ impl<B: Backend> SegmentLog<B> {
             return Err(self.poison(Error::io("write segment", self.seg_path(id), e)));
         }
         self.publish_chunk(st, chunk, &placed, data_end, tail, epoch)
+    }
+
+    /// [`Self::write_chunk`] for a chunk holding large values, on a backend that writes gathered
+    /// slices (buffered files): the same bytes at the same offsets, in one `pwritev`, but each large
+    /// value's frames go to the kernel from their own buffers instead of being copied into a staging
+    /// buffer first. Headers, small records and padding are built in a small arena.
+    fn write_chunk_gathered(&self, st: &mut WriterState<B::File>, chunk: &[Prepared<'_>]) -> Result<Vec<Location>> {
+        enum Part<'a> {
+            Arena(std::ops::Range<usize>),
+            Frame(&'a [u8]),
+            Zeros(usize),
+        }
+        let epoch = st.epoch;
+        let align = self.align;
+        let (id, file, data_end, tail) = {
+            let a = st.active.as_mut().expect("active segment");
+            (a.id, a.file.clone(), a.data_end, std::mem::take(&mut a.tail))
+        };
+        let base = align_down(data_end, align);
+        // The partial block before `data_end` is rewritten with the new records, as in `write_chunk`.
+        let mut arena: Vec<u8> = tail;
+        let mut parts: Vec<Part<'_>> = vec![Part::Arena(0..arena.len())];
+        let mut placed: Vec<(u64, u64, u64)> = Vec::with_capacity(chunk.len());
+        let mut pos = data_end;
+        for p in chunk {
+            let seq = match &p.rec {
+                NewRecord::Relocated { header, .. } => header.seq,
+                _ => {
+                    let s = st.next_seq;
+                    st.next_seq += 1;
+                    s
+                }
+            };
+            match (&p.rec, &p.payload) {
+                (NewRecord::Value { key, .. }, Payload::Frames(frames))
+                    if laid_out_len(frames) >= self.opts.gather_min_bytes =>
+                {
+                    let frame_lens: Vec<u64> = frames.iter().map(|f| f.len() as u64).collect();
+                    let (offsets, raw_len) = format::frame_layout(frame_lens.iter().copied()).expect("prepared");
+                    let head = format::RECORD_HEADER_LEN + 8 * frame_lens.len() + key.len();
+                    let po = align_up(head as u64, format::FRAME_ALIGN) as usize;
+                    // The payload crc over the laid-out frames: each frame and the zeros before it.
+                    let mut crc = crc32fast::Hasher::new();
+                    let mut frame_parts = Vec::with_capacity(2 * frames.len());
+                    let mut at = 0u64;
+                    for (f, &off) in frames.iter().zip(&offsets) {
+                        if off > at {
+                            crc.update(&ZEROS[..(off - at) as usize]);
+                            frame_parts.push(Part::Zeros((off - at) as usize));
+                        }
+                        crc.update(f);
+                        frame_parts.push(Part::Frame(f));
+                        at = off + f.len() as u64;
+                    }
+                    let h = RecordHeader {
+                        flags: 0,
+                        frame_count: frame_lens.len() as u16,
+                        key_len: key.len() as u32,
+                        segment: id,
+                        epoch,
+                        payload_crc: crc.finalize(),
+                        seq,
+                        raw_len,
+                        stored_len: raw_len,
+                        aux: 0,
+                    };
+                    debug_assert_eq!(p.len, po as u64 + raw_len);
+                    let start = arena.len();
+                    arena.resize(start + po, 0);
+                    format::write_record_head(&mut arena[start..], &h, &frame_lens, key);
+                    parts.push(Part::Arena(start..start + po));
+                    parts.extend(frame_parts);
+                }
+                _ => {
+                    let start = arena.len();
+                    arena.resize(start + p.len as usize, 0);
+                    Self::encode_record(p, &mut arena[start..], id, epoch, seq);
+                    parts.push(Part::Arena(start..start + p.len as usize));
+                }
+            }
+            placed.push((pos, p.len, seq));
+            let next = padded(pos + p.len);
+            parts.push(Part::Zeros((next - pos - p.len) as usize)); // padding between records
+            pos = next;
+        }
+        let end = pos;
+        parts.push(Part::Zeros((align_up(end, align) - end) as usize)); // up to the aligned end
+        let mut slices: Vec<&[u8]> = Vec::with_capacity(parts.len() + 1);
+        for part in &parts {
+            match part {
+                Part::Arena(r) => slices.push(&arena[r.clone()]),
+                Part::Frame(f) => slices.push(f),
+                Part::Zeros(mut n) => {
+                    while n > 0 {
+                        let k = n.min(ZEROS.len());
+                        slices.push(&ZEROS[..k]);
+                        n -= k;
+                    }
+                }
+            }
+        }
+        // The new tail: the bytes of the last, partial block, gathered from the end of the slices.
+        let tail_start = align_down(end, align);
+        let mut new_tail = vec![0u8; (end - tail_start) as usize];
+        let mut from = 0u64; // file offset of the current slice, relative to `base`
+        for sl in &slices {
+            let (s0, s1) = (base + from, base + from + sl.len() as u64);
+            let (lo, hi) = (s0.max(tail_start), s1.min(end));
+            if lo < hi {
+                new_tail[(lo - tail_start) as usize..(hi - tail_start) as usize]
+                    .copy_from_slice(&sl[(lo - s0) as usize..(hi - s0) as usize]);
+            }
+            from += sl.len() as u64;
+        }
+        debug_assert_eq!(base + from, align_up(end, align));
+        if let Err(e) = self.backend.write_gather_at(&file, base, &slices) {
+            // Nothing of the chunk is published; the log is read-only from here (poisoned).
+            return Err(self.poison(Error::io("write segment", self.seg_path(id), e)));
+        }
+        self.publish_chunk(st, chunk, &placed, end, new_tail, epoch)
+    }
+
+    /// Encode one prepared record into `dst` (exactly `p.len` bytes): header, frame table, key and
+    /// payload, with both checksums.
+    fn encode_record(p: &Prepared<'_>, dst: &mut [u8], segment: u32, epoch: u32, seq: u64) {
+        match (&p.rec, &p.payload) {
+            (NewRecord::Relocated { header, .. }, Payload::Relocated(bytes)) => {
+                dst.copy_from_slice(bytes);
+                format::relocate_record(dst, header, segment, epoch);
+            }
+            (rec, payload) => {
+                let key = rec.key();
+                let (flags, aux, frame_lens, raw_len): (u8, u32, Vec<u64>, u64) = match (rec, payload) {
+                    (NewRecord::Tombstone { aux, .. }, _) => (format::FLAG_TOMBSTONE, *aux, Vec::new(), 0),
+                    (NewRecord::SyncMark, _) => (format::FLAG_SYNC_MARK, 0, Vec::new(), 0),
+                    (NewRecord::Value { frames, .. }, Payload::Compressed(_)) => {
+                        (format::FLAG_LZ4, 0, frames.iter().map(|f| f.len() as u64).collect(), laid_out_len(frames))
+                    }
+                    (NewRecord::Value { frames, .. }, _) => {
+                        (0, 0, frames.iter().map(|f| f.len() as u64).collect(), laid_out_len(frames))
+                    }
+                    (NewRecord::Relocated { .. }, _) => {
+                        unreachable!("relocated records carry their bytes")
+                    }
+                };
+                let head = format::RECORD_HEADER_LEN + 8 * frame_lens.len() + key.len();
+                let po = align_up(head as u64, format::FRAME_ALIGN) as usize;
+                let stored_len = p.len - po as u64;
+                let w = po;
+                match payload {
+                    Payload::Frames(frames) => {
+                        let n = laid_out_len(frames) as usize;
+                        format::lay_out_frames(&mut dst[w..w + n], frames.iter().map(|f| &f[..]));
+                    }
+                    Payload::Compressed(c) => dst[w..w + c.len()].copy_from_slice(c),
+                    Payload::Empty | Payload::Relocated(_) => {}
+                }
+                let h = RecordHeader {
+                    flags,
+                    frame_count: frame_lens.len() as u16,
+                    key_len: key.len() as u32,
+                    segment,
+                    epoch,
+                    payload_crc: format::payload_crc(&dst[po..]),
+                    seq,
+                    raw_len,
+                    stored_len,
+                    aux,
+                };
+                format::write_record_head(dst, &h, &frame_lens, key);
+            }
+        }
     }
 
     /// Wait for one write of `write_chunk`, keep its buffer for reuse, remember the first failure.

@@ -121,12 +121,14 @@ fn failure_at_every_io_step_of_a_workload_never_panics_and_loses_no_synced_recor
         Ok(())
     }
     // Once with one write per batch, once with batches cut into 8 KiB groups written "in flight" (the
-    // io_uring path: the sim backend claims a queue, so a fault can hit any group of a batch).
-    for grouped in [false, true] {
-        let opts = || LogOptions { write_group_bytes: 8 << 10, ..opts() };
+    // io_uring path: the sim backend claims a queue, so a fault can hit any group of a batch), and
+    // once with every value written gathered from its own buffers (the buffered portable path).
+    for (grouped, gathered) in [(false, false), (true, false), (false, true)] {
+        let opts = || LogOptions { write_group_bytes: 8 << 10, gather_min_bytes: 1024, ..opts() };
         // Count the I/O steps of a clean run, then fail each one in turn.
         let clean = SimBackend::new();
         clean.set_queue_writes(grouped);
+        clean.set_gather_writes(gathered);
         let ops_before = clean.op_count();
         workload(&SegmentLog::open(clean.clone(), "/s", opts()).unwrap(), &mut Vec::new()).unwrap();
         let steps = clean.op_count() - ops_before;
@@ -135,6 +137,7 @@ fn failure_at_every_io_step_of_a_workload_never_panics_and_loses_no_synced_recor
             for kind in [FaultKind::Eio, FaultKind::Enospc, FaultKind::TornWrite] {
                 let be = SimBackend::new();
                 be.set_queue_writes(grouped);
+                be.set_gather_writes(gathered);
                 let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
                 be.inject(Fault { op: FaultOp::Any, after: step, kind, sticky: false });
                 let mut synced = Vec::new();
@@ -150,7 +153,7 @@ fn failure_at_every_io_step_of_a_workload_never_panics_and_loses_no_synced_recor
                     assert_eq!(
                         log.get(k.as_bytes()).unwrap_or_else(|e| panic!("step {step} {kind:?}: {k}: {e}")),
                         Some(frames_for(k.as_bytes(), 2500)),
-                        "step {step} {kind:?} grouped={grouped}: synced record {k} lost"
+                        "step {step} {kind:?} grouped={grouped} gathered={gathered}: synced record {k} lost"
                     );
                 }
             }

@@ -195,6 +195,20 @@ impl Backend for AutoBackend {
         matches!(self, AutoBackend::Uring(_))
     }
 
+    fn gathers_writes(&self) -> bool {
+        match self {
+            AutoBackend::Portable(p) => p.gathers_writes(),
+            AutoBackend::Uring(_) => false,
+        }
+    }
+
+    fn write_gather_at(&self, file: &AutoFile, offset: u64, parts: &[&[u8]]) -> io::Result<()> {
+        match (self, file) {
+            (AutoBackend::Portable(p), AutoFile::Portable(f)) => p.write_gather_at(f, offset, parts),
+            _ => super::gather_by_copy(self, file, offset, parts),
+        }
+    }
+
     fn write_at_async(&self, file: &Arc<AutoFile>, offset: u64, buf: AlignedBuf) -> IoFuture {
         match (self, &**file) {
             (AutoBackend::Uring(u), AutoFile::Uring(f)) => Box::pin(u.write(f, offset, buf)),

@@ -59,6 +59,22 @@ pub struct ReadReq<'a, F> {
     pub buf: AlignedBuf,
 }
 
+/// A gathered write done the plain way: copy `parts` into one buffer, then [`Backend::write_at`].
+pub(crate) fn gather_by_copy<B: Backend + ?Sized>(
+    b: &B,
+    file: &B::File,
+    offset: u64,
+    parts: &[&[u8]],
+) -> io::Result<()> {
+    let len: usize = parts.iter().map(|p| p.len()).sum();
+    let mut buf = b.alloc_buf(len, 4096);
+    buf.set_len(0);
+    for p in parts {
+        buf.extend_from_slice(p);
+    }
+    b.write_at(file, offset, buf).0
+}
+
 /// One read of a pipelined stream (see [`Backend::read_pipelined`]).
 pub struct PipelinedRead<F> {
     /// The file to read (kept open until the read completes).
@@ -133,6 +149,19 @@ pub trait Backend: Send + Sync + 'static {
     /// future early is safe: a completion-based backend keeps the buffer until the kernel is done.
     fn read_at_async(&self, file: &Arc<Self::File>, offset: u64, buf: AlignedBuf) -> IoFuture {
         Box::pin(std::future::ready(self.read_at(file, offset, buf)))
+    }
+
+    /// Whether [`Backend::write_gather_at`] writes straight from the caller's slices. The log then writes
+    /// chunks that hold large values without copying those values into a staging buffer first
+    /// (buffered files only: O_DIRECT needs aligned memory).
+    fn gathers_writes(&self) -> bool {
+        false
+    }
+
+    /// Write `parts` back to back at `offset`, all of them or fail (short writes are retried). The
+    /// default copies them into one buffer and calls [`Backend::write_at`].
+    fn write_gather_at(&self, file: &Self::File, offset: u64, parts: &[&[u8]]) -> io::Result<()> {
+        gather_by_copy(self, file, offset, parts)
     }
 
     /// Whether `write_at_async` really overlaps writes (a submission queue). The log then writes a

@@ -127,6 +127,14 @@ impl Backend for PortableBackend {
         (r, buf)
     }
 
+    fn gathers_writes(&self) -> bool {
+        !self.direct()
+    }
+
+    fn write_gather_at(&self, file: &File, offset: u64, parts: &[&[u8]]) -> io::Result<()> {
+        write_gather(file, offset, parts)
+    }
+
     fn sync_data(&self, file: &File) -> io::Result<()> {
         file.sync_data()
     }
@@ -186,6 +194,35 @@ pub fn allocate_file(file: &File, len: u64, preallocate: bool) -> io::Result<()>
     }
     if file.metadata()?.len() < len {
         file.set_len(len)?;
+    }
+    Ok(())
+}
+
+/// `pwritev` of `parts` at `offset`, at most `IOV_MAX` slices per call, resuming after short writes
+/// and EINTR; a write of zero bytes is `WriteZero`.
+pub(crate) fn write_gather(file: &File, mut offset: u64, parts: &[&[u8]]) -> io::Result<()> {
+    const IOV_MAX: usize = 1024;
+    let mut parts: Vec<&[u8]> = parts.iter().copied().filter(|p| !p.is_empty()).collect();
+    let mut first = 0;
+    while first < parts.len() {
+        let iov: Vec<io::IoSlice<'_>> = parts[first..].iter().take(IOV_MAX).map(|p| io::IoSlice::new(p)).collect();
+        let mut n = match rustix::io::pwritev(file, &iov, offset) {
+            Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "pwritev wrote nothing")),
+            Ok(n) => n,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
+        };
+        offset += n as u64;
+        while n > 0 {
+            let p = parts[first];
+            if n >= p.len() {
+                n -= p.len();
+                first += 1;
+            } else {
+                parts[first] = &p[n..];
+                n = 0;
+            }
+        }
     }
     Ok(())
 }

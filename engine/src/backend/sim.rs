@@ -124,6 +124,7 @@ struct SimState {
     align: usize,
     /// Report `queues_writes`, so the log uses its grouped write path (writes still run in order).
     queue_writes: bool,
+    gather_writes: bool,
 }
 
 /// An open simulated file.
@@ -164,6 +165,7 @@ impl SimBackend {
                 ops: 0,
                 align,
                 queue_writes: false,
+                gather_writes: false,
             })),
         }
     }
@@ -176,6 +178,13 @@ impl SimBackend {
     /// way it does on io_uring; the writes themselves still happen one by one, in order.
     pub fn set_queue_writes(&self, on: bool) {
         self.lock().queue_writes = on;
+    }
+
+    /// Claim gathered writes (`Backend::gathers_writes`), so the log writes chunks holding large values
+    /// from the values' own buffers the way it does on buffered portable files; the simulated write
+    /// itself still copies (and faults) like any other write.
+    pub fn set_gather_writes(&self, on: bool) {
+        self.lock().gather_writes = on;
     }
 
     /// Schedule a fault.
@@ -285,6 +294,7 @@ impl SimBackend {
                 ops: 0,
                 align: st.align,
                 queue_writes: st.queue_writes,
+                gather_writes: st.gather_writes,
             })),
         }
     }
@@ -461,6 +471,10 @@ impl Backend for SimBackend {
 
     fn queues_writes(&self) -> bool {
         self.lock().queue_writes
+    }
+
+    fn gathers_writes(&self) -> bool {
+        self.lock().gather_writes
     }
 
     fn write_at(&self, file: &SimFile, offset: u64, buf: AlignedBuf) -> BufResult {
