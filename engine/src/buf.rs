@@ -11,6 +11,9 @@
 
 use std::alloc::{self, Layout};
 use std::fmt;
+use std::io;
+use std::mem::MaybeUninit;
+use std::os::fd::AsFd;
 use std::ptr::NonNull;
 use std::sync::{Arc, PoisonError};
 
@@ -23,7 +26,8 @@ use bytes::Bytes;
 /// A heap buffer whose start address is a multiple of `align`.
 ///
 /// Invariants: `ptr` points to `cap` bytes that `self` owns exclusively until it drops: either an
-/// allocation from `alloc::alloc_zeroed(layout)` (`Owner::Heap`, `cap == layout.size()`), or one
+/// allocation from `alloc::alloc_zeroed(layout)` or `alloc::alloc(layout)` then filled by a read
+/// (`Owner::Heap`, `cap == layout.size()`), or one
 /// checked-out slot of a [`BufPool`] arena (`Owner::Pool`), or nothing (`Owner::Empty`, `cap == 0`,
 /// dangling but aligned). `len <= cap`, and every byte in `0..cap` is initialized (zeroed when the
 /// memory was allocated, later only overwritten).
@@ -65,6 +69,50 @@ impl AlignedBuf {
         let raw = unsafe { alloc::alloc_zeroed(layout) };
         let Some(ptr) = NonNull::new(raw) else { alloc::handle_alloc_error(layout) };
         AlignedBuf { ptr, len: 0, cap: capacity, align, owner: Owner::Heap(layout) }
+    }
+
+    /// A buffer of length `len` (capacity rounded up to `align`) holding the `len` bytes of `file` at
+    /// `offset`, read with `pread` straight into fresh memory: no zero-fill first, which for a large
+    /// value is a whole extra pass over memory. Short reads and EINTR are resumed; end of file is
+    /// `UnexpectedEof`. On error nothing is kept.
+    pub fn read_exact_at(file: &impl AsFd, offset: u64, len: usize, align: usize) -> io::Result<Self> {
+        assert!(align.is_power_of_two(), "alignment {align} is not a power of two");
+        let capacity = len.div_ceil(align) * align;
+        if capacity == 0 {
+            return Ok(Self::with_capacity(0, align));
+        }
+        let layout = Layout::from_size_align(capacity, align).expect("buffer size overflows isize");
+        /// Frees the allocation unless disarmed (error paths).
+        struct Guard(*mut u8, Layout);
+        impl Drop for Guard {
+            fn drop(&mut self) {
+                // SAFETY: `self.0` came from `alloc(self.1)` below and no `AlignedBuf` owns it yet.
+                unsafe { alloc::dealloc(self.0, self.1) }
+            }
+        }
+        // SAFETY: `layout` has a non-zero size (checked above).
+        let raw = unsafe { alloc::alloc(layout) };
+        if raw.is_null() {
+            alloc::handle_alloc_error(layout);
+        }
+        let guard = Guard(raw, layout);
+        // SAFETY: `raw` points to `capacity` bytes we own; `MaybeUninit<u8>` needs no initialization.
+        let mem: &mut [MaybeUninit<u8>] = unsafe { std::slice::from_raw_parts_mut(raw.cast(), capacity) };
+        mem[len..].fill(MaybeUninit::new(0)); // the rounding tail is zeroed, as in `with_capacity`
+        let mut done = 0;
+        while done < len {
+            match rustix::io::pread(file, &mut mem[done..len], offset + done as u64) {
+                Ok(([], _)) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Ok((init, _)) => done += init.len(),
+                Err(rustix::io::Errno::INTR) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        std::mem::forget(guard);
+        // Every byte of `0..capacity` is now initialized: `0..len` by the kernel (the reads covered it
+        // front to back), `len..capacity` by the fill above. So the type invariant holds.
+        let ptr = NonNull::new(raw).expect("checked non-null");
+        Ok(AlignedBuf { ptr, len, cap: capacity, align, owner: Owner::Heap(layout) })
     }
 
     /// A zero-filled buffer of length `len` (capacity rounded up to `align`).
@@ -170,7 +218,8 @@ impl Drop for AlignedBuf {
     fn drop(&mut self) {
         match &self.owner {
             Owner::Empty => {}
-            // SAFETY: `ptr` came from `alloc_zeroed(*layout)` and is freed exactly once, here.
+            // SAFETY: `ptr` came from `alloc_zeroed(*layout)` or `alloc(*layout)` and is freed exactly
+            // once, here.
             Owner::Heap(layout) => unsafe { alloc::dealloc(self.ptr.as_ptr(), *layout) },
             Owner::Pool { pool, index } => pool.check_in(*index),
         }
@@ -326,6 +375,25 @@ impl fmt::Debug for BufPool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn read_exact_at_reads_into_fresh_memory_and_reports_eof() {
+        use std::io::Write;
+        let mut f = tempfile::tempfile().unwrap();
+        let data: Vec<u8> = (0..10_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        f.write_all(&data).unwrap();
+        for (offset, len, align) in [(0usize, 10_000usize, 512usize), (100, 1000, 4096), (9_999, 1, 64), (0, 0, 512)] {
+            let b = AlignedBuf::read_exact_at(&f, offset as u64, len, align).unwrap();
+            assert_eq!(&b[..], &data[offset..offset + len]);
+            assert_eq!(b.as_ptr() as usize % align, 0);
+            assert_eq!(b.capacity(), len.div_ceil(align) * align);
+            let mut b = b;
+            let cap = b.capacity();
+            assert!(b.spare_full()[len..cap].iter().all(|&x| x == 0), "rounding tail zeroed");
+        }
+        let e = AlignedBuf::read_exact_at(&f, 9_000, 2_000, 512).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
+    }
 
     #[test]
     fn alignment_and_zeroing() {

@@ -911,9 +911,10 @@ impl<B: Backend> SegmentLog<B> {
         let start = align_down(loc.offset, self.read_align);
         let end = align_up(loc.offset + loc.len, self.read_align);
         let len = (end - start) as usize;
-        let buf = self.backend.alloc_buf(len, self.read_align as usize);
-        let (r, buf) = self.backend.read_at(file, start, buf);
-        r.map_err(|e| Error::io("read segment", self.seg_path(loc.segment), e))?;
+        let buf = self
+            .backend
+            .read_new(file, start, len, self.read_align as usize)
+            .map_err(|e| Error::io("read segment", self.seg_path(loc.segment), e))?;
         let b = buf.freeze();
         Ok(b.slice((loc.offset - start) as usize..(loc.offset - start + loc.len) as usize))
     }

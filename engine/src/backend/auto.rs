@@ -195,6 +195,16 @@ impl Backend for AutoBackend {
         matches!(self, AutoBackend::Uring(_))
     }
 
+    fn read_new(&self, file: &AutoFile, offset: u64, len: usize, align: usize) -> io::Result<AlignedBuf> {
+        match (self, file) {
+            (AutoBackend::Portable(p), AutoFile::Portable(f)) => p.read_new(f, offset, len, align),
+            _ => {
+                let (r, buf) = self.read_at(file, offset, self.alloc_buf(len, align));
+                r.map(|()| buf)
+            }
+        }
+    }
+
     fn gathers_writes(&self) -> bool {
         match self {
             AutoBackend::Portable(p) => p.gathers_writes(),

@@ -151,6 +151,14 @@ pub trait Backend: Send + Sync + 'static {
         Box::pin(std::future::ready(self.read_at(file, offset, buf)))
     }
 
+    /// Read `len` bytes at `offset` into a new buffer aligned to `align`. The default allocates a
+    /// zeroed buffer and calls [`Backend::read_at`]; the portable backend reads into fresh memory
+    /// without zeroing it first.
+    fn read_new(&self, file: &Self::File, offset: u64, len: usize, align: usize) -> io::Result<AlignedBuf> {
+        let (r, buf) = self.read_at(file, offset, self.alloc_buf(len, align));
+        r.map(|()| buf)
+    }
+
     /// Whether [`Backend::write_gather_at`] writes straight from the caller's slices. The log then writes
     /// chunks that hold large values without copying those values into a staging buffer first
     /// (buffered files only: O_DIRECT needs aligned memory).

@@ -127,6 +127,10 @@ impl Backend for PortableBackend {
         (r, buf)
     }
 
+    fn read_new(&self, file: &File, offset: u64, len: usize, align: usize) -> io::Result<AlignedBuf> {
+        AlignedBuf::read_exact_at(file, offset, len, align)
+    }
+
     fn gathers_writes(&self) -> bool {
         !self.direct()
     }
