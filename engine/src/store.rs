@@ -329,6 +329,34 @@ impl MetricsSnapshot {
     }
 }
 
+/// The error of a read whose record was removed from the log after the reader looked the key up (a
+/// racing `remove`); readers then start over, so callers never see it.
+fn vanished(key: &[u8]) -> Error {
+    Error::Corrupt {
+        segment: 0,
+        offset: 0,
+        reason: format!("{:?} vanished from the log while being read", key_str(key)),
+    }
+}
+
+/// How a get goes on after looking the key up.
+enum GetStart<V> {
+    /// Answered under the lock: the ready value, or `None` for an absent key.
+    Done(Option<sync::Arc<V>>),
+    /// Materialize through `slot` from `source`.
+    Read { key: Arc<[u8]>, slot: Arc<Slot<V, Error>>, source: Source },
+}
+
+/// How a `get_serialized` goes on after looking the key up.
+enum SerStart<V> {
+    /// Answered under the lock (`None`: absent key).
+    Done(Option<Frames>),
+    /// A materialized value without frames: serialize it, outside the lock.
+    Object(Arc<[u8]>, sync::Arc<V>),
+    /// Read from `source`.
+    Read { key: Arc<[u8]>, slot: Arc<Slot<V, Error>>, source: Source, large: bool },
+}
+
 /// Where a reader finds the bytes of a non-materialized entry.
 enum Source {
     Frames(Frames),
@@ -790,73 +818,131 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// removed or replaced meanwhile, the get starts over.
     pub fn get(&self, key: &[u8]) -> Result<Option<sync::Arc<C::Value>>> {
         loop {
-            let (k, slot, source) = {
-                let mut inner = self.lock();
-                let Some((k, e)) = inner.map.get_key_value(key) else { return Ok(None) };
-                let k = k.clone();
-                if let Some(v) = e.slot.try_get() {
-                    Self::touch(&mut inner, &k);
-                    return Ok(Some(v));
-                }
-                let source = match (e.tier, &e.frames, &e.compressed) {
-                    (Tier::Disk, ..) => Source::Disk,
-                    (_, Some(f), _) => Source::Frames(f.clone()),
-                    (_, None, Some(c)) => Source::Compressed(c.clone()),
-                    // A materialized entry always has a ready slot while the store lock is held.
-                    _ => {
-                        return Err(Error::InvalidConfig(format!(
-                            "{:?}: materialized entry without a value",
-                            key_str(key)
-                        )))
-                    }
-                };
-                let slot = e.slot.clone();
-                Self::touch(&mut inner, &k);
-                (k, slot, source)
+            let (k, slot, source) = match self.begin_get(key)? {
+                GetStart::Done(v) => return Ok(v),
+                GetStart::Read { key, slot, source } => (key, slot, source),
             };
             let got = slot.get_or_materialize(|| {
                 let frames = self.fetch(&k, source)?;
-                let t = Instant::now();
-                let n = frames.total_len();
-                let v = self.codec.deserialize(frames).map_err(|e| Error::Codec {
-                    op: "deserialize",
-                    key: key_str(&k),
-                    source: Arc::from(e),
-                })?;
-                self.metrics.acts[DESERIALIZE].add(n, t);
-                Ok(v)
+                self.deserialize(&k, frames)
             });
-            let mut inner = self.lock();
-            let current = inner.map.get(&k).filter(|e| Arc::ptr_eq(&e.slot, &slot));
-            let v = match got {
-                Ok(v) => v,
-                // The entry was removed or replaced while it was being read: start over.
-                Err(_) if current.is_none() => continue,
-                Err(e) => return Err(e),
+            if let Some(v) = self.finish_get(&k, &slot, got)? {
+                return Ok(Some(v));
+            }
+        }
+    }
+
+    /// The async form of [`Store::get`], over the same slots: the same value, the same single
+    /// deserialize shared with concurrent sync and async callers. A disk read runs as a future (on
+    /// io_uring the driver thread does it and the calling task is not blocked). Then the polling thread
+    /// deserializes, because that is CPU work. If another caller is deserializing the same value at that
+    /// moment, the polling thread waits for it rather than deserializing twice. Dropping the future
+    /// part-way is safe: the backend keeps the read's buffer until the kernel is done with it, and
+    /// nothing of the store changes until the read has completed.
+    pub async fn get_async(&self, key: &[u8]) -> Result<Option<sync::Arc<C::Value>>> {
+        loop {
+            let (k, slot, source) = match self.begin_get(key)? {
+                GetStart::Done(v) => return Ok(v),
+                GetStart::Read { key, slot, source } => (key, slot, source),
             };
-            // Promote (or, for large values, let the caller keep the only reference).
-            let Some(e) = current else { return Ok(Some(v)) };
-            if e.tier == Tier::Materialized {
+            // Read the bytes without holding anything, unless another caller has already started
+            // materializing (then its result is waited for and no read is needed).
+            let frames = match source {
+                Source::Disk if slot.state() == crate::slot::SlotState::Idle => Some(self.fetch_disk_async(&k).await),
+                _ => None,
+            };
+            let got = slot.get_or_materialize(|| {
+                let frames = match frames {
+                    Some(f) => f?,
+                    None => self.fetch(&k, source)?,
+                };
+                self.deserialize(&k, frames)
+            });
+            if let Some(v) = self.finish_get(&k, &slot, got)? {
                 return Ok(Some(v));
             }
-            if e.large {
-                e.slot.evict();
-                return Ok(Some(v));
-            }
-            let mut ne = self.take_entry(&mut inner, &k);
-            ne.tier = Tier::Materialized;
-            ne.frames = None;
-            ne.compressed = None;
-            ne.weight = self.codec.size_of(&v);
-            ne.stuck = false;
-            ne.tick = inner.next_tick;
-            inner.next_tick += 1;
-            // A value read back from disk keeps its disk copy (disk_* fields unchanged): evicting it
-            // again costs no write.
-            self.put_entry(&mut inner, &k, ne);
-            self.enforce(&mut inner, None)?;
+        }
+    }
+
+    /// First half of a get, under the store's lock: the value if it is ready (or the key absent),
+    /// otherwise what to materialize it from.
+    fn begin_get(&self, key: &[u8]) -> Result<GetStart<C::Value>> {
+        let mut inner = self.lock();
+        let Some((k, e)) = inner.map.get_key_value(key) else { return Ok(GetStart::Done(None)) };
+        let k = k.clone();
+        if let Some(v) = e.slot.try_get() {
+            Self::touch(&mut inner, &k);
+            return Ok(GetStart::Done(Some(v)));
+        }
+        let source = match (e.tier, &e.frames, &e.compressed) {
+            (Tier::Disk, ..) => Source::Disk,
+            (_, Some(f), _) => Source::Frames(f.clone()),
+            (_, None, Some(c)) => Source::Compressed(c.clone()),
+            // A materialized entry always has a ready slot while the store lock is held.
+            _ => return Err(Error::InvalidConfig(format!("{:?}: materialized entry without a value", key_str(key)))),
+        };
+        let slot = e.slot.clone();
+        Self::touch(&mut inner, &k);
+        Ok(GetStart::Read { key: k, slot, source })
+    }
+
+    fn deserialize(&self, key: &[u8], frames: Frames) -> Result<C::Value> {
+        let t = Instant::now();
+        let n = frames.total_len();
+        let v = self.codec.deserialize(frames).map_err(|e| Error::Codec {
+            op: "deserialize",
+            key: key_str(key),
+            source: Arc::from(e),
+        })?;
+        self.metrics.acts[DESERIALIZE].add(n, t);
+        Ok(v)
+    }
+
+    /// Second half of a get: `None` to start over (the entry was removed or replaced while it was
+    /// being read, and the read failed); otherwise the value, after promoting it (or, for a large
+    /// value, letting the caller keep the only reference).
+    fn finish_get(
+        &self,
+        k: &Arc<[u8]>,
+        slot: &Arc<Slot<C::Value, Error>>,
+        got: Result<sync::Arc<C::Value>>,
+    ) -> Result<Option<sync::Arc<C::Value>>> {
+        let mut inner = self.lock();
+        let current = inner.map.get(k).filter(|e| Arc::ptr_eq(&e.slot, slot));
+        let v = match got {
+            Ok(v) => v,
+            Err(_) if current.is_none() => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let Some(e) = current else { return Ok(Some(v)) };
+        if e.tier == Tier::Materialized {
             return Ok(Some(v));
         }
+        if e.large {
+            e.slot.evict();
+            return Ok(Some(v));
+        }
+        let mut ne = self.take_entry(&mut inner, k);
+        ne.tier = Tier::Materialized;
+        ne.frames = None;
+        ne.compressed = None;
+        ne.weight = self.codec.size_of(&v);
+        ne.stuck = false;
+        ne.tick = inner.next_tick;
+        inner.next_tick += 1;
+        // A value read back from disk keeps its disk copy (disk_* fields unchanged): evicting it again
+        // costs no write.
+        self.put_entry(&mut inner, k, ne);
+        self.enforce(&mut inner, None)?;
+        Ok(Some(v))
+    }
+
+    /// Read `key`'s record from the log as a future (see [`SegmentLog::get_async`]).
+    async fn fetch_disk_async(&self, key: &[u8]) -> Result<Frames> {
+        let t = Instant::now();
+        let f = self.log.get_async(key).await?.ok_or_else(|| vanished(key))?;
+        self.metrics.acts[DISK_READ].add(f.total_len(), t);
+        Ok(f)
     }
 
     fn fetch(&self, key: &[u8], source: Source) -> Result<Frames> {
@@ -874,11 +960,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             }
             Source::Disk => {
                 let t = Instant::now();
-                let f = self.log.get(key)?.ok_or_else(|| Error::Corrupt {
-                    segment: 0,
-                    offset: 0,
-                    reason: format!("{:?} vanished from the log while being read", key_str(key)),
-                })?;
+                let f = self.log.get(key)?.ok_or_else(|| vanished(key))?;
                 self.metrics.acts[DISK_READ].add(f.total_len(), t);
                 Ok(f)
             }
@@ -890,54 +972,93 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// heavier than the target, promoted to the serialized tier.
     pub fn get_serialized(&self, key: &[u8]) -> Result<Option<Frames>> {
         loop {
-            let (k, slot, source, large) = {
-                let mut inner = self.lock();
-                let Some((k, e)) = inner.map.get_key_value(key) else { return Ok(None) };
-                let k = k.clone();
-                let large = e.large;
-                let slot = e.slot.clone();
-                let source = match (e.tier, &e.frames, &e.compressed) {
-                    (Tier::Disk, ..) => Source::Disk,
-                    (_, Some(f), _) => Source::Frames(f.clone()),
-                    (_, None, Some(c)) => Source::Compressed(c.clone()),
-                    (Tier::Materialized, None, None) => match e.slot.try_get() {
-                        Some(v) => {
-                            Self::touch(&mut inner, &k);
-                            drop(inner);
-                            return self.serialize(&k, &v).map(Some);
-                        }
-                        None => Source::Disk, // unreachable in practice: materialized entries have a value
-                    },
-                    _ => Source::Disk,
-                };
-                Self::touch(&mut inner, &k);
-                (k, slot, source, large)
+            let (k, slot, source, large) = match self.begin_get_serialized(key)? {
+                SerStart::Done(f) => return Ok(f),
+                SerStart::Object(k, v) => return self.serialize(&k, &v).map(Some),
+                SerStart::Read { key, slot, source, large } => (key, slot, source, large),
             };
             let was_disk = matches!(source, Source::Disk);
             let got = self.fetch(&k, source);
             if !was_disk {
                 return got.map(Some); // in-memory sources cannot vanish under a reader
             }
-            let mut inner = self.lock();
-            let current = inner.map.get(&k).is_some_and(|e| Arc::ptr_eq(&e.slot, &slot));
-            let frames = match got {
-                Ok(f) => f,
-                // The entry was removed or replaced while it was being read: start over.
-                Err(_) if !current => continue,
-                Err(e) => return Err(e),
-            };
-            if !large && current && inner.map.get(&k).is_some_and(|e| e.tier == Tier::Disk) {
-                let mut ne = self.take_entry(&mut inner, &k);
-                ne.tier = Tier::Serialized;
-                ne.weight = frames.total_len();
-                ne.frames = Some(frames.clone());
-                ne.tick = inner.next_tick;
-                inner.next_tick += 1;
-                self.put_entry(&mut inner, &k, ne); // keeps its disk copy, like `get`
-                self.enforce(&mut inner, None)?;
+            if let Some(f) = self.finish_get_serialized(&k, &slot, large, got)? {
+                return Ok(Some(f));
             }
-            return Ok(Some(frames));
         }
+    }
+
+    /// The async form of [`Store::get_serialized`]: a disk read runs as a future; nothing is
+    /// deserialized. Dropping the future part-way is safe (see [`Store::get_async`]).
+    pub async fn get_serialized_async(&self, key: &[u8]) -> Result<Option<Frames>> {
+        loop {
+            let (k, slot, source, large) = match self.begin_get_serialized(key)? {
+                SerStart::Done(f) => return Ok(f),
+                SerStart::Object(k, v) => return self.serialize(&k, &v).map(Some),
+                SerStart::Read { key, slot, source, large } => (key, slot, source, large),
+            };
+            if !matches!(source, Source::Disk) {
+                return self.fetch(&k, source).map(Some);
+            }
+            let got = self.fetch_disk_async(&k).await;
+            if let Some(f) = self.finish_get_serialized(&k, &slot, large, got)? {
+                return Ok(Some(f));
+            }
+        }
+    }
+
+    /// First half of `get_serialized`, under the store's lock.
+    fn begin_get_serialized(&self, key: &[u8]) -> Result<SerStart<C::Value>> {
+        let mut inner = self.lock();
+        let Some((k, e)) = inner.map.get_key_value(key) else { return Ok(SerStart::Done(None)) };
+        let k = k.clone();
+        let large = e.large;
+        let slot = e.slot.clone();
+        let source = match (e.tier, &e.frames, &e.compressed) {
+            (Tier::Disk, ..) => Source::Disk,
+            (_, Some(f), _) => Source::Frames(f.clone()),
+            (_, None, Some(c)) => Source::Compressed(c.clone()),
+            (Tier::Materialized, None, None) => match e.slot.try_get() {
+                Some(v) => {
+                    Self::touch(&mut inner, &k);
+                    return Ok(SerStart::Object(k, v)); // serialized outside the lock
+                }
+                None => Source::Disk, // unreachable in practice: materialized entries have a value
+            },
+            _ => Source::Disk,
+        };
+        Self::touch(&mut inner, &k);
+        Ok(SerStart::Read { key: k, slot, source, large })
+    }
+
+    /// Second half of `get_serialized` after a disk read: `None` to start over (the entry was removed
+    /// or replaced while being read, and the read failed); otherwise the frames, after promoting them
+    /// to the serialized tier unless the value is heavier than the target.
+    fn finish_get_serialized(
+        &self,
+        k: &Arc<[u8]>,
+        slot: &Arc<Slot<C::Value, Error>>,
+        large: bool,
+        got: Result<Frames>,
+    ) -> Result<Option<Frames>> {
+        let mut inner = self.lock();
+        let current = inner.map.get(k).is_some_and(|e| Arc::ptr_eq(&e.slot, slot));
+        let frames = match got {
+            Ok(f) => f,
+            Err(_) if !current => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        if !large && current && inner.map.get(k).is_some_and(|e| e.tier == Tier::Disk) {
+            let mut ne = self.take_entry(&mut inner, k);
+            ne.tier = Tier::Serialized;
+            ne.weight = frames.total_len();
+            ne.frames = Some(frames.clone());
+            ne.tick = inner.next_tick;
+            inner.next_tick += 1;
+            self.put_entry(&mut inner, k, ne); // keeps its disk copy, like `get`
+            self.enforce(&mut inner, None)?;
+        }
+        Ok(Some(frames))
     }
 
     /// Delete `key` from every tier. Returns whether it existed.

@@ -487,3 +487,88 @@ fn random_concurrent_operations_never_fail_and_keep_exact_accounting() {
         s.check_accounting().unwrap();
     }
 }
+
+/// The async forms agree with the sync ones on every tier (materialized, serialized, compressed, on
+/// disk, large), share one materialization through the key's slot, and leave the accounting exact.
+#[test]
+fn async_gets_agree_with_sync_gets_on_every_tier() {
+    use spillway::task::block_on;
+    for compress in [false, true] {
+        let c = StoreConfig { compress_in_memory: compress, ..cfg(10_000) };
+        let s = Store::open(TestCodec::default(), SimBackend::new(), "/store", c).unwrap();
+        s.put(b"large", val(9, 20_000)).unwrap(); // heavier than the target: straight to disk
+        for i in 0..8u8 {
+            s.put_serialized(&[i], ser(&val(i, 2000))).unwrap();
+        }
+        s.put(b"object", val(42, 1000)).unwrap();
+        let tiers: std::collections::HashSet<Tier> = (0..8u8).filter_map(|i| s.tier(&[i])).collect();
+        assert!(tiers.contains(&Tier::Disk) && tiers.len() >= 2, "{tiers:?}");
+        fn is_send<T: Send>(_: &T) {}
+        is_send(&s.get_async(b"large"));
+        is_send(&s.get_serialized_async(b"large"));
+        for key in [&b"large"[..], b"object", &[0], &[3], &[7], b"absent"] {
+            let f_async = block_on(s.get_serialized_async(key)).unwrap();
+            assert_eq!(f_async, s.get_serialized(key).unwrap(), "{key:?}");
+            let a = block_on(s.get_async(key)).unwrap();
+            let b = s.get(key).unwrap();
+            assert_eq!(a.as_deref(), b.as_deref(), "{key:?}");
+            // Outside the large value (never kept materialized), the async get materialized the value
+            // in the key's slot, and the sync get found it there.
+            if let (Some(a), Some(b)) = (&a, &b) {
+                assert_eq!(Arc::ptr_eq(a, b), key != b"large", "{key:?}");
+            }
+            s.check_accounting().unwrap();
+        }
+    }
+}
+
+/// Sync and async gets of one spilled key from eight threads at once: one deserialize, one `Arc`.
+#[test]
+fn concurrent_sync_and_async_gets_deserialize_once() {
+    use spillway::task::block_on;
+    for round in 0..20 {
+        let (s, _) = open(1 << 20);
+        s.put_serialized(b"k", ser(&val(5, 100_000))).unwrap();
+        assert!(s.evict().unwrap() > 0);
+        let s = Arc::new(s);
+        let barrier = Arc::new(Barrier::new(8));
+        let handles: Vec<_> = (0..8)
+            .map(|t| {
+                let (s, b) = (s.clone(), barrier.clone());
+                std::thread::spawn(move || {
+                    b.wait();
+                    if t % 2 == 0 {
+                        block_on(s.get_async(b"k")).unwrap().unwrap()
+                    } else {
+                        s.get(b"k").unwrap().unwrap()
+                    }
+                })
+            })
+            .collect();
+        let vals: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        assert_eq!(s.codec().deserialized.load(Ordering::SeqCst), 1, "round {round}");
+        assert!(vals.iter().all(|v| Arc::ptr_eq(v, &vals[0])));
+        s.check_accounting().unwrap();
+    }
+}
+
+/// An async get dropped after its first poll (a task cancelled mid-read) changes nothing: the value is
+/// still there and the accounting is exact.
+#[test]
+fn a_dropped_get_async_leaves_the_store_as_it_was() {
+    use std::future::Future;
+    use std::task::{Context, Waker};
+    let (s, _) = open(1 << 20);
+    s.put_serialized(b"k", ser(&val(5, 100_000))).unwrap();
+    assert!(s.evict().unwrap() > 0);
+    let mut cx = Context::from_waker(Waker::noop());
+    let mut f = Box::pin(s.get_async(b"k"));
+    let first = f.as_mut().poll(&mut cx);
+    drop(f);
+    s.check_accounting().unwrap();
+    if first.is_pending() {
+        assert_eq!(s.tier(b"k"), Some(Tier::Disk));
+    }
+    assert_eq!(*s.get(b"k").unwrap().unwrap(), val(5, 100_000));
+    s.check_accounting().unwrap();
+}
