@@ -1420,7 +1420,6 @@ impl<B: Backend> SegmentLog<B> {
         // at once (up to WRITES_IN_FLIGHT, through `write_at_async`), and group k+1 is encoded while
         // group k is being written. The chunk is published only when every write has completed.
         if self.backend.gathers_writes()
-            && !self.backend.queues_writes()
             && chunk
                 .iter()
                 .any(|p| matches!(p.payload, Payload::Frames(f) if laid_out_len(f) >= self.opts.gather_min_bytes))

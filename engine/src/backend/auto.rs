@@ -198,6 +198,7 @@ impl Backend for AutoBackend {
     fn read_new(&self, file: &AutoFile, offset: u64, len: usize, align: usize) -> io::Result<AlignedBuf> {
         match (self, file) {
             (AutoBackend::Portable(p), AutoFile::Portable(f)) => p.read_new(f, offset, len, align),
+            (AutoBackend::Uring(u), AutoFile::Uring(f)) => u.read_new(f, offset, len, align),
             _ => {
                 let (r, buf) = self.read_at(file, offset, self.alloc_buf(len, align));
                 r.map(|()| buf)
@@ -208,13 +209,14 @@ impl Backend for AutoBackend {
     fn gathers_writes(&self) -> bool {
         match self {
             AutoBackend::Portable(p) => p.gathers_writes(),
-            AutoBackend::Uring(_) => false,
+            AutoBackend::Uring(u) => u.gathers_writes(),
         }
     }
 
     fn write_gather_at(&self, file: &AutoFile, offset: u64, parts: &[&[u8]]) -> io::Result<()> {
         match (self, file) {
             (AutoBackend::Portable(p), AutoFile::Portable(f)) => p.write_gather_at(f, offset, parts),
+            (AutoBackend::Uring(u), AutoFile::Uring(f)) => u.write_gather_at(f, offset, parts),
             _ => super::gather_by_copy(self, file, offset, parts),
         }
     }

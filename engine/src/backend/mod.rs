@@ -160,8 +160,9 @@ pub trait Backend: Send + Sync + 'static {
     }
 
     /// Whether [`Backend::write_gather_at`] writes straight from the caller's slices. The log then writes
-    /// chunks that hold large values without copying those values into a staging buffer first
-    /// (buffered files only: O_DIRECT needs aligned memory).
+    /// chunks that hold large values with it, in one blocking call, without copying those values into
+    /// a staging buffer first (buffered files only: O_DIRECT needs aligned memory). Takes precedence
+    /// over [`Backend::queues_writes`] for those chunks.
     fn gathers_writes(&self) -> bool {
         false
     }

@@ -586,6 +586,30 @@ impl Backend for UringBackend {
         true
     }
 
+    fn read_new(&self, file: &UringFile, offset: u64, len: usize, align: usize) -> io::Result<AlignedBuf> {
+        if self.inline_blocking {
+            // A lone blocking read runs inline as pread (see `inline_blocking`): into fresh memory.
+            return AlignedBuf::read_exact_at(&file.0.file, offset, len, align);
+        }
+        let (r, buf) = self.read_at(file, offset, self.alloc_buf(len, align));
+        r.map(|()| buf)
+    }
+
+    /// Buffered files with inline blocking calls: a chunk holding large values is one inline
+    /// `pwritev` from the values' buffers. Copying into the page cache is the whole cost of a buffered
+    /// write, so overlapping it with encoding on the ring buys nothing, and the staging copy it saves is
+    /// as large as the write.
+    fn gathers_writes(&self) -> bool {
+        self.inline_blocking && !self.direct()
+    }
+
+    fn write_gather_at(&self, file: &UringFile, offset: u64, parts: &[&[u8]]) -> io::Result<()> {
+        if self.inline_blocking {
+            return super::portable::write_gather(&file.0.file, offset, parts);
+        }
+        super::gather_by_copy(self, file, offset, parts)
+    }
+
     fn write_at_async(&self, file: &Arc<UringFile>, offset: u64, buf: AlignedBuf) -> IoFuture {
         Box::pin(self.write(file, offset, buf))
     }
