@@ -52,6 +52,8 @@ const WRITES_IN_FLIGHT: usize = 16;
 /// A chunk holding a value at least this large is written gathered (no staging copy) where the
 /// backend supports it.
 const GATHER_MIN_BYTES: u64 = 256 << 10;
+/// Forgotten records at least this large are hole-punched (with `LogOptions::punch_forgotten`).
+const PUNCH_MIN_BYTES: u64 = 256 << 10;
 /// Zeros for padding in gathered writes.
 static ZEROS: [u8; 4096] = [0; 4096];
 /// Values smaller than this are never compressed.
@@ -90,6 +92,14 @@ pub struct LogOptions {
     pub gather_min_bytes: u64,
     /// I/O alignment override (power of two, 512..=65536); `None` asks the backend (statx).
     pub alignment: Option<usize>,
+    /// Release a forgotten record's blocks at once with a hole punch (`fallocate`), for values of
+    /// 256 KiB and more. For logs whose contents die with the process (a spill store), where it frees
+    /// disk space and page cache the way unlinking a file would. A punched record no longer reads back,
+    /// so such a log should not be reopened: the store discards it at open instead.
+    pub punch_forgotten: bool,
+    /// At open, delete whatever segments the directory holds instead of recovering them (after taking
+    /// the directory's lock): for a spill store, whose data dies with its process.
+    pub discard_existing: bool,
     /// fdatasync on its own where crash consistency needs it: before sealing a segment and before
     /// deleting one. Turn off for data that dies with the process (a spill store); `sync()` still
     /// syncs when called.
@@ -107,6 +117,8 @@ impl Default for LogOptions {
             alignment: None,
             write_group_bytes: WRITE_GROUP_BYTES,
             gather_min_bytes: GATHER_MIN_BYTES,
+            punch_forgotten: false,
+            discard_existing: false,
             durable: true,
         }
     }
@@ -262,6 +274,9 @@ struct SegMeta {
     tombstone_bytes: u64,
     /// Smallest `aux` over the segment's tombstones.
     min_shadow: u32,
+    /// Bytes of forgotten records whose blocks were released with a hole punch (they occupy no disk
+    /// space, so compaction does not count them as dead space to reclaim).
+    punched: u64,
 }
 
 impl SegMeta {
@@ -277,6 +292,7 @@ impl SegMeta {
             tombstones: 0,
             tombstone_bytes: 0,
             min_shadow: u32::MAX,
+            punched: 0,
         }
     }
 }
@@ -436,6 +452,15 @@ impl<B: Backend> SegmentLog<B> {
                 Error::io("lock store directory", dir.clone(), e)
             }
         })?;
+        if opts.discard_existing {
+            // A spill store's data died with its process: drop it unread (its records may have been
+            // hole-punched, so recovering them would only report damage).
+            let names = backend.list_dir(&seg_dir).map_err(|e| Error::io("list segments", seg_dir.clone(), e))?;
+            for name in names {
+                let path = seg_dir.join(name);
+                backend.remove_file(&path).map_err(|e| Error::io("remove segment", path, e))?;
+            }
+        }
         let align = match opts.alignment {
             Some(a) if a.is_power_of_two() && (512..=65536).contains(&a) => a as u64,
             Some(a) => return Err(Error::InvalidConfig(format!("alignment {a} is not a power of two in 512..=65536"))),
@@ -1325,8 +1350,55 @@ impl<B: Backend> SegmentLog<B> {
         Self::release(&mut st, old, &mut emptied);
         if !emptied.is_empty() {
             self.collect_garbage(&mut st)?;
+        } else if self.opts.punch_forgotten && old.len >= PUNCH_MIN_BYTES {
+            self.punch(&mut st, old);
         }
         Ok(true)
+    }
+
+    /// Release the whole blocks inside a forgotten record (`LogOptions::punch_forgotten`): its disk
+    /// space and page-cache pages go at once, as a deleted file's would, instead of staying (dirty) until
+    /// the whole segment dies or is compacted. Only blocks that lie entirely inside the record are
+    /// punched. Neighbouring records, the segment header and the tail block that the next write
+    /// rewrites are never touched. Advisory: a failure is logged once and changes nothing else.
+    fn punch(&self, st: &mut WriterState<B::File>, old: Location) {
+        let Some(file) = self.files.read().unwrap_or_else(|p| p.into_inner()).get(&old.segment).cloned() else {
+            return;
+        };
+        // Keep the record's head (header, frame table, key) readable, so that recovery of a reopened
+        // log still finds the record boundary and steps over it (reporting a damaged payload) instead
+        // of taking the zeros for the end of the segment.
+        let probe = old.len.min(64 << 10);
+        let start_read = align_down(old.offset, self.read_align);
+        let end_read = align_up(old.offset + probe, self.read_align);
+        let Ok(buf) =
+            self.backend.read_new(&file, start_read, (end_read - start_read) as usize, self.read_align as usize)
+        else {
+            return;
+        };
+        let at = (old.offset - start_read) as usize;
+        let Ok(h) = format::peek_record_header(&buf[at..]) else { return };
+        if h.payload_offset() > probe {
+            return;
+        }
+        let start = align_up(old.offset + h.payload_offset(), self.align);
+        let end = align_down(old.offset + old.len, self.align);
+        if end <= start {
+            return;
+        }
+        match self.backend.punch_hole(&file, start, end - start) {
+            Ok(()) => {
+                if let Some(m) = st.segs.get_mut(&old.segment) {
+                    m.punched += end - start;
+                }
+            }
+            Err(e) => {
+                static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+                if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                    log::warn!("cannot punch holes in segment files ({e}); forgotten records keep their space until compaction");
+                }
+            }
+        }
     }
 
     fn prepare<'a>(&self, rec: NewRecord<'a>) -> Prepared<'a> {
@@ -2002,7 +2074,7 @@ impl<B: Backend> SegmentLog<B> {
 
     fn is_sparse(&self, st: &WriterState<B::File>, id: u32, m: &SegMeta) -> bool {
         let tomb = if Self::tombstones_needed(st, id) { m.tombstone_bytes } else { 0 };
-        (m.live_bytes + tomb) * 2 < m.size
+        (m.live_bytes + tomb) * 2 < m.size - m.punched.min(m.size)
     }
 
     /// Relocate the live records of every sealed segment that is less than half live, then delete it.

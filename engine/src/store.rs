@@ -402,7 +402,14 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// Open a store in `dir`. Records already in the log become disk-tier entries.
     pub fn open(codec: C, backend: B, dir: impl AsRef<Path>, cfg: StoreConfig) -> Result<Self> {
         // A spill store's data dies with the process: the log need not fsync on its own.
-        let log_opts = LogOptions { durable: cfg.log.durable && cfg.persistent, ..cfg.log.clone() };
+        // It also starts empty (`discard_existing`) and releases a removed value's blocks at once
+        // (`punch_forgotten`), as unlinking a file per key would.
+        let log_opts = LogOptions {
+            durable: cfg.log.durable && cfg.persistent,
+            punch_forgotten: cfg.log.punch_forgotten || !cfg.persistent,
+            discard_existing: cfg.log.discard_existing || !cfg.persistent,
+            ..cfg.log.clone()
+        };
         let log = SegmentLog::open(backend, dir, log_opts)?;
         let mut inner = Inner {
             map: HashMap::new(),
@@ -416,12 +423,6 @@ impl<C: Codec, B: Backend> Store<C, B> {
             logged_stuck: false,
             any_stuck: false,
         };
-        if !cfg.persistent && !log.is_empty() {
-            for k in log.keys() {
-                log.forget(&k)?;
-            }
-            log.compact()?;
-        }
         for k in log.keys() {
             let len = log.location(&k).map_or(0, |l| l.len);
             let mut e = Entry::new(Slot::new(), Tier::Disk, 0);

@@ -147,8 +147,8 @@ impl Inner {
 /// An append-only segment log in one directory: keys (bytes) to lists of frames.
 ///
 /// Thread-safe; the GIL is released during I/O. `durable=False` (the default, for spill data that
-/// dies with its worker) skips fsyncs and tombstones: reopening such a directory may bring deleted
-/// keys back.
+/// dies with its worker) skips fsyncs and tombstones, and releases a deleted value's disk blocks at
+/// once: reopening such a directory may bring deleted keys back, or report them as damaged.
 #[pyclass(frozen, module = "spillway._core")]
 struct Log {
     inner: RwLock<Option<Arc<Inner>>>,
@@ -186,7 +186,9 @@ impl Log {
             other => return Err(PyValueError::new_err(format!("unknown compression '{other}' (none or lz4)"))),
         };
         let kind: BackendKind = backend.parse().map_err(PyValueError::new_err)?;
-        let opts = LogOptions { segment_bytes, compression, durable, ..LogOptions::default() };
+        // Spill data (not durable): a deleted value's blocks are released at once, like an unlinked file.
+        let opts =
+            LogOptions { segment_bytes, compression, durable, punch_forgotten: !durable, ..LogOptions::default() };
         py.allow_threads(move || {
             // A small registered pool: a process may hold many logs (one per SpillBuffer).
             let uring = UringOptions { pool_buffers: 2, direct, ..UringOptions::default() };

@@ -195,6 +195,14 @@ impl Backend for AutoBackend {
         matches!(self, AutoBackend::Uring(_))
     }
 
+    fn punch_hole(&self, file: &AutoFile, offset: u64, len: u64) -> io::Result<()> {
+        match (self, file) {
+            (AutoBackend::Portable(p), AutoFile::Portable(f)) => p.punch_hole(f, offset, len),
+            (AutoBackend::Uring(u), AutoFile::Uring(f)) => u.punch_hole(f, offset, len),
+            _ => Err(io::ErrorKind::Unsupported.into()),
+        }
+    }
+
     fn read_new(&self, file: &AutoFile, offset: u64, len: usize, align: usize) -> io::Result<AlignedBuf> {
         match (self, file) {
             (AutoBackend::Portable(p), AutoFile::Portable(f)) => p.read_new(f, offset, len, align),

@@ -151,6 +151,13 @@ pub trait Backend: Send + Sync + 'static {
         Box::pin(std::future::ready(self.read_at(file, offset, buf)))
     }
 
+    /// Deallocate `len` bytes at `offset` (a hole: reads return zeros, the file keeps its size), so
+    /// their disk space and page cache are freed. Unsupported by default.
+    fn punch_hole(&self, file: &Self::File, offset: u64, len: u64) -> io::Result<()> {
+        let _ = (file, offset, len);
+        Err(io::ErrorKind::Unsupported.into())
+    }
+
     /// Read `len` bytes at `offset` into a new buffer aligned to `align`. The default allocates a
     /// zeroed buffer and calls [`Backend::read_at`]; the portable backend reads into fresh memory
     /// without zeroing it first.

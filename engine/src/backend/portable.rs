@@ -127,6 +127,10 @@ impl Backend for PortableBackend {
         (r, buf)
     }
 
+    fn punch_hole(&self, file: &File, offset: u64, len: u64) -> io::Result<()> {
+        punch_hole(file, offset, len)
+    }
+
     fn read_new(&self, file: &File, offset: u64, len: usize, align: usize) -> io::Result<AlignedBuf> {
         AlignedBuf::read_exact_at(file, offset, len, align)
     }
@@ -229,4 +233,10 @@ pub(crate) fn write_gather(file: &File, mut offset: u64, parts: &[&[u8]]) -> io:
         }
     }
     Ok(())
+}
+
+/// `fallocate(PUNCH_HOLE | KEEP_SIZE)`.
+pub(crate) fn punch_hole(file: &File, offset: u64, len: u64) -> io::Result<()> {
+    rustix::fs::fallocate(file, FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE, offset, len)
+        .map_err(io::Error::from)
 }

@@ -477,6 +477,17 @@ impl Backend for SimBackend {
         self.lock().gather_writes
     }
 
+    fn punch_hole(&self, file: &SimFile, offset: u64, len: u64) -> io::Result<()> {
+        // Like a write of zeros that never fails (and, as a write, volatile until a sync).
+        let mut d = file.inode.lock();
+        let end = (offset + len).min(d.cur.len() as u64) as usize;
+        if (offset as usize) < end {
+            d.cur[offset as usize..end].fill(0);
+            d.pending.push((offset, vec![0; end - offset as usize]));
+        }
+        Ok(())
+    }
+
     fn write_at(&self, file: &SimFile, offset: u64, buf: AlignedBuf) -> BufResult {
         let fault = self.check(OpKind::Write);
         let n = match fault {
