@@ -216,6 +216,8 @@ def _worker_stats(dask_worker) -> dict:
         "disk_write_count": int(metrics.get(("disk-write", "count"), 0)),
         "disk_read_bytes": int(metrics.get(("disk-read", "bytes"), 0)),
         "disk_read_count": int(metrics.get(("disk-read", "count"), 0)),
+        # seconds per activity, as each store measures them (dask's and spillway's use the same keys)
+        "seconds": {k[0]: float(v) for k, v in metrics.items() if len(k) == 2 and k[1] == "seconds"},
     }
 
 
