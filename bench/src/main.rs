@@ -420,6 +420,7 @@ fn main() -> Result<()> {
             target: args.target,
             numjobs: args.numjobs,
             loops: args.loops,
+            direct: args.direct,
             segment_size: args.segment_size,
             dir: &dir,
             human: args.output_format == OutputFormat::Normal,

@@ -47,6 +47,8 @@ pub struct StoreJob<'a> {
     pub numjobs: usize,
     /// Measured rounds (spill-unspill job).
     pub loops: usize,
+    /// O_DIRECT on both sides (spill-unspill job): spillway's segment files and the baseline's files.
+    pub direct: bool,
     /// Segment size.
     pub segment_size: u64,
     /// Where to put the stores.
@@ -101,7 +103,10 @@ fn run_spillway(job: &StoreJob<'_>, vals: &[Bytes], order: &[u64]) -> Result<(Si
         ..Default::default()
     };
     let sdir = job.dir.join("spill-unspill-store");
-    let store = Store::open(BytesCodec::default(), PortableBackend::new(), &sdir, cfg)?;
+    let store = Store::open(BytesCodec::default(), PortableBackend::with_direct(job.direct), &sdir, cfg)?;
+    if job.direct && !store.log().backend().direct() {
+        anyhow::bail!("O_DIRECT was refused in {}", sdir.display());
+    }
     let t = Instant::now();
     for (i, v) in vals.iter().enumerate() {
         store.put(format!("key-{i}").as_bytes(), v.clone())?;
@@ -125,6 +130,9 @@ fn run_spillway(job: &StoreJob<'_>, vals: &[Bytes], order: &[u64]) -> Result<(Si
 /// The baseline: one file per key with a plain write, then a plain read and unlink, as dask's
 /// `zict.File` does.
 fn run_file_per_key(job: &StoreJob<'_>, vals: &[Bytes], order: &[u64]) -> Result<Sides> {
+    if job.direct {
+        return run_file_per_key_direct(job, vals, order);
+    }
     let n = vals.len() as u64;
     let bdir = job.dir.join("spill-unspill-files");
     std::fs::create_dir_all(&bdir)?;
@@ -138,6 +146,46 @@ fn run_file_per_key(job: &StoreJob<'_>, vals: &[Bytes], order: &[u64]) -> Result
         let p = bdir.join(format!("key-{i}"));
         let v = std::fs::read(&p)?;
         assert_eq!(v.len() as u64, job.bs);
+        std::fs::remove_file(&p)?;
+    }
+    let unspill = Phase { ops: n, bytes: n * job.bs, elapsed: t.elapsed() };
+    std::fs::remove_dir_all(&bdir).ok();
+    Ok(Sides { spill, unspill })
+}
+
+/// The baseline with O_DIRECT: each value written from and read into a 4096-aligned buffer (so `--bs`
+/// must be a multiple of 4096), one file per key.
+fn run_file_per_key_direct(job: &StoreJob<'_>, vals: &[Bytes], order: &[u64]) -> Result<Sides> {
+    use spillway::buf::AlignedBuf;
+    use std::io::{Read, Write};
+    use std::os::unix::fs::OpenOptionsExt;
+    anyhow::ensure!(job.bs % 4096 == 0, "--direct needs --bs to be a multiple of 4096");
+    let n = vals.len() as u64;
+    let bdir = job.dir.join("spill-unspill-files");
+    std::fs::create_dir_all(&bdir)?;
+    let open = |p: &Path, write: bool| {
+        std::fs::OpenOptions::new()
+            .read(!write)
+            .write(write)
+            .create(write)
+            .truncate(write)
+            .custom_flags(libc::O_DIRECT)
+            .open(p)
+            .with_context(|| format!("O_DIRECT open of {}", p.display()))
+    };
+    let t = Instant::now();
+    for (i, v) in vals.iter().enumerate() {
+        // The copy into an aligned buffer is the baseline's share of what O_DIRECT demands.
+        let mut buf = AlignedBuf::with_capacity(v.len(), 4096);
+        buf.extend_from_slice(v);
+        open(&bdir.join(format!("key-{i}")), true)?.write_all(&buf)?;
+    }
+    let spill = Phase { ops: n, bytes: n * job.bs, elapsed: t.elapsed() };
+    let t = Instant::now();
+    for &i in order {
+        let p = bdir.join(format!("key-{i}"));
+        let mut buf = AlignedBuf::zeroed(job.bs as usize, 4096);
+        open(&p, false)?.read_exact(&mut buf)?;
         std::fs::remove_file(&p)?;
     }
     let unspill = Phase { ops: n, bytes: n * job.bs, elapsed: t.elapsed() };
@@ -204,10 +252,11 @@ pub fn spill_unspill(job: &StoreJob<'_>) -> Result<Value> {
     let r_unspill = s_unspill.rate() / b_unspill.rate();
     if job.human {
         println!(
-            "spill-unspill: {n} values of {} (target {}), {spilled} spilled; best of {} rounds after a warm-up",
+            "spill-unspill: {n} values of {} (target {}), {spilled} spilled; best of {} rounds after a warm-up{}",
             format_size(job.bs),
             format_size(job.target),
-            job.loops.max(1)
+            job.loops.max(1),
+            if job.direct { "; O_DIRECT on both sides" } else { "" }
         );
         for (name, s, b, r) in [("spill", &s_spill, &b_spill, r_spill), ("unspill", &s_unspill, &b_unspill, r_unspill)]
         {
@@ -223,7 +272,7 @@ pub fn spill_unspill(job: &StoreJob<'_>) -> Result<Value> {
     }
     Ok(json!({
         "jobname": "spill-unspill",
-        "bs": job.bs, "values": n, "target": job.target, "spilled": spilled, "loops": job.loops.max(1),
+        "bs": job.bs, "values": n, "target": job.target, "spilled": spilled, "loops": job.loops.max(1), "direct": job.direct,
         "spillway": {"spill": s_spill.json(), "unspill": s_unspill.json()},
         "baseline_file_per_key": {"spill": b_spill.json(), "unspill": b_unspill.json()},
         "ratio": {"spill": r_spill, "unspill": r_unspill},
