@@ -572,3 +572,35 @@ fn a_dropped_get_async_leaves_the_store_as_it_was() {
     assert_eq!(*s.get(b"k").unwrap().unwrap(), val(5, 100_000));
     s.check_accounting().unwrap();
 }
+
+/// A spill store (not persistent) releases the disk blocks of a removed large value at once, as
+/// unlinking its file would; the values around it still read back, and a reopened spill store starts
+/// empty.
+#[test]
+fn a_spill_store_releases_removed_values_blocks_at_once() {
+    use std::os::unix::fs::MetadataExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let blocks = || -> u64 {
+        std::fs::read_dir(tmp.path().join("segments")).unwrap().map(|e| e.unwrap().metadata().unwrap().blocks()).sum()
+    };
+    let c = StoreConfig { target_bytes: 1 << 20, ..Default::default() };
+    let s = Store::open(TestCodec::default(), spillway::PortableBackend::new(), tmp.path(), c.clone()).unwrap();
+    for i in 0..8u8 {
+        s.put(&[i], val(i, 512 << 10)).unwrap();
+    }
+    let on_disk: Vec<u8> = (0..8u8).filter(|&i| s.tier(&[i]) == Some(Tier::Disk)).collect();
+    assert!(on_disk.len() >= 4, "{on_disk:?}");
+    let before = blocks();
+    for &i in &on_disk[..2] {
+        assert!(s.remove(&[i]).unwrap());
+    }
+    let released = before - blocks();
+    assert!(released >= 2 * (500 << 10) / 512, "{released} blocks of 512 B released");
+    for &i in &on_disk[2..] {
+        assert_eq!(*s.get(&[i]).unwrap().unwrap(), val(i, 512 << 10));
+    }
+    s.check_accounting().unwrap();
+    drop(s);
+    let s = Store::open(TestCodec::default(), spillway::PortableBackend::new(), tmp.path(), c).unwrap();
+    assert!(s.is_empty());
+}
