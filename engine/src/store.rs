@@ -916,7 +916,10 @@ impl<C: Codec, B: Backend> Store<C, B> {
             Err(e) => return Err(e),
         };
         let Some(e) = current else { return Ok(Some(v)) };
-        if e.tier == Tier::Materialized {
+        // Already promoted by another reader of the same materialization; or promoted and then evicted
+        // again (slot idle) between our materialization and this lock: then the entry stays where it is,
+        // since promoting it would leave a materialized entry without a value.
+        if e.tier == Tier::Materialized || e.slot.state() != crate::slot::SlotState::Ready {
             return Ok(Some(v));
         }
         if e.large {

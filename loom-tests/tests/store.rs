@@ -226,3 +226,30 @@ fn metrics_counters_sum_exactly() {
         s.check_accounting().unwrap();
     });
 }
+
+/// Two gets of a key held serialized race `evict`. One get can promote the value, the eviction can
+/// demote it again (the slot is emptied), and the second get then finishes with the value it shared.
+/// It must not promote the entry a second time: that would leave a materialized entry whose slot
+/// holds nothing (a random stress test found this).
+#[test]
+fn two_gets_race_evict() {
+    bounded().check(|| {
+        let s = store();
+        s.put_serialized(b"a", Frames(vec![Bytes::from(val(1, 64))])).unwrap();
+        let getter = {
+            let s = s.clone();
+            thread::spawn(move || s.get(b"a").unwrap().unwrap())
+        };
+        let evicter = {
+            let s = s.clone();
+            thread::spawn(move || s.evict().unwrap())
+        };
+        let v = s.get(b"a").unwrap().unwrap();
+        assert_eq!(*getter.join().unwrap(), val(1, 64));
+        evicter.join().unwrap();
+        assert_eq!(*v, val(1, 64));
+        s.check_accounting().unwrap();
+        assert_eq!(*s.get(b"a").unwrap().unwrap(), val(1, 64));
+        s.check_accounting().unwrap();
+    });
+}
