@@ -1526,14 +1526,7 @@ impl<B: Backend> SegmentLog<B> {
             buf[..tail.len()].copy_from_slice(&tail);
             let mut pos = data_end;
             for p in group {
-                let seq = match &p.rec {
-                    NewRecord::Relocated { header, .. } => header.seq,
-                    _ => {
-                        let s = st.next_seq;
-                        st.next_seq += 1;
-                        s
-                    }
-                };
+                let seq = Self::seq_for(st, &p.rec);
                 let at = (pos - base) as usize;
                 Self::encode_record(p, &mut buf[at..at + p.len as usize], id, epoch, seq);
                 placed.push((pos, p.len, seq));
@@ -1608,14 +1601,7 @@ impl<B: Backend> SegmentLog<B> {
         let mut placed: Vec<(u64, u64, u64)> = Vec::with_capacity(chunk.len());
         let mut pos = data_end;
         for p in chunk {
-            let seq = match &p.rec {
-                NewRecord::Relocated { header, .. } => header.seq,
-                _ => {
-                    let s = st.next_seq;
-                    st.next_seq += 1;
-                    s
-                }
-            };
+            let seq = Self::seq_for(st, &p.rec);
             match (&p.rec, &p.payload) {
                 (NewRecord::Value { key, .. }, Payload::Frames(frames))
                     if laid_out_len(frames) >= self.opts.gather_min_bytes =>
@@ -1703,6 +1689,19 @@ impl<B: Backend> SegmentLog<B> {
             return Err(self.poison(Error::io("write segment", self.seg_path(id), e)));
         }
         self.publish_chunk(st, chunk, &placed, end, new_tail, epoch)
+    }
+
+    /// The sequence number of a record being written: a relocated record keeps its own, any other
+    /// takes the next one.
+    fn seq_for(st: &mut WriterState<B::File>, rec: &NewRecord<'_>) -> u64 {
+        match rec {
+            NewRecord::Relocated { header, .. } => header.seq,
+            _ => {
+                let s = st.next_seq;
+                st.next_seq += 1;
+                s
+            }
+        }
     }
 
     /// Encode one prepared record into `dst` (exactly `p.len` bytes): header, frame table, key and
