@@ -1367,8 +1367,9 @@ impl<B: Backend> SegmentLog<B> {
         };
         // Keep the record's head (header, frame table, key) readable, so that recovery of a reopened
         // log still finds the record boundary and steps over it (reporting a damaged payload) instead
-        // of taking the zeros for the end of the segment.
-        let probe = old.len.min(64 << 10);
+        // of taking the zeros for the end of the segment. One small read finds where the head ends; a
+        // head longer than that (a huge key or frame table) is rare, and its record is not punched.
+        let probe = old.len.min(4 << 10);
         let start_read = align_down(old.offset, self.read_align);
         let end_read = align_up(old.offset + probe, self.read_align);
         let Ok(buf) =

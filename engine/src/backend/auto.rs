@@ -207,10 +207,7 @@ impl Backend for AutoBackend {
         match (self, file) {
             (AutoBackend::Portable(p), AutoFile::Portable(f)) => p.read_new(f, offset, len, align),
             (AutoBackend::Uring(u), AutoFile::Uring(f)) => u.read_new(f, offset, len, align),
-            _ => {
-                let (r, buf) = self.read_at(file, offset, self.alloc_buf(len, align));
-                r.map(|()| buf)
-            }
+            _ => super::read_by_alloc(self, file, offset, len, align),
         }
     }
 

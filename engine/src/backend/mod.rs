@@ -75,6 +75,18 @@ pub(crate) fn gather_by_copy<B: Backend + ?Sized>(
     b.write_at(file, offset, buf).0
 }
 
+/// `read_new` done the plain way: a buffer from [`Backend::alloc_buf`], then [`Backend::read_at`].
+pub(crate) fn read_by_alloc<B: Backend + ?Sized>(
+    b: &B,
+    file: &B::File,
+    offset: u64,
+    len: usize,
+    align: usize,
+) -> io::Result<AlignedBuf> {
+    let (r, buf) = b.read_at(file, offset, b.alloc_buf(len, align));
+    r.map(|()| buf)
+}
+
 /// One read of a pipelined stream (see [`Backend::read_pipelined`]).
 pub struct PipelinedRead<F> {
     /// The file to read (kept open until the read completes).
@@ -162,8 +174,7 @@ pub trait Backend: Send + Sync + 'static {
     /// zeroed buffer and calls [`Backend::read_at`]; the portable backend reads into fresh memory
     /// without zeroing it first.
     fn read_new(&self, file: &Self::File, offset: u64, len: usize, align: usize) -> io::Result<AlignedBuf> {
-        let (r, buf) = self.read_at(file, offset, self.alloc_buf(len, align));
-        r.map(|()| buf)
+        read_by_alloc(self, file, offset, len, align)
     }
 
     /// Whether [`Backend::write_gather_at`] writes straight from the caller's slices. The log then writes

@@ -595,8 +595,7 @@ impl Backend for UringBackend {
             // A lone blocking read runs inline as pread (see `inline_blocking`): into fresh memory.
             return AlignedBuf::read_exact_at(&file.0.file, offset, len, align);
         }
-        let (r, buf) = self.read_at(file, offset, self.alloc_buf(len, align));
-        r.map(|()| buf)
+        super::read_by_alloc(self, file, offset, len, align)
     }
 
     /// Buffered files with inline blocking calls: a chunk holding large values is one inline
