@@ -53,6 +53,10 @@ struct Wait<E> {
     attempt: u64,
     /// The most recent failed attempt and its error.
     failure: Option<(u64, E)>,
+    /// Threads blocked in `cond.wait`. A finishing materializer notifies only when there are some:
+    /// `notify_all` is a futex system call even with nobody waiting, and the common get has no
+    /// waiters. Changed and read under `wait`, so a waiter is counted before it can miss a notify.
+    waiters: u32,
 }
 
 /// A per-value materialization slot. `V` is the materialized type, `E` the (cloneable) error a failed
@@ -86,7 +90,7 @@ impl<V, E: Clone> Slot<V, E> {
         Slot {
             word: AtomicU64::new(IDLE),
             value: UnsafeCell::new(None),
-            wait: Mutex::new(Wait { attempt: 0, failure: None }),
+            wait: Mutex::new(Wait { attempt: 0, failure: None, waiters: 0 }),
             cond: Condvar::new(),
         }
     }
@@ -174,9 +178,11 @@ impl<V, E: Clone> Slot<V, E> {
                 }
                 MATERIALIZING => {
                     let seen = w.attempt;
+                    w.waiters += 1;
                     while self.word.load(Ordering::Acquire) & STATE_MASK == MATERIALIZING {
                         w = self.cond.wait(w).unwrap_or_else(|p| p.into_inner());
                     }
+                    w.waiters -= 1;
                     // The attempt this thread waited for failed: report its error, even if another
                     // thread has started a new attempt since (every waiter of one attempt gets the
                     // same answer, whatever the timing).
@@ -205,15 +211,19 @@ impl<V, E: Clone> Slot<V, E> {
                     unsafe { *p = Some(v.clone()) }
                 });
                 self.word.fetch_add(READY - MATERIALIZING, Ordering::AcqRel);
-                let _w = self.wait.lock().unwrap_or_else(|p| p.into_inner());
-                self.cond.notify_all();
+                let w = self.wait.lock().unwrap_or_else(|p| p.into_inner());
+                if w.waiters > 0 {
+                    self.cond.notify_all();
+                }
                 Ok(v)
             }
             Err(e) => {
                 let mut w = self.wait.lock().unwrap_or_else(|p| p.into_inner());
                 w.failure = Some((attempt, e.clone()));
                 self.word.fetch_sub(MATERIALIZING, Ordering::AcqRel);
-                self.cond.notify_all();
+                if w.waiters > 0 {
+                    self.cond.notify_all();
+                }
                 Err(e)
             }
         }
