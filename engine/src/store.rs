@@ -651,23 +651,23 @@ impl<C: Codec, B: Backend> Store<C, B> {
 
     /// One eviction round over the LRU order; returns bytes freed.
     fn evict_round(&self, inner: &mut Inner<C::Value>, excess: u64, protect: Option<&Arc<[u8]>>) -> Result<u64> {
-        let candidates: Vec<Arc<[u8]>> = inner
-            .lru
-            .values()
-            .filter(|k| inner.map.get(*k).is_some_and(|e| !e.stuck))
-            .take(EVICT_SCAN)
-            .cloned()
-            .collect();
         let mut freed = 0u64;
         let mut batch: Vec<(Arc<[u8]>, Frames)> = Vec::new();
-        for key in candidates {
-            if freed >= excess {
-                break;
-            }
+        // Walk the LRU order lazily from the oldest tick: a round usually needs one or two entries,
+        // and collecting EVICT_SCAN candidates up front cost a lookup and an Arc clone each, on every
+        // put or promotion above the target. Entries re-attached below keep their tick, which the
+        // cursor has passed, so none is visited twice.
+        let mut cursor = 0u64;
+        let mut scanned = 0usize;
+        while freed < excess && scanned < EVICT_SCAN {
+            let Some((&tick, key)) = inner.lru.range(cursor..).next() else { break };
+            cursor = tick + 1;
+            let key = key.clone();
             let Some(e) = inner.map.get(&key) else { continue };
             if e.stuck {
                 continue;
             }
+            scanned += 1;
             // A value that still has its disk copy (it was read back) is dropped from memory for free.
             if e.disk_bytes > 0 {
                 if e.tier == Tier::Materialized && e.slot.evict().is_none() {
