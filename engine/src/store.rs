@@ -21,10 +21,12 @@
 //!
 //! ## Locking
 //! One mutex guards the key map, the LRU order and the accounting; it is held for lookups, LRU updates,
-//! eviction decisions and spill writes, and never while deserializing, decompressing for a reader or
-//! reading from disk. Materialization happens in the per-key [`Slot`], whose ready path is lock-free.
+//! eviction decisions (and the serialization of evicted objects), and never during disk I/O, while
+//! deserializing or while decompressing for a reader. A spill batch is planned under the lock, written
+//! without it (its keys marked as being written, see `Store::spill`), and settled under it again.
+//! Materialization happens in the per-key [`Slot`], whose ready path is lock-free.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
@@ -39,11 +41,13 @@ use crate::log::{LogOptions, SegmentLog, StreamedValue};
 use crate::slot::Slot;
 // Locks, counters and the values' `Arc` come from the sync shim, so the loom models in `loom-tests/`
 // run this code as it is (keys and slots are plain `Arc`s: only their contents are shared state).
-use crate::sync::{self, AtomicU64, Mutex, MutexGuard, Ordering};
+use crate::sync::{self, AtomicU64, Condvar, Mutex, MutexGuard, Ordering};
 use crate::value::Frames;
 
 /// Entries looked at per eviction round.
 const EVICT_SCAN: usize = 256;
+/// Eviction rounds (each with its spill write) one call to `enforce` runs at most.
+const ENFORCE_ROUNDS: usize = 16;
 /// At most this much below the target is evicted at once (batches spill writes).
 const EVICT_SLACK_BYTES: u64 = 4 << 20;
 
@@ -186,6 +190,13 @@ struct Inner<V> {
     logged_stuck: bool,
     /// Some entry is marked stuck (so freeing disk space has flags to reset).
     any_stuck: bool,
+    /// Keys whose spill write runs right now, outside the lock. A key is in at most one write at a
+    /// time: eviction skips these keys, and a direct write of one (`put_large`, `put_stream`) waits.
+    writing: HashSet<Arc<[u8]>>,
+    /// Memory weight and serialized bytes of the entries in those writes, as planned. The weight
+    /// still counts in `mem_bytes` (the bytes are still in memory) until the write lands.
+    writing_weight: u64,
+    writing_raw: u64,
 }
 
 impl<V> Inner<V> {
@@ -370,7 +381,18 @@ pub struct Store<C: Codec, B: Backend = PortableBackend> {
     log: SegmentLog<B>,
     cfg: StoreConfig,
     inner: Mutex<Inner<C::Value>>,
+    /// Signalled (with `inner`) whenever a spill write lands.
+    written: Condvar,
     metrics: Metrics,
+}
+
+/// One value of a spill batch, planned under the store's lock and written without it.
+struct Planned<V> {
+    key: Arc<[u8]>,
+    frames: Frames,
+    /// Identifies the entry that was planned: a `remove` or a new `put` meanwhile replaces it.
+    slot: Arc<Slot<V, Error>>,
+    weight: u64,
 }
 
 fn key_str(k: &[u8]) -> String {
@@ -422,6 +444,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
             disk_raw: 0,
             logged_stuck: false,
             any_stuck: false,
+            writing: HashSet::new(),
+            writing_weight: 0,
+            writing_raw: 0,
         };
         for k in log.keys() {
             let len = log.location(&k).map_or(0, |l| l.len);
@@ -431,7 +456,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             inner.account(&e, 1);
             inner.map.insert(Arc::from(k.as_slice()), e);
         }
-        Ok(Store { codec, log, cfg, inner: Mutex::new(inner), metrics: Metrics::default() })
+        Ok(Store { codec, log, cfg, inner: Mutex::new(inner), written: Condvar::new(), metrics: Metrics::default() })
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner<C::Value>> {
@@ -508,78 +533,161 @@ impl<C: Codec, B: Backend> Store<C, B> {
         let weight = self.codec.size_of(&value);
         if weight > self.cfg.target_bytes {
             let frames = self.serialize(key, &value)?;
-            let mut inner = self.lock();
-            return self.put_large(&mut inner, key, frames);
+            return self.put_large(self.lock(), key, frames);
         }
         let mut inner = self.lock();
         let e = Entry::new(Slot::ready(sync::Arc::new(value)), Tier::Materialized, weight);
-        let k = self.insert(&mut inner, key, e)?;
-        self.enforce(&mut inner, Some(&k))
+        let slot = e.slot.clone();
+        self.insert(&mut inner, key, e)?;
+        self.enforce(inner, Some(&slot))
     }
 
     /// Store serialized frames (data from a peer or from disk): they stay serialized until a `get`.
     pub fn put_serialized(&self, key: &[u8], frames: Frames) -> Result<()> {
         let mut inner = self.lock();
         if frames.total_len() > self.cfg.target_bytes {
-            return self.put_large(&mut inner, key, frames);
+            return self.put_large(inner, key, frames);
         }
         let e = Entry::serialized(frames, false);
-        let k = self.insert(&mut inner, key, e)?;
-        self.enforce(&mut inner, Some(&k))
+        let slot = e.slot.clone();
+        self.insert(&mut inner, key, e)?;
+        self.enforce(inner, Some(&slot))
     }
 
-    /// A value heavier than the target: straight to disk. If it cannot be written (max_spill, disk
-    /// error) it stays in memory, serialized, and the condition is reported.
-    fn put_large(&self, inner: &mut Inner<C::Value>, key: &[u8], frames: Frames) -> Result<()> {
+    /// A value heavier than the target: straight to disk, written outside the lock like any spill
+    /// (meanwhile it is served from memory). If it cannot be written (max_spill, disk error) it stays
+    /// in memory, serialized, and the condition is reported.
+    fn put_large<'a>(&'a self, inner: MutexGuard<'a, Inner<C::Value>>, key: &[u8], frames: Frames) -> Result<()> {
         let raw = frames.total_len();
-        let mut e = Entry::serialized(frames, true);
-        self.drop_entry(inner, key)?;
-        if self.spill_allowed(inner, raw) {
-            let f = e.frames.clone().expect("just set");
-            match self.write_disk(&[(key, &f)]) {
-                Ok(()) => {
-                    let len = self.log.location(key).map_or(raw, |l| l.len);
-                    e.tier = Tier::Disk;
-                    e.frames = None;
-                    e.weight = 0;
-                    e.disk_raw = raw;
-                    e.disk_bytes = len;
-                }
-                Err(err) => {
-                    self.spill_failed(inner, key, &err);
-                    e.stuck = true;
-                }
-            }
-        } else {
-            e.stuck = true;
-        }
-        if e.stuck {
+        let mut inner = self.wait_unwritten(inner, key);
+        let e = Entry::serialized(frames.clone(), true);
+        let slot = e.slot.clone();
+        let k = self.insert(&mut inner, key, e)?;
+        if !self.spill_allowed(&mut inner, raw) {
+            inner.map.get_mut(&k).expect("just inserted").stuck = true;
             inner.any_stuck = true;
+            return Ok(());
         }
-        self.insert(inner, key, e)?;
+        let planned = Planned { key: k, frames, slot, weight: raw };
+        Self::mark_writing(&mut inner, &planned);
+        drop(self.spill(inner, vec![planned]));
         Ok(())
+    }
+
+    /// Wait (releasing the lock) until no spill write of `key` is running: a value written to the log
+    /// directly must not race an older value's write of the same key.
+    fn wait_unwritten<'a>(
+        &'a self,
+        mut inner: MutexGuard<'a, Inner<C::Value>>,
+        key: &[u8],
+    ) -> MutexGuard<'a, Inner<C::Value>> {
+        while inner.writing.contains(key) {
+            inner = self.written.wait(inner).unwrap_or_else(|p| p.into_inner());
+        }
+        inner
+    }
+
+    fn mark_writing(inner: &mut Inner<C::Value>, p: &Planned<C::Value>) {
+        inner.writing.insert(p.key.clone());
+        inner.writing_weight += p.weight;
+        inner.writing_raw += p.frames.total_len();
+    }
+
+    /// Write a planned batch with the store's lock released, then settle each entry under it again.
+    /// Gets meanwhile read the values from memory; eviction skips the keys. An entry removed or
+    /// replaced meanwhile leaves a record nobody wants, which is dropped from the log; one promoted
+    /// by a get meanwhile stays in memory and keeps the record as its disk copy; one whose record did
+    /// not land stays in memory, stuck, and the failure is reported.
+    fn spill<'a>(
+        &'a self,
+        inner: MutexGuard<'a, Inner<C::Value>>,
+        batch: Vec<Planned<C::Value>>,
+    ) -> MutexGuard<'a, Inner<C::Value>> {
+        drop(inner);
+        let items: Vec<(&[u8], &Frames)> = batch.iter().map(|p| (&*p.key, &p.frames)).collect();
+        let result = self.write_disk(&items);
+        let mut inner = self.lock();
+        for p in &batch {
+            let raw = p.frames.total_len();
+            inner.writing.remove(&p.key);
+            inner.writing_weight -= p.weight;
+            inner.writing_raw -= raw;
+            let ours = inner.map.get(&p.key).is_some_and(|e| Arc::ptr_eq(&e.slot, &p.slot));
+            match (ours, self.log.location(&p.key)) {
+                (true, Some(loc)) => {
+                    let mut ne = self.take_entry(&mut inner, &p.key);
+                    if matches!(ne.tier, Tier::Serialized | Tier::Compressed) {
+                        ne.tier = Tier::Disk;
+                        ne.frames = None;
+                        ne.compressed = None;
+                        ne.weight = 0;
+                    }
+                    ne.disk_raw = raw;
+                    ne.disk_bytes = loc.len;
+                    self.put_entry(&mut inner, &p.key, ne);
+                }
+                (true, None) => {
+                    let err = result.clone().err().unwrap_or_else(|| vanished(&p.key));
+                    self.spill_failed(&mut inner, &p.key, &err);
+                    inner.map.get_mut(&p.key).expect("ours").stuck = true;
+                    inner.any_stuck = true;
+                }
+                (false, Some(_)) => {
+                    let r = if self.cfg.persistent { self.log.delete(&p.key) } else { self.log.forget(&p.key) };
+                    if let Err(e) = r {
+                        log::error!(
+                            "Failed to drop the record of {:?}, removed while it was spilled: {e}",
+                            key_str(&p.key)
+                        );
+                    }
+                }
+                (false, None) => {}
+            }
+        }
+        self.written.notify_all();
+        inner
     }
 
     /// Store a value arriving from a peer (`src`, in the stored form `meta` announces) straight into
     /// the log, never holding it in memory: for a receiver over its target. The value is then on
     /// disk, like a spilled one. When `max_spill` refuses it, it is received into memory instead
-    /// (serialized). The store's lock is held while the bytes arrive, so concurrent operations wait
-    /// for the transfer; nothing of the value is visible until it arrived whole and verified.
+    /// (serialized). The old value of `key`, if any, is dropped when the transfer starts. The bytes
+    /// arrive without the store's lock held (other operations go on); nothing of the value is visible
+    /// until it arrived whole and verified. If a `put` of the same key lands during the transfer, that
+    /// newer value wins and the streamed record is dropped.
     pub fn put_stream(&self, key: &[u8], meta: &StreamedValue, src: &mut dyn std::io::Read) -> Result<()> {
         let raw: u64 = meta.frame_lens.iter().sum();
-        let mut inner = self.lock();
+        let mut inner = self.wait_unwritten(self.lock(), key);
         if !self.spill_allowed(&mut inner, raw) {
             drop(inner);
             let frames = crate::transfer::read_stored_form(meta, src, self.log.options().max_value_bytes)?;
             return self.put_serialized(key, frames);
         }
-        let t = Instant::now();
         self.drop_entry(&mut inner, key)?;
-        self.log.put_stream(key, meta, src)?;
+        let k: Arc<[u8]> = Arc::from(key);
+        inner.writing.insert(k.clone());
+        inner.writing_raw += raw;
+        drop(inner);
+        let t = Instant::now();
+        let streamed = self.log.put_stream(key, meta, src);
+        let mut inner = self.lock();
+        inner.writing.remove(&k);
+        inner.writing_raw -= raw;
+        self.written.notify_all();
+        streamed?;
         let m = &self.metrics.acts[DISK_WRITE];
         m.count.fetch_add(1, Ordering::Relaxed);
         m.bytes.fetch_add(raw, Ordering::Relaxed);
         m.ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        if inner.map.contains_key(key) {
+            // A put of the key landed meanwhile (in memory: its eviction waited for this write).
+            if self.cfg.persistent {
+                self.log.delete(key)?
+            } else {
+                self.log.forget(key)?
+            };
+            return Ok(());
+        }
         let mut e = Entry::new(Slot::new(), Tier::Disk, 0);
         e.disk_raw = raw;
         e.disk_bytes = self.log.location(key).map_or(0, |l| l.len);
@@ -590,7 +698,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
 
     fn spill_allowed(&self, inner: &mut Inner<C::Value>, bytes: u64) -> bool {
         match self.cfg.max_spill_bytes {
-            Some(max) if inner.disk_raw + bytes > max => {
+            Some(max) if inner.disk_raw + inner.writing_raw + bytes > max => {
                 self.metrics.max_spill_refusals.fetch_add(1, Ordering::Relaxed);
                 if !inner.logged_stuck {
                     inner.logged_stuck = true;
@@ -635,36 +743,70 @@ impl<C: Codec, B: Backend> Store<C, B> {
         Ok(())
     }
 
-    /// Demote least-recently-used entries until memory is at or below the target. `protect` is the key
-    /// being inserted: if *its* serialization fails, it is forgotten and the error returned.
-    fn enforce(&self, inner: &mut Inner<C::Value>, protect: Option<&Arc<[u8]>>) -> Result<()> {
+    /// Demote least-recently-used entries until memory, not counting what is being written to disk
+    /// right now, is at or below the target. Spill writes run with the lock released (see
+    /// `Store::spill`); the caller's guard is consumed. `protect` is the slot of the value being
+    /// inserted: if *its* serialization fails, it is forgotten and the error returned.
+    ///
+    /// Memory can exceed the target by the writes in flight: at most one batch per thread inside
+    /// `enforce`, each about `target / 16` (at most 4 MiB) over the excess it was planned for.
+    fn enforce<'a>(
+        &'a self,
+        mut inner: MutexGuard<'a, Inner<C::Value>>,
+        protect: Option<&Arc<Slot<C::Value, Error>>>,
+    ) -> Result<()> {
         // Evict a little below the target so that spill writes come in batches, not one per put.
         let slack = (self.cfg.target_bytes / 16).min(EVICT_SLACK_BYTES);
-        while inner.mem_bytes > self.cfg.target_bytes {
-            let freed = self.evict_round(inner, inner.mem_bytes - self.cfg.target_bytes + slack, protect)?;
-            if freed == 0 {
-                break; // nothing evictable: everything left is stuck or in use
+        // Bounded: with the lock released during writes, other threads keep adding; each of them
+        // enforces the target for its own puts.
+        for _ in 0..ENFORCE_ROUNDS {
+            let pending = inner.mem_bytes.saturating_sub(inner.writing_weight);
+            if pending <= self.cfg.target_bytes {
+                break;
             }
+            let (freed, batch) =
+                self.evict_round(&mut inner, pending - self.cfg.target_bytes + slack, protect, None)?;
+            if batch.is_empty() {
+                if freed == 0 {
+                    break; // nothing evictable: everything left is stuck, in use or being written
+                }
+                continue;
+            }
+            inner = self.spill(inner, batch);
         }
         Ok(())
     }
 
-    /// One eviction round over the LRU order; returns bytes freed.
-    fn evict_round(&self, inner: &mut Inner<C::Value>, excess: u64, protect: Option<&Arc<[u8]>>) -> Result<u64> {
+    /// One eviction round over the LRU order (or over the single key `only`): demotes objects to
+    /// serialized form and plans the spill writes, without doing them. Returns the weight freed or
+    /// planned, and the planned batch (its keys already marked as being written).
+    fn evict_round(
+        &self,
+        inner: &mut Inner<C::Value>,
+        excess: u64,
+        protect: Option<&Arc<Slot<C::Value, Error>>>,
+        only: Option<&Arc<[u8]>>,
+    ) -> Result<(u64, Vec<Planned<C::Value>>)> {
         let mut freed = 0u64;
-        let mut batch: Vec<(Arc<[u8]>, Frames)> = Vec::new();
+        let mut batch: Vec<(Arc<[u8]>, Frames, u64)> = Vec::new();
         // Walk the LRU order lazily from the oldest tick: a round usually needs one or two entries,
         // and collecting EVICT_SCAN candidates up front cost a lookup and an Arc clone each, on every
         // put or promotion above the target. Entries re-attached below keep their tick, which the
         // cursor has passed, so none is visited twice.
         let mut cursor = 0u64;
         let mut scanned = 0usize;
+        let mut single = only.cloned();
         while freed < excess && scanned < EVICT_SCAN {
-            let Some((&tick, key)) = inner.lru.range(cursor..).next() else { break };
-            cursor = tick + 1;
-            let key = key.clone();
+            let key = if only.is_some() {
+                let Some(k) = single.take() else { break };
+                k
+            } else {
+                let Some((&tick, key)) = inner.lru.range(cursor..).next() else { break };
+                cursor = tick + 1;
+                key.clone()
+            };
             let Some(e) = inner.map.get(&key) else { continue };
-            if e.stuck {
+            if e.stuck || e.tier == Tier::Disk || inner.writing.contains(&key) {
                 continue;
             }
             scanned += 1;
@@ -689,7 +831,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                     Ok(f) => f,
                     Err(err) => {
                         let slot = e.slot.clone();
-                        if protect.is_some_and(|p| **p == *key) {
+                        if protect.is_some_and(|p| Arc::ptr_eq(p, &slot)) {
                             self.drop_entry(inner, &key)?;
                             return Err(err);
                         }
@@ -725,7 +867,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 if after == 0 {
                     continue;
                 }
-                batch.push((key.clone(), frames));
+                batch.push((key.clone(), frames, after));
                 freed += after;
                 continue;
             }
@@ -741,18 +883,19 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 (None, None) => continue,
             };
             freed += e.weight;
-            batch.push((key.clone(), frames));
+            batch.push((key.clone(), frames, e.weight));
         }
         if batch.is_empty() {
-            return Ok(freed);
+            return Ok((freed, Vec::new()));
         }
         // max_spill: keep what does not fit in memory.
-        let mut allowed = Vec::with_capacity(batch.len());
-        let mut planned = 0u64;
-        for (k, f) in batch {
-            if self.spill_allowed(inner, planned + f.total_len()) {
-                planned += f.total_len();
-                allowed.push((k, f));
+        let mut planned = Vec::with_capacity(batch.len());
+        let mut bytes = 0u64;
+        for (k, f, weight) in batch {
+            if self.spill_allowed(inner, bytes + f.total_len()) {
+                bytes += f.total_len();
+                let slot = inner.map[&k].slot.clone();
+                planned.push(Planned { key: k, frames: f, slot, weight });
             } else {
                 let e = inner.map.get_mut(&k).expect("present");
                 freed = freed.saturating_sub(e.weight);
@@ -760,35 +903,10 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 inner.any_stuck = true;
             }
         }
-        if allowed.is_empty() {
-            return Ok(freed);
+        for p in &planned {
+            Self::mark_writing(inner, p);
         }
-        let items: Vec<(&[u8], &Frames)> = allowed.iter().map(|(k, f)| (&**k, f)).collect();
-        match self.write_disk(&items) {
-            Ok(()) => {
-                for (k, f) in &allowed {
-                    let mut ne = self.take_entry(inner, k);
-                    ne.tier = Tier::Disk;
-                    ne.frames = None;
-                    ne.compressed = None;
-                    ne.weight = 0;
-                    ne.disk_raw = f.total_len();
-                    ne.disk_bytes = self.log.location(k).map_or(f.total_len(), |l| l.len);
-                    self.put_entry(inner, k, ne);
-                }
-                Ok(freed)
-            }
-            Err(err) => {
-                for (k, _) in &allowed {
-                    self.spill_failed(inner, k, &err);
-                    let e = inner.map.get_mut(k).expect("present");
-                    freed = freed.saturating_sub(e.weight);
-                    e.stuck = true;
-                    inner.any_stuck = true;
-                }
-                Ok(freed)
-            }
-        }
+        Ok((freed, planned))
     }
 
     /// Detach an entry for modification (accounting and LRU removed).
@@ -937,7 +1055,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         // A value read back from disk keeps its disk copy (disk_* fields unchanged): evicting it again
         // costs no write.
         self.put_entry(&mut inner, k, ne);
-        self.enforce(&mut inner, None)?;
+        self.enforce(inner, None)?;
         Ok(Some(v))
     }
 
@@ -1060,7 +1178,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             ne.tick = inner.next_tick;
             inner.next_tick += 1;
             self.put_entry(&mut inner, k, ne); // keeps its disk copy, like `get`
-            self.enforce(&mut inner, None)?;
+            self.enforce(inner, None)?;
         }
         Ok(Some(frames))
     }
@@ -1150,6 +1268,15 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 inner.mem_bytes, inner.disk_bytes, inner.disk_raw, inner.tier_count, inner.tier_bytes
             ));
         }
+        if !inner.writing.is_empty() {
+            return Ok(()); // records of writes in flight may or may not be in the log yet
+        }
+        if (inner.writing_weight, inner.writing_raw) != (0, 0) {
+            return Err(format!(
+                "no write in flight, but {} weight and {} bytes counted as being written",
+                inner.writing_weight, inner.writing_raw
+            ));
+        }
         if self.log.len() != inner.map.values().filter(|e| e.disk_bytes > 0).count() {
             return Err(format!("the log holds {} keys the store does not know of", self.log.len()));
         }
@@ -1166,30 +1293,32 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// problem (the entry then stays in memory and the condition is reported).
     pub fn evict(&self) -> Result<u64> {
         let mut inner = self.lock();
-        let before = inner.mem_bytes;
-        let Some(key) = inner.lru.values().find(|k| inner.map.get(*k).is_some_and(|e| !e.stuck)).cloned() else {
+        let Some(key) = inner
+            .lru
+            .values()
+            .find(|k| !inner.writing.contains(*k) && inner.map.get(*k).is_some_and(|e| !e.stuck))
+            .cloned()
+        else {
             return Ok(0);
         };
-        // Demote this one entry all the way: a round with an "excess" of its whole weight, restricted to it.
-        let weight = inner.map[&key].weight;
-        let saved: Vec<(u64, Arc<[u8]>)> = inner.lru.iter().map(|(t, k)| (*t, k.clone())).collect();
-        inner.lru.retain(|_, k| *k == key);
-        let r = (|| -> Result<()> {
-            for _ in 0..2 {
-                if inner.map.get(&key).is_none_or(|e| e.tier == Tier::Disk || e.stuck) {
-                    break;
-                }
-                self.evict_round(&mut inner, weight.max(1), None)?;
+        let (weight, slot) = {
+            let e = &inner.map[&key];
+            (e.weight, e.slot.clone())
+        };
+        // Demote this one entry all the way: object -> serialized -> disk.
+        for _ in 0..2 {
+            let live =
+                inner.map.get(&key).is_some_and(|e| Arc::ptr_eq(&e.slot, &slot) && e.tier != Tier::Disk && !e.stuck);
+            if !live || inner.writing.contains(&key) {
+                break;
             }
-            Ok(())
-        })();
-        for (t, k) in saved {
-            if inner.map.get(&k).is_some_and(|e| e.tier != Tier::Disk && e.tick == t) {
-                inner.lru.insert(t, k);
+            let (_, batch) = self.evict_round(&mut inner, weight.max(1), None, Some(&key))?;
+            if !batch.is_empty() {
+                inner = self.spill(inner, batch);
             }
         }
-        r?;
-        Ok(before.saturating_sub(inner.mem_bytes))
+        let left = inner.map.get(&key).filter(|e| Arc::ptr_eq(&e.slot, &slot)).map_or(0, |e| e.weight);
+        Ok(weight.saturating_sub(left))
     }
 
     /// Make everything spilled so far durable (fdatasync of the log).

@@ -604,3 +604,191 @@ fn a_spill_store_releases_removed_values_blocks_at_once() {
     let s = Store::open(TestCodec::default(), spillway::PortableBackend::new(), tmp.path(), c).unwrap();
     assert!(s.is_empty());
 }
+
+/// A simulated disk whose writes can be held at a gate: a test parks a spill write in the middle and
+/// looks at what the rest of the store does meanwhile.
+#[derive(Clone, Default)]
+struct GatedBackend {
+    inner: SimBackend,
+    gate: Arc<(std::sync::Mutex<GateState>, std::sync::Condvar)>,
+}
+
+#[derive(Default)]
+struct GateState {
+    armed: bool,
+    parked: usize,
+}
+
+impl GatedBackend {
+    /// Hold every write from now on until [`GatedBackend::release`].
+    fn arm(&self) {
+        self.gate.0.lock().unwrap().armed = true;
+    }
+    /// Wait (bounded) until a write is parked at the gate.
+    fn wait_parked(&self) -> bool {
+        let (m, c) = &*self.gate;
+        let g = c.wait_timeout_while(m.lock().unwrap(), std::time::Duration::from_secs(20), |s| s.parked == 0).unwrap();
+        g.0.parked > 0
+    }
+    fn release(&self) {
+        let (m, c) = &*self.gate;
+        m.lock().unwrap().armed = false;
+        c.notify_all();
+    }
+}
+
+impl spillway::Backend for GatedBackend {
+    type File = spillway::backend::SimFile;
+    fn name(&self) -> &'static str {
+        "gated-sim"
+    }
+    fn create_dir_all(&self, p: &std::path::Path) -> std::io::Result<()> {
+        self.inner.create_dir_all(p)
+    }
+    fn is_dir(&self, p: &std::path::Path) -> bool {
+        self.inner.is_dir(p)
+    }
+    fn list_dir(&self, p: &std::path::Path) -> std::io::Result<Vec<String>> {
+        self.inner.list_dir(p)
+    }
+    fn open(&self, p: &std::path::Path, create: bool) -> std::io::Result<Self::File> {
+        self.inner.open(p, create)
+    }
+    fn remove_file(&self, p: &std::path::Path) -> std::io::Result<()> {
+        self.inner.remove_file(p)
+    }
+    fn sync_dir(&self, p: &std::path::Path) -> std::io::Result<()> {
+        self.inner.sync_dir(p)
+    }
+    fn file_len(&self, f: &Self::File) -> std::io::Result<u64> {
+        self.inner.file_len(f)
+    }
+    fn allocate(&self, f: &Self::File, len: u64) -> std::io::Result<()> {
+        self.inner.allocate(f, len)
+    }
+    fn read_at(&self, f: &Self::File, offset: u64, buf: spillway::buf::AlignedBuf) -> spillway::backend::BufResult {
+        self.inner.read_at(f, offset, buf)
+    }
+    fn write_at(&self, f: &Self::File, offset: u64, buf: spillway::buf::AlignedBuf) -> spillway::backend::BufResult {
+        let (m, c) = &*self.gate;
+        let mut g = m.lock().unwrap();
+        if g.armed {
+            g.parked += 1;
+            c.notify_all();
+            g = c.wait_while(g, |s| s.armed).unwrap();
+            g.parked -= 1;
+        }
+        drop(g);
+        self.inner.write_at(f, offset, buf)
+    }
+    fn sync_data(&self, f: &Self::File) -> std::io::Result<()> {
+        self.inner.sync_data(f)
+    }
+    fn lock_dir(&self, dir: &std::path::Path) -> std::io::Result<spillway::backend::DirLock> {
+        self.inner.lock_dir(dir)
+    }
+    fn alignment(&self, dir: &std::path::Path) -> usize {
+        self.inner.alignment(dir)
+    }
+    fn punch_hole(&self, f: &Self::File, offset: u64, len: u64) -> std::io::Result<()> {
+        self.inner.punch_hole(f, offset, len)
+    }
+}
+
+type GatedStore = Store<TestCodec, GatedBackend>;
+
+/// A store whose next put spills `b"old"` with its write parked at the gate; returns the thread
+/// doing that put (it finishes once the gate is released).
+fn park_a_spill_of_old(s: &Arc<GatedStore>, be: &GatedBackend) -> std::thread::JoinHandle<spillway::Result<()>> {
+    s.put(b"old", val(b'o', 3000)).unwrap();
+    be.arm();
+    let s2 = s.clone();
+    let t = std::thread::spawn(move || s2.put(b"new", val(b'n', 3000)));
+    assert!(be.wait_parked(), "the spill write never reached the disk");
+    t
+}
+
+/// Run `f` on another thread and give it a bounded time: it must not wait for the parked write.
+fn without_waiting<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || tx.send(f()).unwrap());
+    rx.recv_timeout(std::time::Duration::from_secs(20)).expect("blocked behind the spill write")
+}
+
+#[test]
+fn gets_puts_and_removes_do_not_wait_for_a_spill_write() {
+    let be = GatedBackend::default();
+    let s = Arc::new(Store::open(TestCodec::default(), be.clone(), "/store", cfg(4000)).unwrap());
+    let t = park_a_spill_of_old(&s, &be);
+    // The value being written is still served, from memory; other keys come and go freely.
+    let s2 = s.clone();
+    let (old, new) = without_waiting(move || {
+        let old = s2.get(b"old").unwrap().map(|v| v.len());
+        s2.put(b"small", val(b's', 10)).unwrap();
+        assert!(s2.remove(b"small").unwrap());
+        (old, s2.get(b"new").unwrap().map(|v| v.len()))
+    });
+    assert_eq!((old, new), (Some(3000), Some(3000)));
+    be.release();
+    t.join().unwrap().unwrap();
+    s.check_accounting().unwrap();
+    assert_eq!(s.get(b"old").unwrap().unwrap().len(), 3000);
+    assert!(s.log().location(b"old").is_some(), "the spilled value keeps its disk copy");
+}
+
+#[test]
+fn a_key_removed_while_its_spill_write_runs_leaves_no_record() {
+    for persistent_store in [false, true] {
+        let be = GatedBackend::default();
+        let c = if persistent_store { persistent(4000) } else { cfg(4000) };
+        let s = Arc::new(Store::open(TestCodec::default(), be.clone(), "/store", c.clone()).unwrap());
+        let t = park_a_spill_of_old(&s, &be);
+        let s2 = s.clone();
+        assert!(without_waiting(move || s2.remove(b"old").unwrap()));
+        be.release();
+        t.join().unwrap().unwrap();
+        assert!(!s.contains(b"old"));
+        assert_eq!(s.log().location(b"old"), None, "the orphaned record was dropped from the log");
+        s.check_accounting().unwrap();
+        if persistent_store {
+            drop(s);
+            let s = Store::open(TestCodec::default(), be.clone(), "/store", c).unwrap();
+            assert!(!s.contains(b"old"), "a removed key came back after reopening");
+        }
+    }
+}
+
+#[test]
+fn a_key_overwritten_while_its_spill_write_runs_keeps_the_new_value() {
+    let be = GatedBackend::default();
+    let s = Arc::new(Store::open(TestCodec::default(), be.clone(), "/store", cfg(4000)).unwrap());
+    let t = park_a_spill_of_old(&s, &be);
+    let s2 = s.clone();
+    without_waiting(move || s2.put(b"old", val(b'2', 100)).unwrap());
+    be.release();
+    t.join().unwrap().unwrap();
+    assert_eq!(*s.get(b"old").unwrap().unwrap(), val(b'2', 100));
+    assert_eq!(s.log().location(b"old"), None, "the stale record of the old value was dropped");
+    s.check_accounting().unwrap();
+    // Spilled later, the new value is the one read back.
+    s.evict().unwrap();
+    s.evict().unwrap();
+    assert_eq!(s.tier(b"old"), Some(Tier::Disk));
+    assert_eq!(*s.get(b"old").unwrap().unwrap(), val(b'2', 100));
+}
+
+#[test]
+fn a_large_put_of_a_key_being_spilled_waits_for_that_write_and_wins() {
+    let be = GatedBackend::default();
+    let s = Arc::new(Store::open(TestCodec::default(), be.clone(), "/store", cfg(4000)).unwrap());
+    let t = park_a_spill_of_old(&s, &be);
+    // A value over the target goes straight to disk: it must not race the parked write of "old".
+    let s2 = s.clone();
+    let large = std::thread::spawn(move || s2.put(b"old", val(b'L', 9000)));
+    be.release();
+    t.join().unwrap().unwrap();
+    large.join().unwrap().unwrap();
+    assert_eq!(s.tier(b"old"), Some(Tier::Disk));
+    assert_eq!(*s.get(b"old").unwrap().unwrap(), val(b'L', 9000));
+    s.check_accounting().unwrap();
+}

@@ -35,7 +35,7 @@ mod uring;
 
 pub use auto::{AutoBackend, AutoFile, BackendKind};
 pub use portable::{allocate_file, dio_alignment, enable_direct, PortableBackend};
-pub use sim::{Fault, FaultKind, FaultOp, SimBackend};
+pub use sim::{Fault, FaultKind, FaultOp, SimBackend, SimFile};
 pub use uring::{UringBackend, UringFile, UringInfo, UringOp, UringOptions, PIECE};
 
 mod pipeline;
