@@ -2,6 +2,8 @@
 //! `pread` of a record-sized range of a cached file. What the store adds on top of that read (index
 //! lookups, buffer allocation, checksum, materialization slot, accounting) is the gap.
 //!
+//! Also: a get of an in-memory value while another thread spills (`contended/`).
+//!
 //! `cargo bench -p spillway-bench --bench store` (add `-- --quick` for a short run).
 // criterion_group! generates an undocumented public function.
 #![allow(missing_docs)]
@@ -88,5 +90,32 @@ fn unspill(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, unspill);
+/// A get of a value held in memory while another thread keeps spilling 1 MiB values: what a task
+/// thread of a worker sees while the worker is spilling. With spill writes under the store lock, each
+/// get could wait for a whole batch write; now it waits at most for an eviction decision.
+fn get_while_spilling(c: &mut Criterion) {
+    let mut g = c.benchmark_group("contended");
+    g.throughput(Throughput::Elements(1));
+    let dir = tempfile::tempdir().expect("temp dir");
+    let cfg = StoreConfig { target_bytes: 16 << 20, ..Default::default() };
+    let store = Store::open(Raw, PortableBackend::new(), dir.path(), cfg).expect("open store");
+    store.put(b"hot", Bytes::from(vec![1u8; 4096])).expect("put");
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let value = Bytes::from(vec![0x5au8; 1 << 20]);
+            let mut i = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let k = format!("bulk-{}", i % 512);
+                store.put(k.as_bytes(), value.clone()).expect("put");
+                i += 1;
+            }
+        });
+        g.bench_function("get_memory_while_spilling", |b| b.iter(|| store.get(b"hot").expect("get").expect("present")));
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
+    g.finish();
+}
+
+criterion_group!(benches, unspill, get_while_spilling);
 criterion_main!(benches);
