@@ -49,6 +49,15 @@ impl<F> Pipeline<F> {
         unsafe { self.ring.submission().push(&e) }.expect("one entry per op fits");
     }
 
+    /// Hand queued entries to the kernel without waiting for any completion.
+    fn submit_only(&mut self) -> io::Result<()> {
+        match self.ring.submit() {
+            Ok(_) => Ok(()),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR | libc::EAGAIN | libc::EBUSY)) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
     fn wait(&mut self) -> io::Result<()> {
         match self.ring.submit_and_wait(1) {
             Ok(_) => Ok(()),
@@ -97,18 +106,25 @@ pub(super) fn run<F>(
     let mut exhausted = false;
     let mut cqes: Vec<(u64, i32)> = Vec::with_capacity(depth);
     let mut finished: Vec<(u64, io::Result<()>, AlignedBuf)> = Vec::with_capacity(depth);
-    loop {
-        while !exhausted && p.ops.len() < depth {
+    // Queue reads from `next` until `depth` are in flight; returns whether any was queued.
+    let mut fill = |p: &mut Pipeline<F>, exhausted: &mut bool, done: &mut dyn FnMut(u64, BufResult)| {
+        let mut queued = false;
+        while !*exhausted && p.ops.len() < depth {
             match next() {
                 Some(r) if r.buf.is_empty() => done(r.tag, (Ok(()), r.buf)),
                 Some(r) => {
                     let fd = fd_of(&r.file);
                     let key = p.ops.insert(Op { read: r, done: 0 });
                     p.submit(key, fd);
+                    queued = true;
                 }
-                None => exhausted = true,
+                None => *exhausted = true,
             }
         }
+        queued
+    };
+    loop {
+        fill(&mut p, &mut exhausted, done);
         if p.ops.is_empty() {
             return Ok(());
         }
@@ -144,6 +160,12 @@ pub(super) fn run<F>(
                     finished.push((op.read.tag, result, op.read.buf));
                 }
             }
+        }
+        // Refill and submit before handing the finished reads to `done` (checksums, decoding, the
+        // caller's work): the device often completes a whole batch at once, and would otherwise sit
+        // idle while the batch is processed. fio keeps its queue full the same way.
+        if fill(&mut p, &mut exhausted, done) {
+            p.submit_only()?;
         }
         for (tag, result, buf) in finished.drain(..) {
             done(tag, (result, buf));
