@@ -33,7 +33,8 @@ struct Pipeline<F> {
 }
 
 impl<F> Pipeline<F> {
-    fn submit(&mut self, key: usize, fd: RawFd) {
+    /// Queue (the rest of) op `key`'s read; the kernel sees it at the next submit.
+    fn push(&mut self, key: usize, fd: RawFd) {
         let op = &mut self.ops[key];
         let len = (op.read.buf.len() - op.done).min(1 << 30);
         // SAFETY: `done + len <= buf.len()`, so the pointer stays inside the buffer.
@@ -106,25 +107,27 @@ pub(super) fn run<F>(
     let mut exhausted = false;
     let mut cqes: Vec<(u64, i32)> = Vec::with_capacity(depth);
     let mut finished: Vec<(u64, io::Result<()>, AlignedBuf)> = Vec::with_capacity(depth);
-    // Queue reads from `next` until `depth` are in flight; returns whether any was queued.
+    // Start reads from `next` until `depth` are in flight. Each is handed to the kernel at once, as
+    // fio does by default: measured against submitting every 4 or 8 or a whole refill at once, the
+    // device idled least this way (4 KiB random reads, QD32: 58-60k IOPS against 53-59k, 56-63k and
+    // 52-53k), because it completes in bursts and a burst's refill takes a while to build.
     let mut fill = |p: &mut Pipeline<F>, exhausted: &mut bool, done: &mut dyn FnMut(u64, BufResult)| {
-        let mut queued = false;
         while !*exhausted && p.ops.len() < depth {
             match next() {
                 Some(r) if r.buf.is_empty() => done(r.tag, (Ok(()), r.buf)),
                 Some(r) => {
                     let fd = fd_of(&r.file);
                     let key = p.ops.insert(Op { read: r, done: 0 });
-                    p.submit(key, fd);
-                    queued = true;
+                    p.push(key, fd);
+                    p.submit_only()?;
                 }
                 None => *exhausted = true,
             }
         }
-        queued
+        io::Result::Ok(())
     };
     loop {
-        fill(&mut p, &mut exhausted, done);
+        fill(&mut p, &mut exhausted, done)?;
         if p.ops.is_empty() {
             return Ok(());
         }
@@ -153,7 +156,7 @@ pub(super) fn run<F>(
                 // Short read, EAGAIN or EINTR: read the rest.
                 None => {
                     let fd = fd_of(&op.read.file);
-                    p.submit(key, fd);
+                    p.push(key, fd);
                 }
                 Some(result) => {
                     let op = p.ops.remove(key);
@@ -161,12 +164,10 @@ pub(super) fn run<F>(
                 }
             }
         }
-        // Refill and submit before handing the finished reads to `done` (checksums, decoding, the
-        // caller's work): the device often completes a whole batch at once, and would otherwise sit
-        // idle while the batch is processed. fio keeps its queue full the same way.
-        if fill(&mut p, &mut exhausted, done) {
-            p.submit_only()?;
-        }
+        // Refill before handing the finished reads to `done` (checksums, decoding, the caller's
+        // work): the device often completes a whole burst at once, and would otherwise sit idle while
+        // the burst is processed.
+        fill(&mut p, &mut exhausted, done)?;
         for (tag, result, buf) in finished.drain(..) {
             done(tag, (result, buf));
         }
