@@ -792,3 +792,36 @@ fn a_large_put_of_a_key_being_spilled_waits_for_that_write_and_wins() {
     assert_eq!(*s.get(b"old").unwrap().unwrap(), val(b'L', 9000));
     s.check_accounting().unwrap();
 }
+
+/// Back-pressure with spill writes running outside the lock: however many threads put at once, memory
+/// stays within the target plus the batches in flight (at most one per putting thread, each about
+/// one value plus the eviction slack of target / 16). Each put checks the bound when it returns.
+#[test]
+fn concurrent_puts_keep_memory_within_target_plus_writes_in_flight() {
+    const THREADS: u64 = 4;
+    const VALUE: u64 = 3000 + 1; // the codec's size_of adds one byte
+    let target = 40_000;
+    let (s, _) = open(target);
+    let s = Arc::new(s);
+    let bound = target + THREADS * 2 * (VALUE + target / 16);
+    let barrier = Arc::new(Barrier::new(THREADS as usize));
+    let handles: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let (s, barrier) = (s.clone(), barrier.clone());
+            std::thread::spawn(move || {
+                barrier.wait();
+                let mut peak = 0;
+                for i in 0..300u32 {
+                    s.put(format!("t{t}-{i}").as_bytes(), val(t as u8, 3000)).unwrap();
+                    peak = peak.max(s.memory_bytes());
+                }
+                peak
+            })
+        })
+        .collect();
+    let peak = handles.into_iter().map(|h| h.join().unwrap()).max().unwrap();
+    assert!(peak <= bound, "memory reached {peak} bytes, bound {bound}");
+    assert!(s.memory_bytes() <= target, "after the last put returned: {}", s.memory_bytes());
+    assert_eq!(s.len(), (THREADS * 300) as usize);
+    s.check_accounting().unwrap();
+}
