@@ -20,10 +20,10 @@
 //! key being inserted fails that `put` and the store forgets the key. Nothing is dropped silently.
 //!
 //! ## Locking
-//! One mutex guards the key map, the LRU order and the accounting; it is held for lookups, LRU updates,
-//! eviction decisions (and the serialization of evicted objects), and never during disk I/O, while
-//! deserializing or while decompressing for a reader. A spill batch is planned under the lock, written
-//! without it (its keys marked as being written, see `Store::spill`), and settled under it again.
+//! One mutex guards the key map, the LRU order and the accounting; it is held for lookups, LRU updates
+//! and eviction decisions, and never during disk I/O, (de)serialization or (de)compression. An
+//! eviction round is planned under the lock (its keys marked as being written), carried out without
+//! it (objects serialized, values written, see `Store::spill`), and settled under it again.
 //! Materialization happens in the per-key [`Slot`], whose ready path is lock-free.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -386,10 +386,37 @@ pub struct Store<C: Codec, B: Backend = PortableBackend> {
     metrics: Metrics,
 }
 
+/// An object to demote to serialized form, planned under the store's lock and serialized without it
+/// (the object stays readable in its slot meanwhile).
+struct Demotion<V> {
+    key: Arc<[u8]>,
+    value: sync::Arc<V>,
+    /// Identifies the entry, as in [`Planned`].
+    slot: Arc<Slot<V, Error>>,
+    weight: u64,
+    /// The entry's LRU tick when planned: a get meanwhile makes it recent, and it is not demoted.
+    tick: u64,
+}
+
+/// What one eviction round leaves to do without the store's lock.
+struct Plan<V> {
+    writes: Vec<Planned<V>>,
+    demotions: Vec<Demotion<V>>,
+}
+
+impl<V> Plan<V> {
+    fn is_empty(&self) -> bool {
+        self.writes.is_empty() && self.demotions.is_empty()
+    }
+}
+
 /// One value of a spill batch, planned under the store's lock and written without it.
 struct Planned<V> {
     key: Arc<[u8]>,
-    frames: Frames,
+    /// The value's frames, or its compressed block (decompressed without the lock, for the write).
+    data: Source,
+    /// Serialized length (what the write puts on disk before any on-disk compression).
+    raw: u64,
     /// Identifies the entry that was planned: a `remove` or a new `put` meanwhile replaces it.
     slot: Arc<Slot<V, Error>>,
     weight: u64,
@@ -568,9 +595,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
             inner.any_stuck = true;
             return Ok(());
         }
-        let planned = Planned { key: k, frames, slot, weight: raw };
+        let planned = Planned { key: k, data: Source::Frames(frames), raw, slot, weight: raw };
         Self::mark_writing(&mut inner, &planned);
-        drop(self.spill(inner, vec![planned]));
+        drop(self.spill(inner, Plan { writes: vec![planned], demotions: Vec::new() }, None));
         Ok(())
     }
 
@@ -590,25 +617,105 @@ impl<C: Codec, B: Backend> Store<C, B> {
     fn mark_writing(inner: &mut Inner<C::Value>, p: &Planned<C::Value>) {
         inner.writing.insert(p.key.clone());
         inner.writing_weight += p.weight;
-        inner.writing_raw += p.frames.total_len();
+        inner.writing_raw += p.raw;
     }
 
-    /// Write a planned batch with the store's lock released, then settle each entry under it again.
-    /// Gets meanwhile read the values from memory; eviction skips the keys. An entry removed or
-    /// replaced meanwhile leaves a record nobody wants, which is dropped from the log; one promoted
-    /// by a get meanwhile stays in memory and keeps the record as its disk copy; one whose record did
-    /// not land stays in memory, stuck, and the failure is reported.
+    /// Do a round's plan with the store's lock released: serialize (and compress) the objects to
+    /// demote, write the planned batch. Then settle each entry under the lock again.
+    ///
+    /// Meanwhile gets read the values from memory (objects from their slots, frames from their
+    /// entries), and eviction skips the keys. A written entry removed or replaced meanwhile leaves a
+    /// record nobody wants, which is dropped from the log; one promoted by a get meanwhile stays in
+    /// memory and keeps the record as its disk copy; one whose record did not land stays in memory,
+    /// stuck, and the failure is reported. An object is demoted only if its entry is unchanged and
+    /// was not read meanwhile; one that fails to serialize stays in memory, stuck and reported, unless
+    /// it is `protect` (the value being put), whose key is then forgotten and the error returned.
     fn spill<'a>(
         &'a self,
         inner: MutexGuard<'a, Inner<C::Value>>,
-        batch: Vec<Planned<C::Value>>,
-    ) -> MutexGuard<'a, Inner<C::Value>> {
+        plan: Plan<C::Value>,
+        protect: Option<&Arc<Slot<C::Value, Error>>>,
+    ) -> (MutexGuard<'a, Inner<C::Value>>, Option<Error>) {
         drop(inner);
-        let items: Vec<(&[u8], &Frames)> = batch.iter().map(|p| (&*p.key, &p.frames)).collect();
-        let result = self.write_disk(&items);
+        let Plan { writes: batch, demotions } = plan;
+        let serialized: Vec<Result<(Frames, Option<Compressed>)>> = demotions
+            .iter()
+            .map(|d| {
+                let frames = self.serialize(&d.key, &d.value)?;
+                let compressed = self.cfg.compress_in_memory.then(|| {
+                    let t = Instant::now();
+                    let c = compress(&frames);
+                    self.metrics.acts[COMPRESS].add(frames.total_len(), t);
+                    c
+                });
+                Ok((frames, compressed))
+            })
+            .collect();
+        // A compressed value is written decompressed (the log compresses on its own if configured).
+        let data: Vec<Result<Frames>> = batch
+            .iter()
+            .map(|p| match &p.data {
+                Source::Frames(f) => Ok(f.clone()),
+                Source::Compressed(c) => {
+                    let t = Instant::now();
+                    let f = decompress(c)?;
+                    self.metrics.acts[DECOMPRESS].add(f.total_len(), t);
+                    Ok(f)
+                }
+                Source::Disk => unreachable!("only in-memory values are planned for writing"),
+            })
+            .collect();
+        let items: Vec<(&[u8], &Frames)> =
+            batch.iter().zip(&data).filter_map(|(p, d)| d.as_ref().ok().map(|f| (&*p.key, f))).collect();
+        let result = if items.is_empty() { Ok(()) } else { self.write_disk(&items) };
         let mut inner = self.lock();
-        for p in &batch {
-            let raw = p.frames.total_len();
+        let mut protect_failed = None;
+        for (d, r) in demotions.into_iter().zip(serialized) {
+            inner.writing.remove(&d.key);
+            inner.writing_weight -= d.weight;
+            let same = inner.map.get(&d.key).is_some_and(|e| Arc::ptr_eq(&e.slot, &d.slot));
+            match r {
+                Err(err) if protect.is_some_and(|p| Arc::ptr_eq(p, &d.slot)) => {
+                    if same {
+                        // In memory (no disk copy), so dropping it touches no log record.
+                        let _ = self.drop_entry(&mut inner, &d.key);
+                    }
+                    protect_failed = Some(err);
+                }
+                Err(err) => {
+                    if same {
+                        log::error!("Failed to serialize {:?}; keeping it in memory: {err}", key_str(&d.key));
+                        self.metrics.spill_failures.fetch_add(1, Ordering::Relaxed);
+                        inner.map.get_mut(&d.key).expect("present").stuck = true;
+                        inner.any_stuck = true;
+                    }
+                }
+                Ok((frames, compressed)) => {
+                    let unchanged =
+                        same && inner.map.get(&d.key).is_some_and(|e| e.tier == Tier::Materialized && e.tick == d.tick);
+                    // `evict` fails if a reader is inside the slot's fast path this instant: skip.
+                    if !unchanged || d.slot.evict().is_none() {
+                        continue;
+                    }
+                    let mut ne = self.take_entry(&mut inner, &d.key);
+                    match compressed {
+                        Some(c) => {
+                            ne.weight = c.block.len() as u64;
+                            ne.compressed = Some(c);
+                            ne.tier = Tier::Compressed;
+                        }
+                        None => {
+                            ne.weight = frames.total_len();
+                            ne.frames = Some(frames);
+                            ne.tier = Tier::Serialized;
+                        }
+                    }
+                    self.put_entry(&mut inner, &d.key, ne);
+                }
+            }
+        }
+        for (p, d) in batch.iter().zip(&data) {
+            let raw = p.raw;
             inner.writing.remove(&p.key);
             inner.writing_weight -= p.weight;
             inner.writing_raw -= raw;
@@ -627,7 +734,10 @@ impl<C: Codec, B: Backend> Store<C, B> {
                     self.put_entry(&mut inner, &p.key, ne);
                 }
                 (true, None) => {
-                    let err = result.clone().err().unwrap_or_else(|| vanished(&p.key));
+                    let err = match d {
+                        Err(e) => e.clone(),
+                        Ok(_) => result.clone().err().unwrap_or_else(|| vanished(&p.key)),
+                    };
                     self.spill_failed(&mut inner, &p.key, &err);
                     inner.map.get_mut(&p.key).expect("ours").stuck = true;
                     inner.any_stuck = true;
@@ -645,7 +755,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             }
         }
         self.written.notify_all();
-        inner
+        (inner, protect_failed)
     }
 
     /// Store a value arriving from a peer (`src`, in the stored form `meta` announces) straight into
@@ -764,31 +874,35 @@ impl<C: Codec, B: Backend> Store<C, B> {
             if pending <= self.cfg.target_bytes {
                 break;
             }
-            let (freed, batch) =
-                self.evict_round(&mut inner, pending - self.cfg.target_bytes + slack, protect, None)?;
-            if batch.is_empty() {
+            let (freed, plan) = self.evict_round(&mut inner, pending - self.cfg.target_bytes + slack, None)?;
+            if plan.is_empty() {
                 if freed == 0 {
                     break; // nothing evictable: everything left is stuck, in use or being written
                 }
                 continue;
             }
-            inner = self.spill(inner, batch);
+            let (guard, protect_failed) = self.spill(inner, plan, protect);
+            inner = guard;
+            if let Some(err) = protect_failed {
+                return Err(err);
+            }
         }
         Ok(())
     }
 
-    /// One eviction round over the LRU order (or over the single key `only`): demotes objects to
-    /// serialized form and plans the spill writes, without doing them. Returns the weight freed or
-    /// planned, and the planned batch (its keys already marked as being written).
+    /// One eviction round over the LRU order (or over the single key `only`): drops values that
+    /// still have their disk copy, and plans the demotion of objects and the spill writes of
+    /// serialized values, without doing them (`Store::spill` does). Returns the weight freed or
+    /// planned, and the plan (its keys already marked as being written).
     fn evict_round(
         &self,
         inner: &mut Inner<C::Value>,
         excess: u64,
-        protect: Option<&Arc<Slot<C::Value, Error>>>,
         only: Option<&Arc<[u8]>>,
-    ) -> Result<(u64, Vec<Planned<C::Value>>)> {
+    ) -> Result<(u64, Plan<C::Value>)> {
+        let mut demotions = Vec::new();
         let mut freed = 0u64;
-        let mut batch: Vec<(Arc<[u8]>, Frames, u64)> = Vec::new();
+        let mut batch: Vec<(Arc<[u8]>, Source, u64, u64)> = Vec::new();
         // Walk the LRU order lazily from the oldest tick: a round usually needs one or two entries,
         // and collecting EVICT_SCAN candidates up front cost a lookup and an Arc clone each, on every
         // put or promotion above the target. Entries re-attached below keep their tick, which the
@@ -824,78 +938,36 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 self.put_entry(inner, &key, ne);
                 continue;
             }
-            // Step 1: object -> serialized (-> compressed).
+            // Step 1: object -> serialized (-> compressed), planned here and done without the lock.
             if e.tier == Tier::Materialized {
-                let Some(v) = e.slot.evict() else { continue }; // a reader is inside: skip for now
-                let frames = match self.serialize(&key, &v) {
-                    Ok(f) => f,
-                    Err(err) => {
-                        let slot = e.slot.clone();
-                        if protect.is_some_and(|p| Arc::ptr_eq(p, &slot)) {
-                            self.drop_entry(inner, &key)?;
-                            return Err(err);
-                        }
-                        // Put the object back and leave it in memory.
-                        let _ = slot.get_or_install(|| Ok(v));
-                        log::error!("Failed to serialize {:?}; keeping it in memory: {err}", key_str(&key));
-                        self.metrics.spill_failures.fetch_add(1, Ordering::Relaxed);
-                        inner.map.get_mut(&key).expect("present").stuck = true;
-                        inner.any_stuck = true;
-                        continue;
-                    }
-                };
-                let before = e.weight;
-                let mut ne = self.take_entry(inner, &key);
-                if self.cfg.compress_in_memory {
-                    let t = Instant::now();
-                    let c = compress(&frames);
-                    self.metrics.acts[COMPRESS].add(frames.total_len(), t);
-                    ne.weight = c.block.len() as u64;
-                    ne.compressed = Some(c);
-                    ne.tier = Tier::Compressed;
-                } else {
-                    ne.weight = frames.total_len();
-                    ne.frames = Some(frames.clone());
-                    ne.tier = Tier::Serialized;
-                }
-                let after = ne.weight;
-                self.put_entry(inner, &key, ne);
-                freed += before.saturating_sub(after);
-                if freed >= excess {
-                    break;
-                }
-                if after == 0 {
-                    continue;
-                }
-                batch.push((key.clone(), frames, after));
-                freed += after;
+                let Some(value) = e.slot.try_get() else { continue };
+                let d = Demotion { key: key.clone(), value, slot: e.slot.clone(), weight: e.weight, tick: e.tick };
+                freed += d.weight;
+                inner.writing.insert(key.clone());
+                inner.writing_weight += d.weight;
+                demotions.push(d);
                 continue;
             }
             // Step 2: serialized / compressed -> disk (batched below).
-            let frames = match (&e.frames, &e.compressed) {
-                (Some(f), _) => f.clone(),
-                (None, Some(c)) => {
-                    let t = Instant::now();
-                    let f = decompress(c)?;
-                    self.metrics.acts[DECOMPRESS].add(f.total_len(), t);
-                    f
-                }
+            let (data, raw) = match (&e.frames, &e.compressed) {
+                (Some(f), _) => (Source::Frames(f.clone()), f.total_len()),
+                (None, Some(c)) => (Source::Compressed(c.clone()), c.frame_lens.iter().sum()),
                 (None, None) => continue,
             };
             freed += e.weight;
-            batch.push((key.clone(), frames, e.weight));
+            batch.push((key.clone(), data, raw, e.weight));
         }
         if batch.is_empty() {
-            return Ok((freed, Vec::new()));
+            return Ok((freed, Plan { writes: Vec::new(), demotions }));
         }
         // max_spill: keep what does not fit in memory.
         let mut planned = Vec::with_capacity(batch.len());
         let mut bytes = 0u64;
-        for (k, f, weight) in batch {
-            if self.spill_allowed(inner, bytes + f.total_len()) {
-                bytes += f.total_len();
+        for (k, data, raw, weight) in batch {
+            if self.spill_allowed(inner, bytes + raw) {
+                bytes += raw;
                 let slot = inner.map[&k].slot.clone();
-                planned.push(Planned { key: k, frames: f, slot, weight });
+                planned.push(Planned { key: k, data, raw, slot, weight });
             } else {
                 let e = inner.map.get_mut(&k).expect("present");
                 freed = freed.saturating_sub(e.weight);
@@ -906,7 +978,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         for p in &planned {
             Self::mark_writing(inner, p);
         }
-        Ok((freed, planned))
+        Ok((freed, Plan { writes: planned, demotions }))
     }
 
     /// Detach an entry for modification (accounting and LRU removed).
@@ -1312,9 +1384,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
             if !live || inner.writing.contains(&key) {
                 break;
             }
-            let (_, batch) = self.evict_round(&mut inner, weight.max(1), None, Some(&key))?;
-            if !batch.is_empty() {
-                inner = self.spill(inner, batch);
+            let (_, plan) = self.evict_round(&mut inner, weight.max(1), Some(&key))?;
+            if !plan.is_empty() {
+                inner = self.spill(inner, plan, None).0;
             }
         }
         let left = inner.map.get(&key).filter(|e| Arc::ptr_eq(&e.slot, &slot)).map_or(0, |e| e.weight);

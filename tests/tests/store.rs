@@ -825,3 +825,87 @@ fn concurrent_puts_keep_memory_within_target_plus_writes_in_flight() {
     assert_eq!(s.len(), (THREADS * 300) as usize);
     s.check_accounting().unwrap();
 }
+
+/// The same rule when the value being put is not heavier than the target but eviction reaches it (the
+/// older entries do not free enough): its serialization, which runs without the store lock, fails,
+/// so the put fails and the key is forgotten.
+#[test]
+fn serialize_failure_of_the_inserted_key_during_eviction_is_an_error_and_the_key_is_forgotten() {
+    let (s, _) = open(5_000);
+    s.put(b"a", val(b'a', 99)).unwrap();
+    let mut v = b"unpicklable".to_vec();
+    v.resize(4_949, 0);
+    let err = s.put(b"bad", v).unwrap_err();
+    assert!(matches!(err, Error::Codec { op: "serialize", .. }), "{err}");
+    assert!(!s.contains(b"bad"));
+    assert_eq!(*s.get(b"a").unwrap().unwrap(), val(b'a', 99));
+    s.check_accounting().unwrap();
+}
+
+/// A codec whose serialization of values starting with `slow` parks at a gate while it is armed.
+#[derive(Default)]
+struct GatedCodec {
+    inner: TestCodec,
+    gate: Arc<(std::sync::Mutex<GateState>, std::sync::Condvar)>,
+}
+
+impl Codec for GatedCodec {
+    type Value = Vec<u8>;
+    fn serialize(&self, v: &Vec<u8>) -> Result<Frames, CodecError> {
+        if v.starts_with(b"slow") {
+            let (m, c) = &*self.gate;
+            let mut g = m.lock().unwrap();
+            if g.armed {
+                g.parked += 1;
+                c.notify_all();
+                g = c.wait_while(g, |s| s.armed).unwrap();
+                g.parked -= 1;
+            }
+        }
+        self.inner.serialize(v)
+    }
+    fn deserialize(&self, f: Frames) -> Result<Vec<u8>, CodecError> {
+        self.inner.deserialize(f)
+    }
+    fn size_of(&self, v: &Vec<u8>) -> u64 {
+        self.inner.size_of(v)
+    }
+}
+
+#[test]
+fn gets_and_puts_do_not_wait_for_an_evicted_objects_serialization() {
+    let be = SimBackend::new();
+    let s = Arc::new(Store::open(GatedCodec::default(), be, "/store", cfg(4000)).unwrap());
+    let mut slow = b"slow".to_vec();
+    slow.resize(3000, b's');
+    s.put(b"slow", slow.clone()).unwrap();
+    s.codec().gate.0.lock().unwrap().armed = true;
+    let putter = {
+        let s = s.clone();
+        std::thread::spawn(move || s.put(b"new", val(b'n', 3000)))
+    };
+    {
+        let (m, c) = &*s.codec().gate;
+        let g = c.wait_timeout_while(m.lock().unwrap(), std::time::Duration::from_secs(20), |g| g.parked == 0).unwrap();
+        assert!(g.0.parked > 0, "the eviction never serialized `slow`");
+    }
+    // While `slow` is being serialized: it is still served as the object it is, and other keys
+    // come and go.
+    let s2 = s.clone();
+    let (got_slow, got_new) = without_waiting(move || {
+        let got = s2.get(b"slow").unwrap().map(|v| v.len());
+        s2.put(b"small", val(b'x', 10)).unwrap();
+        assert!(s2.remove(b"small").unwrap());
+        (got, s2.get(b"new").unwrap().map(|v| v.len()))
+    });
+    assert_eq!((got_slow, got_new), (Some(3000), Some(3000)));
+    {
+        let (m, c) = &*s.codec().gate;
+        m.lock().unwrap().armed = false;
+        c.notify_all();
+    }
+    putter.join().unwrap().unwrap();
+    assert!(s.memory_bytes() <= 4000, "{}", s.memory_bytes());
+    assert_eq!(*s.get(b"slow").unwrap().unwrap(), slow);
+    s.check_accounting().unwrap();
+}
