@@ -605,13 +605,10 @@ fn a_spill_store_releases_removed_values_blocks_at_once() {
     assert!(s.is_empty());
 }
 
-/// A simulated disk whose writes can be held at a gate: a test parks a spill write in the middle and
-/// looks at what the rest of the store does meanwhile.
+/// Where a test parks a thread in the middle of a store operation (a spill write, a serialization)
+/// to look at what the rest of the store does meanwhile.
 #[derive(Clone, Default)]
-struct GatedBackend {
-    inner: SimBackend,
-    gate: Arc<(std::sync::Mutex<GateState>, std::sync::Condvar)>,
-}
+struct Gate(Arc<(std::sync::Mutex<GateState>, std::sync::Condvar)>);
 
 #[derive(Default)]
 struct GateState {
@@ -619,22 +616,40 @@ struct GateState {
     parked: usize,
 }
 
-impl GatedBackend {
-    /// Hold every write from now on until [`GatedBackend::release`].
+impl Gate {
+    /// Hold every thread that reaches [`Gate::pass`] from now on, until [`Gate::release`].
     fn arm(&self) {
-        self.gate.0.lock().unwrap().armed = true;
+        self.0 .0.lock().unwrap().armed = true;
     }
-    /// Wait (bounded) until a write is parked at the gate.
+    /// Wait here while the gate is armed.
+    fn pass(&self) {
+        let (m, c) = &*self.0;
+        let mut g = m.lock().unwrap();
+        if g.armed {
+            g.parked += 1;
+            c.notify_all();
+            g = c.wait_while(g, |s| s.armed).unwrap();
+            g.parked -= 1;
+        }
+    }
+    /// Wait (bounded) until a thread is parked at the gate.
     fn wait_parked(&self) -> bool {
-        let (m, c) = &*self.gate;
+        let (m, c) = &*self.0;
         let g = c.wait_timeout_while(m.lock().unwrap(), std::time::Duration::from_secs(20), |s| s.parked == 0).unwrap();
         g.0.parked > 0
     }
     fn release(&self) {
-        let (m, c) = &*self.gate;
+        let (m, c) = &*self.0;
         m.lock().unwrap().armed = false;
         c.notify_all();
     }
+}
+
+/// A simulated disk whose writes pass a [`Gate`].
+#[derive(Clone, Default)]
+struct GatedBackend {
+    inner: SimBackend,
+    gate: Gate,
 }
 
 impl spillway::Backend for GatedBackend {
@@ -670,15 +685,7 @@ impl spillway::Backend for GatedBackend {
         self.inner.read_at(f, offset, buf)
     }
     fn write_at(&self, f: &Self::File, offset: u64, buf: spillway::buf::AlignedBuf) -> spillway::backend::BufResult {
-        let (m, c) = &*self.gate;
-        let mut g = m.lock().unwrap();
-        if g.armed {
-            g.parked += 1;
-            c.notify_all();
-            g = c.wait_while(g, |s| s.armed).unwrap();
-            g.parked -= 1;
-        }
-        drop(g);
+        self.gate.pass();
         self.inner.write_at(f, offset, buf)
     }
     fn sync_data(&self, f: &Self::File) -> std::io::Result<()> {
@@ -701,11 +708,26 @@ type GatedStore = Store<TestCodec, GatedBackend>;
 /// doing that put (it finishes once the gate is released).
 fn park_a_spill_of_old(s: &Arc<GatedStore>, be: &GatedBackend) -> std::thread::JoinHandle<spillway::Result<()>> {
     s.put(b"old", val(b'o', 3000)).unwrap();
-    be.arm();
+    be.gate.arm();
     let s2 = s.clone();
     let t = std::thread::spawn(move || s2.put(b"new", val(b'n', 3000)));
-    assert!(be.wait_parked(), "the spill write never reached the disk");
+    assert!(be.gate.wait_parked(), "the spill write never reached the disk");
     t
+}
+
+/// With a thread parked: get `parked_key` (whose eviction is parked), put and remove another key, get
+/// `new`, all on another thread within a bounded time. Returns the lengths of the two values got.
+fn meanwhile<C: Codec<Value = Vec<u8>>, B: spillway::Backend>(
+    s: &Arc<Store<C, B>>,
+    parked_key: &'static [u8],
+) -> (Option<usize>, Option<usize>) {
+    let s = s.clone();
+    without_waiting(move || {
+        let parked = s.get(parked_key).unwrap().map(|v| v.len());
+        s.put(b"small", val(b's', 10)).unwrap();
+        assert!(s.remove(b"small").unwrap());
+        (parked, s.get(b"new").unwrap().map(|v| v.len()))
+    })
 }
 
 /// Run `f` on another thread and give it a bounded time: it must not wait for the parked write.
@@ -721,15 +743,8 @@ fn gets_puts_and_removes_do_not_wait_for_a_spill_write() {
     let s = Arc::new(Store::open(TestCodec::default(), be.clone(), "/store", cfg(4000)).unwrap());
     let t = park_a_spill_of_old(&s, &be);
     // The value being written is still served, from memory; other keys come and go freely.
-    let s2 = s.clone();
-    let (old, new) = without_waiting(move || {
-        let old = s2.get(b"old").unwrap().map(|v| v.len());
-        s2.put(b"small", val(b's', 10)).unwrap();
-        assert!(s2.remove(b"small").unwrap());
-        (old, s2.get(b"new").unwrap().map(|v| v.len()))
-    });
-    assert_eq!((old, new), (Some(3000), Some(3000)));
-    be.release();
+    assert_eq!(meanwhile(&s, b"old"), (Some(3000), Some(3000)));
+    be.gate.release();
     t.join().unwrap().unwrap();
     s.check_accounting().unwrap();
     assert_eq!(s.get(b"old").unwrap().unwrap().len(), 3000);
@@ -745,7 +760,7 @@ fn a_key_removed_while_its_spill_write_runs_leaves_no_record() {
         let t = park_a_spill_of_old(&s, &be);
         let s2 = s.clone();
         assert!(without_waiting(move || s2.remove(b"old").unwrap()));
-        be.release();
+        be.gate.release();
         t.join().unwrap().unwrap();
         assert!(!s.contains(b"old"));
         assert_eq!(s.log().location(b"old"), None, "the orphaned record was dropped from the log");
@@ -765,7 +780,7 @@ fn a_key_overwritten_while_its_spill_write_runs_keeps_the_new_value() {
     let t = park_a_spill_of_old(&s, &be);
     let s2 = s.clone();
     without_waiting(move || s2.put(b"old", val(b'2', 100)).unwrap());
-    be.release();
+    be.gate.release();
     t.join().unwrap().unwrap();
     assert_eq!(*s.get(b"old").unwrap().unwrap(), val(b'2', 100));
     assert_eq!(s.log().location(b"old"), None, "the stale record of the old value was dropped");
@@ -785,7 +800,7 @@ fn a_large_put_of_a_key_being_spilled_waits_for_that_write_and_wins() {
     // A value over the target goes straight to disk: it must not race the parked write of "old".
     let s2 = s.clone();
     let large = std::thread::spawn(move || s2.put(b"old", val(b'L', 9000)));
-    be.release();
+    be.gate.release();
     t.join().unwrap().unwrap();
     large.join().unwrap().unwrap();
     assert_eq!(s.tier(b"old"), Some(Tier::Disk));
@@ -846,21 +861,14 @@ fn serialize_failure_of_the_inserted_key_during_eviction_is_an_error_and_the_key
 #[derive(Default)]
 struct GatedCodec {
     inner: TestCodec,
-    gate: Arc<(std::sync::Mutex<GateState>, std::sync::Condvar)>,
+    gate: Gate,
 }
 
 impl Codec for GatedCodec {
     type Value = Vec<u8>;
     fn serialize(&self, v: &Vec<u8>) -> Result<Frames, CodecError> {
         if v.starts_with(b"slow") {
-            let (m, c) = &*self.gate;
-            let mut g = m.lock().unwrap();
-            if g.armed {
-                g.parked += 1;
-                c.notify_all();
-                g = c.wait_while(g, |s| s.armed).unwrap();
-                g.parked -= 1;
-            }
+            self.gate.pass();
         }
         self.inner.serialize(v)
     }
@@ -879,31 +887,16 @@ fn gets_and_puts_do_not_wait_for_an_evicted_objects_serialization() {
     let mut slow = b"slow".to_vec();
     slow.resize(3000, b's');
     s.put(b"slow", slow.clone()).unwrap();
-    s.codec().gate.0.lock().unwrap().armed = true;
+    s.codec().gate.arm();
     let putter = {
         let s = s.clone();
         std::thread::spawn(move || s.put(b"new", val(b'n', 3000)))
     };
-    {
-        let (m, c) = &*s.codec().gate;
-        let g = c.wait_timeout_while(m.lock().unwrap(), std::time::Duration::from_secs(20), |g| g.parked == 0).unwrap();
-        assert!(g.0.parked > 0, "the eviction never serialized `slow`");
-    }
+    assert!(s.codec().gate.wait_parked(), "the eviction never serialized `slow`");
     // While `slow` is being serialized: it is still served as the object it is, and other keys
     // come and go.
-    let s2 = s.clone();
-    let (got_slow, got_new) = without_waiting(move || {
-        let got = s2.get(b"slow").unwrap().map(|v| v.len());
-        s2.put(b"small", val(b'x', 10)).unwrap();
-        assert!(s2.remove(b"small").unwrap());
-        (got, s2.get(b"new").unwrap().map(|v| v.len()))
-    });
-    assert_eq!((got_slow, got_new), (Some(3000), Some(3000)));
-    {
-        let (m, c) = &*s.codec().gate;
-        m.lock().unwrap().armed = false;
-        c.notify_all();
-    }
+    assert_eq!(meanwhile(&s, b"slow"), (Some(3000), Some(3000)));
+    s.codec().gate.release();
     putter.join().unwrap().unwrap();
     assert!(s.memory_bytes() <= 4000, "{}", s.memory_bytes());
     assert_eq!(*s.get(b"slow").unwrap().unwrap(), slow);
