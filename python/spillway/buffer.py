@@ -68,8 +68,10 @@ array read back is built directly on the buffer the log returned.
 A top-level numpy array (exactly ``numpy.ndarray``, contiguous, of a plain dtype) is pickled as a
 call to ``spillway.buffer._array_from_buffer`` with the array's buffer out of band: the same
 out-of-band buffer as numpy's own reducer gives, in half the time (which matters for small values).
-Unpickling such frames (e.g. from :meth:`SpillBuffer.get_serialized`) needs spillway to be
-importable.
+That header depends only on the dtype, shape and memory order, and a worker spills many chunks of
+one kind, so it is pickled once per kind and reused (up to 1024 kinds); reading back frames whose
+header is a known one builds the array directly instead of running the unpickler. Unpickling such
+frames elsewhere (e.g. from :meth:`SpillBuffer.get_serialized`) needs spillway to be importable.
 
 Read-only buffers: ``Log.get`` returns writable memoryviews over a read buffer private to that call,
 so arrays unspilled from disk are writeable without a copy, as dask's are. Frames kept in memory
@@ -274,9 +276,9 @@ def _sizeof(value: object) -> int:
 
 def _dumps(value: object) -> list:
     """``[header, *out-of-band buffers]``; each buffer a 1-D, C-contiguous byte view."""
-    buffers: list = []
     if _is_plain_array(value):
-        value = _PlainArray(value)
+        return _dumps_array(value)
+    buffers: list = []
     try:
         header = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
     except Exception:
@@ -285,6 +287,39 @@ def _dumps(value: object) -> list:
         buffers = []
         header = _cloudpickle.dumps(value, protocol=5, buffer_callback=buffers.append)
     return [header, *(b.raw() for b in buffers)]
+
+
+#: Most array headers remembered (distinct dtype, shape and order); the caches restart when full.
+_ARRAY_HEADERS_MAX = 1024
+#: (dtype.str, shape, order) -> the pickle header of a plain array of that kind (its buffer is out of
+#: band, so the header depends on nothing else), and the reverse map (to (dtype, shape, order)).
+_array_headers: dict = {}
+_array_specs: dict = {}
+
+
+def _dumps_array(a: object) -> list:
+    """``_dumps`` of a plain numpy array. A worker spills many chunks of the same dtype and shape, so
+    the header is pickled once per kind and reused: the same bytes as pickling every time, in a
+    fraction of the time. Its reverse lookup lets :func:`_loads` skip the unpickler."""
+    order = "C" if a.flags.c_contiguous else "F"
+    spec = (a.dtype.str, a.shape, order)
+    header = _array_headers.get(spec)
+    if header is None:
+        buffers: list = []
+        header = pickle.dumps(_PlainArray(a), protocol=5, buffer_callback=buffers.append)
+        if len(_array_headers) >= _ARRAY_HEADERS_MAX:
+            _array_headers.clear()
+            _array_specs.clear()
+        _array_headers[spec] = header
+        _array_specs[header] = (a.dtype, a.shape, order)
+    return [header, _array_buffer(a, order).raw()]
+
+
+def _array_buffer(a: object, order: str) -> pickle.PickleBuffer:
+    """The memory of a contiguous array, without a copy."""
+    if a.dtype.kind in "mM":  # the buffer protocol refuses datetimes: export their bytes instead
+        a = a.reshape(-1, order=order).view("u1")
+    return pickle.PickleBuffer(a)
 
 
 def _is_plain_array(value: object) -> bool:
@@ -317,14 +352,24 @@ class _PlainArray:
     def __reduce__(self) -> tuple:
         a = self.array
         order = "C" if a.flags.c_contiguous else "F"
-        return _array_from_buffer, (pickle.PickleBuffer(a), a.dtype.str, a.shape, order)
+        return _array_from_buffer, (_array_buffer(a, order), a.dtype.str, a.shape, order)
 
 
 def _loads(frames: list, writeable: bool) -> object:
     buffers = frames[1:]
     if writeable:
         buffers = [bytearray(b) if memoryview(b).readonly else b for b in buffers]
+    if len(buffers) == 1 and len(frames[0]) < 256:
+        spec = _array_specs.get(bytes(frames[0]))
+        if spec is not None:  # a header _dumps_array made: what unpickling it would do, directly
+            return _array_from_spec(buffers[0], spec)
     return pickle.loads(frames[0], buffers=buffers)
+
+
+def _array_from_spec(buffer: object, spec: tuple) -> object:
+    dtype, shape, order = spec
+    a = sys.modules["numpy"].frombuffer(buffer, dtype=dtype)
+    return a if len(shape) == 1 else a.reshape(shape, order=order)
 
 
 def _byte_frame(frame: object) -> object:
@@ -420,6 +465,42 @@ class _Entry:
         self.disk_bytes = 0
         self.loading: _Load | None = None  # a thread is reading/unpickling this key
         self.evicting = False  # a thread is writing this key to disk
+
+
+class _WeakCache:
+    """Key -> object, holding weak references only: spilled objects that are still alive elsewhere.
+
+    A ``WeakValueDictionary`` without its per-item callback (a Python-level ``KeyedRef`` per set,
+    which cost more than the rest of a small read): a reference whose object died stays until its
+    key is looked up, replaced or dropped, which ``SpillBuffer`` does when the key is read back,
+    promoted or deleted, so dead references are bounded by the number of keys on disk. Only used
+    under the buffer's lock."""
+
+    __slots__ = ("_refs",)
+
+    def __init__(self) -> None:
+        self._refs: dict = {}
+
+    def get(self, key: Hashable) -> object:
+        ref = self._refs.get(key)
+        if ref is None:
+            return None
+        obj = ref()
+        if obj is None:
+            del self._refs[key]
+        return obj
+
+    def __setitem__(self, key: Hashable, obj: object) -> None:
+        """TypeError if ``obj``'s type does not allow weak references."""
+        self._refs[key] = weakref.ref(obj)
+
+    def pop(self, key: Hashable, default: object = None) -> object:
+        ref = self._refs.pop(key, None)
+        obj = None if ref is None else ref()
+        return default if obj is None else obj
+
+    def __len__(self) -> int:
+        return len(self._refs)
 
 
 class _SpillFailure(Exception):
@@ -519,7 +600,7 @@ class SpillBuffer(MutableMapping):
         self._spilled_disk = 0  # sum of payload bytes of keys on disk
         self._reserved_disk = 0  # payload bytes of writes in flight (max_spill)
         self._writes = 0  # makes every log key unique
-        self._weak: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._weak = _WeakCache()
         # Inside a dask worker, also report metrics to distributed's context meter (as dask's
         # SpillBuffer does), so that they appear in the worker's fine performance metrics.
         metrics_module = sys.modules.get("distributed.metrics")
@@ -750,7 +831,10 @@ class SpillBuffer(MutableMapping):
 
     def _evict_until_below_target(self) -> None:
         while self._evict_one(force=False) is not None:
-            pass
+            # Nothing left to do (read without the lock, as an early exit: a thread that changes
+            # these afterwards runs its own eviction).
+            if not self._heavy and self._memory_weight - self._evicting_weight <= self.target:
+                return
 
     def _evict_all_but(self, key: Hashable) -> None:
         try:
@@ -805,9 +889,7 @@ class SpillBuffer(MutableMapping):
         with self._lock:
             e.evicting = False
             self._evicting_weight -= weight
-            self._digest("disk-write", 1, "count")
-            self._digest("disk-write", stored, "bytes")
-            self._digest("disk-write", seconds, "seconds")
+            self._digest_io("disk-write", stored, seconds)
             if self._entries.get(key) is not e or e.tier is not tier:
                 # Deleted, replaced or unpickled by another thread while we were writing.
                 self._delete_record(key, log_key)
@@ -933,10 +1015,9 @@ class SpillBuffer(MutableMapping):
         except KeyError:
             raise KeyError(key) from None  # deleted by another thread meanwhile
         seconds = perf_counter() - t0
+        nbytes = sum(f.nbytes for f in frames)  # the log returns byte memoryviews
         with self._lock:
-            self._digest("disk-read", 1, "count")
-            self._digest("disk-read", _frame_bytes(frames), "bytes")
-            self._digest("disk-read", seconds, "seconds")
+            self._digest_io("disk-read", nbytes, seconds)
         return frames
 
     def _log_failure(self, failure: _SpillFailure) -> None:
@@ -956,6 +1037,17 @@ class SpillBuffer(MutableMapping):
         self.cumulative_metrics[label, unit] += value
         if self._context_meter is not None:
             self._context_meter.digest_metric(label, value, unit)
+
+    def _digest_io(self, label: str, nbytes: int, seconds: float) -> None:
+        """Under the lock: one operation of ``nbytes`` that took ``seconds``."""
+        m = self.cumulative_metrics
+        m[label, "count"] += 1
+        m[label, "bytes"] += nbytes
+        m[label, "seconds"] += seconds
+        if self._context_meter is not None:
+            self._context_meter.digest_metric(label, 1, "count")
+            self._context_meter.digest_metric(label, nbytes, "bytes")
+            self._context_meter.digest_metric(label, seconds, "seconds")
 
     def _digest_locked(self, label: str, value: float, unit: str) -> None:
         with self._lock:

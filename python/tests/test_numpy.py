@@ -103,6 +103,10 @@ ARRAYS = {
     "structured": lambda: np.array([(1, 2.0), (3, 4.0)], dtype=[("a", "i4"), ("b", "f8")]),
     "object": lambda: np.array(["a", None, 1], dtype=object),
     "big-endian": lambda: np.arange(10, dtype=">u4"),
+    "datetime": lambda: np.array(["2020-01-01", "2021-06-30"], dtype="M8[ns]"),
+    "timedelta-fortran": lambda: np.asfortranarray(np.arange(6, dtype="m8[s]").reshape(2, 3)),
+    "unicode": lambda: np.array(["ab", "c"]),
+    "fortran-3d": lambda: np.asfortranarray(np.arange(24, dtype="u1").reshape(2, 3, 4)),
 }
 
 
@@ -125,6 +129,64 @@ def test_arrays_round_trip(make_buffer, kind):
         assert out.tolist() == expected.tolist()
     else:
         np.testing.assert_array_equal(out, expected)
+
+
+def test_array_frames_are_plain_pickle_with_one_header_per_kind(make_buffer, monkeypatch):
+    from spillway import buffer as module
+
+    # Start from empty caches: the first array of a kind is pickled, the next ones reuse its header.
+    monkeypatch.setattr(module, "_array_headers", {})
+    monkeypatch.setattr(module, "_array_specs", {})
+    buf = make_buffer(target=0)
+    for i in range(3):
+        buf[i] = np.full((4, 5), i, dtype="f8")
+    headers = [bytes(buf.get_serialized(i)[0]) for i in range(3)]
+    assert headers[0] == headers[1] == headers[2]
+    assert len(module._array_headers) == 1
+    # The reused header is what pickling gives from scratch.
+    fresh = pickle.dumps(
+        module._PlainArray(np.full((4, 5), 1.0)), protocol=5, buffer_callback=[].append
+    )
+    assert fresh == headers[0]
+    # And the frames are ordinary pickle: plain pickle.loads (no spillway shortcut) reads them.
+    frames = buf.get_serialized(2)
+    np.testing.assert_array_equal(pickle.loads(frames[0], buffers=frames[1:]), np.full((4, 5), 2.0))
+    # Another shape is another kind.
+    buf["other"] = np.zeros((5, 4))
+    assert len(module._array_headers) == 2
+
+
+def test_array_header_cache_is_bounded(make_buffer, monkeypatch):
+    from spillway import buffer as module
+
+    monkeypatch.setattr(module, "_ARRAY_HEADERS_MAX", 4)
+    monkeypatch.setattr(module, "_array_headers", {})
+    monkeypatch.setattr(module, "_array_specs", {})
+    buf = make_buffer(target=0)
+    for n in range(1, 11):
+        buf[n] = np.arange(n, dtype="i4")
+        assert len(module._array_headers) <= 4 and len(module._array_specs) <= 4
+    for n in range(1, 11):
+        np.testing.assert_array_equal(buf[n], np.arange(n, dtype="i4"))
+
+
+def test_weak_cache_forgets_dead_objects():
+    from spillway.buffer import _WeakCache
+
+    class Obj:
+        pass
+
+    cache = _WeakCache()
+    kept, dropped = Obj(), Obj()
+    cache["kept"], cache["dropped"] = kept, dropped
+    del dropped
+    gc.collect()
+    assert cache.get("kept") is kept
+    assert cache.get("dropped") is None
+    assert len(cache) == 1  # the dead reference went with the lookup
+    assert cache.pop("kept") is kept and len(cache) == 0
+    with pytest.raises(TypeError):
+        cache["int"] = 1  # no weak references to int
 
 
 def test_spilled_object_still_alive_is_returned_itself(make_buffer, recording):
