@@ -23,7 +23,7 @@ use std::sync::{Arc, OnceLock};
 
 // The index and writer locks come from the sync shim, so the store's loom models see every log call
 // that touches the index (a read racing a removal, for one) as a step to interleave.
-use crate::sync::{Mutex, MutexGuard, RwLock};
+use crate::sync::{AtomicU64, Mutex, MutexGuard, Ordering, RwLock};
 
 use bytes::Bytes;
 
@@ -56,6 +56,16 @@ const GATHER_MIN_BYTES: u64 = 256 << 10;
 const PUNCH_MIN_BYTES: u64 = 256 << 10;
 /// Zeros for padding in gathered writes.
 static ZEROS: [u8; 4096] = [0; 4096];
+/// Largest `LogOptions::write_behind_bytes`.
+pub const MAX_WRITE_BEHIND_BYTES: u64 = 64 << 20;
+/// `SegmentLog::pending` when no record is pending.
+const NOTHING_PENDING: u64 = u64::MAX;
+
+/// `SegmentLog::pending` while records of `segment` from offset `written_end` on are pending.
+/// Offsets fit in 32 bits (segments are smaller than 4 GiB).
+fn pending_key(segment: u32, written_end: u64) -> u64 {
+    ((segment as u64) << 32) | (written_end & 0xffff_ffff)
+}
 /// Values smaller than this are never compressed.
 const MIN_COMPRESS_BYTES: u64 = 256;
 
@@ -104,6 +114,14 @@ pub struct LogOptions {
     /// deleting one. Turn off for data that dies with the process (a spill store); `sync()` still
     /// syncs when called.
     pub durable: bool,
+    /// Write-behind: small batches are kept in memory, encoded, until this many bytes are pending,
+    /// and then written together, so a stream of small puts costs one write per this many bytes
+    /// instead of one per put. 0 (the default) writes every batch before `put` returns. Pending
+    /// records are readable at once (a read of one writes the pending bytes first, or serves them
+    /// from memory if the log can no longer write); `sync`, sealing a segment and dropping the log
+    /// write them too. The price: a process crash loses the pending bytes, which a spill store, whose
+    /// data dies with its process anyway, does not mind. At most 64 MiB.
+    pub write_behind_bytes: u64,
 }
 
 impl Default for LogOptions {
@@ -120,6 +138,7 @@ impl Default for LogOptions {
             punch_forgotten: false,
             discard_existing: false,
             durable: true,
+            write_behind_bytes: 0,
         }
     }
 }
@@ -303,8 +322,12 @@ struct Active<F> {
     size: u64,
     /// Next record offset (64-aligned).
     data_end: u64,
-    /// Bytes `[align_down(data_end), data_end)` as on disk, so the next write can rewrite that block.
+    /// Bytes `[base, data_end)`, where `base` is `written_end` rounded down to the alignment: the
+    /// partial block the next write rewrites, and any pending (write-behind) records after it.
     tail: Vec<u8>,
+    /// Everything before this offset has been written to the file; records at or after it are pending
+    /// in `tail` (write-behind). Equal to `data_end` when nothing is pending.
+    written_end: u64,
     footer: Vec<u8>,
     footer_entries: u64,
     max_epoch: u32,
@@ -388,6 +411,11 @@ pub struct SegmentLog<B: Backend = PortableBackend> {
     index: RwLock<HashMap<IndexKey, PackedLoc>>,
     files: RwLock<HashMap<u32, Arc<B::File>>>,
     state: Mutex<WriterState<B::File>>,
+    /// Write-behind: `pending_key(segment, written_end)` while records of the active segment at or
+    /// after `written_end` are pending in its tail, else `NOTHING_PENDING`. Stored before those records
+    /// are published in the index and reset after they are written, so a reader that found a record
+    /// in the index and then sees no pending range for it can read it from the file.
+    pending: AtomicU64,
     poisoned: OnceLock<String>,
     recovery: RecoveryReport,
     _lock: DirLock,
@@ -473,6 +501,12 @@ impl<B: Backend> SegmentLog<B> {
                 opts.segment_bytes, opts.max_value_bytes
             )));
         }
+        if opts.write_behind_bytes > MAX_WRITE_BEHIND_BYTES {
+            return Err(Error::InvalidConfig(format!(
+                "write_behind_bytes {} is above the maximum {MAX_WRITE_BEHIND_BYTES}",
+                opts.write_behind_bytes
+            )));
+        }
         if opts.segment_bytes < MIN_SEGMENT_BYTES {
             return Err(Error::InvalidConfig(format!(
                 "segment_bytes {} is below the minimum {MIN_SEGMENT_BYTES}",
@@ -503,6 +537,7 @@ impl<B: Backend> SegmentLog<B> {
                 unsynced_sealed: Vec::new(),
                 spare_bufs: Vec::new(),
             }),
+            pending: AtomicU64::new(NOTHING_PENDING),
             poisoned: OnceLock::new(),
             recovery: RecoveryReport::default(),
             _lock: lock,
@@ -658,6 +693,7 @@ impl<B: Backend> SegmentLog<B> {
                     size: meta.size,
                     data_end: meta.data_end,
                     tail: std::mem::take(&mut scan.tail),
+                    written_end: meta.data_end,
                     footer,
                     footer_entries: scan.entries.len() as u64,
                     max_epoch: scan.max_epoch,
@@ -914,6 +950,9 @@ impl<B: Backend> SegmentLog<B> {
         let Some((loc, file)) = self.lookup(key) else {
             return Ok(None);
         };
+        if let Some(raw) = self.pending_record(loc)? {
+            return decode_read(raw, loc, key).map(Some);
+        }
         self.read_record(&file, loc, key).map(Some)
     }
 
@@ -955,15 +994,24 @@ impl<B: Backend> SegmentLog<B> {
     /// safe (the backend keeps the buffer until the kernel is done with it).
     pub fn get_async(&self, key: &[u8]) -> impl Future<Output = Result<Option<Frames>>> + Send + 'static {
         let started = self.lookup(key).map(|(loc, file)| {
+            // A pending record (write-behind) is written first, on this thread, or served from memory.
+            let from_memory = self.pending_record(loc)?;
             let start = align_down(loc.offset, self.read_align);
-            let end = align_up(loc.offset + loc.len, self.read_align);
-            let buf = self.backend.alloc_buf((end - start) as usize, self.read_align as usize);
-            (loc, start, self.backend.read_at_async(&file, start, buf), self.seg_path(loc.segment))
+            let read = from_memory.is_none().then(|| {
+                let end = align_up(loc.offset + loc.len, self.read_align);
+                let buf = self.backend.alloc_buf((end - start) as usize, self.read_align as usize);
+                self.backend.read_at_async(&file, start, buf)
+            });
+            Ok((loc, start, from_memory, read, self.seg_path(loc.segment)))
         });
         let key = key.to_vec();
         async move {
-            let Some((loc, start, read, path)) = started else {
+            let Some(started) = started else {
                 return Ok(None);
+            };
+            let (loc, start, from_memory, read, path) = started?;
+            let Some(read) = read else {
+                return decode_read(from_memory.expect("a pending record"), loc, &key).map(Some);
             };
             let (r, buf) = read.await;
             r.map_err(|e| Error::io("read segment", path, e))?;
@@ -991,6 +1039,15 @@ impl<B: Backend> SegmentLog<B> {
             let key = keys.next()?;
             match self.lookup(&key) {
                 None => (on_value.borrow_mut())(key, Ok(None)),
+                // A pending record (write-behind): written first, or served from memory.
+                Some((loc, _)) if self.may_be_pending(loc) => {
+                    let res = match self.pending_record(loc) {
+                        Ok(Some(raw)) => decode_read(raw, loc, &key).map(Some),
+                        Ok(None) => self.get(&key), // written now (or meanwhile): read as usual
+                        Err(e) => Err(e),
+                    };
+                    (on_value.borrow_mut())(key, res)
+                }
                 Some((loc, file)) => {
                     let start = align_down(loc.offset, self.read_align);
                     let end = align_up(loc.offset + loc.len, self.read_align);
@@ -1019,6 +1076,10 @@ impl<B: Backend> SegmentLog<B> {
     /// verified). `None` if the key is absent.
     pub fn stored_value(&self, key: &[u8]) -> Result<Option<StoredValue<B::File>>> {
         let Some((loc, file)) = self.lookup(key) else { return Ok(None) };
+        if self.pending_record(loc)?.is_some() {
+            // Pending (write-behind), and the log could not write it: it is in memory, not in a file.
+            self.check_writable()?;
+        }
         let fixed = self.read_range(&file, loc, 0, format::RECORD_HEADER_LEN as u64)?;
         let h = format::peek_record_header(&fixed).map_err(|e| e.at(loc.segment, loc.offset))?;
         let head = self.read_range(&file, loc, 0, h.payload_offset())?;
@@ -1130,6 +1191,8 @@ impl<B: Backend> SegmentLog<B> {
 
     /// Store `value` under `key`, replacing any previous value. Returns once the record is written to
     /// the kernel (it survives a process crash); call [`sync`](Self::sync) for power-loss durability.
+    /// With [`LogOptions::write_behind_bytes`], a small record may instead be pending in memory when
+    /// this returns (readable at once, written with a later write, `sync` or drop).
     pub fn put(&self, key: &[u8], value: &Frames) -> Result<()> {
         self.put_many(&[(key, value)])
     }
@@ -1184,6 +1247,8 @@ impl<B: Backend> SegmentLog<B> {
         if need_new {
             self.rotate(st, len, key.len())?;
         }
+        // The value is streamed straight to the file, after what is pending (write-behind).
+        self.flush_pending(st)?;
         let epoch = st.epoch;
         let seq = st.next_seq;
         st.next_seq += 1;
@@ -1316,7 +1381,7 @@ impl<B: Backend> SegmentLog<B> {
         let tail = buf[(tail_start - buf_base) as usize..(pend - buf_base) as usize].to_vec();
         let empty = Frames::default();
         let chunk = [Prepared { rec: NewRecord::Value { key, frames: &empty }, payload: Payload::Empty, len }];
-        self.publish_chunk(st, &chunk, &[(start, len, seq)], pend, tail, epoch)?;
+        self.publish_chunk(st, &chunk, &[(start, len, seq)], pend, tail, epoch, false)?;
         if st.compact_pending && !st.compacting {
             st.compact_pending = false;
             self.compact_locked(st)?;
@@ -1362,6 +1427,9 @@ impl<B: Backend> SegmentLog<B> {
     /// punched. Neighbouring records, the segment header and the tail block that the next write
     /// rewrites are never touched. Advisory: a failure is logged once and changes nothing else.
     fn punch(&self, st: &mut WriterState<B::File>, old: Location) {
+        if st.active.as_ref().is_some_and(|a| a.id == old.segment && old.offset >= a.written_end) {
+            return; // pending (write-behind): not in the file yet, nothing to release
+        }
         let Some(file) = self.files.read().unwrap_or_else(|p| p.into_inner()).get(&old.segment).cloned() else {
             return;
         };
@@ -1487,6 +1555,19 @@ impl<B: Backend> SegmentLog<B> {
 
     /// Encode `chunk` into one aligned buffer, write it, then publish the new locations.
     fn write_chunk(&self, st: &mut WriterState<B::File>, chunk: &[Prepared<'_>]) -> Result<Vec<Location>> {
+        // Write-behind: keep a small batch pending in the tail if it fits the budget (writing what is
+        // pending first if the batch would overflow it); any other batch writes what is pending first.
+        let budget = self.opts.write_behind_bytes;
+        let defer = budget > 0 && chunk.iter().all(|p| !matches!(p.rec, NewRecord::SyncMark));
+        let total: u64 = chunk.iter().map(|p| padded(p.len)).sum();
+        let pending_len = |st: &WriterState<B::File>| st.active.as_ref().map_or(0, |a| a.tail.len() as u64);
+        if defer && pending_len(st) + total > budget {
+            self.flush_pending(st)?;
+        }
+        if defer && pending_len(st) + total <= budget {
+            return self.defer_chunk(st, chunk);
+        }
+        self.flush_pending(st)?;
         // The chunk is encoded in groups of about WRITE_GROUP_BYTES. Each group's write covers its
         // whole blocks only; its last, partial block is rewritten by the next group (or, for the last
         // group, written with it). So the writes of one chunk never overlap, several can be in flight
@@ -1576,7 +1657,90 @@ impl<B: Backend> SegmentLog<B> {
             // Nothing of the chunk is published; the log is read-only from here (poisoned).
             return Err(self.poison(Error::io("write segment", self.seg_path(id), e)));
         }
-        self.publish_chunk(st, chunk, &placed, data_end, tail, epoch)
+        self.publish_chunk(st, chunk, &placed, data_end, tail, epoch, false)
+    }
+
+    /// Write-behind ([`LogOptions::write_behind_bytes`]): encode `chunk` at the end of the active
+    /// segment's tail, in memory, and publish it without writing. Its bytes reach the file with the
+    /// next write, or [`Self::flush_pending`].
+    fn defer_chunk(&self, st: &mut WriterState<B::File>, chunk: &[Prepared<'_>]) -> Result<Vec<Location>> {
+        let epoch = st.epoch;
+        let (id, data_end, written_end, mut tail) = {
+            let a = st.active.as_mut().expect("active segment");
+            (a.id, a.data_end, a.written_end, std::mem::take(&mut a.tail))
+        };
+        let mut placed: Vec<(u64, u64, u64)> = Vec::with_capacity(chunk.len());
+        let mut pos = data_end;
+        for p in chunk {
+            let seq = Self::seq_for(st, &p.rec);
+            let at = tail.len();
+            // Zeros: the padding after the record; encode_record writes every byte of the record.
+            tail.resize(at + padded(p.len) as usize, 0);
+            Self::encode_record(p, &mut tail[at..at + p.len as usize], id, epoch, seq);
+            placed.push((pos, p.len, seq));
+            pos = padded(pos + p.len);
+        }
+        if written_end == data_end {
+            // The first pending record: readers must learn it before they can find it in the index.
+            self.pending.store(pending_key(id, written_end), Ordering::Release);
+        }
+        self.publish_chunk(st, chunk, &placed, pos, tail, epoch, true)
+    }
+
+    /// Write the records pending in the active segment's tail (write-behind), if any. On failure the
+    /// log is poisoned and the records stay pending, readable from memory.
+    fn flush_pending(&self, st: &mut WriterState<B::File>) -> Result<()> {
+        let Some(a) = st.active.as_ref() else { return Ok(()) };
+        if a.written_end == a.data_end {
+            return Ok(());
+        }
+        self.check_writable()?;
+        let (id, file, data_end) = (a.id, a.file.clone(), a.data_end);
+        let base = data_end - a.tail.len() as u64;
+        debug_assert_eq!(base % self.align, 0, "the tail starts at a block boundary");
+        let needed = (align_up(data_end, self.align) - base) as usize;
+        let mut buf = self.write_buffer(st, needed);
+        let a = st.active.as_ref().expect("active segment");
+        buf[..a.tail.len()].copy_from_slice(&a.tail);
+        buf[a.tail.len()..].fill(0);
+        let (r, buf) = self.backend.write_at(&file, base, buf);
+        if buf.capacity() <= MAX_SPARE_BUF {
+            st.spare_bufs.push(buf);
+        }
+        if let Err(e) = r {
+            return Err(self.poison(Error::io("write segment", self.seg_path(id), e)));
+        }
+        let a = st.active.as_mut().expect("active segment");
+        a.tail.drain(..(align_down(data_end, self.align) - base) as usize);
+        a.written_end = data_end;
+        self.pending.store(NOTHING_PENDING, Ordering::Release);
+        Ok(())
+    }
+
+    /// Whether `loc` may be a record pending in memory (write-behind). False means it is in the file.
+    fn may_be_pending(&self, loc: Location) -> bool {
+        let p = self.pending.load(Ordering::Acquire);
+        p != NOTHING_PENDING && (p >> 32) as u32 == loc.segment && loc.offset >= p & 0xffff_ffff
+    }
+
+    /// For a record that may be pending (write-behind): write what is pending, so that it can be
+    /// read from the file (`None`); or, if the log can no longer write, its bytes copied out of
+    /// memory, 64-byte aligned like a read's.
+    fn pending_record(&self, loc: Location) -> Result<Option<Bytes>> {
+        if !self.may_be_pending(loc) {
+            return Ok(None);
+        }
+        let mut st = lock(&self.state);
+        let still = st.active.as_ref().is_some_and(|a| a.id == loc.segment && loc.offset >= a.written_end);
+        if !still || self.flush_pending(&mut st).is_ok() {
+            return Ok(None);
+        }
+        let a = st.active.as_ref().expect("active segment");
+        let base = a.data_end - a.tail.len() as u64;
+        let from = (loc.offset - base) as usize;
+        let mut buf = AlignedBuf::zeroed(loc.len as usize, format::FRAME_ALIGN as usize);
+        buf.copy_from_slice(&a.tail[from..from + loc.len as usize]);
+        Ok(Some(buf.freeze()))
     }
 
     /// [`Self::write_chunk`] for a chunk holding large values, on a backend that writes gathered
@@ -1689,7 +1853,7 @@ impl<B: Backend> SegmentLog<B> {
             // Nothing of the chunk is published; the log is read-only from here (poisoned).
             return Err(self.poison(Error::io("write segment", self.seg_path(id), e)));
         }
-        self.publish_chunk(st, chunk, &placed, end, new_tail, epoch)
+        self.publish_chunk(st, chunk, &placed, end, new_tail, epoch, false)
     }
 
     /// The sequence number of a record being written: a relocated record keeps its own, any other
@@ -1786,8 +1950,10 @@ impl<B: Backend> SegmentLog<B> {
         b
     }
 
-    /// After the bytes of `chunk` are written at `placed` (offset, len, seq) up to `end`: update the
-    /// active segment (tail block, footer, metadata), then the index and the live accounting.
+    /// After the bytes of `chunk` are written at `placed` (offset, len, seq) up to `end` (or, if
+    /// `deferred`, encoded in `tail` and pending): update the active segment (tail, footer,
+    /// metadata), then the index and the live accounting.
+    #[allow(clippy::too_many_arguments)]
     fn publish_chunk(
         &self,
         st: &mut WriterState<B::File>,
@@ -1796,6 +1962,7 @@ impl<B: Backend> SegmentLog<B> {
         end: u64,
         tail: Vec<u8>,
         epoch: u32,
+        deferred: bool,
     ) -> Result<Vec<Location>> {
         let a = st.active.as_mut().expect("active segment");
         a.dirty = true;
@@ -1803,6 +1970,9 @@ impl<B: Backend> SegmentLog<B> {
         a.tail = tail;
         let a = st.active.as_mut().expect("active segment");
         a.data_end = end;
+        if !deferred {
+            a.written_end = end;
+        }
         a.max_epoch = a.max_epoch.max(epoch);
         let id = a.id;
         for (p, &(offset, len, seq)) in chunk.iter().zip(placed) {
@@ -1987,6 +2157,7 @@ impl<B: Backend> SegmentLog<B> {
             size,
             data_end: data_start,
             tail: Vec::new(),
+            written_end: data_start,
             footer: Vec::new(),
             footer_entries: 0,
             max_epoch: st.epoch,
@@ -2002,6 +2173,7 @@ impl<B: Backend> SegmentLog<B> {
 
     /// Seal the active segment: data durable first, then footer and trailer.
     fn seal_active(&self, st: &mut WriterState<B::File>) -> Result<()> {
+        self.flush_pending(st)?;
         if self.opts.durable {
             self.sync_active(st)?;
             self.sync_dir_if_dirty(st)?;
@@ -2055,6 +2227,7 @@ impl<B: Backend> SegmentLog<B> {
         if st.active.as_ref().is_some_and(|a| a.dirty && !a.last_is_mark) {
             self.append(&mut st, vec![NewRecord::SyncMark])?;
         }
+        self.flush_pending(&mut st)?;
         self.sync_active(&mut st)?;
         for f in std::mem::take(&mut st.unsynced_sealed) {
             if let Err(e) = self.backend.sync_data(&f) {
@@ -2225,8 +2398,10 @@ impl<B: Backend> SegmentLog<B> {
     /// Read every record of every segment and check its checksums. Returns the problems found (empty
     /// when the store is clean), including damaged regions found at open.
     pub fn verify(&self) -> Result<Vec<VerifyProblem>> {
-        // Hold the writer lock so the active segment is not changing under the scan.
-        let _st = lock(&self.state);
+        // Hold the writer lock so the active segment is not changing under the scan, and check the
+        // file with nothing pending in memory (write-behind).
+        let mut st = lock(&self.state);
+        self.flush_pending(&mut st)?;
         let mut problems: Vec<VerifyProblem> = self
             .recovery
             .corrupt
@@ -2362,6 +2537,17 @@ impl<'a, B: Backend> ScanWindow<'a, B> {
 }
 
 /// Check the record bytes read for `key` at `loc` and cut them into frames (decompressing if needed).
+impl<B: Backend> Drop for SegmentLog<B> {
+    /// Writes what is pending (write-behind), so that a log dropped without `sync` has handed every
+    /// record to the kernel, as without write-behind.
+    fn drop(&mut self) {
+        let mut st = lock(&self.state);
+        if let Err(e) = self.flush_pending(&mut st) {
+            log::error!("segment log {}: pending records not written at close: {e}", self.dir.display());
+        }
+    }
+}
+
 fn decode_read(raw: Bytes, loc: Location, key: &[u8]) -> Result<Frames> {
     let r = format::decode_record(&raw).map_err(|e| e.at(loc.segment, loc.offset))?;
     if r.key != key || r.header.segment != loc.segment || r.header.is_tombstone() {

@@ -148,7 +148,11 @@ impl Inner {
 ///
 /// Thread-safe; the GIL is released during I/O. `durable=False` (the default, for spill data that
 /// dies with its worker) skips fsyncs and tombstones, and releases a deleted value's disk blocks at
-/// once: reopening such a directory may bring deleted keys back, or report them as damaged.
+/// once: reopening such a directory may bring deleted keys back, or report them as damaged. It also
+/// writes small puts behind (`write_behind_bytes`, default 128 KiB when not durable, else 0): they
+/// are kept in memory, encoded, and written together once that many bytes are pending, so that a
+/// stream of small spills costs one write per 128 KiB instead of one per value. Pending values read
+/// back at once; closing the log writes them.
 #[pyclass(frozen, module = "spillway._core")]
 struct Log {
     inner: RwLock<Option<Arc<Inner>>>,
@@ -169,7 +173,7 @@ impl Log {
 impl Log {
     #[new]
     #[allow(clippy::too_many_arguments)] // Python keyword arguments
-    #[pyo3(signature = (path, *, segment_bytes = 64 << 20, compression = "none", backend = "auto", max_disk_bytes = None, durable = false, direct = false))]
+    #[pyo3(signature = (path, *, segment_bytes = 64 << 20, compression = "none", backend = "auto", max_disk_bytes = None, durable = false, direct = false, write_behind_bytes = None))]
     fn new(
         py: Python<'_>,
         path: std::path::PathBuf,
@@ -179,6 +183,7 @@ impl Log {
         max_disk_bytes: Option<u64>,
         durable: bool,
         direct: bool,
+        write_behind_bytes: Option<u64>,
     ) -> PyResult<Self> {
         let compression = match compression {
             "none" => Compression::None,
@@ -187,8 +192,15 @@ impl Log {
         };
         let kind: BackendKind = backend.parse().map_err(PyValueError::new_err)?;
         // Spill data (not durable): a deleted value's blocks are released at once, like an unlinked file.
-        let opts =
-            LogOptions { segment_bytes, compression, durable, punch_forgotten: !durable, ..LogOptions::default() };
+        let write_behind_bytes = write_behind_bytes.unwrap_or(if durable { 0 } else { 128 << 10 });
+        let opts = LogOptions {
+            segment_bytes,
+            compression,
+            durable,
+            punch_forgotten: !durable,
+            write_behind_bytes,
+            ..LogOptions::default()
+        };
         py.allow_threads(move || {
             // A small registered pool: a process may hold many logs (one per SpillBuffer).
             let uring = UringOptions { pool_buffers: 2, direct, ..UringOptions::default() };

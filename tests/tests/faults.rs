@@ -121,10 +121,18 @@ fn failure_at_every_io_step_of_a_workload_never_panics_and_loses_no_synced_recor
         Ok(())
     }
     // Once with one write per batch, once with batches cut into 8 KiB groups written "in flight" (the
-    // io_uring path: the sim backend claims a queue, so a fault can hit any group of a batch), and
-    // once with every value written gathered from its own buffers (the buffered portable path).
-    for (grouped, gathered) in [(false, false), (true, false), (false, true)] {
-        let opts = || LogOptions { write_group_bytes: 8 << 10, gather_min_bytes: 1024, ..opts() };
+    // io_uring path: the sim backend claims a queue, so a fault can hit any group of a batch), once
+    // with every value written gathered from its own buffers (the buffered portable path), and once
+    // with write-behind (small batches pending in memory until 16 KiB are, or until a sync).
+    for (grouped, gathered, write_behind) in
+        [(false, false, 0), (true, false, 0), (false, true, 0), (false, false, 16 << 10)]
+    {
+        let opts = || LogOptions {
+            write_group_bytes: 8 << 10,
+            gather_min_bytes: 1024,
+            write_behind_bytes: write_behind,
+            ..opts()
+        };
         // Count the I/O steps of a clean run, then fail each one in turn.
         let clean = SimBackend::new();
         clean.set_queue_writes(grouped);
@@ -153,7 +161,7 @@ fn failure_at_every_io_step_of_a_workload_never_panics_and_loses_no_synced_recor
                     assert_eq!(
                         log.get(k.as_bytes()).unwrap_or_else(|e| panic!("step {step} {kind:?}: {k}: {e}")),
                         Some(frames_for(k.as_bytes(), 2500)),
-                        "step {step} {kind:?} grouped={grouped} gathered={gathered}: synced record {k} lost"
+                        "step {step} {kind:?} grouped={grouped} gathered={gathered} write_behind={write_behind}: synced record {k} lost"
                     );
                 }
             }

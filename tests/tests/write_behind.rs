@@ -1,0 +1,227 @@
+//! Write-behind (`LogOptions::write_behind_bytes`): small batches stay encoded in memory until the
+//! budget is full and are then written together. It changes when bytes reach the file, never which
+//! bytes: every read path sees a pending record at once, a dropped log has written everything, the
+//! files are byte-identical to those of a log written without it, and a failed write of pending
+//! records leaves them readable from memory.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use spillway::backend::{Fault, FaultKind, FaultOp};
+use spillway::{Error, LogOptions, PortableBackend, SegmentLog, SimBackend};
+use spillway_tests::{frames_for, Rng};
+
+const BUDGET: u64 = 64 << 10;
+
+fn opts(write_behind_bytes: u64) -> LogOptions {
+    LogOptions { segment_bytes: 256 << 10, write_behind_bytes, ..Default::default() }
+}
+
+fn key(i: usize) -> Vec<u8> {
+    format!("key-{i}").into_bytes()
+}
+
+/// Size of value `i`: mostly small, every 37th larger than the whole budget.
+fn size(i: usize) -> usize {
+    if i % 37 == 36 {
+        (BUDGET as usize) + 5000
+    } else {
+        100 + (i * 131) % 3000
+    }
+}
+
+#[test]
+fn small_puts_share_writes() {
+    let count_ops = |budget: u64| {
+        let be = SimBackend::new();
+        let log = SegmentLog::open(be.clone(), "/s", opts(budget)).unwrap();
+        let before = be.op_count();
+        for i in 0..200 {
+            log.put(&key(i), &frames_for(&key(i), 1000)).unwrap();
+        }
+        be.op_count() - before
+    };
+    let plain = count_ops(0);
+    let behind = count_ops(BUDGET);
+    // 200 records of about 1.1 KiB: one write each without write-behind; with a 64 KiB budget,
+    // one write per ~58 records (plus the operations of creating a segment).
+    assert!(plain >= 200, "{plain} operations for 200 puts without write-behind");
+    assert!(behind <= 12, "{behind} operations for 200 puts with write-behind");
+}
+
+#[test]
+fn pending_records_read_back_on_every_path() {
+    let be = SimBackend::new();
+    let log = SegmentLog::open(be.clone(), "/s", opts(BUDGET)).unwrap();
+    log.put(b"first", &frames_for(b"first", 10)).unwrap(); // creates the segment
+    let check = |i: usize| {
+        let expected = frames_for(&key(i), 1000);
+        let ops = be.op_count();
+        log.put(&key(i), &expected).unwrap();
+        assert_eq!(be.op_count(), ops, "the put was not deferred");
+        assert!(log.contains(&key(i)));
+        expected
+    };
+    let e = check(0);
+    assert_eq!(log.get(&key(0)).unwrap(), Some(e));
+    let e = check(1);
+    assert_eq!(spillway::task::block_on(log.get_async(&key(1))).unwrap(), Some(e));
+    let e = check(2);
+    let mut got = Vec::new();
+    log.get_pipelined(4, &mut [key(2), key(0), b"absent".to_vec()].into_iter(), &mut |k, r| got.push((k, r.unwrap())))
+        .unwrap();
+    got.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_eq!(got[2], (key(2), Some(e)));
+    assert_eq!(got[1], (key(0), Some(frames_for(&key(0), 1000))));
+    assert_eq!(got[0], (b"absent".to_vec(), None));
+    let e = check(3);
+    let sv = log.stored_value(&key(3)).unwrap().expect("present");
+    let payload = log.read_stored(&sv).unwrap();
+    assert_eq!(payload.len() as u64, sv.meta.stored_len);
+    assert_eq!(spillway::format::payload_crc(&payload), sv.meta.payload_crc);
+    let (offsets, _) = spillway::format::frame_layout(sv.meta.frame_lens.iter().copied()).unwrap();
+    for (f, &at) in e.iter().zip(&offsets) {
+        assert_eq!(&payload[at as usize..at as usize + f.len()], &f[..]);
+    }
+    // A delete and an overwrite of pending records are pending too, and win.
+    check(4);
+    log.delete(&key(4)).unwrap();
+    assert_eq!(log.get(&key(4)).unwrap(), None);
+    check(5);
+    let newer = frames_for(b"newer", 700);
+    log.put(&key(5), &newer).unwrap();
+    assert_eq!(log.get(&key(5)).unwrap(), Some(newer));
+}
+
+#[test]
+fn files_are_identical_to_a_log_without_write_behind() {
+    let write = |budget: u64| {
+        let be = SimBackend::new();
+        let log = SegmentLog::open(be.clone(), "/s", opts(budget)).unwrap();
+        let mut rng = Rng::new(7);
+        for i in 0..400 {
+            log.put(&key(i), &frames_for(&key(i), size(i))).unwrap();
+            match rng.below(10) {
+                0 => {
+                    log.delete(&key(rng.below(i as u64 + 1) as usize)).unwrap();
+                }
+                1 if i % 50 == 0 => log.sync().unwrap(),
+                _ => {}
+            }
+        }
+        drop(log);
+        let mut files: Vec<(std::path::PathBuf, Vec<u8>)> =
+            be.files().into_iter().map(|p| (p.clone(), be.file_contents(&p).unwrap())).collect();
+        files.sort();
+        (be, files)
+    };
+    let (_, plain) = write(0);
+    let (be, behind) = write(BUDGET);
+    assert!(plain.len() > 3, "the workload spans several segments");
+    assert_eq!(plain.len(), behind.len());
+    for ((p1, b1), (p2, b2)) in plain.iter().zip(&behind) {
+        assert_eq!(p1, p2);
+        assert!(b1 == b2, "{} differs", p1.display());
+    }
+    // And the reopened log has every live record.
+    let log = SegmentLog::open(be, "/s", opts(BUDGET)).unwrap();
+    assert!(log.verify().unwrap().is_empty());
+}
+
+#[test]
+fn sync_makes_pending_records_durable() {
+    let be = SimBackend::new();
+    let log = SegmentLog::open(be.clone(), "/s", opts(BUDGET)).unwrap();
+    for i in 0..20 {
+        log.put(&key(i), &frames_for(&key(i), 500)).unwrap();
+    }
+    log.sync().unwrap();
+    let crashed = be.crash(Some(1));
+    drop(log);
+    let log = SegmentLog::open(crashed, "/s", opts(0)).unwrap();
+    for i in 0..20 {
+        assert_eq!(log.get(&key(i)).unwrap(), Some(frames_for(&key(i), 500)), "key {i}");
+    }
+}
+
+#[test]
+fn failed_write_of_pending_records_keeps_them_readable() {
+    for kind in [FaultKind::Eio, FaultKind::Enospc, FaultKind::TornWrite] {
+        let be = SimBackend::new();
+        let log = SegmentLog::open(be.clone(), "/s", opts(BUDGET)).unwrap();
+        log.put(b"written", &frames_for(b"written", 1000)).unwrap();
+        log.sync().unwrap();
+        for i in 0..20 {
+            log.put(&key(i), &frames_for(&key(i), 1000)).unwrap();
+        }
+        be.inject(Fault { op: FaultOp::Write, after: 0, kind, sticky: true });
+        // Overflowing the budget writes what is pending: that write fails, and so does this put.
+        let err = log.put(b"overflow", &frames_for(b"overflow", BUDGET as usize)).unwrap_err();
+        assert!(matches!(err, Error::Io { .. }), "{kind:?}: {err}");
+        assert!(matches!(log.put(b"later", &frames_for(b"later", 10)), Err(Error::Poisoned { .. })));
+        assert_eq!(log.get(b"overflow").unwrap(), None);
+        // Everything acknowledged still reads back: the pending records from memory.
+        assert_eq!(log.get(b"written").unwrap(), Some(frames_for(b"written", 1000)));
+        for i in 0..20 {
+            assert_eq!(log.get(&key(i)).unwrap(), Some(frames_for(&key(i), 1000)), "{kind:?} key {i}");
+        }
+        assert_eq!(spillway::task::block_on(log.get_async(&key(3))).unwrap(), Some(frames_for(&key(3), 1000)));
+        let mut n = 0;
+        log.get_pipelined(8, &mut (0..20).map(key), &mut |k, r| {
+            let i: usize = std::str::from_utf8(&k).unwrap()[4..].parse().unwrap();
+            assert_eq!(r.unwrap(), Some(frames_for(&k, 1000)), "key {i}");
+            n += 1;
+        })
+        .unwrap();
+        assert_eq!(n, 20);
+        // Sending from the file is impossible for a record only in memory: a typed error.
+        assert!(matches!(log.stored_value(&key(0)), Err(Error::Poisoned { .. })));
+        // Dropping logs the failure instead of panicking.
+        drop(log);
+    }
+}
+
+#[test]
+fn readers_see_every_acknowledged_record_while_a_writer_defers() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = SegmentLog::open(PortableBackend::new(), dir.path(), opts(BUDGET)).unwrap();
+    let acked = AtomicUsize::new(0);
+    let done = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        for t in 0..2u64 {
+            let (log, acked, done) = (&log, &acked, &done);
+            s.spawn(move || {
+                let mut rng = Rng::new(t + 1);
+                let mut reads = 0;
+                while !done.load(Ordering::Acquire) || reads < 100 {
+                    let n = acked.load(Ordering::Acquire);
+                    if n == 0 {
+                        std::thread::yield_now();
+                        continue;
+                    }
+                    // The newest records are the likeliest to be pending.
+                    let i = if rng.below(2) == 0 { n - 1 } else { rng.below(n as u64) as usize };
+                    assert_eq!(log.get(&key(i)).unwrap(), Some(frames_for(&key(i), size(i) % 4000)), "key {i}");
+                    reads += 1;
+                }
+            });
+        }
+        for i in 0..3000 {
+            log.put(&key(i), &frames_for(&key(i), size(i) % 4000)).unwrap();
+            acked.store(i + 1, Ordering::Release);
+        }
+        done.store(true, Ordering::Release);
+    });
+    drop(log);
+    let log = SegmentLog::open(PortableBackend::new(), dir.path(), opts(0)).unwrap();
+    assert_eq!(log.len(), 3000);
+    for i in (0..3000).step_by(7) {
+        assert_eq!(log.get(&key(i)).unwrap(), Some(frames_for(&key(i), size(i) % 4000)));
+    }
+}
+
+#[test]
+fn write_behind_budget_is_bounded() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = SegmentLog::open(PortableBackend::new(), dir.path(), opts(spillway::log::MAX_WRITE_BEHIND_BYTES + 1));
+    assert!(matches!(r, Err(Error::InvalidConfig(_))));
+}
