@@ -106,3 +106,26 @@ def test_concurrent_puts_and_gets_from_threads(tmp_path):
         t.join()
     assert not errors
     assert len(log) == 1600
+
+
+@pytest.mark.parametrize("write_behind_bytes", [None, 0, 1 << 20])
+def test_small_puts_written_behind_read_back_and_survive_close(tmp_path, write_behind_bytes):
+    path = str(tmp_path / "log")
+    log = Log(path, write_behind_bytes=write_behind_bytes)
+    values = {b"k%d" % i: [b"h" * (i % 50), bytes([i % 251]) * (i * 53 % 3000)] for i in range(500)}
+    for key, frames in values.items():
+        log.put(key, frames)
+        assert [bytes(f) for f in log.get(key)] == frames  # readable at once, pending or not
+    log.put(b"k0", [b"newer"])
+    values[b"k0"] = [b"newer"]
+    log.close()  # writes whatever is pending
+    log = Log(path)
+    assert len(log) == len(values)
+    for key, frames in values.items():
+        assert [bytes(f) for f in log.get(key)] == frames
+    log.close()
+
+
+def test_write_behind_budget_is_validated(tmp_path):
+    with pytest.raises(ValueError):
+        Log(str(tmp_path / "log"), write_behind_bytes=1 << 40)
