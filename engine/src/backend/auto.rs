@@ -192,7 +192,10 @@ impl Backend for AutoBackend {
         }
     }
     fn queues_writes(&self) -> bool {
-        matches!(self, AutoBackend::Uring(_))
+        match self {
+            AutoBackend::Portable(p) => p.queues_writes(),
+            AutoBackend::Uring(u) => u.queues_writes(),
+        }
     }
 
     fn punch_hole(&self, file: &AutoFile, offset: u64, len: u64) -> io::Result<()> {

@@ -583,7 +583,11 @@ impl Backend for UringBackend {
     }
 
     fn queues_writes(&self) -> bool {
-        true
+        // Buffered writes with inline blocking calls are page-cache copies: queueing them only hands
+        // them to io-wq workers (buffered writes cannot complete without blocking), which on this
+        // 2-vCPU VM made a store's 64 KiB spill 36% slower than one inline pwrite per batch. With
+        // O_DIRECT, writes in flight overlap at the device.
+        self.direct() || !self.inline_blocking
     }
 
     fn punch_hole(&self, file: &UringFile, offset: u64, len: u64) -> io::Result<()> {
