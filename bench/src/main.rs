@@ -121,6 +121,10 @@ struct Args {
     /// side is reported).
     #[arg(long, default_value_t = 2)]
     loops: usize,
+    /// `spill-unspill`: values fetched per `Store::get_many` in the unspill phase (1: one `get` per
+    /// value, as the baseline reads one file per value).
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
     /// Percentage of reads in randrw.
     #[arg(long, default_value_t = 50)]
     rwmixread: u32,
@@ -422,6 +426,8 @@ fn main() -> Result<()> {
             loops: args.loops,
             direct: args.direct,
             segment_size: args.segment_size,
+            backend: args.backend.into(),
+            batch: args.batch,
             dir: &dir,
             human: args.output_format == OutputFormat::Normal,
         };

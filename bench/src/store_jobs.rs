@@ -12,7 +12,10 @@ use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 use spillway::units::format_size;
-use spillway::{Codec, CodecError, Frames, LogOptions, MetricsSnapshot, PortableBackend, Store, StoreConfig};
+use spillway::{
+    AutoBackend, BackendKind, Codec, CodecError, Frames, LogOptions, MetricsSnapshot, PortableBackend, Store,
+    StoreConfig,
+};
 
 /// The cheapest honest codec for bytes: serialize and deserialize share buffers (no copy), so the
 /// benchmark measures the store, not the codec. Counts deserializations.
@@ -51,6 +54,10 @@ pub struct StoreJob<'a> {
     pub direct: bool,
     /// Segment size.
     pub segment_size: u64,
+    /// The store's I/O backend (spill-unspill job).
+    pub backend: BackendKind,
+    /// Values fetched per `get_many` in the unspill phase (1: one `get` per value).
+    pub batch: usize,
     /// Where to put the stores.
     pub dir: &'a Path,
     /// Print a human summary.
@@ -103,7 +110,8 @@ fn run_spillway(job: &StoreJob<'_>, vals: &[Bytes], order: &[u64]) -> Result<(Si
         ..Default::default()
     };
     let sdir = job.dir.join("spill-unspill-store");
-    let store = Store::open(BytesCodec::default(), PortableBackend::with_direct(job.direct), &sdir, cfg)?;
+    let backend = AutoBackend::new(job.backend, job.direct).context("starting the I/O backend")?;
+    let store = Store::open(BytesCodec::default(), backend, &sdir, cfg)?;
     if job.direct && !store.log().backend().direct() {
         anyhow::bail!("O_DIRECT was refused in {}", sdir.display());
     }
@@ -114,11 +122,24 @@ fn run_spillway(job: &StoreJob<'_>, vals: &[Bytes], order: &[u64]) -> Result<(Si
     let spill = Phase { ops: n, bytes: n * job.bs, elapsed: t.elapsed() };
     let spilled = store.metrics().tier_entries.iter().find(|(t, _)| *t == "disk").map_or(0, |x| x.1);
     let t = Instant::now();
-    for &i in order {
-        let k = format!("key-{i}");
-        let v = store.get(k.as_bytes())?.context("value missing")?;
-        assert_eq!(v.len() as u64, job.bs);
-        store.remove(k.as_bytes())?;
+    if job.batch <= 1 {
+        for &i in order {
+            let k = format!("key-{i}");
+            let v = store.get(k.as_bytes())?.context("value missing")?;
+            assert_eq!(v.len() as u64, job.bs);
+            store.remove(k.as_bytes())?;
+        }
+    } else {
+        for chunk in order.chunks(job.batch) {
+            let ks: Vec<String> = chunk.iter().map(|i| format!("key-{i}")).collect();
+            let keys: Vec<&[u8]> = ks.iter().map(|k| k.as_bytes()).collect();
+            for v in store.get_many(&keys) {
+                assert_eq!(v?.context("value missing")?.len() as u64, job.bs);
+            }
+            for k in keys {
+                store.remove(k)?;
+            }
+        }
     }
     let unspill = Phase { ops: n, bytes: n * job.bs, elapsed: t.elapsed() };
     let metrics = store.metrics();

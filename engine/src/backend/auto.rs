@@ -191,6 +191,13 @@ impl Backend for AutoBackend {
             _ => Box::pin(std::future::ready(self.read_at(file, offset, buf))),
         }
     }
+    fn pipelines_reads(&self) -> bool {
+        match self {
+            AutoBackend::Portable(p) => p.pipelines_reads(),
+            AutoBackend::Uring(u) => u.pipelines_reads(),
+        }
+    }
+
     fn queues_writes(&self) -> bool {
         match self {
             AutoBackend::Portable(p) => p.queues_writes(),

@@ -469,6 +469,12 @@ impl Backend for SimBackend {
         (Ok(()), buf)
     }
 
+    /// True, so that tests drive the callers' batched read paths (the reads themselves run one after
+    /// another, through the default `read_pipelined`).
+    fn pipelines_reads(&self) -> bool {
+        true
+    }
+
     fn queues_writes(&self) -> bool {
         self.lock().queue_writes
     }

@@ -582,6 +582,10 @@ impl Backend for UringBackend {
         Box::pin(self.read(file, offset, buf))
     }
 
+    fn pipelines_reads(&self) -> bool {
+        self.direct()
+    }
+
     fn queues_writes(&self) -> bool {
         // Buffered writes with inline blocking calls are page-cache copies: queueing them only hands
         // them to io-wq workers (buffered writes cannot complete without blocking), which on this
