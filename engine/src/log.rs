@@ -2095,6 +2095,9 @@ impl<B: Backend> SegmentLog<B> {
     }
 
     fn sync_active(&self, st: &mut WriterState<B::File>) -> Result<()> {
+        // Records pending under write-behind are part of what must be durable (sealing, `sync`, and
+        // deleting a segment whose contents they superseded all rely on it).
+        self.flush_pending(st)?;
         if let Some(a) = st.active.as_mut() {
             if a.dirty {
                 if let Err(e) = self.backend.sync_data(&a.file) {
