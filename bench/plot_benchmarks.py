@@ -11,22 +11,24 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 # (label, measured ratio, target ratio)
 RESULTS = [
-    ("seq write 1M QD16\nvs fio", 0.82, 0.9),
-    ("randread 64K QD16\nvs fio", 0.91, 0.9),
-    ("randread 4K QD32\nvs fio", 0.73, 0.8),
+    ("seq write 1M QD16\nvs fio", 0.92, 0.9),
+    ("randread 64K QD16\nvs fio", 0.96, 0.9),
+    ("randread 4K QD32\nvs fio", 0.74, 0.8),
     ("uring QD32 vs\nportable 1 thread", 3.1, 1.5),
-    ("uring QD32 vs\nportable 32 threads", 0.99, 1.5),
-    ("store spill 4K\nvs file-per-key", 115, 10),
+    ("uring QD32 vs\nportable 32 threads", 0.98, 1.5),
+    ("store spill 4K\nvs file-per-key", 28.7, 10),
     ("store unspill 4K\nvs file-per-key", 5.3, 10),
-    ("store spill 64K\nvs file-per-key", 29, 5),
+    ("store spill 64K\nvs file-per-key", 24.9, 5),
     ("store unspill 64K\nvs file-per-key", 3.1, 5),
-    ("store spill 16M\nvs file-per-key", 1.08, 1.0),
-    ("store unspill 16M\nvs file-per-key", 0.77, 1.0),
-    ("python spill 64K\nvs dask", 11.9, 10),
-    ("python unspill 4K\nvs dask", 4.4, 5),
-    ("python spill 16M\nvs dask", 0.93, 1.5),
-    ("python unspill 16M\nvs dask", 1.14, 1.0),
-    ("dask cluster wall\ndefault / spillway", 11.9 / 10.1, 1.0),
+    ("store spill 16M\nvs file-per-key", 0.75, 1.0),
+    ("store unspill 16M\nvs file-per-key", 0.60, 1.0),
+    ("python spill 4K\nvs dask", 10.2, 10),
+    ("python unspill 4K\nvs dask", 6.0, 5),
+    ("python spill 64K\nvs dask", 14.3, 10),
+    ("python unspill 64K\nvs dask", 3.9, 5),
+    ("python spill 16M\nvs dask", 0.69, 1.5),
+    ("python unspill 16M\nvs dask", 0.86, 1.0),
+    ("dask cluster wall\ndefault / spillway", 13.0 / 9.6, 1.0),
     ("transfer 1 GiB\nsplice vs copy", 6.4, 1.0),
     ("index bytes/key\n(target / measured)", 100 / 93.2, 1.0),
 ]
@@ -45,7 +47,7 @@ def main() -> None:
     ax.set_xticklabels([label for label, _, _ in RESULTS], rotation=60, ha="right", fontsize=8)
     ax.set_ylabel("ratio (log scale)")
     ax.axhline(1.0, color="gray", linewidth=0.5)
-    ax.set_title("spillway: measured ratios against same-run baselines (2026-11-29, 2 vCPU VM)")
+    ax.set_title("spillway: measured ratios against same-run baselines (2026-11-30, 2 vCPU VM)")
     ax.legend()
     fig.tight_layout()
     fig.savefig("docs/benchmarks.png", dpi=110)
