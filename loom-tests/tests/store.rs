@@ -1,10 +1,10 @@
 //! loom models of the store (`spillway::Store`) as it is: compiled with `--cfg spillway_loom`, its lock,
 //! its metrics counters and every value's `Arc` and slot come from loom through the sync shim.
 //!
-//! The store runs on the simulated (in-memory) backend. The segment log's own locks are std's, so
-//! loom treats each log call as one step: these models explore the interleavings of store operations
-//! (the store lock, the slots, the windows between them where a reader holds no lock), not of the
-//! log's internals, which its own tests and the `log_model` fuzz target cover.
+//! The store runs on the simulated (in-memory) backend. The segment log's index and writer locks come
+//! from the shim too, so loom also preempts between a store operation and the log calls it makes (the
+//! windows where a reader holds no store lock); the simulated disk's own state is plain memory. The
+//! log's write-behind handshake has its own models in `log.rs`.
 #![cfg(spillway_loom)]
 
 use bytes::Bytes;
