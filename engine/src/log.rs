@@ -1077,7 +1077,8 @@ impl<B: Backend> SegmentLog<B> {
     pub fn stored_value(&self, key: &[u8]) -> Result<Option<StoredValue<B::File>>> {
         let Some((loc, file)) = self.lookup(key) else { return Ok(None) };
         if self.pending_record(loc)?.is_some() {
-            // Pending (write-behind), and the log could not write it: it is in memory, not in a file.
+            // Pending (write-behind), and the log could not write it: it is in memory, not in a file
+            // (`Error::Poisoned`; the transfer sources then send it from memory).
             self.check_writable()?;
         }
         let fixed = self.read_range(&file, loc, 0, format::RECORD_HEADER_LEN as u64)?;
@@ -2077,8 +2078,11 @@ impl<B: Backend> SegmentLog<B> {
     }
 
     fn delete_segment(&self, st: &mut WriterState<B::File>, id: u32) -> Result<()> {
-        // The records that made this segment dead may still be only in the page cache: make them
-        // durable before the old copies disappear, so a power cut cannot lose both.
+        // The records that made this segment dead may still be pending in memory (write-behind:
+        // overwrites, or compaction's copies of its live records): write them before the old copies
+        // disappear, so a process crash cannot lose both. With `durable`, also make them durable,
+        // so a power cut cannot either.
+        self.flush_pending(st)?;
         if self.opts.durable {
             self.sync_active(st)?;
         }
@@ -2539,7 +2543,6 @@ impl<'a, B: Backend> ScanWindow<'a, B> {
     }
 }
 
-/// Check the record bytes read for `key` at `loc` and cut them into frames (decompressing if needed).
 impl<B: Backend> Drop for SegmentLog<B> {
     /// Writes what is pending (write-behind), so that a log dropped without `sync` has handed every
     /// record to the kernel, as without write-behind.
@@ -2551,6 +2554,7 @@ impl<B: Backend> Drop for SegmentLog<B> {
     }
 }
 
+/// Check the record bytes read for `key` at `loc` and cut them into frames (decompressing if needed).
 fn decode_read(raw: Bytes, loc: Location, key: &[u8]) -> Result<Frames> {
     let r = format::decode_record(&raw).map_err(|e| e.at(loc.segment, loc.offset))?;
     if r.key != key || r.header.segment != loc.segment || r.header.is_tombstone() {

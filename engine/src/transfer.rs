@@ -180,7 +180,13 @@ impl<B: Backend> Source for SegmentLog<B> {
         self
     }
     fn outgoing(&self, key: &[u8]) -> Result<Option<Outgoing<B::File>>> {
-        Ok(self.stored_value(key)?.map(Outgoing::Stored))
+        match self.stored_value(key) {
+            Ok(v) => Ok(v.map(Outgoing::Stored)),
+            // A record pending under write-behind that the log could not write (it is poisoned) is
+            // only in memory: send it from there.
+            Err(Error::Poisoned { .. }) => Ok(self.get(key)?.map(Outgoing::Frames)),
+            Err(e) => Err(e),
+        }
     }
 }
 
@@ -193,8 +199,11 @@ impl<C: Codec, B: Backend> Source for Store<C, B> {
     /// sent from its serialized frames (a materialized one is serialized once for this).
     fn outgoing(&self, key: &[u8]) -> Result<Option<Outgoing<B::File>>> {
         if self.tier(key) == Some(Tier::Disk) {
-            if let Some(sv) = Store::log(self).stored_value(key)? {
-                return Ok(Some(Outgoing::Stored(sv)));
+            match Store::log(self).stored_value(key) {
+                Ok(Some(sv)) => return Ok(Some(Outgoing::Stored(sv))),
+                // Only in memory (write-behind, and the log could not write it): served below.
+                Ok(None) | Err(Error::Poisoned { .. }) => {}
+                Err(e) => return Err(e),
             }
         }
         Ok(self.get_serialized(key)?.map(Outgoing::Frames))

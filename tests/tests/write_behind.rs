@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use spillway::backend::{Fault, FaultKind, FaultOp};
 use spillway::{Error, LogOptions, PortableBackend, SegmentLog, SimBackend};
-use spillway_tests::{frames_for, Rng};
+use spillway_tests::{child_arg, frames_for, run_child, Rng};
 
 const BUDGET: u64 = 64 << 10;
 
@@ -173,8 +173,13 @@ fn failed_write_of_pending_records_keeps_them_readable() {
         })
         .unwrap();
         assert_eq!(n, 20);
-        // Sending from the file is impossible for a record only in memory: a typed error.
+        // Sending from the file is impossible for a record only in memory: a typed error, and the
+        // transfer source sends it from memory instead.
         assert!(matches!(log.stored_value(&key(0)), Err(Error::Poisoned { .. })));
+        match spillway::transfer::Source::outgoing(&log, &key(0)).unwrap() {
+            Some(spillway::transfer::Outgoing::Frames(f)) => assert_eq!(f, frames_for(&key(0), 1000)),
+            _ => panic!("{kind:?}: a pending record must go out from memory"),
+        }
         // Dropping logs the failure instead of panicking.
         drop(log);
     }
@@ -224,4 +229,46 @@ fn write_behind_budget_is_bounded() {
     let dir = tempfile::tempdir().unwrap();
     let r = SegmentLog::open(PortableBackend::new(), dir.path(), opts(spillway::log::MAX_WRITE_BEHIND_BYTES + 1));
     assert!(matches!(r, Err(Error::InvalidConfig(_))));
+}
+
+/// The child of [`a_segment_emptied_by_pending_records_is_deleted_only_after_they_are_written`]: a
+/// spill log (not durable) whose first segment's keys are all overwritten by small records that stay
+/// pending, which empties that segment; then the process ends without dropping the log (as kill -9).
+#[test]
+fn child_empties_a_segment_with_pending_overwrites() {
+    let Some(dir) = child_arg() else { return };
+    let opts = LogOptions { segment_bytes: 64 << 10, durable: false, ..opts(BUDGET) };
+    let log = SegmentLog::open(PortableBackend::new(), &dir, opts).unwrap();
+    for i in 0..10 {
+        log.put(&key(i), &frames_for(&key(i), 3000)).unwrap();
+    }
+    for i in 10..40 {
+        log.put(&key(i), &frames_for(&key(i), 3000)).unwrap(); // fills segment 1, rotates
+    }
+    assert!(log.stats().segments >= 2);
+    let first = log.location(&key(0)).unwrap().segment;
+    for i in 0..40 {
+        if log.location(&key(i)).unwrap().segment == first {
+            log.put(&key(i), &frames_for(b"newer", 100)).unwrap(); // pending overwrites
+        }
+    }
+    assert!(log.location(&key(0)).unwrap().segment != first);
+    println!("CHILD-DONE");
+    std::process::exit(0); // no drop: whatever is still pending dies with the process
+}
+
+/// Garbage collection deletes a segment once nothing in it is live. If what superseded its records
+/// were still pending in memory, a process crash right after would lose both the old and the new
+/// values: the pending records are written first.
+#[test]
+fn a_segment_emptied_by_pending_records_is_deleted_only_after_they_are_written() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("log");
+    let (status, out) = run_child("child_empties_a_segment_with_pending_overwrites", dir.to_str().unwrap());
+    assert!(status.success() && out.contains("CHILD-DONE"), "child failed: {status:?}\n{out}");
+    let log = SegmentLog::open(PortableBackend::new(), &dir, opts(0)).unwrap();
+    for i in 0..40 {
+        let got = log.get(&key(i)).unwrap().unwrap_or_else(|| panic!("key {i} lost"));
+        assert!(got == frames_for(&key(i), 3000) || got == frames_for(b"newer", 100), "key {i}");
+    }
 }
