@@ -696,18 +696,26 @@ class SpillBuffer(MutableMapping):
             return obj
         if not owner:
             return load.wait()
+        read = None  # (bytes, seconds) of the disk read, digested with the promotion (one lock)
         try:
             if tier is _DISK:
-                frames = self._read(key, log_key)
+                t0 = perf_counter()
+                try:
+                    frames = self._log.get(log_key)
+                except KeyError:
+                    raise KeyError(key) from None  # deleted by another thread meanwhile
+                read = (sum(f.nbytes for f in frames), perf_counter() - t0)  # byte memoryviews
             t0 = perf_counter()
             obj = _loads(frames, self.writeable)
-            self._digest_locked("deserialize", perf_counter() - t0, "seconds")
+            seconds = perf_counter() - t0
         except BaseException as error:
             with self._lock:
                 e.loading = None
+                if read is not None:
+                    self._digest_io("disk-read", *read)
             load.set_exception(error)
             raise
-        self._promote(key, e, obj, load)
+        self._promote(key, e, obj, load, read, seconds)
         return obj
 
     def __delitem__(self, key: Hashable) -> None:
@@ -932,13 +940,27 @@ class SpillBuffer(MutableMapping):
             with self._lock:
                 self._reserved_disk -= nbytes
 
-    def _promote(self, key: Hashable, e: _Entry, obj: object, load: _Load | None = None) -> None:
+    def _promote(
+        self,
+        key: Hashable,
+        e: _Entry,
+        obj: object,
+        load: _Load | None = None,
+        read: tuple | None = None,
+        deserialize_seconds: float | None = None,
+    ) -> None:
         """After ``obj`` was unpickled (or found in the weak cache) for a key held as frames or on
         disk: keep it in memory unless it is heavier than target, wake the waiters, then spill
-        others if above target (failures logged, not raised)."""
+        others if above target (failures logged, not raised). ``read`` (bytes, seconds) and
+        ``deserialize_seconds`` are the metrics of how ``obj`` was obtained, digested here under the
+        same lock."""
         weight = _sizeof(obj)
         memory_changed = False
         with self._lock:
+            if read is not None:
+                self._digest_io("disk-read", *read)
+            if deserialize_seconds is not None:
+                self._digest("deserialize", deserialize_seconds, "seconds")
             if load is not None:
                 e.loading = None
             if self._entries.get(key) is e and e.tier is not _OBJECT:
