@@ -140,7 +140,7 @@ def run_micro(args) -> list[dict]:
         kinds = ["spillway"]
     rows = []
     for size in args.sizes:
-        n = max(4, args.bytes_per_size // size)
+        n = max(args.min_values, args.bytes_per_size // size)
         # On a VM the first pass over fresh memory (page cache, buffers) is several times slower than
         # later ones: the host backs guest pages on first touch. So one unmeasured warm-up pass runs
         # first, then --loops rounds alternate which store goes first, and each store's best round
@@ -310,6 +310,13 @@ def main(argv=None) -> int:
         help="bytes moved per size (default 256MiB, 32MiB with --quick)",
     )
     p.add_argument(
+        "--min-values",
+        type=int,
+        default=None,
+        help="values per size at least (default 64, 4 with --quick): 256 MiB is only 16 values of "
+        "16 MiB, a round short enough for one VM hiccup to decide it",
+    )
+    p.add_argument(
         "--memory-limit",
         type=parse_size,
         default=None,
@@ -329,6 +336,8 @@ def main(argv=None) -> int:
     p.add_argument("--dir", default=None, help="where to spill (default: the temp directory)")
     args = p.parse_args(argv)
     args.sizes = [parse_size(s) for s in args.sizes.split(",")]
+    if args.min_values is None:
+        args.min_values = 4 if args.quick else 64
     if args.bytes_per_size is None:
         args.bytes_per_size = 32 * MiB if args.quick else 256 * MiB
     if args.memory_limit is None:
