@@ -13,7 +13,7 @@ use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 use spillway::units::format_size;
 use spillway::{
-    AutoBackend, BackendKind, Codec, CodecError, Frames, LogOptions, MetricsSnapshot, PortableBackend, Store,
+    AutoBackend, Backend, BackendKind, Codec, CodecError, Frames, LogOptions, MetricsSnapshot, PortableBackend, Store,
     StoreConfig,
 };
 
@@ -102,7 +102,11 @@ struct Sides {
 /// spillway: put every value (far more than the target, so most are spilled), then get each back in
 /// `order` and remove it (a task consumed its input). Returns the phases, how many values were on
 /// disk after the puts, and the store's metrics.
-fn run_spillway(job: &StoreJob<'_>, vals: &[Bytes], order: &[u64]) -> Result<(Sides, u64, MetricsSnapshot)> {
+fn run_spillway(
+    job: &StoreJob<'_>,
+    vals: &[Bytes],
+    order: &[u64],
+) -> Result<(Sides, u64, MetricsSnapshot, &'static str)> {
     let n = vals.len() as u64;
     let cfg = StoreConfig {
         target_bytes: job.target,
@@ -111,6 +115,7 @@ fn run_spillway(job: &StoreJob<'_>, vals: &[Bytes], order: &[u64]) -> Result<(Si
     };
     let sdir = job.dir.join("spill-unspill-store");
     let backend = AutoBackend::new(job.backend, job.direct).context("starting the I/O backend")?;
+    let backend_name = backend.name();
     let store = Store::open(BytesCodec::default(), backend, &sdir, cfg)?;
     if job.direct && !store.log().backend().direct() {
         anyhow::bail!("O_DIRECT was refused in {}", sdir.display());
@@ -145,7 +150,7 @@ fn run_spillway(job: &StoreJob<'_>, vals: &[Bytes], order: &[u64]) -> Result<(Si
     let metrics = store.metrics();
     drop(store);
     std::fs::remove_dir_all(&sdir).ok();
-    Ok((Sides { spill, unspill }, spilled, metrics))
+    Ok((Sides { spill, unspill }, spilled, metrics, backend_name))
 }
 
 /// The baseline: one file per key with a plain write, then a plain read and unlink, as dask's
@@ -242,14 +247,15 @@ pub fn spill_unspill(job: &StoreJob<'_>) -> Result<Value> {
     let mut rounds = Vec::new();
     let mut spilled = 0;
     let mut metrics = MetricsSnapshot::default();
+    let mut backend_name = "";
     for round in 0..job.loops.max(1) {
         let spillway_first = round % 2 == 0;
         let mut s = None;
         let mut b = None;
         for side in 0..2 {
             if (side == 0) == spillway_first {
-                let (x, sp, m) = run_spillway(job, &vals, &order)?;
-                (spilled, metrics) = (sp, m);
+                let (x, sp, m, name) = run_spillway(job, &vals, &order)?;
+                (spilled, metrics, backend_name) = (sp, m, name);
                 s = Some(x);
             } else {
                 b = Some(run_file_per_key(job, &vals, &order)?);
@@ -273,11 +279,13 @@ pub fn spill_unspill(job: &StoreJob<'_>) -> Result<Value> {
     let r_unspill = s_unspill.rate() / b_unspill.rate();
     if job.human {
         println!(
-            "spill-unspill: {n} values of {} (target {}), {spilled} spilled; best of {} rounds after a warm-up{}",
+            "spill-unspill: {n} values of {} (target {}), {spilled} spilled; best of {} rounds after a warm-up; backend {}{}{}",
             format_size(job.bs),
             format_size(job.target),
             job.loops.max(1),
-            if job.direct { "; O_DIRECT on both sides" } else { "" }
+            backend_name,
+            if job.direct { "; O_DIRECT on both sides" } else { "" },
+            if job.batch > 1 { format!("; unspill by get_many of {}", job.batch) } else { String::new() }
         );
         for (name, s, b, r) in [("spill", &s_spill, &b_spill, r_spill), ("unspill", &s_unspill, &b_unspill, r_unspill)]
         {
@@ -294,6 +302,7 @@ pub fn spill_unspill(job: &StoreJob<'_>) -> Result<Value> {
     Ok(json!({
         "jobname": "spill-unspill",
         "bs": job.bs, "values": n, "target": job.target, "spilled": spilled, "loops": job.loops.max(1), "direct": job.direct,
+        "backend": backend_name, "batch": job.batch.max(1),
         "spillway": {"spill": s_spill.json(), "unspill": s_unspill.json()},
         "baseline_file_per_key": {"spill": b_spill.json(), "unspill": b_unspill.json()},
         "ratio": {"spill": r_spill, "unspill": r_unspill},
