@@ -201,6 +201,10 @@ struct Inner<V> {
 
 impl<V> Inner<V> {
     fn account(&mut self, e: &Entry<V>, sign: i64) {
+        self.account_acct(Acct::of(e), sign);
+    }
+
+    fn account_acct(&mut self, e: Acct, sign: i64) {
         let t = e.tier.idx();
         let apply = |x: &mut u64, d: u64| {
             if sign > 0 {
@@ -214,6 +218,25 @@ impl<V> Inner<V> {
         apply(&mut self.mem_bytes, e.weight);
         apply(&mut self.disk_bytes, e.disk_bytes);
         apply(&mut self.disk_raw, e.disk_raw);
+    }
+}
+
+/// What the accounting and the LRU order know of an entry.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Acct {
+    tier: Tier,
+    tick: u64,
+    weight: u64,
+    disk_bytes: u64,
+    disk_raw: u64,
+}
+
+impl Acct {
+    fn of<V>(e: &Entry<V>) -> Acct {
+        Acct { tier: e.tier, tick: e.tick, weight: e.weight, disk_bytes: e.disk_bytes, disk_raw: e.disk_raw }
+    }
+    fn in_lru(&self) -> bool {
+        self.tier != Tier::Disk
     }
 }
 
@@ -700,8 +723,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                     if !unchanged || d.slot.evict().is_none() {
                         continue;
                     }
-                    let mut ne = self.take_entry(&mut inner, &d.key);
-                    match compressed {
+                    Self::modify_entry(&mut inner, &d.key, |ne| match compressed {
                         Some(c) => {
                             ne.weight = c.block.len() as u64;
                             ne.compressed = Some(c);
@@ -712,8 +734,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                             ne.frames = Some(frames);
                             ne.tier = Tier::Serialized;
                         }
-                    }
-                    self.put_entry(&mut inner, &d.key, ne);
+                    });
                 }
             }
         }
@@ -725,16 +746,16 @@ impl<C: Codec, B: Backend> Store<C, B> {
             let ours = inner.map.get(&p.key).is_some_and(|e| Arc::ptr_eq(&e.slot, &p.slot));
             match (ours, self.log.location(&p.key)) {
                 (true, Some(loc)) => {
-                    let mut ne = self.take_entry(&mut inner, &p.key);
-                    if matches!(ne.tier, Tier::Serialized | Tier::Compressed) {
-                        ne.tier = Tier::Disk;
-                        ne.frames = None;
-                        ne.compressed = None;
-                        ne.weight = 0;
-                    }
-                    ne.disk_raw = raw;
-                    ne.disk_bytes = loc.len;
-                    self.put_entry(&mut inner, &p.key, ne);
+                    Self::modify_entry(&mut inner, &p.key, |ne| {
+                        if matches!(ne.tier, Tier::Serialized | Tier::Compressed) {
+                            ne.tier = Tier::Disk;
+                            ne.frames = None;
+                            ne.compressed = None;
+                            ne.weight = 0;
+                        }
+                        ne.disk_raw = raw;
+                        ne.disk_bytes = loc.len;
+                    });
                 }
                 (true, None) => {
                     let err = match d {
@@ -932,13 +953,14 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 if e.tier == Tier::Materialized && e.slot.evict().is_none() {
                     continue;
                 }
-                let mut ne = self.take_entry(inner, &key);
-                freed += ne.weight;
-                ne.tier = Tier::Disk;
-                ne.weight = 0;
-                ne.frames = None;
-                ne.compressed = None;
-                self.put_entry(inner, &key, ne);
+                freed += Self::modify_entry(inner, &key, |ne| {
+                    let w = ne.weight;
+                    ne.tier = Tier::Disk;
+                    ne.weight = 0;
+                    ne.frames = None;
+                    ne.compressed = None;
+                    w
+                });
                 continue;
             }
             // Step 1: object -> serialized (-> compressed), planned here and done without the lock.
@@ -984,23 +1006,26 @@ impl<C: Codec, B: Backend> Store<C, B> {
         Ok((freed, Plan { writes: planned, demotions }))
     }
 
-    /// Detach an entry for modification (accounting and LRU removed).
-    fn take_entry(&self, inner: &mut Inner<C::Value>, key: &Arc<[u8]>) -> Entry<C::Value> {
-        let e = inner.map.remove(key).expect("entry present");
-        inner.account(&e, -1);
-        if e.tier != Tier::Disk {
-            inner.lru.remove(&e.tick);
+    /// Change `key`'s entry in place with `f`, keeping the accounting and the LRU order in step (the
+    /// entry's tick is its LRU position: set it in `f` to move the entry). One hash lookup, where
+    /// detaching and re-attaching the entry cost a removal and an insertion.
+    fn modify_entry<R>(inner: &mut Inner<C::Value>, key: &Arc<[u8]>, f: impl FnOnce(&mut Entry<C::Value>) -> R) -> R {
+        let e = inner.map.get_mut(key).expect("entry present");
+        let before = Acct::of(e);
+        let r = f(e);
+        let after = Acct::of(e);
+        if before != after {
+            inner.account_acct(before, -1);
+            inner.account_acct(after, 1);
+            let moved = before.tick != after.tick;
+            if before.in_lru() && (moved || !after.in_lru()) {
+                inner.lru.remove(&before.tick);
+            }
+            if after.in_lru() && (moved || !before.in_lru()) {
+                inner.lru.insert(after.tick, key.clone());
+            }
         }
-        e
-    }
-
-    /// Re-attach an entry (accounting and LRU position restored; the tick is kept).
-    fn put_entry(&self, inner: &mut Inner<C::Value>, key: &Arc<[u8]>, e: Entry<C::Value>) {
-        inner.account(&e, 1);
-        if e.tier != Tier::Disk {
-            inner.lru.insert(e.tick, key.clone());
-        }
-        inner.map.insert(key.clone(), e);
+        r
     }
 
     /// The materialized value of `key`, deserializing it (exactly once, whatever the concurrency) if it
@@ -1206,17 +1231,19 @@ impl<C: Codec, B: Backend> Store<C, B> {
             e.slot.evict();
             return Ok(Some(v));
         }
-        let mut ne = self.take_entry(&mut inner, k);
-        ne.tier = Tier::Materialized;
-        ne.frames = None;
-        ne.compressed = None;
-        ne.weight = self.codec.size_of(&v);
-        ne.stuck = false;
-        ne.tick = inner.next_tick;
+        let tick = inner.next_tick;
         inner.next_tick += 1;
+        let weight = self.codec.size_of(&v);
         // A value read back from disk keeps its disk copy (disk_* fields unchanged): evicting it again
         // costs no write.
-        self.put_entry(&mut inner, k, ne);
+        Self::modify_entry(&mut inner, k, |ne| {
+            ne.tier = Tier::Materialized;
+            ne.frames = None;
+            ne.compressed = None;
+            ne.weight = weight;
+            ne.stuck = false;
+            ne.tick = tick;
+        });
         self.enforce(inner, None)?;
         Ok(Some(v))
     }
@@ -1333,13 +1360,14 @@ impl<C: Codec, B: Backend> Store<C, B> {
             Err(e) => return Err(e),
         };
         if !large && current && inner.map.get(k).is_some_and(|e| e.tier == Tier::Disk) {
-            let mut ne = self.take_entry(&mut inner, k);
-            ne.tier = Tier::Serialized;
-            ne.weight = frames.total_len();
-            ne.frames = Some(frames.clone());
-            ne.tick = inner.next_tick;
+            let tick = inner.next_tick;
             inner.next_tick += 1;
-            self.put_entry(&mut inner, k, ne); // keeps its disk copy, like `get`
+            Self::modify_entry(&mut inner, k, |ne| {
+                ne.tier = Tier::Serialized;
+                ne.weight = frames.total_len();
+                ne.frames = Some(frames.clone());
+                ne.tick = tick;
+            }); // keeps its disk copy, like `get`
             self.enforce(inner, None)?;
         }
         Ok(Some(frames))
