@@ -1015,3 +1015,27 @@ fn concurrent_get_many_and_get_deserialize_each_value_once() {
         s.check_accounting().unwrap();
     }
 }
+
+/// A key list longer than one batch of `get_many` (read, then materialized, batch by batch) still
+/// answers every key in order.
+#[test]
+fn get_many_of_more_keys_than_a_batch_answers_all_in_order() {
+    let (s, _) = open(1 << 20);
+    let n = spillway::store::GET_MANY_BATCH * 2 + 7;
+    let names: Vec<Vec<u8>> = (0..n).map(|i| format!("k{i}").into_bytes()).collect();
+    for (i, k) in names.iter().enumerate() {
+        s.put_serialized(k, ser(&val(i as u8, 100 + i % 50))).unwrap();
+    }
+    while s.evict().unwrap() > 0 {}
+    let mut keys: Vec<&[u8]> = names.iter().map(|k| &k[..]).rev().collect();
+    keys.push(b"absent");
+    let got = s.get_many(&keys);
+    assert_eq!(got.len(), n + 1);
+    for (j, g) in got[..n].iter().enumerate() {
+        let i = n - 1 - j;
+        assert_eq!(g.as_ref().unwrap().as_deref(), Some(&val(i as u8, 100 + i % 50)), "key {i}");
+    }
+    assert!(got[n].as_ref().unwrap().is_none());
+    assert_eq!(s.codec().deserialized.load(Ordering::SeqCst), n);
+    s.check_accounting().unwrap();
+}
