@@ -288,3 +288,29 @@ fn spill_write_races_overwrite_in_memory() {
 fn spill_write_races_overwrite_to_disk() {
     spill_write_races_overwrite(true);
 }
+
+/// `get_many` of a spilled key races a plain `get` of it. On the simulated backend `get_many` reads
+/// its disk keys as one batch first and materializes afterwards through the key's slot, so the
+/// window between its read and its materialization is explored too: one deserialize, the same `Arc`,
+/// and a key listed twice still reads once.
+#[test]
+fn get_many_races_get_of_a_spilled_key() {
+    bounded().check(|| {
+        let s = store();
+        s.put_serialized(b"a", Frames(vec![Bytes::from(val(1, 64))])).unwrap();
+        assert_eq!(s.evict().unwrap(), 64);
+        let t = {
+            let s = s.clone();
+            thread::spawn(move || s.get(b"a").unwrap().unwrap())
+        };
+        let many = s.get_many(&[b"a", b"absent", b"a"]);
+        let y = t.join().unwrap();
+        let x = many[0].as_ref().unwrap().as_ref().unwrap();
+        assert!(many[1].as_ref().unwrap().is_none());
+        assert!(Arc::ptr_eq(x, many[2].as_ref().unwrap().as_ref().unwrap()));
+        assert!(Arc::ptr_eq(x, &y));
+        assert_eq!(deserialized(&s), 1);
+        assert_eq!(s.tier(b"a"), Some(Tier::Materialized));
+        s.check_accounting().unwrap();
+    });
+}
