@@ -18,7 +18,7 @@ step "unit and integration tests"
 cargo test --workspace --exclude spillway-python --locked 2>&1 | tee -a "$log"
 
 step "loom models (own target dir, --cfg spillway_loom): slot, store, log, bufpool, doorbell"
-# --tests: every model file in loom-tests/tests (the store's take about 4 minutes on 2 cores).
+# --tests: every model file in loom-tests/tests (the store's take about 5-6 minutes on 2 cores).
 RUSTFLAGS="--cfg spillway_loom" CARGO_TARGET_DIR=target/loom \
   cargo test --release --locked -p spillway-loom-tests --tests 2>&1 | tee -a "$log"
 
