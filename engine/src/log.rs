@@ -117,9 +117,8 @@ pub struct LogOptions {
     /// Write-behind: small batches are kept in memory, encoded, until this many bytes are pending,
     /// and then written together, so a stream of small puts costs one write per this many bytes
     /// instead of one per put. 0 (the default) writes every batch before `put` returns. Pending
-    /// records are readable at once (a read of one writes the pending bytes first, or serves them
-    /// from memory if the log can no longer write); `sync`, sealing a segment and dropping the log
-    /// write them too. The price: a process crash loses the pending bytes, which a spill store, whose
+    /// records are readable at once (a read of one copies it out of memory); `sync`, sealing a
+    /// segment, `stored_value` and dropping the log write them too. The price: a process crash loses the pending bytes, which a spill store, whose
     /// data dies with its process anyway, does not mind. At most 64 MiB.
     pub write_behind_bytes: u64,
 }
@@ -994,7 +993,7 @@ impl<B: Backend> SegmentLog<B> {
     /// safe (the backend keeps the buffer until the kernel is done with it).
     pub fn get_async(&self, key: &[u8]) -> impl Future<Output = Result<Option<Frames>>> + Send + 'static {
         let started = self.lookup(key).map(|(loc, file)| {
-            // A pending record (write-behind) is written first, on this thread, or served from memory.
+            // A pending record (write-behind) is served from memory.
             let from_memory = self.pending_record(loc)?;
             let start = align_down(loc.offset, self.read_align);
             let read = from_memory.is_none().then(|| {
@@ -1039,11 +1038,11 @@ impl<B: Backend> SegmentLog<B> {
             let key = keys.next()?;
             match self.lookup(&key) {
                 None => (on_value.borrow_mut())(key, Ok(None)),
-                // A pending record (write-behind): written first, or served from memory.
+                // A pending record (write-behind): served from memory.
                 Some((loc, _)) if self.may_be_pending(loc) => {
                     let res = match self.pending_record(loc) {
                         Ok(Some(raw)) => decode_read(raw, loc, &key).map(Some),
-                        Ok(None) => self.get(&key), // written now (or meanwhile): read as usual
+                        Ok(None) => self.get(&key), // written meanwhile: read as usual
                         Err(e) => Err(e),
                     };
                     (on_value.borrow_mut())(key, res)
@@ -1076,10 +1075,13 @@ impl<B: Backend> SegmentLog<B> {
     /// verified). `None` if the key is absent.
     pub fn stored_value(&self, key: &[u8]) -> Result<Option<StoredValue<B::File>>> {
         let Some((loc, file)) = self.lookup(key) else { return Ok(None) };
-        if self.pending_record(loc)?.is_some() {
-            // Pending (write-behind), and the log could not write it: it is in memory, not in a file
-            // (`Error::Poisoned`; the transfer sources then send it from memory).
-            self.check_writable()?;
+        if self.may_be_pending(loc) {
+            // Pending (write-behind): written out first. If the log can no longer write, it is in
+            // memory, not in a file (`Error::Poisoned`; the transfer sources then send it from memory).
+            let mut st = lock(&self.state);
+            if st.active.as_ref().is_some_and(|a| a.id == loc.segment && loc.offset >= a.written_end) {
+                self.flush_pending(&mut st)?;
+            }
         }
         let fixed = self.read_range(&file, loc, 0, format::RECORD_HEADER_LEN as u64)?;
         let h = format::peek_record_header(&fixed).map_err(|e| e.at(loc.segment, loc.offset))?;
@@ -1724,16 +1726,19 @@ impl<B: Backend> SegmentLog<B> {
         p != NOTHING_PENDING && (p >> 32) as u32 == loc.segment && loc.offset >= p & 0xffff_ffff
     }
 
-    /// For a record that may be pending (write-behind): write what is pending, so that it can be
-    /// read from the file (`None`); or, if the log can no longer write, its bytes copied out of
-    /// memory, 64-byte aligned like a read's.
+    /// For a record that may be pending (write-behind): its bytes copied out of memory, 64-byte
+    /// aligned like a read's, or `None` if it is in the file. A copy of one record costs less than
+    /// writing everything pending early, and an early write would also cut the batch short: the
+    /// page cache keeps the shape of the writes that first touched it (large folios for large
+    /// writes), and a 64 KiB read from pages written 64 KiB at a time costs 1.5x one from pages
+    /// written 2 MiB at a time (`docs/benchmarks.md`).
     fn pending_record(&self, loc: Location) -> Result<Option<Bytes>> {
         if !self.may_be_pending(loc) {
             return Ok(None);
         }
-        let mut st = lock(&self.state);
+        let st = lock(&self.state);
         let still = st.active.as_ref().is_some_and(|a| a.id == loc.segment && loc.offset >= a.written_end);
-        if !still || self.flush_pending(&mut st).is_ok() {
+        if !still {
             return Ok(None);
         }
         let a = st.active.as_ref().expect("active segment");

@@ -44,10 +44,10 @@ fn reads_race_a_put_written_behind_and_its_write() {
     });
 }
 
-/// Two readers of pending records race each other (both may try to write what is pending) and a
-/// writer adding more: every acknowledged record reads back.
+/// Two readers of pending records race each other (each copies its record out of the tail under the
+/// writer lock) and a writer adding more: every acknowledged record reads back.
 #[test]
-fn concurrent_readers_of_pending_records_write_them_once() {
+fn concurrent_readers_of_pending_records_race_a_writer() {
     loom::model(|| {
         let log = log();
         log.put(b"a", &value(1, 100)).unwrap();

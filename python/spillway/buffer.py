@@ -704,10 +704,14 @@ class SpillBuffer(MutableMapping):
                     frames = self._log.get(log_key)
                 except KeyError:
                     raise KeyError(key) from None  # deleted by another thread meanwhile
-                read = (sum(f.nbytes for f in frames), perf_counter() - t0)  # byte memoryviews
-            t0 = perf_counter()
-            obj = _loads(frames, self.writeable)
-            seconds = perf_counter() - t0
+                t1 = perf_counter()
+                read = (sum(map(len, frames)), t1 - t0)  # 1-D byte memoryviews: len is nbytes
+                # The log's memoryviews are writeable already: nothing to copy.
+                obj = _loads(frames, False)
+            else:
+                t1 = perf_counter()
+                obj = _loads(frames, self.writeable)
+            seconds = perf_counter() - t1
         except BaseException as error:
             with self._lock:
                 e.loading = None
@@ -1037,7 +1041,7 @@ class SpillBuffer(MutableMapping):
         except KeyError:
             raise KeyError(key) from None  # deleted by another thread meanwhile
         seconds = perf_counter() - t0
-        nbytes = sum(f.nbytes for f in frames)  # the log returns byte memoryviews
+        nbytes = sum(map(len, frames))  # the log returns 1-D byte memoryviews: len is nbytes
         with self._lock:
             self._digest_io("disk-read", nbytes, seconds)
         return frames
@@ -1088,7 +1092,7 @@ class SpillBuffer(MutableMapping):
             return _loads(value, self.writeable)
         if value is not None:  # still alive elsewhere
             return value
-        return _loads(self._read(key, log_key), self.writeable)
+        return _loads(self._read(key, log_key), False)  # the log's memoryviews are writeable
 
 
 class _TierView(Mapping):

@@ -61,20 +61,28 @@ fn pending_records_read_back_on_every_path() {
         assert!(log.contains(&key(i)));
         expected
     };
+    // Reads copy a pending record out of memory: no I/O, and the batch stays pending.
+    let unwritten = |what: &str, ops: u64| assert_eq!(be.op_count(), ops, "{what} of a pending record did I/O");
     let e = check(0);
+    let ops = be.op_count();
     assert_eq!(log.get(&key(0)).unwrap(), Some(e));
+    unwritten("get", ops);
     let e = check(1);
     assert_eq!(spillway::task::block_on(log.get_async(&key(1))).unwrap(), Some(e));
+    unwritten("get_async", ops);
     let e = check(2);
     let mut got = Vec::new();
     log.get_pipelined(4, &mut [key(2), key(0), b"absent".to_vec()].into_iter(), &mut |k, r| got.push((k, r.unwrap())))
         .unwrap();
+    unwritten("get_pipelined", ops);
     got.sort_by(|a, b| a.0.cmp(&b.0));
     assert_eq!(got[2], (key(2), Some(e)));
     assert_eq!(got[1], (key(0), Some(frames_for(&key(0), 1000))));
     assert_eq!(got[0], (b"absent".to_vec(), None));
     let e = check(3);
+    // stored_value needs the bytes in the file (for splice): it writes what is pending.
     let sv = log.stored_value(&key(3)).unwrap().expect("present");
+    assert!(be.op_count() > ops, "stored_value did not write the pending records");
     let payload = log.read_stored(&sv).unwrap();
     assert_eq!(payload.len() as u64, sv.meta.stored_len);
     assert_eq!(spillway::format::payload_crc(&payload), sv.meta.payload_crc);
