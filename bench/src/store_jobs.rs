@@ -110,7 +110,7 @@ fn run_spillway(
     let n = vals.len() as u64;
     let cfg = StoreConfig {
         target_bytes: job.target,
-        log: LogOptions { segment_bytes: job.segment_size, ..Default::default() },
+        log: LogOptions { segment_bytes: job.segment_size, ..StoreConfig::default().log },
         ..Default::default()
     };
     let sdir = job.dir.join("spill-unspill-store");
@@ -319,7 +319,7 @@ pub fn materialize(job: &StoreJob<'_>) -> Result<Value> {
     let vals = values(n, job.bs);
     let cfg = StoreConfig {
         target_bytes: u64::MAX / 2,
-        log: LogOptions { segment_bytes: job.segment_size, ..Default::default() },
+        log: LogOptions { segment_bytes: job.segment_size, ..StoreConfig::default().log },
         ..Default::default()
     };
     let sdir = job.dir.join("materialize-store");

@@ -37,5 +37,5 @@ pub use log::{
     CompactStats, Compression, Location, LogOptions, LogStats, RecoveryReport, SegmentLog, StoredValue, StreamedValue,
     VerifyProblem, MAX_SEGMENT_BYTES, MAX_VALUE_BYTES,
 };
-pub use store::{Codec, CodecError, MetricsSnapshot, Store, StoreConfig, Tier};
+pub use store::{Codec, CodecError, MetricsSnapshot, Store, StoreConfig, Tier, SPILL_WRITE_BEHIND_BYTES};
 pub use value::Frames;
