@@ -1210,7 +1210,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
             _ => return Err(Error::InvalidConfig(format!("{:?}: materialized entry without a value", key_str(key)))),
         };
         let slot = e.slot.clone();
-        Self::touch(&mut inner, &k);
+        if e.tier != Tier::Disk {
+            Self::touch(&mut inner, &k); // (disk entries are not in the LRU: no second lookup)
+        }
         Ok(GetStart::Read { key: k, slot, source })
     }
 
