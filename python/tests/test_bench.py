@@ -52,5 +52,7 @@ def test_micro_benchmark_runs(bench, tmp_path, capsys):
         (65536, "unspill"),
     ]
     assert all(r["spillway_ok"] and r["spillway_ops"] > 0 for r in rows)
+    if "dask_ops" in rows[0]:  # with distributed installed: ratios, and the floor of each row
+        assert all(r["floor_ops"] > 0 and r["floor_ratio"] == r["floor_ops"] / r["dask_ops"] for r in rows)
     text = capsys.readouterr().out
     assert "spillway ops/s" in text
