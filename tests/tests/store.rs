@@ -211,6 +211,22 @@ fn disk_failure_keeps_data_in_memory() {
     }
 }
 
+/// A store with a 5000-byte target and 2000-byte values `first`, 1, ..., 10: the first spill creates
+/// the segment, then 3..=10 spill one after another. Returns the store and the backend's operation
+/// count from before the puts of 3..=10.
+fn spill_ten(be: &SimBackend, c: StoreConfig) -> (Store<TestCodec, SimBackend>, u64) {
+    let s = Store::open(TestCodec::default(), be.clone(), "/store", c).unwrap();
+    s.put(b"first", val(0, 2000)).unwrap();
+    s.put(&[1], val(1, 2000)).unwrap();
+    s.put(&[2], val(2, 2000)).unwrap();
+    assert_eq!(s.tier(b"first"), Some(Tier::Disk), "the first spill creates the segment");
+    let ops = be.op_count();
+    for i in 3..=10u8 {
+        s.put(&[i], val(i, 2000)).unwrap();
+    }
+    (s, ops)
+}
+
 /// A spill store's default log defers small spill batches (write-behind). A failed write of
 /// deferred batches loses nothing: values already handed to the log read back from its memory,
 /// later spills fail and keep their values in memory, and the store reports the failure.
@@ -222,15 +238,7 @@ fn failed_write_behind_of_a_spill_store_loses_nothing() {
         log: LogOptions { segment_bytes: 1 << 20, write_behind_bytes: 64 << 10, ..Default::default() },
         ..Default::default()
     };
-    let s = Store::open(TestCodec::default(), be.clone(), "/store", c).unwrap();
-    s.put(b"first", val(0, 2000)).unwrap();
-    s.put(&[1], val(1, 2000)).unwrap();
-    s.put(&[2], val(2, 2000)).unwrap();
-    assert_eq!(s.tier(b"first"), Some(Tier::Disk), "the first spill creates the segment");
-    let ops = be.op_count();
-    for i in 3..=10u8 {
-        s.put(&[i], val(i, 2000)).unwrap();
-    }
+    let (s, ops) = spill_ten(&be, c);
     let deferred: Vec<u8> = (1..=10u8).filter(|&i| s.tier(&[i]) == Some(Tier::Disk)).collect();
     assert!(deferred.len() >= 5, "{deferred:?} spilled");
     assert_eq!(be.op_count(), ops, "small spill batches were written at once");
@@ -251,15 +259,7 @@ fn a_persistent_store_never_defers_writes() {
     let be = SimBackend::new();
     let c = StoreConfig { target_bytes: 5_000, persistent: true, ..Default::default() };
     assert!(c.log.write_behind_bytes > 0, "the default config defers");
-    let s = Store::open(TestCodec::default(), be.clone(), "/store", c).unwrap();
-    s.put(b"first", val(0, 2000)).unwrap();
-    s.put(&[1], val(1, 2000)).unwrap();
-    s.put(&[2], val(2, 2000)).unwrap();
-    assert_eq!(s.tier(b"first"), Some(Tier::Disk), "the first spill creates the segment");
-    let ops = be.op_count();
-    for i in 3..=10u8 {
-        s.put(&[i], val(i, 2000)).unwrap();
-    }
+    let (s, ops) = spill_ten(&be, c);
     let spilled = (3..=10u8).filter(|&i| s.tier(&[i]) == Some(Tier::Disk)).count() as u64;
     assert!(spilled >= 5 && be.op_count() >= ops + spilled / 2, "{spilled} spilled in {} ops", be.op_count() - ops);
 }
