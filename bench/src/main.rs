@@ -125,6 +125,12 @@ struct Args {
     /// value, as the baseline reads one file per value).
     #[arg(long, default_value_t = 1)]
     batch: usize,
+    /// `spill-unspill`: write every dirty page back (sync) before the unspill phase, as a worker's
+    /// spilled data is once the kernel's writeback has caught up (after 30 s by default). Without
+    /// it, values read back are still dirty in the page cache and have no disk blocks yet (ext4's
+    /// delayed allocation), which makes the baseline's unlink nearly free.
+    #[arg(long)]
+    written_back: bool,
     /// Percentage of reads in randrw.
     #[arg(long, default_value_t = 50)]
     rwmixread: u32,
@@ -428,6 +434,7 @@ fn main() -> Result<()> {
             segment_size: args.segment_size,
             backend: args.backend.into(),
             batch: args.batch,
+            written_back: args.written_back,
             dir: &dir,
             human: args.output_format == OutputFormat::Normal,
         };

@@ -58,6 +58,8 @@ pub struct StoreJob<'a> {
     pub backend: BackendKind,
     /// Values fetched per `get_many` in the unspill phase (1: one `get` per value).
     pub batch: usize,
+    /// Write every dirty page back before the unspill phase (spill-unspill job).
+    pub written_back: bool,
     /// Where to put the stores.
     pub dir: &'a Path,
     /// Print a human summary.
@@ -99,6 +101,17 @@ struct Sides {
     unspill: Phase,
 }
 
+/// Write back every dirty page of the system (untimed). Before each spill phase, so that it does not
+/// pay for the writeback of the gigabyte the phase before it left in the page cache (left to chance,
+/// the kernel throttled whichever writer came next). Before each unspill phase with
+/// `--written-back`.
+fn settle() {
+    // SAFETY: sync(2) takes no arguments, has no preconditions and cannot fail.
+    unsafe {
+        libc::sync();
+    }
+}
+
 /// spillway: put every value (far more than the target, so most are spilled), then get each back in
 /// `order` and remove it (a task consumed its input). Returns the phases, how many values were on
 /// disk after the puts, and the store's metrics.
@@ -120,12 +133,16 @@ fn run_spillway(
     if job.direct && !store.log().backend().direct() {
         anyhow::bail!("O_DIRECT was refused in {}", sdir.display());
     }
+    settle();
     let t = Instant::now();
     for (i, v) in vals.iter().enumerate() {
         store.put(format!("key-{i}").as_bytes(), v.clone())?;
     }
     let spill = Phase { ops: n, bytes: n * job.bs, elapsed: t.elapsed() };
     let spilled = store.metrics().tier_entries.iter().find(|(t, _)| *t == "disk").map_or(0, |x| x.1);
+    if job.written_back {
+        settle();
+    }
     let t = Instant::now();
     if job.batch <= 1 {
         for &i in order {
@@ -162,11 +179,15 @@ fn run_file_per_key(job: &StoreJob<'_>, vals: &[Bytes], order: &[u64]) -> Result
     let n = vals.len() as u64;
     let bdir = job.dir.join("spill-unspill-files");
     std::fs::create_dir_all(&bdir)?;
+    settle();
     let t = Instant::now();
     for (i, v) in vals.iter().enumerate() {
         std::fs::write(bdir.join(format!("key-{i}")), v)?;
     }
     let spill = Phase { ops: n, bytes: n * job.bs, elapsed: t.elapsed() };
+    if job.written_back {
+        settle();
+    }
     let t = Instant::now();
     for &i in order {
         let p = bdir.join(format!("key-{i}"));
@@ -199,6 +220,7 @@ fn run_file_per_key_direct(job: &StoreJob<'_>, vals: &[Bytes], order: &[u64]) ->
             .open(p)
             .with_context(|| format!("O_DIRECT open of {}", p.display()))
     };
+    settle();
     let t = Instant::now();
     for (i, v) in vals.iter().enumerate() {
         // The copy into an aligned buffer is the baseline's share of what O_DIRECT demands.
@@ -207,6 +229,9 @@ fn run_file_per_key_direct(job: &StoreJob<'_>, vals: &[Bytes], order: &[u64]) ->
         open(&bdir.join(format!("key-{i}")), true)?.write_all(&buf)?;
     }
     let spill = Phase { ops: n, bytes: n * job.bs, elapsed: t.elapsed() };
+    if job.written_back {
+        settle();
+    }
     let t = Instant::now();
     for &i in order {
         let p = bdir.join(format!("key-{i}"));
@@ -240,6 +265,9 @@ fn run_read_floor(job: &StoreJob<'_>, vals: &[Bytes], order: &[u64]) -> Result<P
         }
     }
     file.write_all_at(&chunk, at)?;
+    if job.written_back {
+        settle();
+    }
     let mut fastest: Option<Phase> = None;
     for _ in 0..2 {
         let t = Instant::now();
@@ -270,7 +298,8 @@ fn best(a: Option<Phase>, b: Phase) -> Phase {
 /// later ones, because the host backs guest pages on first touch. Whichever side ran first used to
 /// pay for that, so a 16 MiB ratio swung between 0.24x and 0.85x from run to run. So the job first runs
 /// an unmeasured baseline pass, then `loops` rounds, alternating which side goes first, and reports
-/// each side's best round per phase. Every round is in the JSON.
+/// each side's best round per phase. Every round is in the JSON. Each spill phase starts with no dirty
+/// pages (see [`settle`]); with `--written-back` each unspill phase too.
 pub fn spill_unspill(job: &StoreJob<'_>) -> Result<Value> {
     let n = (job.size / job.bs).max(1);
     let vals = values(n, job.bs);
@@ -315,13 +344,14 @@ pub fn spill_unspill(job: &StoreJob<'_>) -> Result<Value> {
     let floor = if job.direct { None } else { Some(run_read_floor(job, &vals, &order)?) };
     if job.human {
         println!(
-            "spill-unspill: {n} values of {} (target {}), {spilled} spilled; best of {} rounds after a warm-up; backend {}{}{}",
+            "spill-unspill: {n} values of {} (target {}), {spilled} spilled; best of {} rounds after a warm-up; backend {}{}{}{}",
             format_size(job.bs),
             format_size(job.target),
             job.loops.max(1),
             backend_name,
             if job.direct { "; O_DIRECT on both sides" } else { "" },
-            if job.batch > 1 { format!("; unspill by get_many of {}", job.batch) } else { String::new() }
+            if job.batch > 1 { format!("; unspill by get_many of {}", job.batch) } else { String::new() },
+            if job.written_back { "; written back before the unspill" } else { "" }
         );
         for (name, s, b, r) in [("spill", &s_spill, &b_spill, r_spill), ("unspill", &s_unspill, &b_unspill, r_unspill)]
         {
@@ -346,7 +376,7 @@ pub fn spill_unspill(job: &StoreJob<'_>) -> Result<Value> {
     Ok(json!({
         "jobname": "spill-unspill",
         "bs": job.bs, "values": n, "target": job.target, "spilled": spilled, "loops": job.loops.max(1), "direct": job.direct,
-        "backend": backend_name, "batch": job.batch.max(1),
+        "backend": backend_name, "batch": job.batch.max(1), "written_back": job.written_back,
         "spillway": {"spill": s_spill.json(), "unspill": s_unspill.json()},
         "baseline_file_per_key": {"spill": b_spill.json(), "unspill": b_unspill.json()},
         "ratio": {"spill": r_spill, "unspill": r_unspill},

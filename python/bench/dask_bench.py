@@ -104,12 +104,17 @@ def stamp(v) -> int:
 
 
 def micro_one(kind: str, size: int, n: int, args) -> dict:
-    """Set n values of ``size`` bytes (all spilled), drop our references, read them all back."""
+    """Set n values of ``size`` bytes (all spilled), drop our references, read them all back.
+
+    Every dirty page of the system is written back (``os.sync``, untimed) before the spill, so that
+    it does not pay for the writeback of what the phase before it wrote (left to chance, the kernel
+    throttled whichever writer came next); and before the unspill with ``--written-back``."""
     directory = tempfile.mkdtemp(prefix=f"bench-{kind}-", dir=args.dir)
     store = make_store(kind, directory, args)
     try:
         values = make_values(size, n)
         gc.collect()
+        os.sync()  # dirty pages written back first (untimed)
         t0 = perf_counter()
         for i, v in enumerate(values):
             store[i] = v
@@ -119,6 +124,8 @@ def micro_one(kind: str, size: int, n: int, args) -> dict:
         if len(store.slow) != n:
             raise AssertionError(f"{kind}: {len(store.slow)} of {n} values spilled")
 
+        if args.written_back:
+            os.sync()
         t0 = perf_counter()
         for i in range(n):
             out = store[i]
@@ -150,10 +157,13 @@ def micro_floor(size: int, n: int, args) -> dict:
             try:
                 os.posix_fallocate(fd, 0, n * size)
                 gc.collect()
+                os.sync()  # as in micro_one
                 t0 = perf_counter()
                 for i, v in enumerate(values):
                     os.pwrite(fd, v, i * size)
                 best["spill_s"] = min(best["spill_s"], perf_counter() - t0)
+                if args.written_back:
+                    os.sync()
                 t0 = perf_counter()
                 for i in order:
                     out = np.frombuffer(os.pread(fd, size, i * size), dtype=np.uint8)
@@ -210,10 +220,11 @@ def run_micro(args) -> list[dict]:
     return rows
 
 
-def print_micro(rows: list[dict]) -> None:
+def print_micro(rows: list[dict], written_back: bool = False) -> None:
     print(
         "\nMicro-benchmark: set N numpy values with target=0 (all spilled), then get them all back "
         "(best of the measured rounds, after a warm-up)"
+        + ("; every dirty page written back before reading back" if written_back else "")
     )
     has_dask = "dask_ops" in rows[0]
     head = f"{'size':>8} {'N':>7} {'op':>8} "
@@ -376,6 +387,13 @@ def main(argv=None) -> int:
         help="side of the square array (default 20000 = 3.2 GB, 10000 with --quick)",
     )
     p.add_argument("--chunk-side", type=int, default=1000)
+    p.add_argument(
+        "--written-back",
+        action="store_true",
+        help="micro-benchmark: write every dirty page back (sync) before reading back, as a worker's "
+        "spilled data is once the kernel's writeback has caught up; without it the values read back "
+        "are still dirty and have no disk blocks yet, which makes dask's unlink nearly free",
+    )
     p.add_argument("--threads", type=int, default=1, help="threads per worker")
     p.add_argument("--loops", type=int, default=2, help="measured micro-benchmark rounds per size (best counts)")
     p.add_argument("--backend", default="auto", help="spillway backend: auto, uring, portable")
@@ -400,7 +418,7 @@ def main(argv=None) -> int:
 
     if not args.skip_micro:
         rows = run_micro(args)
-        print_micro(rows)
+        print_micro(rows, args.written_back)
         out["micro"] = rows
         if not all(v for r in rows for k, v in r.items() if k.endswith("_ok")):
             print("A value read back was wrong")
