@@ -967,6 +967,7 @@ class SpillBuffer(MutableMapping):
                 self._digest("deserialize", deserialize_seconds, "seconds")
             if load is not None:
                 e.loading = None
+            # (without ``load``, ``obj`` came from the weak cache, whose reference is there already)
             if self._entries.get(key) is e and e.tier is not _OBJECT:
                 if weight <= self.target:
                     if e.tier is _DISK:
@@ -987,7 +988,7 @@ class SpillBuffer(MutableMapping):
                     self._memory_weight += weight
                     memory_changed = True
                 else:
-                    if self._weak.get(key) is not obj:
+                    if load is not None:
                         try:
                             self._weak[key] = obj
                         except TypeError:
