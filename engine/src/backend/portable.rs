@@ -132,7 +132,7 @@ impl Backend for PortableBackend {
     }
 
     fn read_new(&self, file: &File, offset: u64, len: usize, align: usize) -> io::Result<AlignedBuf> {
-        AlignedBuf::read_exact_at(file, offset, len, align)
+        AlignedBuf::read_exact_at(file, offset, len, buffered_align(self.direct(), align))
     }
 
     fn gathers_writes(&self) -> bool {
@@ -168,6 +168,18 @@ impl Backend for PortableBackend {
     fn read_alignment(&self, dir: &Path) -> usize {
         // STATX_DIOALIGN is reported for regular files: ask about the lock file when it exists.
         dio_alignment(&dir.join("LOCK")).or_else(|| dio_alignment(dir)).unwrap_or(DEFAULT_ALIGN)
+    }
+}
+
+/// The memory alignment a read of `align`-aligned ranges needs: `align` for O_DIRECT files (DMA);
+/// for buffered ones at most the frame alignment (64), so that frames read back stay 64-byte aligned
+/// (record offsets are multiples of 64) while the buffer comes from a plain allocation, which glibc
+/// serves far faster than an aligned one (see `buf::heap`).
+pub(crate) fn buffered_align(direct: bool, align: usize) -> usize {
+    if direct {
+        align
+    } else {
+        align.min(crate::format::FRAME_ALIGN as usize)
     }
 }
 

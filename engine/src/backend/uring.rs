@@ -601,6 +601,7 @@ impl Backend for UringBackend {
     fn read_new(&self, file: &UringFile, offset: u64, len: usize, align: usize) -> io::Result<AlignedBuf> {
         if self.inline_blocking {
             // A lone blocking read runs inline as pread (see `inline_blocking`): into fresh memory.
+            let align = super::portable::buffered_align(self.direct(), align);
             return AlignedBuf::read_exact_at(&file.0.file, offset, len, align);
         }
         super::read_by_alloc(self, file, offset, len, align)
