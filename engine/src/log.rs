@@ -1702,14 +1702,28 @@ impl<B: Backend> SegmentLog<B> {
         let base = data_end - a.tail.len() as u64;
         debug_assert_eq!(base % self.align, 0, "the tail starts at a block boundary");
         let needed = (align_up(data_end, self.align) - base) as usize;
-        let mut buf = self.write_buffer(st, needed);
-        let a = st.active.as_ref().expect("active segment");
-        buf[..a.tail.len()].copy_from_slice(&a.tail);
-        buf[a.tail.len()..].fill(0);
-        let (r, buf) = self.backend.write_at(&file, base, buf);
-        if buf.capacity() <= MAX_SPARE_BUF {
-            st.spare_bufs.push(buf);
-        }
+        let r = if self.backend.gathers_writes() {
+            // Buffered files: straight from the tail, no copy into a staging buffer first (the tail
+            // holds every pending byte, encoded once; copying it again cost as much as encoding).
+            let mut parts: Vec<&[u8]> = vec![&a.tail];
+            let mut zeros = needed - a.tail.len();
+            while zeros > 0 {
+                let k = zeros.min(ZEROS.len());
+                parts.push(&ZEROS[..k]);
+                zeros -= k;
+            }
+            self.backend.write_gather_at(&file, base, &parts)
+        } else {
+            let mut buf = self.write_buffer(st, needed);
+            let a = st.active.as_ref().expect("active segment");
+            buf[..a.tail.len()].copy_from_slice(&a.tail);
+            buf[a.tail.len()..].fill(0);
+            let (r, buf) = self.backend.write_at(&file, base, buf);
+            if buf.capacity() <= MAX_SPARE_BUF {
+                st.spare_bufs.push(buf);
+            }
+            r
+        };
         if let Err(e) = r {
             return Err(self.poison(Error::io("write segment", self.seg_path(id), e)));
         }
