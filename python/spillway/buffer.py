@@ -356,13 +356,16 @@ class _PlainArray:
 
 
 def _loads(frames: list, writeable: bool) -> object:
+    if len(frames) == 2 and len(frames[0]) < 256:
+        spec = _array_specs.get(bytes(frames[0]))
+        if spec is not None:  # a header _dumps_array made: what unpickling it would do, directly
+            buffer = frames[1]
+            if writeable and memoryview(buffer).readonly:
+                buffer = bytearray(buffer)
+            return _array_from_spec(buffer, spec)
     buffers = frames[1:]
     if writeable:
         buffers = [bytearray(b) if memoryview(b).readonly else b for b in buffers]
-    if len(buffers) == 1 and len(frames[0]) < 256:
-        spec = _array_specs.get(bytes(frames[0]))
-        if spec is not None:  # a header _dumps_array made: what unpickling it would do, directly
-            return _array_from_spec(buffers[0], spec)
     return pickle.loads(frames[0], buffers=buffers)
 
 
