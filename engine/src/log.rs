@@ -493,7 +493,7 @@ impl<B: Backend> SegmentLog<B> {
             Some(a) => return Err(Error::InvalidConfig(format!("alignment {a} is not a power of two in 512..=65536"))),
             None => backend.alignment(&dir).clamp(512, 65536) as u64,
         };
-        let read_align = (backend.read_alignment(&dir).clamp(512, 65536) as u64).min(align);
+        let read_align = (backend.read_alignment(&dir).clamp(format::FRAME_ALIGN as usize, 65536) as u64).min(align);
         if opts.segment_bytes > MAX_SEGMENT_BYTES || opts.max_value_bytes > MAX_VALUE_BYTES {
             return Err(Error::InvalidConfig(format!(
                 "segment_bytes {} and max_value_bytes {} must be at most {MAX_SEGMENT_BYTES} and {MAX_VALUE_BYTES}",

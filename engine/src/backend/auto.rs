@@ -177,7 +177,10 @@ impl Backend for AutoBackend {
         PortableBackend::new().alignment(dir)
     }
     fn read_alignment(&self, dir: &Path) -> usize {
-        PortableBackend::new().read_alignment(dir)
+        match self {
+            AutoBackend::Uring(u) => u.read_alignment(dir),
+            AutoBackend::Portable(p) => p.read_alignment(dir),
+        }
     }
     fn alloc_buf(&self, len: usize, align: usize) -> AlignedBuf {
         match self {

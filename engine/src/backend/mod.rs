@@ -139,8 +139,9 @@ pub trait Backend: Send + Sync + 'static {
     /// because ext4 serializes (and zero-fills around) O_DIRECT writes that are not block-aligned.
     fn alignment(&self, dir: &Path) -> usize;
 
-    /// Alignment of reads of single records (the O_DIRECT minimum, often 512 B): smaller than
-    /// [`Backend::alignment`] so a small record costs fewer bytes to read. Must divide it.
+    /// Alignment of reads of single records: the O_DIRECT minimum (often 512 B) for direct files,
+    /// as little as 64 (the frame alignment) for buffered ones. Smaller than [`Backend::alignment`]
+    /// so a small record costs fewer bytes to read. Must divide it; the log uses at least 64.
     fn read_alignment(&self, dir: &Path) -> usize {
         self.alignment(dir)
     }

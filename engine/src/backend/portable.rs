@@ -166,9 +166,19 @@ impl Backend for PortableBackend {
     }
 
     fn read_alignment(&self, dir: &Path) -> usize {
-        // STATX_DIOALIGN is reported for regular files: ask about the lock file when it exists.
-        dio_alignment(&dir.join("LOCK")).or_else(|| dio_alignment(dir)).unwrap_or(DEFAULT_ALIGN)
+        read_alignment(dir, self.direct())
     }
+}
+
+/// The offset alignment of reads from segment files in `dir`: the O_DIRECT alignment for direct
+/// files; for buffered ones the frame alignment (64), so a read covers its record and little more
+/// (a 4 KiB value's record is read as 4224 bytes instead of 4608-5120).
+pub(crate) fn read_alignment(dir: &Path, direct: bool) -> usize {
+    if !direct {
+        return crate::format::FRAME_ALIGN as usize;
+    }
+    // STATX_DIOALIGN is reported for regular files: ask about the lock file when it exists.
+    dio_alignment(&dir.join("LOCK")).or_else(|| dio_alignment(dir)).unwrap_or(DEFAULT_ALIGN)
 }
 
 /// The memory alignment a read of `align`-aligned ranges needs: `align` for O_DIRECT files (DMA);

@@ -561,7 +561,7 @@ impl Backend for UringBackend {
         self.portable.alignment(dir)
     }
     fn read_alignment(&self, dir: &Path) -> usize {
-        self.portable.read_alignment(dir)
+        super::portable::read_alignment(dir, self.direct())
     }
 
     fn alloc_buf(&self, len: usize, align: usize) -> AlignedBuf {
