@@ -96,3 +96,15 @@ pub fn uring_or_skip(test: &str, opts: spillway::backend::UringOptions) -> Optio
 pub fn uring_direct_or_skip(test: &str, direct: bool) -> Option<spillway::backend::UringBackend> {
     uring_or_skip(test, spillway::backend::UringOptions { direct, ..Default::default() })
 }
+
+/// Asserts that two sets of files (path, contents), each sorted by path, are the same files with the
+/// same bytes; `what` names the comparison in the failure message. At least 4 files are expected:
+/// the workloads that use this span several segments.
+pub fn assert_same_files(a: &[(std::path::PathBuf, Vec<u8>)], b: &[(std::path::PathBuf, Vec<u8>)], what: &str) {
+    assert!(a.len() > 3, "the workload spans several segments");
+    assert_eq!(a.len(), b.len(), "{what}: file count");
+    for ((p, x), (q, y)) in a.iter().zip(b) {
+        assert_eq!(p, q);
+        assert!(x == y, "{}: {what}: contents differ", p.display());
+    }
+}

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use spillway::backend::{Fault, FaultKind, FaultOp};
 use spillway::{Error, LogOptions, PortableBackend, SegmentLog, SimBackend};
-use spillway_tests::{child_arg, frames_for, run_child, Rng};
+use spillway_tests::{assert_same_files, child_arg, frames_for, run_child, Rng};
 
 const BUDGET: u64 = 64 << 10;
 
@@ -129,12 +129,7 @@ fn files_are_identical_to_a_log_without_write_behind() {
     };
     let (_, plain) = write(0);
     let (be, behind) = write(BUDGET);
-    assert!(plain.len() > 3, "the workload spans several segments");
-    assert_eq!(plain.len(), behind.len());
-    for ((p1, b1), (p2, b2)) in plain.iter().zip(&behind) {
-        assert_eq!(p1, p2);
-        assert!(b1 == b2, "{} differs", p1.display());
-    }
+    assert_same_files(&plain, &behind, "write-behind against plain writes");
     // And the reopened log has every live record.
     let log = SegmentLog::open(be, "/s", opts(BUDGET)).unwrap();
     assert!(log.verify().unwrap().is_empty());
@@ -166,14 +161,7 @@ fn buffered_files_are_identical_to_a_log_without_write_behind() {
         files.sort();
         files
     };
-    let plain = write(0);
-    let behind = write(BUDGET);
-    assert!(plain.len() > 3, "the workload spans several segments");
-    assert_eq!(plain.len(), behind.len());
-    for ((n1, b1), (n2, b2)) in plain.iter().zip(&behind) {
-        assert_eq!(n1, n2);
-        assert!(b1 == b2, "{} differs", n1.display());
-    }
+    assert_same_files(&write(0), &write(BUDGET), "buffered write-behind against plain writes");
 }
 
 #[test]
