@@ -51,8 +51,11 @@ pub enum SlotState {
 struct Wait<E> {
     /// Number of materialization attempts started.
     attempt: u64,
-    /// The most recent failed attempt and its error.
-    failure: Option<(u64, E)>,
+    /// The most recent failed attempt and its error. Boxed: failures are rare, and inline the error
+    /// made a store entry's `Arc<Slot>` a 128-byte allocation, which glibc frees through its
+    /// coalescing path once its per-thread cache is full (fast bins stop at 120-byte requests), as
+    /// it is when a worker removes many keys. Boxed, it is 72 bytes.
+    failure: Option<Box<(u64, E)>>,
     /// Threads blocked in `cond.wait`. A finishing materializer notifies only when there are some:
     /// `notify_all` is a futex system call even with nobody waiting, and the common get has no
     /// waiters. Changed and read under `wait`, so a waiter is counted before it can miss a notify.
@@ -186,7 +189,7 @@ impl<V, E: Clone> Slot<V, E> {
                     // The attempt this thread waited for failed: report its error, even if another
                     // thread has started a new attempt since (every waiter of one attempt gets the
                     // same answer, whatever the timing).
-                    if let Some((a, e)) = &w.failure {
+                    if let Some((a, e)) = w.failure.as_deref() {
                         if *a == seen {
                             return Err(e.clone());
                         }
@@ -219,7 +222,7 @@ impl<V, E: Clone> Slot<V, E> {
             }
             Err(e) => {
                 let mut w = self.wait.lock().unwrap_or_else(|p| p.into_inner());
-                w.failure = Some((attempt, e.clone()));
+                w.failure = Some(Box::new((attempt, e.clone())));
                 self.word.fetch_sub(MATERIALIZING, Ordering::AcqRel);
                 if w.waiters > 0 {
                     self.cond.notify_all();
