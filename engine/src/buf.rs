@@ -61,19 +61,24 @@ const CARVED_ALIGN_MAX: usize = 64;
 /// aligned allocation (`posix_memalign`) by cutting it out of a larger chunk and freeing the rest:
 /// with buffered reads into carved 64-aligned buffers instead of 512-aligned ones, a store get of a
 /// spilled 4 KiB value took 3.15-3.22 µs instead of 3.47-3.67 µs (criterion, the two builds
-/// alternating). Larger alignments (O_DIRECT) use an aligned allocation.
+/// alternating). Larger alignments (O_DIRECT) use an aligned allocation. A buffer that need not be
+/// zeroed may be one this thread freed recently (see [`recycle`]).
 fn heap(capacity: usize, align: usize, zeroed: bool) -> (NonNull<u8>, Owner) {
     let carve = align > 16 && align <= CARVED_ALIGN_MAX;
     let layout =
         if carve { Layout::from_size_align(capacity + align, 16) } else { Layout::from_size_align(capacity, align) }
             .expect("buffer size overflows isize");
-    // SAFETY: `layout` has a non-zero size (`capacity` is non-zero, the callers check).
-    let raw = unsafe {
-        if zeroed {
-            alloc::alloc_zeroed(layout)
-        } else {
-            alloc::alloc(layout)
-        }
+    let recycled = if zeroed { None } else { recycled_take(layout) };
+    let raw = match recycled {
+        Some(raw) => raw.as_ptr(),
+        // SAFETY: `layout` has a non-zero size (`capacity` is non-zero, the callers check).
+        None => unsafe {
+            if zeroed {
+                alloc::alloc_zeroed(layout)
+            } else {
+                alloc::alloc(layout)
+            }
+        },
     };
     if raw.is_null() {
         alloc::handle_alloc_error(layout);
@@ -84,6 +89,75 @@ fn heap(capacity: usize, align: usize, zeroed: bool) -> (NonNull<u8>, Owner) {
     // SAFETY: `offset + capacity <= layout.size()` (just above), so the result stays in the allocation.
     let ptr = unsafe { raw.add(offset) };
     (NonNull::new(ptr).expect("checked non-null"), Owner::Heap { layout, offset })
+}
+
+/// Layouts up to this size are kept for reuse when freed (a 16 KiB value's record, read at 64-byte
+/// granularity, plus the carving slack).
+const RECYCLE_MAX_BYTES: usize = (16 << 10) + 1024;
+/// Freed allocations kept per thread: at most 8 x 17 KiB of memory, whatever the workload.
+const RECYCLE_SLOTS: usize = 8;
+
+/// Allocations this thread freed, kept for [`heap`] to hand out again. A get of a small spilled
+/// value allocates one read buffer, and its value frees one when dropped. From glibc, each of those
+/// is a large-chunk allocation that coalesces with its neighbours and sweeps the fast bins first; in
+/// a get-then-remove loop of 4 KiB values that was about 5% of the time, and recycling (with the
+/// slot's smaller allocation, see `slot.rs`) took a get + remove from 3.92-4.24 to 3.57-3.77 µs
+/// (`bench/examples`-style loop, the two builds alternating). Only exact layouts are reused, so a
+/// recycled allocation is freed with the layout it was made with.
+struct Recycled(Vec<(Layout, NonNull<u8>)>);
+
+impl Drop for Recycled {
+    fn drop(&mut self) {
+        for (layout, raw) in self.0.drain(..) {
+            // SAFETY: every entry is a live allocation of `layout` that `recycle` took over from its
+            // only owner; it is freed once, here.
+            unsafe { alloc::dealloc(raw.as_ptr(), layout) }
+        }
+    }
+}
+
+thread_local! {
+    static RECYCLED: std::cell::RefCell<Recycled> =
+        const { std::cell::RefCell::new(Recycled(Vec::new())) };
+}
+
+/// A recycled allocation of exactly `layout`, if this thread holds one. Its bytes are initialized
+/// (they held an earlier buffer's data), and no one else refers to it.
+fn recycled_take(layout: Layout) -> Option<NonNull<u8>> {
+    if layout.size() > RECYCLE_MAX_BYTES {
+        return None;
+    }
+    RECYCLED
+        .try_with(|r| {
+            let mut r = r.borrow_mut();
+            let i = r.0.iter().rposition(|(l, _)| *l == layout)?;
+            Some(r.0.swap_remove(i).1)
+        })
+        .ok()
+        .flatten()
+}
+
+/// Give up the allocation `raw` of `layout`: keep it for reuse by this thread, or free it.
+///
+/// # Safety
+/// `raw` is a live allocation of `layout` from `alloc::alloc` or `alloc::alloc_zeroed`, and the
+/// caller gives up every pointer into it.
+unsafe fn recycle(raw: NonNull<u8>, layout: Layout) {
+    let kept = layout.size() <= RECYCLE_MAX_BYTES
+        && RECYCLED
+            .try_with(|r| {
+                let mut r = r.borrow_mut();
+                let room = r.0.len() < RECYCLE_SLOTS;
+                if room {
+                    r.0.push((layout, raw));
+                }
+                room
+            })
+            .unwrap_or(false); // the thread is exiting: free it
+    if !kept {
+        // SAFETY: the caller's contract: a live allocation of `layout`, no longer referred to.
+        unsafe { alloc::dealloc(raw.as_ptr(), layout) }
+    }
 }
 
 // SAFETY: AlignedBuf uniquely owns its memory (a heap allocation or a checked-out pool slot, like
@@ -255,8 +329,10 @@ impl Drop for AlignedBuf {
         match &self.owner {
             Owner::Empty => {}
             // SAFETY: `ptr` is `offset` bytes into an allocation of `layout` made by `heap`
-            // (`alloc_zeroed` or `alloc`), and is freed exactly once, here.
-            Owner::Heap { layout, offset } => unsafe { alloc::dealloc(self.ptr.as_ptr().sub(*offset), *layout) },
+            // (`alloc_zeroed` or `alloc`), and is given up exactly once, here.
+            Owner::Heap { layout, offset } => unsafe {
+                recycle(NonNull::new_unchecked(self.ptr.as_ptr().sub(*offset)), *layout)
+            },
             Owner::Pool { pool, index } => pool.check_in(*index),
         }
     }
@@ -432,6 +508,48 @@ mod tests {
             let e = AlignedBuf::read_exact_at(&f, 9_000, 2_000, align).unwrap_err();
             assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
         }
+    }
+
+    #[test]
+    fn freed_read_buffers_are_reused_by_this_thread_and_bounded() {
+        use std::io::Write;
+        let mut f = tempfile::tempfile().unwrap();
+        let data: Vec<u8> = (0..64_000u32).map(|i| (i * 13 % 251) as u8).collect();
+        f.write_all(&data).unwrap();
+        let held = || RECYCLED.with(|r| r.borrow().0.len());
+        // A read, freed, then a read of the same layout: the same memory, holding the new bytes only
+        // (the rounding tail zeroed again, not the old record's bytes).
+        let a = AlignedBuf::read_exact_at(&f, 0, 4200, 64).unwrap();
+        let addr = a.as_ptr() as usize;
+        drop(a);
+        assert_eq!(held(), 1);
+        let mut b = AlignedBuf::read_exact_at(&f, 10_000, 4190, 64).unwrap(); // capacity 4224 too
+        assert_eq!(b.as_ptr() as usize, addr, "same layout: recycled");
+        assert_eq!(&b[..], &data[10_000..14_190]);
+        let cap = b.capacity();
+        assert!(b.spare_full()[4190..cap].iter().all(|&x| x == 0), "rounding tail zeroed");
+        drop(b);
+        // A zeroed buffer never comes from the recycled ones.
+        let z = AlignedBuf::with_capacity(4224, 64);
+        assert_ne!(z.as_ptr() as usize, addr);
+        assert_eq!(held(), 1);
+        drop(z);
+        // Bounded: however many are freed, at most RECYCLE_SLOTS are kept; large ones never.
+        let many: Vec<AlignedBuf> =
+            (0..3 * RECYCLE_SLOTS).map(|i| AlignedBuf::read_exact_at(&f, i as u64, 3000, 64).unwrap()).collect();
+        drop(many);
+        assert_eq!(held(), RECYCLE_SLOTS);
+        let big = AlignedBuf::read_exact_at(&f, 0, 40_000, 64).unwrap();
+        drop(big);
+        assert_eq!(held(), RECYCLE_SLOTS);
+        // Another thread has its own: exiting frees them (the thread-local's destructor).
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                drop(AlignedBuf::read_exact_at(&f, 0, 4200, 64).unwrap());
+                assert_eq!(held(), 1);
+            });
+        });
+        assert_eq!(held(), RECYCLE_SLOTS);
     }
 
     #[test]
