@@ -2106,7 +2106,12 @@ impl<B: Backend> SegmentLog<B> {
             self.sync_active(st)?;
         }
         let path = self.seg_path(id);
-        self.files.write().unwrap_or_else(|p| p.into_inner()).remove(&id);
+        if let Some(file) = self.files.write().unwrap_or_else(|p| p.into_inner()).remove(&id) {
+            // A deleted segment needs no sync. Its handle must go too: while a descriptor is open,
+            // the unlinked file keeps its blocks, and a log that is never synced (a spill store)
+            // would hold every dead segment's disk space until it closed.
+            st.unsynced_sealed.retain(|f| !Arc::ptr_eq(f, &file));
+        }
         match self.backend.remove_file(&path) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}

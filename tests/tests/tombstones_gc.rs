@@ -169,3 +169,35 @@ fn a_reput_key_deleted_again_stays_deleted_after_compaction() {
     assert!(log.get(b"k").unwrap().is_none(), "the deleted key's oldest copy came back");
     assert!(log.get(b"keep-1").unwrap().is_some());
 }
+
+/// Open descriptors of deleted files under `dir`, from `/proc/self/fd`.
+fn deleted_files_held_open(dir: &std::path::Path) -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|t| t.starts_with(dir) && t.to_string_lossy().ends_with(" (deleted)"))
+        .count()
+}
+
+/// A deleted segment's file is closed: while a descriptor stays open, an unlinked file keeps its
+/// blocks. Sealed segments wait for the next `sync` to fdatasync their footers, and a log that is
+/// never synced (a spill store's) used to keep every dead segment's descriptor, and its disk space,
+/// until it closed.
+#[test]
+fn deleted_segments_give_their_disk_space_back_without_a_sync() {
+    for durable in [false, true] {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().canonicalize().unwrap();
+        let log = SegmentLog::open(PortableBackend::new(), &dir, LogOptions { durable, ..opts() }).unwrap();
+        let keys: Vec<Vec<u8>> = (0..300).map(|i| format!("k{i}").into_bytes()).collect();
+        for k in &keys {
+            log.put(k, &frames_for(k, 1000)).unwrap();
+        }
+        assert!(log.stats().segments >= 4, "several sealed segments");
+        for k in &keys {
+            assert!(log.forget(k).unwrap());
+        }
+        assert!(log.stats().segments <= 1, "dead segments deleted");
+        assert_eq!(deleted_files_held_open(&dir), 0, "durable={durable}: deleted segments still open");
+    }
+}
