@@ -127,6 +127,13 @@ impl Error {
         }
     }
 
+    /// True for an I/O error saying the file system is full or the quota is used up (ENOSPC,
+    /// EDQUOT). The log stays writable after one: deleting or forgetting data frees space, and the
+    /// same write can then succeed.
+    pub fn is_no_space(&self) -> bool {
+        matches!(self, Error::Io { source, .. } if io_no_space(source))
+    }
+
     /// The underlying OS error kind, for I/O errors.
     pub fn io_kind(&self) -> Option<io::ErrorKind> {
         match self {
@@ -176,4 +183,9 @@ impl std::error::Error for Error {
             _ => None,
         }
     }
+}
+
+/// Whether `e` says the file system is full or the quota is used up (ENOSPC, EDQUOT).
+pub(crate) fn io_no_space(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) || e.kind() == io::ErrorKind::StorageFull
 }

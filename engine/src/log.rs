@@ -295,6 +295,9 @@ struct SegMeta {
     /// Bytes of forgotten records whose blocks were released with a hole punch (they occupy no disk
     /// space, so compaction does not count them as dead space to reclaim).
     punched: u64,
+    /// Some record of this segment was superseded by a record still pending in memory
+    /// (write-behind): deleting the segment must wait until that record is written.
+    superseded_by_pending: bool,
 }
 
 impl SegMeta {
@@ -311,6 +314,7 @@ impl SegMeta {
             tombstone_bytes: 0,
             min_shadow: u32::MAX,
             punched: 0,
+            superseded_by_pending: false,
         }
     }
 }
@@ -1076,8 +1080,9 @@ impl<B: Backend> SegmentLog<B> {
     pub fn stored_value(&self, key: &[u8]) -> Result<Option<StoredValue<B::File>>> {
         let Some((loc, file)) = self.lookup(key) else { return Ok(None) };
         if self.may_be_pending(loc) {
-            // Pending (write-behind): written out first. If the log can no longer write, it is in
-            // memory, not in a file (`Error::Poisoned`; the transfer sources then send it from memory).
+            // Pending (write-behind): written out first. If that write fails, it is in memory, not in
+            // a file (`Error::Poisoned`, or a full file system: the transfer sources then send it
+            // from memory).
             let mut st = lock(&self.state);
             if st.active.as_ref().is_some_and(|a| a.id == loc.segment && loc.offset >= a.written_end) {
                 self.flush_pending(&mut st)?;
@@ -1171,6 +1176,26 @@ impl<B: Backend> SegmentLog<B> {
         e
     }
 
+    /// The error for a failed write of records that were not published (or, for write-behind, are
+    /// still pending in memory). A full file system (ENOSPC, EDQUOT) is an error for this call only:
+    /// the bytes the write may have left lie at or after the segment's published end, which the next
+    /// write of the segment overwrites, so nothing on disk needs undoing, and freeing space (forgetting
+    /// or deleting data) lets the same write succeed. Any other failure (EIO, ...) leaves the file in
+    /// an unknown state and makes the log read-only.
+    fn write_failed(&self, op: &'static str, path: PathBuf, e: io::Error) -> Error {
+        if crate::error::io_no_space(&e) {
+            static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+            if !WARNED.swap(true, Ordering::Relaxed) {
+                log::warn!(
+                    "segment log {}: {op} failed, the file system is full ({e}); the log stays writable",
+                    self.dir.display()
+                );
+            }
+            return Error::io(op, path, e);
+        }
+        self.poison(Error::io(op, path, e))
+    }
+
     fn validate(&self, key: &[u8], frames: &Frames) -> Result<()> {
         if key.len() > format::MAX_KEY_BYTES {
             return Err(Error::KeyTooLarge { len: key.len(), max: format::MAX_KEY_BYTES });
@@ -1201,6 +1226,8 @@ impl<B: Backend> SegmentLog<B> {
     }
 
     /// Store several values with as few writes as possible (one aligned write per segment touched).
+    /// Not atomic across segments: if it fails, the values of the segments written before the failure
+    /// are stored, the others are not (each value is either its old or its new one, never damaged).
     pub fn put_many(&self, items: &[(&[u8], &Frames)]) -> Result<()> {
         for (k, v) in items {
             self.validate(k, v)?;
@@ -1385,10 +1412,7 @@ impl<B: Backend> SegmentLog<B> {
         let empty = Frames::default();
         let chunk = [Prepared { rec: NewRecord::Value { key, frames: &empty }, payload: Payload::Empty, len }];
         self.publish_chunk(st, &chunk, &[(start, len, seq)], pend, tail, epoch, false)?;
-        if st.compact_pending && !st.compacting {
-            st.compact_pending = false;
-            self.compact_locked(st)?;
-        }
+        self.compact_if_pending(st);
         Ok(())
     }
 
@@ -1409,15 +1433,22 @@ impl<B: Backend> SegmentLog<B> {
     /// record's, but the deletion does not survive a reopen (the old record may come back). For stores
     /// whose contents die with the process (a worker's spill directory), where a tombstone per delete
     /// would be wasted I/O.
+    ///
+    /// Forgetting writes nothing, so it works on a log that refuses writes too (after an I/O error),
+    /// where the space is not reclaimed. Reclaiming space (deleting a segment that holds nothing live
+    /// any more) is a side effect: if it fails, the key is forgotten all the same, the failure is
+    /// logged, and the segment goes at a later garbage collection.
     pub fn forget(&self, key: &[u8]) -> Result<bool> {
-        self.check_writable()?;
         let mut st = lock(&self.state);
         let old = self.index.write().unwrap_or_else(|p| p.into_inner()).remove(key);
         let Some(old) = old.map(Location::from) else { return Ok(false) };
         let mut emptied = Vec::new();
         Self::release(&mut st, old, &mut emptied);
+        if self.poisoned.get().is_some() {
+            return Ok(true); // read-only: nothing on disk changes any more
+        }
         if !emptied.is_empty() {
-            self.collect_garbage(&mut st)?;
+            self.reclaim(&mut st);
         } else if self.opts.punch_forgotten && old.len >= PUNCH_MIN_BYTES {
             self.punch(&mut st, old);
         }
@@ -1514,6 +1545,21 @@ impl<B: Backend> SegmentLog<B> {
         align_up(data_end, self.align) + footer + format::TRAILER_LEN as u64 <= a.size
     }
 
+    /// The automatic compaction a sealed segment asked for, run after the caller's records are
+    /// written. It is housekeeping: its failure does not fail the write that triggered it (the
+    /// records are published), it is logged, and it is tried again at the next seal.
+    fn compact_if_pending(&self, st: &mut WriterState<B::File>) {
+        if st.compact_pending && !st.compacting {
+            st.compact_pending = false;
+            if let Err(e) = self.compact_locked(st) {
+                static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+                if !WARNED.swap(true, Ordering::Relaxed) {
+                    log::warn!("segment log {}: automatic compaction failed: {e}", self.dir.display());
+                }
+            }
+        }
+    }
+
     fn append(&self, st: &mut WriterState<B::File>, recs: Vec<NewRecord<'_>>) -> Result<Vec<Location>> {
         self.check_writable()?;
         let prepared: Vec<Prepared<'_>> = recs.into_iter().map(|r| self.prepare(r)).collect();
@@ -1549,10 +1595,7 @@ impl<B: Backend> SegmentLog<B> {
             out.extend(locs);
             i = j;
         }
-        if st.compact_pending && !st.compacting {
-            st.compact_pending = false;
-            self.compact_locked(st)?;
-        }
+        self.compact_if_pending(st);
         Ok(out)
     }
 
@@ -1585,10 +1628,13 @@ impl<B: Backend> SegmentLog<B> {
         }
         let epoch = st.epoch;
         let align = self.align;
-        let (id, file, mut data_end, mut tail) = {
-            let a = st.active.as_mut().expect("active segment");
-            (a.id, a.file.clone(), a.data_end, std::mem::take(&mut a.tail))
+        let (id, file, mut data_end) = {
+            let a = st.active.as_ref().expect("active segment");
+            (a.id, a.file.clone(), a.data_end)
         };
+        // The partial block the next group rewrites: the active segment's own tail until a group is
+        // encoded (which stays in place, so that a failed write leaves the segment as it was).
+        let mut tail: Option<Vec<u8>> = None;
         let mut placed: Vec<(u64, u64, u64)> = Vec::with_capacity(chunk.len()); // (offset, len, seq)
         let mut in_flight: std::collections::VecDeque<crate::backend::IoFuture> = std::collections::VecDeque::new();
         let mut failure: Option<io::Error> = None;
@@ -1608,7 +1654,11 @@ impl<B: Backend> SegmentLog<B> {
             let end = data_end + total;
             let needed = (align_up(end, align) - base) as usize;
             let mut buf = self.write_buffer(st, needed);
-            buf[..tail.len()].copy_from_slice(&tail);
+            let prev: &[u8] = match &tail {
+                Some(t) => t,
+                None => &st.active.as_ref().expect("active segment").tail,
+            };
+            buf[..prev.len()].copy_from_slice(prev);
             let mut pos = data_end;
             for p in group {
                 let seq = Self::seq_for(st, &p.rec);
@@ -1622,7 +1672,7 @@ impl<B: Backend> SegmentLog<B> {
             debug_assert_eq!(pos, end);
             buf[(end - base) as usize..].fill(0); // padding up to the aligned end
             let tail_start = align_down(end, align);
-            tail = buf[(tail_start - base) as usize..(end - base) as usize].to_vec();
+            tail = Some(buf[(tail_start - base) as usize..(end - base) as usize].to_vec());
             // Whole blocks only, except for the last group (the next group rewrites this partial block).
             let write_len = if last { needed } else { (tail_start - base) as usize };
             data_end = end;
@@ -1647,7 +1697,7 @@ impl<B: Backend> SegmentLog<B> {
                     st.spare_bufs.push(buf);
                 }
                 if let Err(e) = r {
-                    failure.get_or_insert(e);
+                    Self::note_failure(&mut failure, e);
                 }
                 break;
             }
@@ -1657,9 +1707,10 @@ impl<B: Backend> SegmentLog<B> {
             self.reap_write(st, w, &mut failure);
         }
         if let Some(e) = failure {
-            // Nothing of the chunk is published; the log is read-only from here (poisoned).
-            return Err(self.poison(Error::io("write segment", self.seg_path(id), e)));
+            // Nothing of the chunk is published, and the active segment is as it was.
+            return Err(self.write_failed("write segment", self.seg_path(id), e));
         }
+        let tail = tail.expect("a non-empty chunk encodes a group");
         self.publish_chunk(st, chunk, &placed, data_end, tail, epoch, false)
     }
 
@@ -1725,12 +1776,16 @@ impl<B: Backend> SegmentLog<B> {
             r
         };
         if let Err(e) = r {
-            return Err(self.poison(Error::io("write segment", self.seg_path(id), e)));
+            // The records stay pending in the tail, readable from memory.
+            return Err(self.write_failed("write segment", self.seg_path(id), e));
         }
         let a = st.active.as_mut().expect("active segment");
         a.tail.drain(..(align_down(data_end, self.align) - base) as usize);
         a.written_end = data_end;
         self.pending.store(NOTHING_PENDING, Ordering::Release);
+        for m in st.segs.values_mut() {
+            m.superseded_by_pending = false;
+        }
         Ok(())
     }
 
@@ -1776,8 +1831,9 @@ impl<B: Backend> SegmentLog<B> {
         let epoch = st.epoch;
         let align = self.align;
         let (id, file, data_end, tail) = {
-            let a = st.active.as_mut().expect("active segment");
-            (a.id, a.file.clone(), a.data_end, std::mem::take(&mut a.tail))
+            // A copy of the tail (less than a block): a failed write leaves the active segment as it was.
+            let a = st.active.as_ref().expect("active segment");
+            (a.id, a.file.clone(), a.data_end, a.tail.clone())
         };
         let base = align_down(data_end, align);
         // The partial block before `data_end` is rewritten with the new records, as in `write_chunk`.
@@ -1870,8 +1926,8 @@ impl<B: Backend> SegmentLog<B> {
         }
         debug_assert_eq!(base + from, align_up(end, align));
         if let Err(e) = self.backend.write_gather_at(&file, base, &slices) {
-            // Nothing of the chunk is published; the log is read-only from here (poisoned).
-            return Err(self.poison(Error::io("write segment", self.seg_path(id), e)));
+            // Nothing of the chunk is published, and the active segment is as it was.
+            return Err(self.write_failed("write segment", self.seg_path(id), e));
         }
         self.publish_chunk(st, chunk, &placed, end, new_tail, epoch, false)
     }
@@ -1948,7 +2004,17 @@ impl<B: Backend> SegmentLog<B> {
             st.spare_bufs.push(buf);
         }
         if let Err(e) = r {
-            failure.get_or_insert(e);
+            Self::note_failure(failure, e);
+        }
+    }
+
+    /// Keep the first failure of a chunk's writes, unless a later one is worse than a full file
+    /// system (which leaves the log writable, see [`Self::write_failed`]).
+    fn note_failure(failure: &mut Option<io::Error>, e: io::Error) {
+        match failure {
+            Some(f) if crate::error::io_no_space(f) && !crate::error::io_no_space(&e) => *failure = Some(e),
+            Some(_) => {}
+            None => *failure = Some(e),
         }
     }
 
@@ -2026,6 +2092,9 @@ impl<B: Backend> SegmentLog<B> {
                     NewRecord::Tombstone { aux, .. } => {
                         if let Some(old) = index.remove(key) {
                             Self::release(st, old.into(), &mut emptied);
+                            if deferred {
+                                Self::superseded_by_pending(st, old.into());
+                            }
                         }
                         let m = st.segs.get_mut(&id).expect("active");
                         m.tombstones += 1;
@@ -2046,6 +2115,9 @@ impl<B: Backend> SegmentLog<B> {
                         let loc = Location { segment: id, first_segment, offset, len };
                         if let Some(old) = index.insert(IndexKey::from(key), loc.into()) {
                             Self::release(st, old.into(), &mut emptied);
+                            if deferred {
+                                Self::superseded_by_pending(st, old.into());
+                            }
                         }
                         let m = st.segs.get_mut(&id).expect("active");
                         m.live_records += 1;
@@ -2056,9 +2128,30 @@ impl<B: Backend> SegmentLog<B> {
             }
         }
         if !emptied.is_empty() {
-            self.collect_garbage(st)?;
+            self.reclaim(st);
         }
         Ok(locs)
+    }
+
+    /// Garbage collection after a change was published (a write, a delete, a forget): housekeeping,
+    /// whose failure must not fail the change. It is logged, and the dead segment is deleted at a
+    /// later garbage collection.
+    fn reclaim(&self, st: &mut WriterState<B::File>) {
+        if let Err(e) = self.collect_garbage(st) {
+            static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+            if !WARNED.swap(true, Ordering::Relaxed) {
+                log::warn!(
+                    "segment log {}: cannot delete a dead segment yet ({e}); retrying at the next garbage collection",
+                    self.dir.display()
+                );
+            }
+        }
+    }
+
+    fn superseded_by_pending(st: &mut WriterState<B::File>, old: Location) {
+        if let Some(m) = st.segs.get_mut(&old.segment) {
+            m.superseded_by_pending = true;
+        }
     }
 
     fn release(st: &mut WriterState<B::File>, old: Location, emptied: &mut Vec<u32>) {
@@ -2100,8 +2193,14 @@ impl<B: Backend> SegmentLog<B> {
         // The records that made this segment dead may still be pending in memory (write-behind:
         // overwrites, or compaction's copies of its live records): write them before the old copies
         // disappear, so a process crash cannot lose both. With `durable`, also make them durable,
-        // so a power cut cannot either.
-        self.flush_pending(st)?;
+        // so a power cut cannot either. Only a segment some of whose records were superseded by
+        // pending ones needs that write: deleting any other must not need a write, because on a full
+        // file system deleting dead segments is how the pending records get room. A log whose data
+        // dies with the process (`discard_existing`) has nothing to lose in a crash at all.
+        let superseded = st.segs.get(&id).is_some_and(|m| m.superseded_by_pending);
+        if superseded && !self.opts.discard_existing {
+            self.flush_pending(st)?;
+        }
         if self.opts.durable {
             self.sync_active(st)?;
         }
@@ -2224,25 +2323,29 @@ impl<B: Backend> SegmentLog<B> {
         let tb = format::encode_trailer(&trailer);
         let footer_end = align_up(footer_offset + footer_len, self.align);
         let trailer_block = a.size - self.align;
-        let write = |offset: u64, buf: AlignedBuf| -> Result<()> {
-            let (r, _) = self.backend.write_at(&a.file, offset, buf);
-            r.map_err(|e| self.poison(Error::io("write footer", self.seg_path(a.id), e)))
-        };
-        if footer_end <= trailer_block {
+        let write = |offset: u64, buf: AlignedBuf| -> io::Result<()> { self.backend.write_at(&a.file, offset, buf).0 };
+        let written = if footer_end <= trailer_block {
             let mut fb = AlignedBuf::zeroed((footer_end - footer_offset) as usize, self.align as usize);
             fb[..a.footer.len()].copy_from_slice(&a.footer);
-            if footer_len > 0 {
-                write(footer_offset, fb)?;
-            }
-            let mut t = AlignedBuf::zeroed(self.align as usize, self.align as usize);
-            t[self.align as usize - format::TRAILER_LEN..].copy_from_slice(&tb);
-            write(trailer_block, t)?;
+            let footer = if footer_len > 0 { write(footer_offset, fb) } else { Ok(()) };
+            footer.and_then(|()| {
+                let mut t = AlignedBuf::zeroed(self.align as usize, self.align as usize);
+                t[self.align as usize - format::TRAILER_LEN..].copy_from_slice(&tb);
+                write(trailer_block, t)
+            })
         } else {
             let mut fb = AlignedBuf::zeroed((a.size - footer_offset) as usize, self.align as usize);
             fb[..a.footer.len()].copy_from_slice(&a.footer);
             let n = fb.len();
             fb[n - format::TRAILER_LEN..].copy_from_slice(&tb);
-            write(footer_offset, fb)?;
+            write(footer_offset, fb)
+        };
+        if let Err(e) = written {
+            // The trailer comes last (in its own write, or at the end of the only one), so without it
+            // the segment is still an unsealed one whose records end at `data_end`: it stays active.
+            let err = self.write_failed("write footer", self.seg_path(a.id), e);
+            st.active = Some(a);
+            return Err(err);
         }
         let m = st.segs.get_mut(&a.id).expect("active has metadata");
         m.sealed = true;

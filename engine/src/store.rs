@@ -572,23 +572,25 @@ impl<C: Codec, B: Backend> Store<C, B> {
         Ok(k)
     }
 
-    /// Remove `key`'s entry from memory and disk; returns whether it existed.
+    /// Remove `key`'s entry from memory and disk; returns whether it existed. If the log cannot drop
+    /// the record (a persistent store's tombstone write failed), the entry stays as it was.
     fn drop_entry(&self, inner: &mut Inner<C::Value>, key: &[u8]) -> Result<bool> {
-        let Some((_, e)) = inner.map.remove_entry(key) else { return Ok(false) };
-        inner.account(&e, -1);
-        if e.tier != Tier::Disk {
-            inner.lru.remove(&e.tick);
-        }
-        if e.disk_bytes > 0 {
+        let Some(disk_bytes) = inner.map.get(key).map(|e| e.disk_bytes) else { return Ok(false) };
+        if disk_bytes > 0 {
             if self.cfg.persistent {
                 self.log.delete(key)?;
             } else {
                 self.log.forget(key)?;
             }
-            if std::mem::take(&mut inner.any_stuck) {
-                for e in inner.map.values_mut() {
-                    e.stuck = false; // disk space was freed: retry evictions that max_spill refused
-                }
+        }
+        let (_, e) = inner.map.remove_entry(key).expect("looked up under the same lock");
+        inner.account(&e, -1);
+        if e.tier != Tier::Disk {
+            inner.lru.remove(&e.tick);
+        }
+        if disk_bytes > 0 && std::mem::take(&mut inner.any_stuck) {
+            for e in inner.map.values_mut() {
+                e.stuck = false; // disk space was freed: retry evictions that max_spill or ENOSPC refused
             }
         }
         Ok(true)

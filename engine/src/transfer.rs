@@ -182,9 +182,11 @@ impl<B: Backend> Source for SegmentLog<B> {
     fn outgoing(&self, key: &[u8]) -> Result<Option<Outgoing<B::File>>> {
         match self.stored_value(key) {
             Ok(v) => Ok(v.map(Outgoing::Stored)),
-            // A record pending under write-behind that the log could not write (it is poisoned) is
-            // only in memory: send it from there.
-            Err(Error::Poisoned { .. }) => Ok(self.get(key)?.map(Outgoing::Frames)),
+            // A record pending under write-behind that the log could not write (it is poisoned, or
+            // the file system is full) is only in memory: send it from there.
+            Err(e) if matches!(e, Error::Poisoned { .. }) || e.is_no_space() => {
+                Ok(self.get(key)?.map(Outgoing::Frames))
+            }
             Err(e) => Err(e),
         }
     }
@@ -202,7 +204,8 @@ impl<C: Codec, B: Backend> Source for Store<C, B> {
             match Store::log(self).stored_value(key) {
                 Ok(Some(sv)) => return Ok(Some(Outgoing::Stored(sv))),
                 // Only in memory (write-behind, and the log could not write it): served below.
-                Ok(None) | Err(Error::Poisoned { .. }) => {}
+                Ok(None) => {}
+                Err(e) if matches!(e, Error::Poisoned { .. }) || e.is_no_space() => {}
                 Err(e) => return Err(e),
             }
         }

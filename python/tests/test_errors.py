@@ -341,5 +341,15 @@ def test_full_disk_keeps_data_in_memory(tiny_tmpfs, caplog_spillway):
         errors = [r for r in caplog_spillway.records if r.name == "spillway"]
         assert errors and errors[0].getMessage() == DISK_ERROR_MESSAGE
         assert errors[0].exc_info[1].errno == errno.ENOSPC
+        # A full disk is not a broken one: deleting spilled keys frees space, and spilling resumes.
+        caplog_spillway.clear()
+        for key in list(buf.slow):
+            del buf[key]
+        assert not [r for r in caplog_spillway.records if r.levelno >= logging.WARNING]
+        for i in range(40, 44):
+            buf[i] = np.full(40_000, i, dtype=np.uint8)
+        assert buf.slow, "nothing spilled after space was freed"
+        for key in list(buf.fast) + list(buf.slow):
+            assert (buf[key] == key).all()
     finally:
         buf.close()

@@ -211,6 +211,76 @@ fn disk_failure_keeps_data_in_memory() {
     }
 }
 
+/// A full file system is not a broken disk: spills fail and keep their values in memory while it
+/// lasts, and once there is room again (here: the fault cleared; in life: spilled keys removed) the
+/// store spills again and memory goes back under the target. Nothing is lost on the way.
+#[test]
+fn a_full_disk_keeps_data_in_memory_until_there_is_room_again() {
+    for write_behind in [0, 64 << 10] {
+        let be = SimBackend::new();
+        let mut c = cfg(5_000);
+        c.log.write_behind_bytes = write_behind;
+        let s = Store::open(TestCodec::default(), be.clone(), "/store", c).unwrap();
+        for i in 0..10u8 {
+            s.put(&[i], val(i, 2000)).unwrap();
+        }
+        be.inject(Fault { op: FaultOp::Write, after: 0, kind: FaultKind::Enospc, sticky: true });
+        for i in 10..40u8 {
+            s.put(&[i], val(i, 2000)).unwrap(); // a spill failure is never the caller's error
+        }
+        assert!(s.metrics().spill_failures >= 1, "write_behind={write_behind}");
+        assert!(s.memory_bytes() > 5_000, "the values that could not be spilled stay in memory");
+        for i in 0..40u8 {
+            assert_eq!(*s.get(&[i]).unwrap().unwrap(), val(i, 2000), "write_behind={write_behind}: key {i}");
+        }
+        be.clear_faults();
+        // Removing a spilled key frees space and lets stuck evictions try again.
+        let spilled = (0..40u8).find(|&i| s.tier(&[i]) == Some(Tier::Disk));
+        if let Some(k) = spilled {
+            assert!(s.remove(&[k]).unwrap());
+        }
+        s.put(b"next", val(99, 2000)).unwrap();
+        assert!(
+            s.memory_bytes() <= 5_000,
+            "write_behind={write_behind}: spilling resumed ({} bytes)",
+            s.memory_bytes()
+        );
+        assert!(s.flush().is_ok(), "the log is writable");
+        for i in (0..40u8).filter(|&i| Some(i) != spilled) {
+            assert_eq!(*s.get(&[i]).unwrap().unwrap(), val(i, 2000), "write_behind={write_behind}: key {i}");
+        }
+        s.check_accounting().unwrap();
+    }
+}
+
+/// In a persistent store a remove writes a tombstone. If that write fails, the remove fails and the
+/// key stays, value and accounting alike; once the write can succeed, the remove does.
+#[test]
+fn a_persistent_remove_that_cannot_write_keeps_the_key() {
+    let be = SimBackend::new();
+    let s = Store::open(TestCodec::default(), be.clone(), "/store", persistent(5_000)).unwrap();
+    for i in 0..10u8 {
+        s.put(&[i], val(i, 2000)).unwrap();
+    }
+    let k = (0..10u8).find(|&i| s.tier(&[i]) == Some(Tier::Disk)).expect("something spilled");
+    be.inject(Fault { op: FaultOp::Write, after: 0, kind: FaultKind::Enospc, sticky: true });
+    let e = s.remove(&[k]).unwrap_err();
+    assert!(e.is_no_space(), "{e}");
+    assert!(s.contains(&[k]));
+    assert_eq!(*s.get(&[k]).unwrap().unwrap(), val(k, 2000));
+    s.check_accounting().unwrap();
+    be.clear_faults();
+    assert!(s.remove(&[k]).unwrap());
+    assert!(!s.contains(&[k]));
+    s.check_accounting().unwrap();
+    let on_disk: Vec<u8> = (0..10u8).filter(|&i| s.tier(&[i]) == Some(Tier::Disk)).collect();
+    drop(s);
+    let s = Store::open(TestCodec::default(), be, "/store", persistent(5_000)).unwrap();
+    assert!(!s.contains(&[k]), "the remove survives a reopen");
+    let found: Vec<u8> = (0..10u8).filter(|&i| s.contains(&[i])).collect();
+    assert_eq!(found, on_disk);
+}
+
 /// A store with a 5000-byte target and 2000-byte values `first`, 1, ..., 10: the first spill creates
 /// the segment, then 3..=10 spill one after another. Returns the store and the backend's operation
 /// count from before the puts of 3..=10.

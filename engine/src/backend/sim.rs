@@ -45,6 +45,9 @@ pub enum FaultKind {
     Enospc,
     /// Write the first half of the buffer (rounded down to 512 bytes), then fail with EIO.
     TornWrite,
+    /// Write the first half of the buffer (rounded down to 512 bytes), then fail with ENOSPC: a file
+    /// system that filled up in the middle of a write.
+    TornEnospc,
 }
 
 /// A scripted failure: the operation matching `op` after `after` successful matching operations fails.
@@ -121,6 +124,7 @@ struct SimState {
     /// Faults that fired so far.
     fired: u64,
     ops: u64,
+    writes: u64,
     align: usize,
     /// Report `queues_writes`, so the log uses its grouped write path (writes still run in order).
     queue_writes: bool,
@@ -163,6 +167,7 @@ impl SimBackend {
                 faults: Vec::new(),
                 fired: 0,
                 ops: 0,
+                writes: 0,
                 align,
                 queue_writes: false,
                 gather_writes: false,
@@ -202,6 +207,11 @@ impl SimBackend {
         self.lock().ops
     }
 
+    /// Number of writes performed so far (what a [`FaultOp::Write`] fault counts).
+    pub fn write_count(&self) -> u64 {
+        self.lock().writes
+    }
+
     /// Whether any injected fault has fired.
     pub fn fault_fired(&self) -> bool {
         self.lock().fired > 0
@@ -210,6 +220,9 @@ impl SimBackend {
     fn check(&self, op: OpKind) -> Option<FaultKind> {
         let mut st = self.lock();
         st.ops += 1;
+        if op == OpKind::Write {
+            st.writes += 1;
+        }
         let mut hit = None;
         let mut fired = 0;
         st.faults.retain_mut(|f| {
@@ -236,7 +249,7 @@ impl SimBackend {
 
     fn fault_error(kind: FaultKind) -> io::Error {
         match kind {
-            FaultKind::Enospc => io::Error::from_raw_os_error(28),
+            FaultKind::Enospc | FaultKind::TornEnospc => io::Error::from_raw_os_error(28),
             FaultKind::Eio | FaultKind::TornWrite => io::Error::from_raw_os_error(5),
         }
     }
@@ -292,6 +305,7 @@ impl SimBackend {
                 faults: Vec::new(),
                 fired: 0,
                 ops: 0,
+                writes: 0,
                 align: st.align,
                 queue_writes: st.queue_writes,
                 gather_writes: st.gather_writes,
@@ -497,7 +511,7 @@ impl Backend for SimBackend {
     fn write_at(&self, file: &SimFile, offset: u64, buf: AlignedBuf) -> BufResult {
         let fault = self.check(OpKind::Write);
         let n = match fault {
-            Some(FaultKind::TornWrite) => (buf.len() / 2) / 512 * 512,
+            Some(FaultKind::TornWrite | FaultKind::TornEnospc) => (buf.len() / 2) / 512 * 512,
             Some(kind) => return (Err(Self::fault_error(kind)), buf),
             None => buf.len(),
         };
