@@ -216,7 +216,14 @@ impl Log {
             let mut map = HashMap::new();
             let mut total = 0;
             for k in log.keys() {
-                let n = log.get(&k).map_err(to_py)?.map_or(0, |f| f.total_len());
+                // The size from the record's head (header and frame table, checked by the header's
+                // crc), without reading the value. A record whose head is damaged counts with its
+                // length on disk; a `get` of it reports the damage, and the other keys are unaffected.
+                let n = match log.stored_value(&k) {
+                    Ok(Some(sv)) => sv.meta.frame_lens.iter().sum(),
+                    Ok(None) => continue,
+                    Err(_) => log.location(&k).map_or(0, |l| l.len),
+                };
                 total += n;
                 map.insert(k, n);
             }

@@ -129,3 +129,28 @@ def test_small_puts_written_behind_read_back_and_survive_close(tmp_path, write_b
 def test_write_behind_budget_is_validated(tmp_path):
     with pytest.raises(ValueError):
         Log(str(tmp_path / "log"), write_behind_bytes=1 << 40)
+
+
+def test_a_damaged_record_fails_its_own_get_not_the_reopen(tmp_path):
+    path = str(tmp_path / "log")
+    log = Log(path, durable=True)
+    values = {b"k%d" % i: [b"h", bytes([i]) * 5000] for i in range(40)}
+    for key, frames in values.items():
+        log.put(key, frames)
+    log.close()
+    # Flip one bit in the middle of one value's payload.
+    segment = os.path.join(path, "segments", sorted(os.listdir(os.path.join(path, "segments")))[0])
+    with open(segment, "r+b") as f:
+        data = f.read()
+        at = data.index(bytes([7]) * 5000) + 2500
+        f.seek(at)
+        f.write(bytes([data[at] ^ 0x10]))
+    log = Log(path, durable=True)  # reads heads only: the damage does not stop the open
+    assert len(log) == len(values)
+    assert log.stored_bytes(b"k3") == 5001
+    with pytest.raises(SpillwayError, match="segment 1 at offset"):
+        log.get(b"k7")
+    for key, frames in values.items():
+        if key != b"k7":
+            assert [bytes(f) for f in log.get(key)] == frames
+    log.close()
