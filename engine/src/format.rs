@@ -12,7 +12,7 @@
 //! | record             |
 //! | ...                |
 //! +--------------------+  data_end            (sealed segments only from here)
-//! | footer entries     |  starts aligned; one entry per record in the segment
+//! | footer entries     |  starts aligned; one entry per key record (sync marks get none)
 //! +--------------------+
 //! | ... zeros ...      |
 //! | trailer            |  last 64 B of the file
@@ -28,7 +28,8 @@
 //!   12   4  segment      id of the segment this copy of the record lives in
 //!   16   4  epoch        open epoch of the writer; non-decreasing along a segment
 //!   20   4  payload_crc  crc32 of the stored payload bytes
-//!   24   8  seq          sequence number, unique and increasing across the store
+//!   24   8  seq          sequence number: a new record takes the next one; a compaction copy keeps
+//!                        its original's (so along a segment seq is not monotonic)
 //!   32   8  raw_len      length of the laid-out frames (uncompressed payload, see below)
 //!   40   8  stored_len   payload bytes that follow the key and its padding
 //!   48   4  aux          tombstone: oldest segment that may hold an older version of the key; else 0
@@ -86,7 +87,7 @@ const RECORD_MAGIC: [u8; 4] = *b"SPRC";
 const TRAILER_MAGIC: [u8; 4] = *b"SPTR";
 const SEGMENT_MAGIC: [u8; 8] = *b"SPILLSEG";
 
-/// Record flag: the payload is an lz4 block of the concatenated frames.
+/// Record flag: the payload is an lz4 block of the laid-out frames (each at a multiple of 64).
 pub const FLAG_LZ4: u8 = 1;
 /// Record flag: the record deletes its key.
 pub const FLAG_TOMBSTONE: u8 = 2;
@@ -206,7 +207,8 @@ pub struct RecordHeader {
     pub payload_crc: u32,
     /// Sequence number.
     pub seq: u64,
-    /// Uncompressed value length (sum of frames).
+    /// Length of the laid-out frames (the uncompressed payload: frames at multiples of 64, zeros
+    /// between), which is at least the sum of the frame lengths.
     pub raw_len: u64,
     /// Payload bytes on disk.
     pub stored_len: u64,
@@ -315,7 +317,9 @@ pub fn peek_record_header(b: &[u8]) -> Result<RecordHeader, DecodeError> {
         return Err(DecodeError::BadMagic);
     }
     if b[4] != FORMAT_VERSION {
-        return Err(DecodeError::UnsupportedVersion(b[4] as u32));
+        // Records are read only from segments whose header's version was checked at open: another
+        // version byte here is damage (reported with the record's location), not a newer format.
+        return Err(DecodeError::Invalid("record version differs from its segment's format version"));
     }
     let h = RecordHeader {
         flags: b[5],
@@ -503,7 +507,8 @@ pub fn decode_footer(b: &[u8], count: u64, segment_bytes: u64) -> Result<Vec<Foo
 pub struct Trailer {
     /// Segment id.
     pub segment: u32,
-    /// Highest writer epoch of any record in the segment.
+    /// Highest writer epoch that wrote to the segment, its creator's included (so it may exceed
+    /// every record's epoch).
     pub max_epoch: u32,
     /// Where the footer starts.
     pub footer_offset: u64,

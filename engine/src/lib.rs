@@ -7,9 +7,15 @@
 //! This crate is layered:
 //!
 //! * [`format`]: the byte layout of segment files (records, footers, trailers), and nothing else.
-//! * [`backend`]: the I/O backends the log runs on ([`PortableBackend`], [`SimBackend`]).
+//! * [`backend`]: the I/O backends the log runs on: io_uring (`backend::uring`), [`PortableBackend`]
+//!   (`pread`/`pwrite`), [`SimBackend`] (in memory, with fault injection and power cuts), and
+//!   [`AutoBackend`], which picks io_uring and falls back to portable where it is unavailable.
 //! * [`log`]: the [`SegmentLog`], an append-only, checksummed key-value log with crash recovery,
 //!   tombstones, garbage collection and compaction.
+//! * [`slot`] and [`store`]: the three-tier [`Store`] (objects, serialized frames, records on disk)
+//!   and the slot that makes a concurrent get deserialize once.
+//! * [`transfer`]: sending stored values to a peer with `splice` (file to pipe to socket) and
+//!   receiving them, straight to disk when memory is short; `docs/wire.md` is the protocol.
 //!
 //! `unsafe` code lives only in [`buf`] (aligned buffers, the buffer pool), [`slot`] (the
 //! materialization slot's cell) and the io_uring backend (`backend::uring`, `backend::pipeline`); see
