@@ -25,9 +25,10 @@ pub enum Error {
         /// The operating system's error.
         source: Arc<io::Error>,
     },
-    /// A stored checksum did not match the bytes it covers.
+    /// A stored checksum did not match the bytes it covers. Segment 0 (no segment has id 0) means
+    /// the bytes were received from a peer, whose announced checksum they failed.
     ChecksumMismatch {
-        /// Segment id.
+        /// Segment id; 0 for bytes received from a peer.
         segment: u32,
         /// Byte offset of the record (or structure) in the segment file.
         offset: u64,
@@ -117,10 +118,13 @@ impl Error {
         matches!(self, Error::ChecksumMismatch { .. } | Error::Corrupt { .. } | Error::UnsupportedVersion { .. })
     }
 
-    /// The `(segment, offset)` a corruption error points at, if this is one.
+    /// The `(segment, offset)` a corruption error points at, if this is one (not for bytes received
+    /// from a peer, which have no place on disk).
     pub fn location(&self) -> Option<(u32, u64)> {
         match self {
-            Error::ChecksumMismatch { segment, offset, .. } | Error::Corrupt { segment, offset, .. } => {
+            Error::ChecksumMismatch { segment, offset, .. } | Error::Corrupt { segment, offset, .. }
+                if *segment != 0 =>
+            {
                 Some((*segment, *offset))
             }
             _ => None,
@@ -148,6 +152,11 @@ impl fmt::Display for Error {
         match self {
             Error::Io { op, path: Some(p), source } => write!(f, "{op} {}: {source}", p.display()),
             Error::Io { op, path: None, source } => write!(f, "{op}: {source}"),
+            Error::ChecksumMismatch { segment: 0, what, expected, actual, .. } => write!(
+                f,
+                "data received from a peer failed its {what} checksum (announced {expected:#010x}, \
+                 computed {actual:#010x})"
+            ),
             Error::ChecksumMismatch { segment, offset, what, expected, actual } => write!(
                 f,
                 "corrupt record in segment {segment} at offset {offset}: {what} checksum mismatch \

@@ -210,6 +210,8 @@ impl From<PackedLoc> for Location {
 pub const MAX_SEGMENT_BYTES: u64 = (4 << 30) - (1 << 20);
 /// Largest value accepted (record lengths in the index are 32-bit).
 pub const MAX_VALUE_BYTES: u64 = (4 << 30) - (1 << 20);
+/// Largest record (value, frame table, key and gaps): the index holds lengths in 32 bits.
+const MAX_RECORD_BYTES: u64 = u32::MAX as u64;
 
 /// What recovery found when the log was opened.
 #[derive(Debug, Clone, Default)]
@@ -1214,6 +1216,12 @@ impl<B: Backend> SegmentLog<B> {
                 unit: "bytes",
             });
         }
+        // The record around the value (header, frame table, key, 64-byte frame gaps) must fit the
+        // index's 32-bit length too: near the value limit, many frames can push it over.
+        let len = format::record_len(frames.len(), key.len(), laid_out_len(frames));
+        if len > MAX_RECORD_BYTES {
+            return Err(Error::ValueTooLarge { len, max: MAX_RECORD_BYTES, unit: "record bytes" });
+        }
         Ok(())
     }
 
@@ -1247,7 +1255,7 @@ impl<B: Backend> SegmentLog<B> {
         if key.len() > format::MAX_KEY_BYTES {
             return Err(Error::KeyTooLarge { len: key.len(), max: format::MAX_KEY_BYTES });
         }
-        let invalid = |why: &str| Error::Corrupt { segment: 0, offset: 0, reason: format!("streamed value: {why}") };
+        let invalid = |why: &str| Error::Protocol(format!("streamed value: {why}"));
         if meta.frame_lens.len() > format::MAX_FRAMES {
             return Err(invalid("too many frames"));
         }
@@ -1266,10 +1274,13 @@ impl<B: Backend> SegmentLog<B> {
                 unit: "bytes",
             });
         }
+        let len = format::record_len(meta.frame_lens.len(), key.len(), meta.stored_len);
+        if len > MAX_RECORD_BYTES {
+            return Err(Error::ValueTooLarge { len, max: MAX_RECORD_BYTES, unit: "record bytes" });
+        }
         self.check_writable()?;
         let mut guard = lock(&self.state);
         let st = &mut *guard;
-        let len = format::record_len(meta.frame_lens.len(), key.len(), meta.stored_len);
         let need_new = match &st.active {
             Some(a) => !self.fits(a, len, key.len()),
             None => true,
@@ -1363,9 +1374,10 @@ impl<B: Backend> SegmentLog<B> {
         let result = result.and_then(|()| {
             let actual = crc.finalize();
             if actual != meta.payload_crc {
+                // Bad bytes from the peer, not damage on disk (the record is zeroed below): segment 0.
                 return Err(Error::ChecksumMismatch {
-                    segment: id,
-                    offset: start,
+                    segment: 0,
+                    offset: 0,
                     what: "streamed value payload",
                     expected: meta.payload_crc,
                     actual,

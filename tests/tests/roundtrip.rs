@@ -118,6 +118,23 @@ fn oversized_inputs_are_rejected_with_typed_errors() {
     ));
 }
 
+/// A value just under the value limit in many odd-sized frames: the record around it (frame table,
+/// 64-byte gaps) is over 4 GiB, more than the index's 32-bit lengths hold. Refused with a typed error
+/// before anything is encoded (the frames share one 64 KiB buffer, so the test costs no memory).
+#[test]
+fn a_record_too_long_for_the_index_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let log = SegmentLog::open(PortableBackend::new(), tmp.path(), opts(Compression::None)).unwrap();
+    let frame = bytes::Bytes::from(vec![7u8; 65_473]); // laid out in 65,536 bytes
+    let frames = Frames((0..65_535).map(|_| frame.clone()).collect());
+    assert!(frames.total_len() <= spillway::MAX_VALUE_BYTES);
+    match log.put(b"k", &frames) {
+        Err(spillway::Error::ValueTooLarge { len, max, .. }) => assert!(len > max && max == u32::MAX as u64),
+        r => panic!("{r:?}"),
+    }
+    assert_eq!(log.stats().live_records, 0);
+}
+
 #[test]
 fn round_trip_io_uring_direct_and_buffered_then_reopen_portable() {
     for (direct, inline_blocking) in [(true, false), (false, false), (true, true)] {
