@@ -213,13 +213,21 @@ impl<C: Codec, B: Backend> Source for Store<C, B> {
     }
 }
 
-/// Serve `src` on `listener` until the listener fails: one thread per connection, at most
-/// `opts.max_connections` at once.
+/// Serve `src` on `listener`: one thread per connection, at most `opts.max_connections` at once.
+/// Returns `Ok(())` once the listener is shut down ([`shutdown_listener`] on a clone of it, from
+/// another thread), or the error if `accept` fails in a way that will not pass (the descriptor is
+/// not a listening socket). Failures that concern one connection or pass (an aborted handshake,
+/// out of descriptors or memory) are logged and serving goes on.
 pub fn serve<S: Source>(log: Arc<S>, listener: TcpListener, opts: TransferOptions) -> Result<()> {
     let active = Arc::new(AtomicUsize::new(0));
     loop {
-        let (mut stream, peer) = match listener.accept() {
+        let (stream, peer) = match listener.accept() {
             Ok(c) => c,
+            // shutdown(2) on a listening socket makes accept fail with EINVAL: the way to stop.
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => return Ok(()),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EBADF | libc::ENOTSOCK | libc::EOPNOTSUPP)) => {
+                return Err(io_err("accept", e));
+            }
             Err(e) => {
                 // Out of descriptors, an aborted handshake...: this connection only. Back off a little
                 // so a persistent condition does not spin.
@@ -230,7 +238,14 @@ pub fn serve<S: Source>(log: Arc<S>, listener: TcpListener, opts: TransferOption
         };
         if active.fetch_add(1, Ordering::SeqCst) >= opts.max_connections {
             active.fetch_sub(1, Ordering::SeqCst);
-            let _ = refuse(&mut stream, "too many connections");
+            // Refusing waits for the client's greeting (up to a second): not on the accept loop.
+            let refused = std::thread::Builder::new().name("spillway-refuse".into()).spawn(move || {
+                let mut stream = stream;
+                let _ = refuse(&mut stream, "too many connections");
+            });
+            if let Err(e) = refused {
+                log::warn!("transfer: cannot start a thread to refuse {peer}: {e}");
+            }
             continue;
         }
         let (log, opts, slot) = (log.clone(), opts.clone(), active.clone());
@@ -247,12 +262,24 @@ pub fn serve<S: Source>(log: Arc<S>, listener: TcpListener, opts: TransferOption
     }
 }
 
+/// Stop a [`serve`] loop running on `listener` (or on another handle of the same socket, such as the
+/// one `TcpListener::try_clone` gives): `accept` then fails with EINVAL and `serve` returns `Ok`.
+/// Connections being served run to their end.
+pub fn shutdown_listener(listener: &TcpListener) -> io::Result<()> {
+    rustix::net::shutdown(listener, rustix::net::Shutdown::Read).map_err(io::Error::from)
+}
+
 fn refuse(stream: &mut TcpStream, why: &str) -> io::Result<()> {
     // Read the client's greeting first: closing with unread data would reset the connection and the
     // client might never see the reason.
     stream.set_read_timeout(Some(Duration::from_secs(1)))?;
     let mut h = [0u8; 8];
     let _ = stream.read_exact(&mut h);
+    send_refusal(stream, why)
+}
+
+/// Greeting and ERROR `why`, for a client whose greeting was read.
+fn send_refusal(stream: &mut TcpStream, why: &str) -> io::Result<()> {
     let mut out = hello().to_vec();
     out.push(ST_ERROR);
     out.extend_from_slice(&(why.len() as u32).to_le_bytes());
@@ -269,7 +296,7 @@ pub fn serve_connection<S: Source>(src: &S, mut stream: TcpStream, opts: &Transf
     let mut h = [0u8; 8];
     stream.read_exact(&mut h).map_err(|e| io_err("receive hello", e))?;
     if let Err(e) = check_hello(&h) {
-        let _ = refuse(&mut stream, &e.to_string());
+        let _ = send_refusal(&mut stream, &e.to_string()); // its greeting was just read
         return Err(e);
     }
     stream.write_all(&hello()).map_err(|e| io_err("send hello", e))?;
@@ -421,6 +448,8 @@ pub struct Client {
     /// Set after an error that may have left part of a response unread: the connection is out of
     /// step and every later call fails instead of misreading.
     broken: bool,
+    /// The last request ended with a whole ERROR response: the connection is still in step.
+    answered_error: bool,
 }
 
 impl Client {
@@ -438,7 +467,7 @@ impl Client {
                     let mut h = [0u8; 8];
                     stream.read_exact(&mut h).map_err(|e| io_err("receive hello", e))?;
                     check_hello(&h)?;
-                    return Ok(Client { stream, opts, broken: false });
+                    return Ok(Client { stream, opts, broken: false, answered_error: false });
                 }
                 Err(e) => last = e,
             }
@@ -451,9 +480,12 @@ impl Client {
         if self.broken {
             return Err(proto("the connection is unusable after an earlier error; connect again"));
         }
+        self.answered_error = false;
         let r = f(self);
         if let Err(e) = &r {
-            if !matches!(e, Error::KeyTooLarge { .. }) {
+            // A refused key never left, and a whole ERROR response leaves the stream in step: the
+            // connection goes on. Anything else may have left it mid-message.
+            if !matches!(e, Error::KeyTooLarge { .. }) && !std::mem::take(&mut self.answered_error) {
                 self.broken = true;
                 let _ = self.stream.shutdown(Shutdown::Both);
             }
@@ -477,9 +509,11 @@ impl Client {
             ST_ERROR => {
                 let mut l = [0u8; 4];
                 self.stream.read_exact(&mut l).map_err(|e| io_err("receive error", e))?;
-                let n = (u32::from_le_bytes(l) as usize).min(MAX_ERROR_BYTES);
-                let mut msg = vec![0u8; n];
+                let len = u32::from_le_bytes(l) as usize;
+                let mut msg = vec![0u8; len.min(MAX_ERROR_BYTES)];
                 self.stream.read_exact(&mut msg).map_err(|e| io_err("receive error", e))?;
+                // A server never sends more than MAX_ERROR_BYTES; past that the rest is unread.
+                self.answered_error = len <= MAX_ERROR_BYTES;
                 Err(proto(format!("server error: {}", String::from_utf8_lossy(&msg))))
             }
             other => Err(proto(format!("unknown response status {other}"))),

@@ -69,6 +69,11 @@ fn values_arrive_intact_by_every_path_on_both_send_paths() {
 
 /// A fake server that greets, reads one request, answers with `response`, then closes.
 fn fake_server(response: Vec<u8>) -> String {
+    fake_server_answering(vec![response])
+}
+
+/// A server that answers one connection's requests with `responses`, in order, then hangs up.
+fn fake_server_answering(responses: Vec<Vec<u8>>) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     std::thread::spawn(move || {
@@ -76,11 +81,15 @@ fn fake_server(response: Vec<u8>) -> String {
         let mut hello = [0u8; 8];
         s.read_exact(&mut hello).unwrap();
         s.write_all(&transfer::greeting()).unwrap();
-        let mut req = [0u8; 5];
-        s.read_exact(&mut req).unwrap();
-        let mut key = vec![0u8; u32::from_le_bytes(req[1..5].try_into().unwrap()) as usize];
-        s.read_exact(&mut key).unwrap();
-        let _ = s.write_all(&response);
+        for response in responses {
+            let mut req = [0u8; 5];
+            if s.read_exact(&mut req).is_err() {
+                return;
+            }
+            let mut key = vec![0u8; u32::from_le_bytes(req[1..5].try_into().unwrap()) as usize];
+            s.read_exact(&mut key).unwrap();
+            let _ = s.write_all(&response);
+        }
         // Dropping `s` hangs up, mid-value if the response was short.
     });
     addr
@@ -114,6 +123,31 @@ fn a_sender_that_hangs_up_mid_value_leaves_nothing_behind() {
     assert_eq!(log.recovery_report().truncated_bytes, 0, "the aborted bytes were zeroed, not left as a torn tail");
 }
 
+/// An ERROR response is a whole message: the connection stays usable for the next request. A
+/// response cut short is not, and the client says so instead of reading out of step.
+#[test]
+fn the_connection_survives_an_error_response_but_not_a_short_one() {
+    let error = |msg: &str| {
+        let mut r = vec![2u8]; // ERROR
+        r.extend_from_slice(&(msg.len() as u32).to_le_bytes());
+        r.extend_from_slice(msg.as_bytes());
+        r
+    };
+    let payload = value_for(b"after", 5000);
+    let mut value =
+        transfer::encode_value_response(&meta(payload.len() as u64, spillway::format::payload_crc(&payload)));
+    value.extend_from_slice(&payload);
+    let mut c = Client::connect(fake_server_answering(vec![error("no such luck"), value.clone()]), opts()).unwrap();
+    let e = c.get(b"first").unwrap_err();
+    assert!(e.to_string().contains("server error: no such luck"), "{e}");
+    assert_eq!(c.get(b"after").unwrap().unwrap().concat(), &payload[..]);
+    // A value cut short: an error, and the connection is not used again.
+    let mut c = Client::connect(fake_server(value[..100].to_vec()), opts()).unwrap();
+    assert!(c.get(b"cut").is_err());
+    let e = c.get(b"after").unwrap_err();
+    assert!(e.to_string().contains("unusable"), "{e}");
+}
+
 #[test]
 fn a_wrong_checksum_is_an_error_and_stores_nothing() {
     let payload = value_for(b"crc", 200_000);
@@ -125,6 +159,8 @@ fn a_wrong_checksum_is_an_error_and_stores_nothing() {
     let mut c = Client::connect(fake_server(resp.clone()), opts()).unwrap();
     let err = c.get_into(b"k", &log, b"k").unwrap_err();
     assert!(matches!(err, spillway::Error::ChecksumMismatch { .. }), "{err}");
+    assert_eq!(err.location(), None, "bytes from a peer have no place on disk: {err}");
+    assert!(err.to_string().contains("received from a peer"), "{err}");
     assert!(log.get(b"k").unwrap().is_none());
     let mut c = Client::connect(fake_server(resp), opts()).unwrap();
     assert!(matches!(c.get(b"k").unwrap_err(), spillway::Error::ChecksumMismatch { .. }));
@@ -227,4 +263,27 @@ fn connections_over_the_limit_are_told_why() {
     let err = Client::connect(&addr, opts()).and_then(|mut c| c.get(b"k")).unwrap_err();
     assert!(err.to_string().contains("too many connections"), "{err}");
     drop(first);
+}
+
+/// `serve` returns `Ok` when its listener is shut down from another thread; connections it was
+/// serving go on.
+#[test]
+fn a_shut_down_listener_ends_serve() {
+    let src = tempfile::tempdir().unwrap();
+    let log = log_at(src.path(), Compression::None);
+    log.put(b"k", &Frames::from(b"v".to_vec())).unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let handle = listener.try_clone().unwrap();
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = done_tx.send(transfer::serve(Arc::new(log), listener, opts()));
+    });
+    let mut c = Client::connect(addr.as_str(), opts()).unwrap();
+    assert_eq!(c.get(b"k").unwrap().unwrap().concat(), &b"v"[..]);
+    transfer::shutdown_listener(&handle).unwrap();
+    let ended = done_rx.recv_timeout(std::time::Duration::from_secs(30)).expect("serve returned");
+    assert!(ended.is_ok(), "{ended:?}");
+    // The connection being served when it stopped still works.
+    assert_eq!(c.get(b"k").unwrap().unwrap().concat(), &b"v"[..]);
 }
