@@ -11,7 +11,7 @@ Each key is in exactly one tier:
 
 * ``"object"``: the Python object, weighed with ``dask.sizeof.sizeof`` (``sys.getsizeof`` when dask
   is not installed), exactly as dask weighs it, so the same sequence of sets and gets spills the
-  same keys as dask's ``SpillBuffer``;
+  same keys as dask's ``SpillBuffer`` (with ``max_spill`` set, see below);
 * ``"frames"``: pickled frames held in memory (from :meth:`SpillBuffer.set_serialized`), weighed by
   their exact byte length and spilled in the same LRU order as objects;
   :meth:`~SpillBuffer.__getitem__` unpickles them once and keeps the object;
@@ -27,7 +27,8 @@ Policy (as dask's)
   ``target`` moves it back into memory (and may spill others).
 * ``max_spill``: a spill that would take the bytes on disk above it is refused; the key stays in
   memory and "Spill file on disk reached capacity; keeping data in memory" is logged (at most every
-  10 s).
+  10 s). The bytes counted are the pickle frames spillway stores; dask counts its own framing, a
+  little larger, so right at the limit dask may refuse a spill that spillway makes.
 * A disk error (``OSError``, or a :class:`spillway.SpillwayError` other than ``DiskFull``) keeps the
   key in memory and logs "Spill to disk failed; keeping data in memory" with the traceback (at most
   every 10 s).

@@ -144,6 +144,11 @@ impl Inner {
     }
 }
 
+/// Write-behind budget of a `Log` that is not durable: large enough that the page cache holds the
+/// values in large folios (a 64 KiB `Log.get` took 9.3-9.5 µs with 128 KiB, 7.8-8.0 µs with 2 MiB;
+/// see `docs/architecture.md`), small next to a worker's memory.
+const DEFAULT_WRITE_BEHIND: u64 = 2 << 20;
+
 /// An append-only segment log in one directory: keys (bytes) to lists of frames.
 ///
 /// Thread-safe; the GIL is released during I/O. `durable=False` (the default, for spill data that
@@ -153,12 +158,8 @@ impl Inner {
 /// are kept in memory, encoded, and written together once that many bytes are pending, so that a
 /// stream of small spills costs one write per 2 MiB instead of one per value, and the page cache
 /// holds them in large folios, which later reads copy out faster. Pending values read
-/// back at once; closing the log writes them.
-/// Write-behind budget of a `Log` that is not durable: large enough that the page cache holds the
-/// values in large folios (a 64 KiB `Log.get` took 9.3-9.5 µs with 128 KiB, 7.8-8.0 µs with 2 MiB;
-/// see `docs/architecture.md`), small next to a worker's memory.
-const DEFAULT_WRITE_BEHIND: u64 = 2 << 20;
-
+/// back at once; closing the log writes them. A full disk fails only the put that met it; deleting
+/// keys frees space.
 #[pyclass(frozen, module = "spillway._core")]
 struct Log {
     inner: RwLock<Option<Arc<Inner>>>,

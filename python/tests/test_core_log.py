@@ -154,3 +154,7 @@ def test_a_damaged_record_fails_its_own_get_not_the_reopen(tmp_path):
         if key != b"k7":
             assert [bytes(f) for f in log.get(key)] == frames
     log.close()
+
+
+def test_log_has_its_docstring():
+    assert "append-only segment log" in (Log.__doc__ or "")
