@@ -115,7 +115,12 @@ impl Error {
 
     /// True when this error reports bytes on disk that failed validation.
     pub fn is_corruption(&self) -> bool {
-        matches!(self, Error::ChecksumMismatch { .. } | Error::Corrupt { .. } | Error::UnsupportedVersion { .. })
+        match self {
+            // Segment 0: bytes received from a peer, not damage on disk.
+            Error::ChecksumMismatch { segment, .. } => *segment != 0,
+            Error::Corrupt { .. } | Error::UnsupportedVersion { .. } => true,
+            _ => false,
+        }
     }
 
     /// The `(segment, offset)` a corruption error points at, if this is one (not for bytes received

@@ -1396,24 +1396,13 @@ impl<B: Backend> SegmentLog<B> {
             r.map_err(|e| Error::io("write segment", self.seg_path(id), e))
         });
         if let Err(e) = result {
-            // Nothing was published: put back the previous tail block and zero what this value wrote,
-            // so neither the next records nor recovery ever see a partial record.
-            let zero_end = align_up(end, self.align).min(buf_base + buf.capacity() as u64);
-            let mut z = AlignedBuf::zeroed(CHUNK, align);
-            let mut pos = base;
-            while pos < zero_end {
-                let n = ((zero_end - pos) as usize).min(CHUNK);
-                z.set_len(n);
-                z.fill(0);
-                if pos == base {
-                    z[..old_tail.len()].copy_from_slice(&old_tail);
-                }
-                let (r, b) = self.backend.write_at(file, pos, z);
-                z = b;
-                if let Err(we) = r {
-                    return Err(self.poison(Error::io("zero an aborted value", self.seg_path(id), we)));
-                }
-                pos += n as u64;
+            // Nothing was published: erase what this value wrote, so neither the next records nor
+            // recovery ever see a partial record.
+            let erase_end = align_up(end, self.align).min(buf_base + buf.capacity() as u64);
+            let erased = self.erase_aborted(file, base, &old_tail, erase_end);
+            Self::fence_failed_write(st);
+            if let Err(we) = erased {
+                return Err(self.write_failed("erase an aborted value", self.seg_path(id), we));
             }
             return Err(e);
         }
@@ -1425,6 +1414,39 @@ impl<B: Backend> SegmentLog<B> {
         let chunk = [Prepared { rec: NewRecord::Value { key, frames: &empty }, payload: Payload::Empty, len }];
         self.publish_chunk(st, &chunk, &[(start, len, seq)], pend, tail, epoch, false)?;
         self.compact_if_pending(st);
+        Ok(())
+    }
+
+    /// Erase `base..end` of the active segment after an aborted `put_stream`: the block at `base` gets
+    /// the previous tail back (published records) and zeros after it; the rest is punched out, which
+    /// needs no free space (zero writes into blocks the aborted write never reached would, on a full
+    /// disk), or zeroed where the file system cannot punch.
+    fn erase_aborted(&self, file: &B::File, base: u64, old_tail: &[u8], end: u64) -> io::Result<()> {
+        let align = self.align as usize;
+        let mut pos = base;
+        if !old_tail.is_empty() {
+            let mut z = AlignedBuf::zeroed(align, align);
+            z[..old_tail.len()].copy_from_slice(old_tail);
+            self.backend.write_at(file, base, z).0?;
+            pos += self.align;
+        }
+        if pos >= end {
+            return Ok(());
+        }
+        match self.backend.punch_hole(file, pos, end - pos) {
+            Err(e) if e.kind() == io::ErrorKind::Unsupported => {}
+            r => return r,
+        }
+        const CHUNK: u64 = 1 << 20;
+        let mut z = AlignedBuf::zeroed(CHUNK.min(end - pos) as usize, align);
+        while pos < end {
+            let n = (end - pos).min(CHUNK) as usize;
+            z.set_len(n);
+            let (r, b) = self.backend.write_at(file, pos, z);
+            z = b;
+            r?;
+            pos += n as u64;
+        }
         Ok(())
     }
 
@@ -1554,7 +1576,8 @@ impl<B: Backend> SegmentLog<B> {
     fn fits(&self, a: &Active<B::File>, len: u64, key_len: usize) -> bool {
         let data_end = padded(a.data_end + len);
         let footer = a.footer.len() as u64 + Self::footer_entry_len(key_len);
-        align_up(data_end, self.align) + footer + format::TRAILER_LEN as u64 <= a.size
+        // The index holds offsets in 32 bits: after a jumbo record, nothing more goes in its segment.
+        a.data_end <= u32::MAX as u64 && align_up(data_end, self.align) + footer + format::TRAILER_LEN as u64 <= a.size
     }
 
     /// The automatic compaction a sealed segment asked for, run after the caller's records are
@@ -1595,7 +1618,9 @@ impl<B: Backend> SegmentLog<B> {
                 let p = &prepared[j];
                 let new_end = padded(end + p.len);
                 let new_footer = footer + Self::footer_entry_len(p.rec.key().len());
-                if align_up(new_end, self.align) + new_footer + format::TRAILER_LEN as u64 > a.size {
+                if end > u32::MAX as u64
+                    || align_up(new_end, self.align) + new_footer + format::TRAILER_LEN as u64 > a.size
+                {
                     break;
                 }
                 end = new_end;
@@ -1720,6 +1745,7 @@ impl<B: Backend> SegmentLog<B> {
         }
         if let Some(e) = failure {
             // Nothing of the chunk is published, and the active segment is as it was.
+            Self::fence_failed_write(st);
             return Err(self.write_failed("write segment", self.seg_path(id), e));
         }
         let tail = tail.expect("a non-empty chunk encodes a group");
@@ -1939,6 +1965,8 @@ impl<B: Backend> SegmentLog<B> {
         debug_assert_eq!(base + from, align_up(end, align));
         if let Err(e) = self.backend.write_gather_at(&file, base, &slices) {
             // Nothing of the chunk is published, and the active segment is as it was.
+            drop(slices);
+            Self::fence_failed_write(st);
             return Err(self.write_failed("write segment", self.seg_path(id), e));
         }
         self.publish_chunk(st, chunk, &placed, end, new_tail, epoch, false)
@@ -2017,6 +2045,16 @@ impl<B: Backend> SegmentLog<B> {
         }
         if let Err(e) = r {
             Self::note_failure(failure, e);
+        }
+    }
+
+    /// After a write of new records failed: whole records of it may lie in the file past the published
+    /// end, beyond what the next write covers. Later records get a higher epoch, and recovery's scan
+    /// drops a record whose epoch is lower than the one before it (as it does for a torn tail's
+    /// leftovers), so those records never come back once anything was written after them.
+    fn fence_failed_write(st: &mut WriterState<B::File>) {
+        if let Some(e) = st.epoch.checked_add(1) {
+            st.epoch = e;
         }
     }
 
@@ -2186,19 +2224,31 @@ impl<B: Backend> SegmentLog<B> {
     /// can make another's tombstones unneeded, so repeat until nothing changes.
     fn collect_garbage(&self, st: &mut WriterState<B::File>) -> Result<u64> {
         let mut deleted = 0;
+        // Segments that could not be deleted this time: the others still go (on a full disk, one that
+        // waits for pending records to be written must not keep the rest from freeing the space).
+        let mut failed: Vec<u32> = Vec::new();
+        let mut first_error = None;
         loop {
             let active = st.active.as_ref().map(|a| a.id);
             let victim = st
                 .segs
                 .iter()
-                .filter(|(&id, m)| Some(id) != active && m.live_records == 0)
+                .filter(|(&id, m)| Some(id) != active && m.live_records == 0 && !failed.contains(&id))
                 .map(|(&id, _)| id)
                 .find(|&id| !Self::tombstones_needed(st, id));
             let Some(id) = victim else { break };
-            self.delete_segment(st, id)?;
-            deleted += 1;
+            match self.delete_segment(st, id) {
+                Ok(()) => deleted += 1,
+                Err(e) => {
+                    failed.push(id);
+                    first_error.get_or_insert(e);
+                }
+            }
         }
-        Ok(deleted)
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(deleted),
+        }
     }
 
     fn delete_segment(&self, st: &mut WriterState<B::File>, id: u32) -> Result<()> {
@@ -2214,19 +2264,29 @@ impl<B: Backend> SegmentLog<B> {
             self.flush_pending(st)?;
         }
         if self.opts.durable {
-            self.sync_active(st)?;
+            if superseded {
+                self.sync_active(st)?;
+            } else if let Some(a) = st.active.as_ref().filter(|a| a.dirty) {
+                // What superseded this segment's records is written (or they were deleted): make
+                // it durable without writing what is pending, which a full disk may refuse. `dirty`
+                // stays set, for the pending records.
+                if let Err(e) = self.backend.sync_data(&a.file) {
+                    return Err(self.poison(Error::io("fdatasync", self.seg_path(a.id), e)));
+                }
+            }
         }
         let path = self.seg_path(id);
+        match self.backend.remove_file(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            // Still a segment (in `files` and `segs`): a later garbage collection tries again.
+            Err(e) => return Err(Error::io("remove segment", path, e)),
+        }
         if let Some(file) = self.files.write().unwrap_or_else(|p| p.into_inner()).remove(&id) {
             // A deleted segment needs no sync. Its handle must go too: while a descriptor is open,
             // the unlinked file keeps its blocks, and a log that is never synced (a spill store)
             // would hold every dead segment's disk space until it closed.
             st.unsynced_sealed.retain(|f| !Arc::ptr_eq(f, &file));
-        }
-        match self.backend.remove_file(&path) {
-            Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => return Err(Error::io("remove segment", path, e)),
         }
         st.segs.remove(&id);
         st.dir_dirty = true;
@@ -2509,7 +2569,11 @@ impl<B: Backend> SegmentLog<B> {
             flush(st, &mut batch)?;
         }
         // Tombstones moved out: this segment's tombstones are no longer needed here.
+        let pending = st.active.as_ref().is_some_and(|a| a.written_end != a.data_end);
         if let Some(m) = st.segs.get_mut(&id) {
+            // Copies still pending in memory (write-behind) stand in for this segment's records,
+            // its tombstones included: the segment may go only once they are written.
+            m.superseded_by_pending |= pending;
             m.tombstones = 0;
             m.tombstone_bytes = 0;
             m.min_shadow = u32::MAX;

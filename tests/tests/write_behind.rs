@@ -338,3 +338,54 @@ fn a_segment_emptied_by_pending_records_is_deleted_only_after_they_are_written()
         assert!(got == frames_for(&key(i), 3000) || got == frames_for(b"newer", 100), "key {i}");
     }
 }
+
+/// The child of [`a_tombstone_copied_by_compaction_is_written_before_its_segment_goes`]: segment 2
+/// holds only a tombstone (for a key whose old record segment 1 still holds) and dead records.
+/// Compaction copies the tombstone to the active segment, where it stays pending; then the process
+/// ends without dropping the log.
+#[test]
+fn child_compacts_a_tombstone_into_a_pending_copy() {
+    let Some(dir) = child_arg() else { return };
+    let opts = LogOptions { segment_bytes: 64 << 10, durable: false, auto_compact: false, ..opts(BUDGET) };
+    let log = SegmentLog::open(PortableBackend::new(), &dir, opts).unwrap();
+    // Segment 1: full, all live but key 0 (so compaction leaves it alone), with key 0's old record.
+    let mut i = 0;
+    while log.stats().segments < 2 {
+        log.put(&key(i), &frames_for(&key(i), 3000)).unwrap();
+        i += 1;
+    }
+    let opened_segment_2 = i - 1;
+    assert!(log.delete(&key(0)).unwrap()); // the tombstone goes to segment 2
+                                           // The rest of segment 2: records that then die, overwritten by values too large to defer (so
+                                           // nothing of segment 2 is superseded by a pending record).
+    let mut fillers = vec![opened_segment_2];
+    let mut i = 100;
+    while log.stats().segments < 3 {
+        log.put(&key(i), &frames_for(&key(i), 3000)).unwrap();
+        fillers.push(i);
+        i += 1;
+    }
+    for &f in &fillers {
+        log.put(&key(f), &frames_for(&key(f), 2 * BUDGET as usize)).unwrap();
+    }
+    let stats = log.compact().unwrap();
+    assert!(stats.segments_compacted >= 1, "{stats:?}");
+    println!("CHILD-DONE");
+    std::process::exit(0); // no drop: whatever is still pending dies with the process
+}
+
+/// Compaction copies a needed tombstone out of a segment it is emptying. If the copy were still
+/// pending in memory when the segment is deleted, a process crash would lose the deletion and the
+/// old record would come back: the pending records are written first.
+#[test]
+fn a_tombstone_copied_by_compaction_is_written_before_its_segment_goes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("log");
+    let (status, out) = run_child("child_compacts_a_tombstone_into_a_pending_copy", dir.to_str().unwrap());
+    assert!(status.success() && out.contains("CHILD-DONE"), "child failed: {status:?}\n{out}");
+    let log = SegmentLog::open(PortableBackend::new(), &dir, opts(0)).unwrap();
+    assert_eq!(log.get(&key(0)).unwrap(), None, "a deleted key came back");
+    for i in 1..10 {
+        assert_eq!(log.get(&key(i)).unwrap(), Some(frames_for(&key(i), 3000)), "key {i}");
+    }
+}
