@@ -782,15 +782,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                     inner.map.get_mut(&p.key).expect("ours").stuck = true;
                     inner.any_stuck = true;
                 }
-                (false, Some(_)) => {
-                    let r = if self.cfg.persistent { self.log.delete(&p.key) } else { self.log.forget(&p.key) };
-                    if let Err(e) = r {
-                        log::error!(
-                            "Failed to drop the record of {:?}, removed while it was spilled: {e}",
-                            key_str(&p.key)
-                        );
-                    }
-                }
+                (false, Some(_)) => self.drop_stale_record(&p.key),
                 (false, None) => {}
             }
         }
@@ -831,11 +823,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         m.ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
         if inner.map.contains_key(key) {
             // A put of the key landed meanwhile (in memory: its eviction waited for this write).
-            if self.cfg.persistent {
-                self.log.delete(key)?
-            } else {
-                self.log.forget(key)?
-            };
+            self.drop_stale_record(key);
             return Ok(());
         }
         let mut e = Entry::new(Slot::new(), Tier::Disk, 0);
@@ -844,6 +832,25 @@ impl<C: Codec, B: Backend> Store<C, B> {
         e.large = raw > self.cfg.target_bytes;
         self.insert(&mut inner, key, e)?;
         Ok(())
+    }
+
+    /// Drop the record a spill or stream wrote for `key` after the key was removed or replaced
+    /// meanwhile. A persistent store writes a tombstone; if it cannot (a full disk), the record is
+    /// forgotten instead, so the store and its log agree for as long as the process lives, and the
+    /// failure is logged: after a restart the old value could come back.
+    fn drop_stale_record(&self, key: &[u8]) {
+        if self.cfg.persistent {
+            match self.log.delete(key) {
+                Ok(_) => return,
+                Err(e) => log::error!(
+                    "Failed to delete the record of {:?}, removed while it was written ({e}); forgetting it instead, so it may come back after a restart",
+                    key_str(key)
+                ),
+            }
+        }
+        if let Err(e) = self.log.forget(key) {
+            log::error!("Failed to drop the record of {:?}, removed while it was written: {e}", key_str(key));
+        }
     }
 
     fn spill_allowed(&self, inner: &mut Inner<C::Value>, bytes: u64) -> bool {

@@ -896,6 +896,26 @@ fn a_key_removed_while_its_spill_write_runs_leaves_no_record() {
     }
 }
 
+/// The same race in a persistent store on a full disk: the record of the removed key cannot get its
+/// tombstone, so the store forgets it instead. The store and its log still agree.
+#[test]
+fn a_key_removed_while_its_spill_write_runs_on_a_full_disk_leaves_no_record_in_the_index() {
+    let be = GatedBackend::default();
+    let s = Arc::new(Store::open(TestCodec::default(), be.clone(), "/store", persistent(4000)).unwrap());
+    s.put(b"pre", val(b'p', 5000)).unwrap(); // heavier than the target: on disk, the segment exists
+    let t = park_a_spill_of_old(&s, &be);
+    let s2 = s.clone();
+    assert!(without_waiting(move || s2.remove(b"old").unwrap()));
+    // The parked spill write succeeds; the tombstone after it finds the disk full.
+    be.inner.inject(Fault { op: FaultOp::Write, after: 1, kind: FaultKind::Enospc, sticky: true });
+    be.gate.release();
+    t.join().unwrap().unwrap();
+    assert!(be.inner.fault_fired(), "the tombstone write met the full disk");
+    assert!(!s.contains(b"old"));
+    assert_eq!(s.log().location(b"old"), None, "the orphaned record was dropped from the index");
+    s.check_accounting().unwrap();
+}
+
 #[test]
 fn a_key_overwritten_while_its_spill_write_runs_keeps_the_new_value() {
     let be = GatedBackend::default();
