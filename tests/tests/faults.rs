@@ -12,6 +12,25 @@ fn opts() -> LogOptions {
     LogOptions { segment_bytes: 64 * 1024, ..Default::default() }
 }
 
+/// The write paths the workload tests run on, as (grouped, gathered, write-behind bytes): one write
+/// per batch; batches cut into 8 KiB groups written "in flight" (the io_uring path: the sim backend
+/// claims a queue, so a fault can hit any group of a batch); every value written gathered from its
+/// own buffers (the buffered portable path); and write-behind (small batches pending in memory until
+/// 16 KiB are, or until a sync).
+const WRITE_PATHS: [(bool, bool, u64); 4] =
+    [(false, false, 0), (true, false, 0), (false, true, 0), (false, false, 16 << 10)];
+
+fn path_backend(grouped: bool, gathered: bool) -> SimBackend {
+    let be = SimBackend::new();
+    be.set_queue_writes(grouped);
+    be.set_gather_writes(gathered);
+    be
+}
+
+fn path_opts(write_behind: u64) -> LogOptions {
+    LogOptions { write_group_bytes: 8 << 10, gather_min_bytes: 1024, write_behind_bytes: write_behind, ..opts() }
+}
+
 #[test]
 fn failed_write_poisons_writes_but_not_reads() {
     for kind in [FaultKind::Eio, FaultKind::TornWrite] {
@@ -116,21 +135,11 @@ fn full_file_system_at_any_write_fails_that_call_only() {
         }
         assert_eq!(log.len(), model.len(), "{what}: keys");
     }
-    for (grouped, gathered, write_behind) in
-        [(false, false, 0), (true, false, 0), (false, true, 0), (false, false, 16 << 10)]
-    {
+    for (grouped, gathered, write_behind) in WRITE_PATHS {
         // Automatic compaction is housekeeping whose failure no caller sees (it is logged); here
         // every write belongs to a call, so the one that hits the fault must say so.
-        let opts = || LogOptions {
-            write_group_bytes: 8 << 10,
-            gather_min_bytes: 1024,
-            write_behind_bytes: write_behind,
-            auto_compact: false,
-            ..opts()
-        };
-        let clean = SimBackend::new();
-        clean.set_queue_writes(grouped);
-        clean.set_gather_writes(gathered);
+        let opts = || LogOptions { auto_compact: false, ..path_opts(write_behind) };
+        let clean = path_backend(grouped, gathered);
         let writes_before = clean.write_count();
         workload(&SegmentLog::open(clean.clone(), "/s", opts()).unwrap(), &mut BTreeMap::new(), &mut 0).unwrap();
         let writes = clean.write_count() - writes_before;
@@ -139,9 +148,7 @@ fn full_file_system_at_any_write_fails_that_call_only() {
             for kind in [FaultKind::Enospc, FaultKind::TornEnospc] {
                 let what =
                     format!("write {step} {kind:?} grouped={grouped} gathered={gathered} write_behind={write_behind}");
-                let be = SimBackend::new();
-                be.set_queue_writes(grouped);
-                be.set_gather_writes(gathered);
+                let be = path_backend(grouped, gathered);
                 let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
                 be.inject(Fault { op: FaultOp::Write, after: step, kind, sticky: false });
                 let (mut model, mut failures) = (BTreeMap::new(), 0);
@@ -231,32 +238,17 @@ fn failure_at_every_io_step_of_a_workload_never_panics_and_loses_no_synced_recor
         log.sync()?;
         Ok(())
     }
-    // Once with one write per batch, once with batches cut into 8 KiB groups written "in flight" (the
-    // io_uring path: the sim backend claims a queue, so a fault can hit any group of a batch), once
-    // with every value written gathered from its own buffers (the buffered portable path), and once
-    // with write-behind (small batches pending in memory until 16 KiB are, or until a sync).
-    for (grouped, gathered, write_behind) in
-        [(false, false, 0), (true, false, 0), (false, true, 0), (false, false, 16 << 10)]
-    {
-        let opts = || LogOptions {
-            write_group_bytes: 8 << 10,
-            gather_min_bytes: 1024,
-            write_behind_bytes: write_behind,
-            ..opts()
-        };
+    for (grouped, gathered, write_behind) in WRITE_PATHS {
+        let opts = || path_opts(write_behind);
         // Count the I/O steps of a clean run, then fail each one in turn.
-        let clean = SimBackend::new();
-        clean.set_queue_writes(grouped);
-        clean.set_gather_writes(gathered);
+        let clean = path_backend(grouped, gathered);
         let ops_before = clean.op_count();
         workload(&SegmentLog::open(clean.clone(), "/s", opts()).unwrap(), &mut Vec::new()).unwrap();
         let steps = clean.op_count() - ops_before;
         assert!(steps > 20);
         for step in 0..steps {
             for kind in [FaultKind::Eio, FaultKind::Enospc, FaultKind::TornWrite, FaultKind::TornEnospc] {
-                let be = SimBackend::new();
-                be.set_queue_writes(grouped);
-                be.set_gather_writes(gathered);
+                let be = path_backend(grouped, gathered);
                 let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
                 be.inject(Fault { op: FaultOp::Any, after: step, kind, sticky: false });
                 let mut synced = Vec::new();
