@@ -206,6 +206,12 @@ impl From<PackedLoc> for Location {
     }
 }
 
+/// `SegmentLog::warned` bits. A full file system is warned about again after a write succeeded.
+const WARN_FULL: u64 = 1;
+const WARN_PUNCH: u64 = 2;
+const WARN_COMPACT: u64 = 4;
+const WARN_GC: u64 = 8;
+
 /// Largest segment size accepted (offsets in the index are 32-bit).
 pub const MAX_SEGMENT_BYTES: u64 = (4 << 30) - (1 << 20);
 /// Largest value accepted (record lengths in the index are 32-bit).
@@ -422,6 +428,9 @@ pub struct SegmentLog<B: Backend = PortableBackend> {
     /// in the index and then sees no pending range for it can read it from the file.
     pending: AtomicU64,
     poisoned: OnceLock<String>,
+    /// Warnings already logged (`WARN_*` bits), so that a condition that lasts is logged once per
+    /// log, not once per call.
+    warned: AtomicU64,
     recovery: RecoveryReport,
     _lock: DirLock,
 }
@@ -544,6 +553,7 @@ impl<B: Backend> SegmentLog<B> {
             }),
             pending: AtomicU64::new(NOTHING_PENDING),
             poisoned: OnceLock::new(),
+            warned: AtomicU64::new(0),
             recovery: RecoveryReport::default(),
             _lock: lock,
         };
@@ -1172,6 +1182,18 @@ impl<B: Backend> SegmentLog<B> {
         }
     }
 
+    /// A write of records succeeded: a full file system met later is warned about again.
+    fn wrote(&self) {
+        if self.warned.load(Ordering::Relaxed) & WARN_FULL != 0 {
+            self.warned.fetch_and(!WARN_FULL, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether the warning `bit` is still to be logged for this log (and from now on, is not).
+    fn warn_once(&self, bit: u64) -> bool {
+        self.warned.fetch_or(bit, Ordering::Relaxed) & bit == 0
+    }
+
     fn poison(&self, e: Error) -> Error {
         let _ = self.poisoned.set(e.to_string());
         log::error!("segment log {} is now read-only: {e}", self.dir.display());
@@ -1186,8 +1208,7 @@ impl<B: Backend> SegmentLog<B> {
     /// an unknown state and makes the log read-only.
     fn write_failed(&self, op: &'static str, path: PathBuf, e: io::Error) -> Error {
         if crate::error::io_no_space(&e) {
-            static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-            if !WARNED.swap(true, Ordering::Relaxed) {
+            if self.warn_once(WARN_FULL) {
                 log::warn!(
                     "segment log {}: {op} failed, the file system is full ({e}); the log stays writable",
                     self.dir.display()
@@ -1530,8 +1551,7 @@ impl<B: Backend> SegmentLog<B> {
                 }
             }
             Err(e) => {
-                static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-                if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                if self.warn_once(WARN_PUNCH) {
                     log::warn!("cannot punch holes in segment files ({e}); forgotten records keep their space until compaction");
                 }
             }
@@ -1587,8 +1607,7 @@ impl<B: Backend> SegmentLog<B> {
         if st.compact_pending && !st.compacting {
             st.compact_pending = false;
             if let Err(e) = self.compact_locked(st) {
-                static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-                if !WARNED.swap(true, Ordering::Relaxed) {
+                if self.warn_once(WARN_COMPACT) {
                     log::warn!("segment log {}: automatic compaction failed: {e}", self.dir.display());
                 }
             }
@@ -1821,6 +1840,7 @@ impl<B: Backend> SegmentLog<B> {
         a.tail.drain(..(align_down(data_end, self.align) - base) as usize);
         a.written_end = data_end;
         self.pending.store(NOTHING_PENDING, Ordering::Release);
+        self.wrote();
         for m in st.segs.values_mut() {
             m.superseded_by_pending = false;
         }
@@ -2108,6 +2128,7 @@ impl<B: Backend> SegmentLog<B> {
         a.data_end = end;
         if !deferred {
             a.written_end = end;
+            self.wrote();
         }
         a.max_epoch = a.max_epoch.max(epoch);
         let id = a.id;
@@ -2188,8 +2209,7 @@ impl<B: Backend> SegmentLog<B> {
     /// later garbage collection.
     fn reclaim(&self, st: &mut WriterState<B::File>) {
         if let Err(e) = self.collect_garbage(st) {
-            static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-            if !WARNED.swap(true, Ordering::Relaxed) {
+            if self.warn_once(WARN_GC) {
                 log::warn!(
                     "segment log {}: cannot delete a dead segment yet ({e}); retrying at the next garbage collection",
                     self.dir.display()
