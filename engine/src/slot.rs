@@ -48,9 +48,14 @@ pub enum SlotState {
     Evicting,
 }
 
-struct Wait<E> {
+struct Wait<V, E> {
     /// Number of materialization attempts started.
     attempt: u64,
+    /// The most recent successful attempt and its value, kept only while threads that waited for
+    /// it have not taken it: the value may be evicted as soon as it is published (a value heavier
+    /// than the store's target is handed to its callers and not kept), and a waiter must not then
+    /// deserialize it again. Cleared when the last waiter leaves.
+    success: Option<(u64, Arc<V>)>,
     /// The most recent failed attempt and its error. Boxed: failures are rare, and inline the error
     /// made a store entry's `Arc<Slot>` a 128-byte allocation, which glibc frees through its
     /// coalescing path once its per-thread cache is full (fast bins stop at 120-byte requests), as
@@ -69,7 +74,7 @@ pub struct Slot<V, E> {
     /// Written only by the thread that moved the state to MATERIALIZING (before publishing READY) or to
     /// EVICTING (after readers drained); read only by readers counted in `word` while it is READY.
     value: UnsafeCell<Option<Arc<V>>>,
-    wait: Mutex<Wait<E>>,
+    wait: Mutex<Wait<V, E>>,
     cond: Condvar,
 }
 
@@ -93,7 +98,7 @@ impl<V, E: Clone> Slot<V, E> {
         Slot {
             word: AtomicU64::new(IDLE),
             value: UnsafeCell::new(None),
-            wait: Mutex::new(Wait { attempt: 0, failure: None, waiters: 0 }),
+            wait: Mutex::new(Wait { attempt: 0, success: None, failure: None, waiters: 0 }),
             cond: Condvar::new(),
         }
     }
@@ -117,6 +122,11 @@ impl<V, E: Clone> Slot<V, E> {
             READY => SlotState::Ready,
             _ => SlotState::Evicting,
         }
+    }
+
+    /// Threads waiting for the materialization in progress (for tests and diagnostics).
+    pub fn waiters(&self) -> u32 {
+        self.wait.lock().unwrap_or_else(|p| p.into_inner()).waiters
     }
 
     /// The fast path: the materialized value if the slot is ready. No lock.
@@ -186,13 +196,19 @@ impl<V, E: Clone> Slot<V, E> {
                         w = self.cond.wait(w).unwrap_or_else(|p| p.into_inner());
                     }
                     w.waiters -= 1;
-                    // The attempt this thread waited for failed: report its error, even if another
-                    // thread has started a new attempt since (every waiter of one attempt gets the
-                    // same answer, whatever the timing).
-                    if let Some((a, e)) = w.failure.as_deref() {
-                        if *a == seen {
-                            return Err(e.clone());
-                        }
+                    // The attempt this thread waited for: its value, even if it was evicted since,
+                    // or its error, even if another thread has started a new attempt since (every
+                    // waiter of one attempt gets the same answer, whatever the timing).
+                    let answer = match (&w.success, w.failure.as_deref()) {
+                        (Some((a, v)), _) if *a == seen => Some(Ok(v.clone())),
+                        (_, Some((a, e))) if *a == seen => Some(Err(e.clone())),
+                        _ => None,
+                    };
+                    if w.waiters == 0 {
+                        w.success = None; // nobody left to hand it to
+                    }
+                    if let Some(answer) = answer {
+                        return answer;
                     }
                 }
                 _ => {
@@ -214,8 +230,9 @@ impl<V, E: Clone> Slot<V, E> {
                     unsafe { *p = Some(v.clone()) }
                 });
                 self.word.fetch_add(READY - MATERIALIZING, Ordering::AcqRel);
-                let w = self.wait.lock().unwrap_or_else(|p| p.into_inner());
+                let mut w = self.wait.lock().unwrap_or_else(|p| p.into_inner());
                 if w.waiters > 0 {
+                    w.success = Some((attempt, v.clone()));
                     self.cond.notify_all();
                 }
                 Ok(v)

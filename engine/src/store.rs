@@ -1115,12 +1115,28 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// that needs many inputs, or a peer asking for many keys. Each key gets its own result, so one
     /// damaged record does not hide the others.
     pub fn get_many(&self, keys: &[&[u8]]) -> Vec<Result<Option<sync::Arc<C::Value>>>> {
-        if !self.log.backend().pipelines_reads() {
-            return keys.iter().map(|k| self.get(k)).collect();
+        // A key listed more than once is got once and answered from that: a value heavier than the
+        // target is not kept in memory, so a second get of it would read and deserialize it again.
+        let mut first: HashMap<&[u8], usize> = HashMap::with_capacity(keys.len());
+        let unique: Vec<&[u8]> = keys
+            .iter()
+            .copied()
+            .filter(|k| {
+                let n = first.len();
+                *first.entry(k).or_insert(n) == n
+            })
+            .collect();
+        let got: Vec<Result<Option<sync::Arc<C::Value>>>> = if !self.log.backend().pipelines_reads() {
+            unique.iter().map(|k| self.get(k)).collect()
+        } else {
+            // In batches: the bytes read for a batch are held until its values are materialized, so
+            // a long key list must not hold all of its values' bytes at once.
+            unique.chunks(GET_MANY_BATCH).flat_map(|batch| self.get_batch(batch)).collect()
+        };
+        if unique.len() == keys.len() {
+            return got;
         }
-        // In batches: the bytes read for a batch are held until its values are materialized, so a
-        // long key list must not hold all of its values' bytes at once.
-        keys.chunks(GET_MANY_BATCH).flat_map(|batch| self.get_batch(batch)).collect()
+        keys.iter().map(|k| got[first[k]].clone()).collect()
     }
 
     /// One batch of [`Store::get_many`]: the disk values read together, then materialized.

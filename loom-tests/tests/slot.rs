@@ -206,3 +206,40 @@ fn a_stale_failure_is_not_reported_after_a_later_success() {
         evictor.join().unwrap();
     });
 }
+
+/// A value that is evicted as soon as it is materialized (the store does this with a value heavier
+/// than its target): a thread that was already waiting for that materialization gets its value, and
+/// does not deserialize again because the slot is idle by the time it wakes.
+#[test]
+fn a_waiter_gets_the_value_even_if_it_was_evicted_before_it_woke() {
+    loom::model(|| {
+        let slot = Arc::new(S::new());
+        let calls = Arc::new(AtomicUsize::new(0));
+        let waited = Arc::new(loom::sync::atomic::AtomicBool::new(false));
+        let get_then_evict = |slot: &S, calls: &AtomicUsize, waited: &loom::sync::atomic::AtomicBool| {
+            let v = slot
+                .get_or_materialize(|| {
+                    calls.fetch_add(1, Ordering::SeqCst);
+                    // Someone registered as a waiter for this materialization.
+                    if slot.waiters() > 0 {
+                        waited.store(true, Ordering::SeqCst);
+                    }
+                    Ok(9)
+                })
+                .unwrap();
+            slot.evict();
+            v
+        };
+        let t = {
+            let (slot, calls, waited) = (slot.clone(), calls.clone(), waited.clone());
+            thread::spawn(move || get_then_evict(&slot, &calls, &waited))
+        };
+        let a = get_then_evict(&slot, &calls, &waited);
+        let b = t.join().unwrap();
+        if waited.load(Ordering::SeqCst) {
+            assert_eq!(calls.load(Ordering::SeqCst), 1, "a waiter deserialized again");
+            assert!(Arc::ptr_eq(&a, &b));
+        }
+        assert_eq!((*a, *b), (9, 9));
+    });
+}

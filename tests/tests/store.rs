@@ -363,6 +363,25 @@ fn concurrent_gets_of_one_key_deserialize_once() {
     }
 }
 
+/// A value heavier than the target is not kept in memory after a get. Listed twice in one
+/// `get_many`, it is still read and deserialized once, and both answers are the same `Arc`.
+#[test]
+fn get_many_of_a_large_key_listed_twice_deserializes_it_once() {
+    let (s, _) = open(10_000);
+    s.put_serialized(b"big", ser(&val(3, 50_000))).unwrap();
+    s.put(b"small", val(4, 100)).unwrap();
+    assert_eq!(s.tier(b"big"), Some(Tier::Disk));
+    let got = s.get_many(&[b"big", b"small", b"big", b"absent", b"small"]);
+    let got: Vec<_> = got.into_iter().map(|r| r.unwrap()).collect();
+    assert_eq!(s.codec().deserialized.load(Ordering::SeqCst), 1);
+    let (a, b) = (got[0].as_ref().unwrap(), got[2].as_ref().unwrap());
+    assert!(Arc::ptr_eq(a, b));
+    assert_eq!(**a, val(3, 50_000));
+    assert_eq!(*got[1].clone().unwrap(), val(4, 100));
+    assert!(got[3].is_none());
+    assert_eq!(s.tier(b"big"), Some(Tier::Disk), "still not kept in memory");
+}
+
 #[test]
 fn a_failed_deserialize_reports_the_error_and_keeps_the_bytes() {
     let (s, _) = open(1 << 20);
