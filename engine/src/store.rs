@@ -520,6 +520,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
             let mut e = Entry::new(Slot::new(), Tier::Disk, 0);
             e.disk_raw = len;
             e.disk_bytes = len;
+            // (the record's length: its serialized size plus a header, close enough to keep a value
+            // heavier than the target on disk when it is read, as it was before the reopen)
+            e.large = len > cfg.target_bytes;
             inner.account(&e, 1);
             inner.map.insert(Arc::from(k.as_slice()), e);
         }
@@ -601,7 +604,16 @@ impl<C: Codec, B: Backend> Store<C, B> {
     pub fn put(&self, key: &[u8], value: C::Value) -> Result<()> {
         let weight = self.codec.size_of(&value);
         if weight > self.cfg.target_bytes {
-            let frames = self.serialize(key, &value)?;
+            let frames = match self.serialize(key, &value) {
+                Ok(f) => f,
+                Err(e) => {
+                    // As for a value that fails when its eviction serializes it: the key is forgotten,
+                    // not left holding its previous value.
+                    let mut inner = self.lock();
+                    let _ = self.drop_entry(&mut inner, key);
+                    return Err(e);
+                }
+            };
             return self.put_large(self.lock(), key, frames);
         }
         let mut inner = self.lock();
@@ -1424,6 +1436,8 @@ impl<C: Codec, B: Backend> Store<C, B> {
 
     /// Delete `key` from every tier. Returns whether it existed.
     pub fn remove(&self, key: &[u8]) -> Result<bool> {
+        // A spill write of the key in flight is not waited for: its record is dropped when it
+        // settles (a tombstone in a persistent store), and `flush` waits for that.
         let mut inner = self.lock();
         self.drop_entry(&mut inner, key)
     }
@@ -1560,8 +1574,14 @@ impl<C: Codec, B: Backend> Store<C, B> {
         Ok(weight.saturating_sub(left))
     }
 
-    /// Make everything spilled so far durable (fdatasync of the log).
+    /// Make everything spilled so far durable (fdatasync of the log), spill writes in flight
+    /// included (they are waited for).
     pub fn flush(&self) -> Result<()> {
+        let mut inner = self.lock();
+        while !inner.writing.is_empty() {
+            inner = self.written.wait(inner).unwrap_or_else(|p| p.into_inner());
+        }
+        drop(inner);
         self.log.sync()
     }
 

@@ -178,10 +178,15 @@ fn serialize_failure_of_the_inserted_key_is_an_error_and_the_key_is_forgotten() 
     let (s, _) = open(1_000);
     let mut v = b"unpicklable".to_vec();
     v.resize(5_000, 0);
-    let err = s.put(b"bad", v).unwrap_err();
+    let err = s.put(b"bad", v.clone()).unwrap_err();
     assert!(matches!(err, Error::Codec { op: "serialize", .. }), "{err}");
     assert!(!s.contains(b"bad"));
     assert_eq!(s.memory_bytes(), 0);
+    // Over an existing key: the key is forgotten, not left at its old value.
+    s.put(b"bad", val(1, 100)).unwrap();
+    assert!(s.put(b"bad", v).is_err());
+    assert!(!s.contains(b"bad"));
+    s.check_accounting().unwrap();
 }
 
 #[test]
@@ -464,6 +469,7 @@ fn a_reopened_store_finds_its_spilled_data() {
         for i in 0..5u8 {
             s.put(&[i], val(i, 1000)).unwrap();
         }
+        s.put(b"big", val(9, 5000)).unwrap(); // heavier than the target: straight to disk
         s.flush().unwrap();
     }
     let s = Store::open(TestCodec::default(), be.crash(None), "/store", persistent(3_000)).unwrap();
@@ -472,6 +478,16 @@ fn a_reopened_store_finds_its_spilled_data() {
     for i in on_disk {
         assert_eq!(*s.get(&[i]).unwrap().unwrap(), val(i, 1000));
     }
+    // Still heavier than the target after the reopen: served from disk, not promoted, so reading it
+    // does not push the values read back before it out of memory.
+    let in_memory: Vec<u8> = (0..5u8).filter(|i| s.tier(&[*i]).is_some_and(|t| t != Tier::Disk)).collect();
+    assert!(!in_memory.is_empty());
+    assert_eq!(*s.get(b"big").unwrap().unwrap(), val(9, 5000));
+    assert_eq!(s.tier(b"big"), Some(Tier::Disk));
+    for i in in_memory {
+        assert_ne!(s.tier(&[i]), Some(Tier::Disk), "key {i} was evicted to make room for the large value");
+    }
+    s.check_accounting().unwrap();
 }
 
 #[test]
