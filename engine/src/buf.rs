@@ -121,8 +121,9 @@ thread_local! {
         const { std::cell::RefCell::new(Recycled(Vec::new())) };
 }
 
-/// A recycled allocation of exactly `layout`, if this thread holds one. Its bytes are initialized
-/// (they held an earlier buffer's data), and no one else refers to it.
+/// A recycled allocation of exactly `layout`, if this thread holds one; no one else refers to it.
+/// Treat its bytes as uninitialized: they may be an earlier buffer's, or never written (buffers of
+/// different alignments can share a layout, with different offsets).
 fn recycled_take(layout: Layout) -> Option<NonNull<u8>> {
     if layout.size() > RECYCLE_MAX_BYTES {
         return None;

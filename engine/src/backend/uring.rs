@@ -237,8 +237,11 @@ struct IoOp {
     buf: AlignedBuf,
     /// Byte ranges of the buffer still to submit.
     todo: VecDeque<(usize, usize)>,
-    /// Every range ever submitted, by piece number (for matching completions).
+    /// The range of each piece number (for matching completions). A piece number is reused once its
+    /// completion is reaped (`free_pieces`), so numbers stay below the pieces in flight at once, however
+    /// many times short transfers are resubmitted.
     pieces: Vec<(usize, usize)>,
+    free_pieces: Vec<usize>,
     inflight: usize,
     queued: bool,
     error: Option<io::Error>,
@@ -456,6 +459,7 @@ impl UringBackend {
             buf,
             todo,
             pieces: Vec::new(),
+            free_pieces: Vec::new(),
             inflight: 0,
             queued: false,
             error: None,
@@ -680,9 +684,17 @@ macro_rules! rw_entry {
 
 impl Drop for Driver {
     fn drop(&mut self) {
-        if std::thread::panicking() && !self.ops.is_empty() {
-            log::error!("io_uring driver panicked with {} operations in flight; leaking their buffers", self.ops.len());
-            std::mem::forget(std::mem::take(&mut self.ops));
+        if std::thread::panicking() {
+            // The ring is leaked (see `run`), so the kernel may still complete the armed wake-up read
+            // into `wake_buf`: leak it too.
+            std::mem::forget(std::mem::replace(&mut self.wake_buf, Box::new([0; 8])));
+            if !self.ops.is_empty() {
+                log::error!(
+                    "io_uring driver panicked with {} operations in flight; leaking their buffers",
+                    self.ops.len()
+                );
+                std::mem::forget(std::mem::take(&mut self.ops));
+            }
         }
     }
 }
@@ -815,8 +827,11 @@ impl Driver {
                 if sq.len() + 2 >= sq.capacity() || self.inflight >= self.max_inflight {
                     return;
                 }
-                let piece = op.pieces.len() as u64;
-                debug_assert!(piece < (1 << PIECE_BITS) && (key as u64) < (1 << (64 - PIECE_BITS)) - 2);
+                let piece = op.free_pieces.last().copied().unwrap_or(op.pieces.len()) as u64;
+                // Piece numbers stay below the pieces in flight (at most the ring's 4096 entries), and
+                // slab keys below the live operations: both fit their bits with room to spare. A
+                // collision would hand a completion to the wrong operation, so this is a hard check.
+                assert!(piece < (1 << PIECE_BITS) && (key as u64) < (1 << (64 - PIECE_BITS)) - 2);
                 let ud = (key as u64) << PIECE_BITS | piece;
                 let index = self.pool.as_ref().and_then(|p| op.buf.pool_index(p)).map(|i| i as u16);
                 // SAFETY: `start + len <= buf.len() <= capacity`, so the pointer stays inside the buffer.
@@ -838,7 +853,10 @@ impl Driver {
                 // is set only when the buffer is a slot of the registered pool.
                 unsafe { sq.push(&e) }.expect("checked not full");
                 op.todo.pop_front();
-                op.pieces.push((start, len));
+                match op.free_pieces.pop() {
+                    Some(p) => op.pieces[p] = (start, len),
+                    None => op.pieces.push((start, len)),
+                }
                 op.inflight += 1;
                 self.inflight += 1;
             }
@@ -871,6 +889,7 @@ impl Driver {
         };
         op.inflight -= 1;
         let (start, len) = op.pieces[piece];
+        op.free_pieces.push(piece);
         let mut requeue = false;
         if res < 0 {
             let errno = -res;
