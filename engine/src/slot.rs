@@ -187,7 +187,13 @@ impl<V, E: Clone> Slot<V, E> {
                     let attempt = w.attempt;
                     drop(w);
                     let f = materialize.take().expect("a caller materializes at most once");
-                    return self.finish(attempt, f());
+                    // If `f` panics (a codec's bug), the panic goes to this caller, and the slot must
+                    // not stay MATERIALIZING with its waiters asleep for good: the guard makes it idle
+                    // and wakes them, and one of them tries again.
+                    let guard = Unwinding(self);
+                    let r = f();
+                    std::mem::forget(guard);
+                    return self.finish(attempt, r);
                 }
                 MATERIALIZING => {
                     let seen = w.attempt;
@@ -218,6 +224,16 @@ impl<V, E: Clone> Slot<V, E> {
                     yield_now();
                 }
             }
+        }
+    }
+
+    /// The materializer unwound out of its closure: back to IDLE, waiters woken (they find no answer
+    /// for their attempt and start over).
+    fn abandon(&self) {
+        let w = self.wait.lock().unwrap_or_else(|p| p.into_inner());
+        self.word.fetch_sub(MATERIALIZING, Ordering::AcqRel);
+        if w.waiters > 0 {
+            self.cond.notify_all();
         }
     }
 
@@ -262,6 +278,15 @@ impl<V, E: Clone> Slot<V, E> {
         });
         self.word.fetch_sub(EVICTING, Ordering::AcqRel);
         v
+    }
+}
+
+/// Armed while a materializer runs its closure; dropped only if the closure unwinds.
+struct Unwinding<'a, V, E: Clone>(&'a Slot<V, E>);
+
+impl<V, E: Clone> Drop for Unwinding<'_, V, E> {
+    fn drop(&mut self) {
+        self.0.abandon();
     }
 }
 
@@ -314,5 +339,34 @@ mod tests {
         assert_eq!(slot.state(), SlotState::Idle);
         assert!(slot.try_get().is_none());
         assert!(slot.evict().is_none());
+    }
+
+    /// A materializer that panics (a codec's bug): the panic reaches its caller, the slot is idle
+    /// again, and a thread that was waiting for it materializes instead of sleeping for good.
+    #[test]
+    fn a_panicking_materializer_leaves_the_slot_usable() {
+        let slot: Arc<Slot<u32, String>> = Arc::new(Slot::new());
+        let r =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| slot.get_or_materialize(|| panic!("codec bug"))));
+        assert!(r.is_err());
+        assert_eq!(slot.state(), SlotState::Idle);
+        assert_eq!(*slot.get_or_materialize(|| Ok(3)).unwrap(), 3);
+        // With a waiter: the materializer panics once the other thread is waiting for it.
+        let slot: Arc<Slot<u32, String>> = Arc::new(Slot::new());
+        let waiter = std::sync::Mutex::new(None);
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            slot.get_or_materialize(|| {
+                let s = slot.clone();
+                *waiter.lock().unwrap() = Some(std::thread::spawn(move || *s.get_or_materialize(|| Ok(5)).unwrap()));
+                while slot.waiters() == 0 {
+                    std::thread::yield_now();
+                }
+                panic!("codec bug")
+            })
+        }));
+        assert!(r.is_err());
+        let t = waiter.lock().unwrap().take().unwrap();
+        assert_eq!(t.join().unwrap(), 5, "the waiter materialized after the panic");
+        assert_eq!(slot.state(), SlotState::Ready);
     }
 }
