@@ -2340,10 +2340,13 @@ impl<B: Backend> SegmentLog<B> {
 
     /// Seal the active segment (if any) and create a new one that can hold a record of `len` bytes.
     fn rotate(&self, st: &mut WriterState<B::File>, len: u64, key_len: usize) -> Result<()> {
-        let mut sealed_one = false;
         if st.active.is_some() {
             self.seal_active(st)?;
-            sealed_one = true;
+            if self.opts.auto_compact && self.wants_compaction(st) {
+                // Run after the caller's records are written, not in the middle of its batch (and
+                // asked for here, so that a failure to create the next segment does not lose it).
+                st.compact_pending = true;
+            }
         }
         let data_start = self.align;
         let need = align_up(padded(data_start + len), self.align)
@@ -2386,10 +2389,6 @@ impl<B: Backend> SegmentLog<B> {
             dirty: true,
             last_is_mark: false,
         });
-        if sealed_one && self.opts.auto_compact && self.wants_compaction(st) {
-            // Run after the caller's records are written, not in the middle of its batch.
-            st.compact_pending = true;
-        }
         Ok(())
     }
 
