@@ -141,6 +141,27 @@ fn many_threads_and_many_futures_share_one_driver() {
     }
 }
 
+/// O_DIRECT: a file whose size is not a multiple of the block. A read past its end comes back short
+/// at an offset O_DIRECT cannot ask for again: end of file, not the EINVAL a resubmission would get.
+#[test]
+fn an_o_direct_read_past_an_unaligned_end_is_unexpected_eof() {
+    let Some(be) = backend("o_direct_unaligned_end", true) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("f");
+    std::fs::write(&path, value_for(b"tail", 4096 + 100)).unwrap();
+    let f = be.open(&path, false).unwrap();
+    if !be.direct() {
+        println!("SKIPPED o_direct_unaligned_end: the file system refused O_DIRECT");
+        return;
+    }
+    let (r, _) = be.read_at(&f, 0, AlignedBuf::zeroed(8192, 4096));
+    assert_eq!(r.unwrap_err().kind(), std::io::ErrorKind::UnexpectedEof);
+    // A read that fits is whole.
+    let (r, got) = be.read_at(&f, 0, AlignedBuf::zeroed(4096, 4096));
+    r.unwrap();
+    assert_eq!(&got[..], &value_for(b"tail", 4096 + 100)[..4096]);
+}
+
 #[test]
 fn kernel_errors_come_back_typed() {
     let Some(be) = backend("kernel_errors", true) else { return };

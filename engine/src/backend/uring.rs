@@ -125,6 +125,9 @@ pub struct UringFile(Arc<FileInner>);
 
 struct FileInner {
     file: File,
+    /// Opened with O_DIRECT: a read that ends short at an offset the device cannot address (not a
+    /// multiple of 512) has met the end of the file.
+    direct: bool,
     /// Slot in the registered file table, when one was free.
     slot: Option<u32>,
     /// Set by the driver once the slot holds this file; read only by the driver.
@@ -513,11 +516,14 @@ impl Backend for UringBackend {
 
     fn open(&self, path: &Path, create: bool) -> io::Result<UringFile> {
         let file = self.portable.open(path, create)?;
-        if self.direct && !self.direct_refused.load(Ordering::Relaxed) && !super::enable_direct(&file, path) {
+        let mut direct = self.direct && !self.direct_refused.load(Ordering::Relaxed);
+        if direct && !super::enable_direct(&file, path) {
             self.direct_refused.store(true, Ordering::Relaxed);
+            direct = false;
         }
         let slot = lock(&self.shared.free_slots).pop();
-        let inner = Arc::new(FileInner { file, slot, registered: AtomicBool::new(false), shared: self.shared.clone() });
+        let inner =
+            Arc::new(FileInner { file, direct, slot, registered: AtomicBool::new(false), shared: self.shared.clone() });
         if slot.is_some() {
             self.shared.send(vec![Request::Register { file: inner.clone() }]);
         }
@@ -908,8 +914,13 @@ impl Driver {
             op.error.get_or_insert_with(|| io::Error::new(kind, what));
         } else if (res as usize) < len {
             let done = res as usize;
-            op.todo.push_back((start + done, len - done));
-            requeue = true;
+            if !op.write && op.file.direct && (op.offset + (start + done) as u64) % 512 != 0 {
+                // The rest cannot even be asked for (O_DIRECT needs aligned offsets): end of file.
+                op.error.get_or_insert_with(|| io::Error::new(io::ErrorKind::UnexpectedEof, "read met end of file"));
+            } else {
+                op.todo.push_back((start + done, len - done));
+                requeue = true;
+            }
         }
         if op.error.is_some() {
             op.todo.clear();
