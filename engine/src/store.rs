@@ -815,6 +815,14 @@ impl<C: Codec, B: Backend> Store<C, B> {
         if !self.spill_allowed(&mut inner, raw) {
             drop(inner);
             let frames = crate::transfer::read_stored_form(meta, src, self.log.options().max_value_bytes)?;
+            if frames.total_len() > self.cfg.target_bytes {
+                // What `put_large` would do, without asking `max_spill` (and counting a refusal) again.
+                let mut inner = self.wait_unwritten(self.lock(), key);
+                let k = self.insert(&mut inner, key, Entry::serialized(frames, true))?;
+                inner.map.get_mut(&k).expect("just inserted").stuck = true;
+                inner.any_stuck = true;
+                return Ok(());
+            }
             return self.put_serialized(key, frames);
         }
         self.drop_entry(&mut inner, key)?;

@@ -173,6 +173,31 @@ fn max_spill_refusal_keeps_data_in_memory_and_is_reported() {
     assert!(s.metrics().spilled_memory_bytes > 0);
 }
 
+/// A value streamed from a peer that `max_spill` refuses is received into memory instead: one
+/// refusal counted (not one for the stream and another for the fallback), nothing lost.
+#[test]
+fn a_streamed_value_refused_by_max_spill_is_counted_once_and_kept_in_memory() {
+    let c = StoreConfig { max_spill_bytes: Some(3_000), ..cfg(4_000) };
+    let s = Store::open(TestCodec::default(), SimBackend::new(), "/store", c).unwrap();
+    let frames = ser(&val(7, 6_000)); // heavier than the target and than max_spill
+    let lens: Vec<u64> = frames.iter().map(|f| f.len() as u64).collect();
+    let (_, raw_len) = spillway::format::frame_layout(lens.iter().copied()).unwrap();
+    let mut payload = vec![0u8; raw_len as usize];
+    spillway::format::lay_out_frames(&mut payload, frames.iter().map(|f| &f[..]));
+    let meta = spillway::StreamedValue {
+        lz4: false,
+        frame_lens: lens,
+        raw_len,
+        stored_len: raw_len,
+        payload_crc: spillway::format::payload_crc(&payload),
+    };
+    s.put_stream(b"k", &meta, &mut &payload[..]).unwrap();
+    assert_eq!(s.metrics().max_spill_refusals, 1);
+    assert_ne!(s.tier(b"k"), Some(Tier::Disk));
+    assert_eq!(*s.get(b"k").unwrap().unwrap(), val(7, 6_000));
+    s.check_accounting().unwrap();
+}
+
 #[test]
 fn serialize_failure_of_the_inserted_key_is_an_error_and_the_key_is_forgotten() {
     let (s, _) = open(1_000);
