@@ -100,10 +100,10 @@ const RECYCLE_SLOTS: usize = 8;
 /// Allocations this thread freed, kept for [`heap`] to hand out again. A get of a small spilled
 /// value allocates one read buffer, and its value frees one when dropped. From glibc, each of those
 /// is a large-chunk allocation that coalesces with its neighbours and sweeps the fast bins first; in
-/// a get-then-remove loop of 4 KiB values that was about 5% of the time, and recycling (with the
-/// slot's smaller allocation, see `slot.rs`) took a get + remove from 3.92-4.24 to 3.57-3.77 µs
-/// (`bench/examples`-style loop, the two builds alternating). Only exact layouts are reused, so a
-/// recycled allocation is freed with the layout it was made with.
+/// a get-then-remove loop of 4 KiB values glibc was 13% of the samples, and recycling (with the
+/// slot's smaller allocation, see `slot.rs`) took a get + remove from 3.92-4.24 to 3.57-3.77 µs (see
+/// `docs/benchmarks.md`, session 7, for the loop and the `spillway-bench` command that shows it).
+/// Only exact layouts are reused, so a recycled allocation is freed with the layout it was made with.
 struct Recycled(Vec<(Layout, NonNull<u8>)>);
 
 impl Drop for Recycled {
