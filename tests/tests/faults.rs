@@ -15,7 +15,8 @@ fn opts() -> LogOptions {
 /// The write paths the workload tests run on, as (grouped, gathered, write-behind bytes): one write
 /// per batch; batches cut into 8 KiB groups written "in flight" (the io_uring path: the sim backend
 /// claims a queue, so a fault can hit any group of a batch); every value written gathered from its
-/// own buffers (the buffered portable path); and write-behind (small batches pending in memory until
+/// own buffers (the buffered portable path; batches of 4 KiB or more with their crcs computed during
+/// the write and the record heads written last); and write-behind (small batches pending in memory until
 /// 16 KiB are, or until a sync).
 const WRITE_PATHS: [(bool, bool, u64); 4] =
     [(false, false, 0), (true, false, 0), (false, true, 0), (false, false, 16 << 10)];
@@ -28,7 +29,15 @@ fn path_backend(grouped: bool, gathered: bool) -> SimBackend {
 }
 
 fn path_opts(write_behind: u64) -> LogOptions {
-    LogOptions { write_group_bytes: 8 << 10, gather_min_bytes: 1024, write_behind_bytes: write_behind, ..opts() }
+    LogOptions {
+        write_group_bytes: 8 << 10,
+        gather_min_bytes: 1024,
+        // Gathered writes of 4 KiB or more compute their crcs on a helper thread and write the
+        // record heads last: two writes, either of which can fail.
+        parallel_crc_min_bytes: 4096,
+        write_behind_bytes: write_behind,
+        ..opts()
+    }
 }
 
 #[test]

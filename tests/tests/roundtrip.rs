@@ -176,7 +176,8 @@ fn frames_read_back_start_64_byte_aligned() {
 /// Gathered writes (large values handed to the kernel from their own buffers, no staging copy) must
 /// produce the same segment files, byte for byte, as staged writes: small and large values, frames of
 /// odd lengths (padding between frames), batches, overwrites, a delete, rotation, compaction. Then a
-/// fresh log reads every value back from the gathered files.
+/// fresh log reads every value back from the gathered files. Gathered writes whose large values get
+/// their crcs computed on a helper thread (heads written last) are checked the same way.
 #[test]
 fn gathered_writes_produce_identical_segments() {
     use bytes::Bytes;
@@ -195,10 +196,11 @@ fn gathered_writes_produce_identical_segments() {
             (format!("key-{i}").into_bytes(), value(i, lens))
         })
         .collect();
-    let run = |gather: bool| {
+    let run = |gather: bool, parallel_crc_min_bytes: u64| {
         let be = SimBackend::new();
         be.set_gather_writes(gather);
-        let opts = LogOptions { segment_bytes: 4 << 20, gather_min_bytes: 1000, ..Default::default() };
+        let opts =
+            LogOptions { segment_bytes: 4 << 20, gather_min_bytes: 1000, parallel_crc_min_bytes, ..Default::default() };
         let log = SegmentLog::open(be.clone(), "/g", opts).unwrap();
         for (k, v) in &values[..10] {
             log.put(k, v).unwrap();
@@ -218,9 +220,12 @@ fn gathered_writes_produce_identical_segments() {
         let contents: Vec<_> = files.iter().map(|p| (p.clone(), be.file_contents(p).unwrap())).collect();
         (be, contents)
     };
-    let (_, staged) = run(false);
-    let (be, gathered) = run(true);
+    let (_, staged) = run(false, u64::MAX);
+    let (_, gathered) = run(true, u64::MAX);
     spillway_tests::assert_same_files(&staged, &gathered, "gathered segment against the staged one");
+    // 1 MiB: single puts of 2.5 MB values, and the batch (several large values with small ones between).
+    let (be, parallel) = run(true, 1 << 20);
+    spillway_tests::assert_same_files(&staged, &parallel, "gathered segment with parallel crcs against the staged one");
     let log = SegmentLog::open(be, "/g", LogOptions::default()).unwrap();
     for (i, (k, v)) in values.iter().enumerate() {
         let want = match i {

@@ -108,7 +108,7 @@ impl Backend for PortableBackend {
     }
 
     fn allocate(&self, file: &File, len: u64) -> io::Result<()> {
-        allocate_file(file, len, self.direct())
+        allocate_file(file, len)
     }
 
     fn as_fd<'a>(&self, file: &'a File) -> Option<std::os::fd::BorrowedFd<'a>> {
@@ -207,20 +207,21 @@ pub fn dio_alignment(path: &Path) -> Option<usize> {
     Some(a.clamp(512, 4096))
 }
 
-/// Give a new segment file its size. For O_DIRECT files, reserve the blocks (fallocate): direct
-/// writes into allocated extents need no allocation on the way, and a full disk shows up here as a
-/// retryable ENOSPC. For buffered files, extend sparsely instead: ext4 writes buffered data into
-/// fallocated (unwritten) extents without delayed allocation, which made 16 MiB buffered puts 6x
-/// slower (store spill 0.54x -> 1.61x the file-per-key baseline); delayed allocation still reserves
-/// space at write time, so a full disk is an ENOSPC from the write.
-pub fn allocate_file(file: &File, len: u64, preallocate: bool) -> io::Result<()> {
-    if preallocate {
-        match rustix::fs::fallocate(file, FallocateFlags::empty(), 0, len) {
-            Ok(()) => return Ok(()),
-            // File systems without fallocate (some FUSE, old NFS): a sparse extension instead.
-            Err(e) if e == rustix::io::Errno::OPNOTSUPP || e == rustix::io::Errno::NOSYS => {}
-            Err(e) => return Err(e.into()),
-        }
+/// Give a new segment file its size, reserving its blocks (`fallocate`) where the file system can.
+/// Writes into reserved blocks need no block allocation on the way. Measured here on ext4, buffered
+/// `pwrite`s of 128 KiB / 1 MiB / 16 MiB into a fresh file (1 GiB, best of 8 rounds) took
+/// 20 / 166 / 2240 µs into a fallocated file against 29 / 226 / 3180 µs into a sparse or growing one,
+/// and store spills went 13-30% faster (docs/benchmarks.md, session 8). A full disk then shows up
+/// here, as an ENOSPC that fails only the call creating the segment. On a nearly full file system
+/// the file is extended sparsely instead, so that the records that still fit can be written (a
+/// write then reports the full disk).
+pub fn allocate_file(file: &File, len: u64) -> io::Result<()> {
+    use rustix::io::Errno;
+    match rustix::fs::fallocate(file, FallocateFlags::empty(), 0, len) {
+        Ok(()) => return Ok(()),
+        // File systems without fallocate (some FUSE, old NFS): a sparse extension instead.
+        Err(Errno::OPNOTSUPP | Errno::NOSYS | Errno::NOSPC | Errno::DQUOT) => {}
+        Err(e) => return Err(e.into()),
     }
     if file.metadata()?.len() < len {
         file.set_len(len)?;

@@ -540,7 +540,7 @@ impl Backend for UringBackend {
         self.portable.file_len(&file.0.file)
     }
     fn allocate(&self, file: &UringFile, len: u64) -> io::Result<()> {
-        super::portable::allocate_file(&file.0.file, len, self.direct())
+        super::portable::allocate_file(&file.0.file, len)
     }
 
     fn as_fd<'a>(&self, file: &'a UringFile) -> Option<std::os::fd::BorrowedFd<'a>> {
