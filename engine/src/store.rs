@@ -58,7 +58,9 @@ pub type CodecError = Box<dyn std::error::Error + Send + Sync>;
 pub trait Codec: Send + Sync + 'static {
     /// The materialized type.
     type Value: Send + Sync + 'static;
-    /// Serialize a value into frames (a small header plus large buffers, kept apart).
+    /// Serialize a value into frames (a small header plus large buffers, kept apart). A panic here is
+    /// caught and handled as a serialize error: it often runs while evicting some other caller's
+    /// value, and must not leave that eviction half done.
     fn serialize(&self, value: &Self::Value) -> std::result::Result<Frames, CodecError>;
     /// Rebuild a value from frames; the frames' buffers may be kept without copying.
     fn deserialize(&self, frames: Frames) -> std::result::Result<Self::Value, CodecError>;
@@ -458,6 +460,14 @@ struct Planned<V> {
     /// Identifies the entry that was planned: a `remove` or a new `put` meanwhile replaces it.
     slot: Arc<Slot<V, Error>>,
     weight: u64,
+}
+
+/// The text of a panic's payload, if it has one.
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> &str {
+    match payload.downcast_ref::<&'static str>() {
+        Some(s) => s,
+        None => payload.downcast_ref::<String>().map_or("(no message)", |s| s.as_str()),
+    }
 }
 
 fn key_str(k: &[u8]) -> String {
@@ -897,11 +907,11 @@ impl<C: Codec, B: Backend> Store<C, B> {
 
     fn serialize(&self, key: &[u8], v: &C::Value) -> Result<Frames> {
         let t = Instant::now();
-        let f = self.codec.serialize(v).map_err(|e| Error::Codec {
-            op: "serialize",
-            key: key_str(key),
-            source: Arc::from(e),
-        })?;
+        // A panicking codec is a failed serialize: `spill` runs it with keys marked as being written,
+        // and unwinding out of it would leave them marked (their puts waiting forever).
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.codec.serialize(v)))
+            .unwrap_or_else(|panic| Err(format!("the codec panicked: {}", panic_message(&*panic)).into()));
+        let f = r.map_err(|e| Error::Codec { op: "serialize", key: key_str(key), source: Arc::from(e) })?;
         self.metrics.acts[SERIALIZE].add(f.total_len(), t);
         Ok(f)
     }

@@ -9,7 +9,7 @@ use spillway::backend::{Fault, FaultKind, FaultOp};
 use spillway::{Backend, Codec, CodecError, Error, Frames, LogOptions, SimBackend, Store, StoreConfig, Tier};
 
 /// Values are byte vectors; serialized as a 1-byte header frame plus the bytes. Values starting with
-/// `unpicklable` fail to serialize; serialized data starting with `undeserializable` fails to deserialize.
+/// `unpicklable` fail to serialize, values starting with `panicky` make it panic; serialized data starting with `undeserializable` fails to deserialize.
 #[derive(Default)]
 struct TestCodec {
     serialized: AtomicUsize,
@@ -21,6 +21,9 @@ impl Codec for TestCodec {
     fn serialize(&self, v: &Vec<u8>) -> Result<Frames, CodecError> {
         if v.starts_with(b"unpicklable") {
             return Err("cannot pickle this".into());
+        }
+        if v.starts_with(b"panicky") {
+            panic!("the test codec panics on this value");
         }
         self.serialized.fetch_add(1, Ordering::SeqCst);
         Ok(Frames(vec![Bytes::from_static(b"H"), Bytes::from(v.clone())]))
@@ -225,6 +228,30 @@ fn serialize_failure_while_evicting_another_key_keeps_it_in_memory() {
     assert_eq!(*s.get(b"stubborn").unwrap().unwrap(), v);
     assert!(s.metrics().spill_failures >= 1);
     assert_eq!(s.len(), 2);
+}
+
+/// A codec that panics while evicting a key is a failed serialize like any other: the key stays in
+/// memory and the eviction finishes, so the key is not left marked as being written (a put of it
+/// would then wait forever). The caller whose put triggered the eviction sees no error; a put of
+/// the panicking value itself straight to disk is a codec error for that put.
+#[test]
+fn a_codec_panic_while_evicting_is_a_serialize_failure() {
+    let (s, _) = open(5_000);
+    let mut v = b"panicky".to_vec();
+    v.resize(3_000, 0);
+    s.put(b"stubborn", v.clone()).unwrap();
+    s.put(b"next", val(1, 3000)).unwrap(); // evicts: the codec panics on stubborn, so next goes
+    assert_eq!(s.tier(b"stubborn"), Some(Tier::Materialized));
+    assert!(s.metrics().spill_failures >= 1);
+    // Not left marked as being written: a put of the same key returns.
+    s.put(b"stubborn", val(2, 100)).unwrap();
+    assert_eq!(*s.get(b"stubborn").unwrap().unwrap(), val(2, 100));
+    let mut big = b"panicky".to_vec();
+    big.resize(6_000, 0); // heavier than the target: serialized at once, for the disk
+    let err = s.put(b"big", big).unwrap_err();
+    assert!(matches!(err, Error::Codec { op: "serialize", .. }) && err.to_string().contains("panic"), "{err}");
+    assert!(!s.contains(b"big"));
+    s.check_accounting().unwrap();
 }
 
 #[test]
