@@ -601,12 +601,20 @@ impl<C: Codec, B: Backend> Store<C, B> {
         if e.tier != Tier::Disk {
             inner.lru.remove(&e.tick);
         }
-        if disk_bytes > 0 && std::mem::take(&mut inner.any_stuck) {
-            for e in inner.map.values_mut() {
-                e.stuck = false; // disk space was freed: retry evictions that max_spill or ENOSPC refused
-            }
+        if disk_bytes > 0 {
+            Self::unstick(inner);
         }
         Ok(true)
+    }
+
+    /// Disk space was freed, or space reserved for a write was given back unused: retry the
+    /// evictions that max_spill or a full disk refused.
+    fn unstick(inner: &mut Inner<C::Value>) {
+        if std::mem::take(&mut inner.any_stuck) {
+            for e in inner.map.values_mut() {
+                e.stuck = false;
+            }
+        }
     }
 
     /// Store a materialized value. If it is heavier than the target it is serialized and written to disk
@@ -776,6 +784,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 }
             }
         }
+        let mut freed = false;
         for (p, d) in batch.iter().zip(&data) {
             let raw = p.raw;
             inner.writing.remove(&p.key);
@@ -804,9 +813,16 @@ impl<C: Codec, B: Backend> Store<C, B> {
                     inner.map.get_mut(&p.key).expect("ours").stuck = true;
                     inner.any_stuck = true;
                 }
-                (false, Some(_)) => self.drop_stale_record(&p.key),
-                (false, None) => {}
+                (false, Some(_)) => {
+                    self.drop_stale_record(&p.key);
+                    freed = true;
+                }
+                (false, None) => freed = true,
             }
+        }
+        if freed {
+            // Space reserved against max_spill for a record nobody wants any more is free again.
+            Self::unstick(&mut inner);
         }
         self.written.notify_all();
         (inner, protect_failed)
@@ -846,6 +862,10 @@ impl<C: Codec, B: Backend> Store<C, B> {
         inner.writing.remove(&k);
         inner.writing_raw -= raw;
         self.written.notify_all();
+        if streamed.is_err() {
+            // The space this stream reserved against max_spill is free again.
+            Self::unstick(&mut inner);
+        }
         streamed?;
         let m = &self.metrics.acts[DISK_WRITE];
         m.count.fetch_add(1, Ordering::Relaxed);
@@ -854,6 +874,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         if inner.map.contains_key(key) {
             // A put of the key landed meanwhile (in memory: its eviction waited for this write).
             self.drop_stale_record(key);
+            Self::unstick(&mut inner);
             return Ok(());
         }
         let mut e = Entry::new(Slot::new(), Tier::Disk, 0);

@@ -176,6 +176,51 @@ fn max_spill_refusal_keeps_data_in_memory_and_is_reported() {
     assert!(s.metrics().spilled_memory_bytes > 0);
 }
 
+/// While a stream is being received, its size counts against `max_spill`, so evictions meanwhile can
+/// be refused. When the stream fails (the peer hung up), that space is free again and those keys
+/// can be spilled: they are not left stuck in memory for good.
+#[test]
+fn an_aborted_stream_gives_its_max_spill_space_back() {
+    struct HangsUp<'a> {
+        store: &'a Store<TestCodec, SimBackend>,
+        sent: usize,
+    }
+    impl std::io::Read for HangsUp<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            if self.sent == 0 {
+                // Meanwhile, puts push memory over the target; max_spill refuses their evictions.
+                for i in 0..4u8 {
+                    self.store.put(&[i], val(i, 2_000)).unwrap();
+                }
+                self.sent = 100.min(buf.len());
+                buf[..self.sent].fill(0);
+                return Ok(self.sent);
+            }
+            Err(std::io::Error::new(std::io::ErrorKind::ConnectionReset, "peer hung up"))
+        }
+    }
+    let c = StoreConfig { max_spill_bytes: Some(7_000), ..cfg(4_000) };
+    let s = Store::open(TestCodec::default(), SimBackend::new(), "/store", c).unwrap();
+    let meta = spillway::StreamedValue {
+        lz4: false,
+        frame_lens: vec![5_000],
+        raw_len: 5_000,
+        stored_len: 5_000,
+        payload_crc: 0,
+    };
+    let err = s.put_stream(b"streamed", &meta, &mut HangsUp { store: &s, sent: 0 }).unwrap_err();
+    assert!(!s.contains(b"streamed"), "{err}");
+    assert!(s.metrics().max_spill_refusals > 0, "the test needs evictions refused during the stream");
+    assert!(s.memory_bytes() > 4_000);
+    // The next eviction finds room on disk again.
+    s.put(b"small", val(9, 10)).unwrap();
+    assert!(s.memory_bytes() <= 4_000, "{:?}", s.metrics());
+    for i in 0..4u8 {
+        assert_eq!(*s.get(&[i]).unwrap().unwrap(), val(i, 2_000));
+    }
+    s.check_accounting().unwrap();
+}
+
 /// A value streamed from a peer that `max_spill` refuses is received into memory instead: one
 /// refusal counted (not one for the stream and another for the fallback), nothing lost.
 #[test]
