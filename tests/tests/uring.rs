@@ -160,6 +160,95 @@ fn an_o_direct_read_past_an_unaligned_end_is_unexpected_eof() {
     let (r, got) = be.read_at(&f, 0, AlignedBuf::zeroed(4096, 4096));
     r.unwrap();
     assert_eq!(&got[..], &value_for(b"tail", 4096 + 100)[..4096]);
+    // The same through a pipeline of the calling thread: the short read is end of file too.
+    let got = pipelined(&be, &Arc::new(f), &[(0, 8192), (0, 4096)]);
+    assert_eq!(got[0].as_ref().unwrap_err().kind(), std::io::ErrorKind::UnexpectedEof);
+    assert_eq!(&got[1].as_ref().unwrap()[..], &value_for(b"tail", 4096 + 100)[..4096]);
+}
+
+/// Read `(offset, len)` pairs with `read_pipelined`, results in the order asked.
+fn pipelined(
+    be: &UringBackend,
+    f: &Arc<spillway::backend::UringFile>,
+    reads: &[(u64, usize)],
+) -> Vec<std::io::Result<AlignedBuf>> {
+    let mut it = reads.iter().enumerate();
+    let mut out: Vec<Option<std::io::Result<AlignedBuf>>> = reads.iter().map(|_| None).collect();
+    be.read_pipelined(
+        8,
+        &mut || {
+            it.next().map(|(i, &(offset, len))| spillway::backend::PipelinedRead {
+                file: f.clone(),
+                offset,
+                buf: AlignedBuf::zeroed(len, 4096),
+                tag: i as u64,
+            })
+        },
+        &mut |tag, (r, b)| out[tag as usize] = Some(r.map(|()| b)),
+    )
+    .unwrap();
+    out.into_iter().map(|r| r.expect("every read reported")).collect()
+}
+
+/// Where no ring can be created for a pipeline (here: no file descriptor left), the reads run one
+/// after another on the backend instead, with the same results. Runs in a child process, since it
+/// lowers the process's descriptor limit.
+#[test]
+fn pipelined_reads_fall_back_when_no_ring_can_be_created() {
+    let data = value_for(b"noring", 4 * 4096);
+    if std::env::var_os("SPILLWAY_TEST_CHILD_NORING").is_some() {
+        let be = backend("pipelined_noring", false).expect("the parent checked io_uring");
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("f");
+        std::fs::write(&path, &data).unwrap();
+        let f = Arc::new(be.open(&path, false).unwrap());
+        // The lowest free descriptor number becomes the limit: no new descriptor can be made.
+        let probe = std::fs::File::open("/dev/null").unwrap();
+        let lowest_free = std::os::fd::AsRawFd::as_raw_fd(&probe) as u64;
+        drop(probe);
+        let old = rustix::process::getrlimit(rustix::process::Resource::Nofile);
+        let low = rustix::process::Rlimit { current: Some(lowest_free), maximum: old.maximum };
+        rustix::process::setrlimit(rustix::process::Resource::Nofile, low).unwrap();
+        assert!(std::fs::File::open("/dev/null").is_err(), "no descriptor is left");
+        let got = pipelined(&be, &f, &[(4096, 8192), (0, 4096), (0, 5 * 4096)]);
+        rustix::process::setrlimit(rustix::process::Resource::Nofile, old).unwrap();
+        assert_eq!(&got[0].as_ref().unwrap()[..], &data[4096..3 * 4096]);
+        assert_eq!(&got[1].as_ref().unwrap()[..], &data[..4096]);
+        assert_eq!(got[2].as_ref().unwrap_err().kind(), std::io::ErrorKind::UnexpectedEof);
+        println!("NORING-FALLBACK-OK");
+        return;
+    }
+    if backend("pipelined_noring", false).is_none() {
+        return;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["pipelined_reads_fall_back_when_no_ring_can_be_created", "--exact", "--nocapture", "--test-threads=1"])
+        .env("SPILLWAY_TEST_CHILD_NORING", "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("NORING-FALLBACK-OK"),
+        "child: {}\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A buffered pipelined read that comes back short is read on; one past the end is end of file.
+#[test]
+fn pipelined_reads_resubmit_short_reads_and_report_end_of_file() {
+    let Some(be) = backend("pipelined_short_reads", false) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("f");
+    let data = value_for(b"pipe", 3 * 4096 + 100);
+    std::fs::write(&path, &data).unwrap();
+    let f = Arc::new(be.open(&path, false).unwrap());
+    let got = pipelined(&be, &f, &[(100, 3 * 4096), (0, 4 * 4096), (1 << 20, 10), (7, 0)]);
+    assert_eq!(&got[0].as_ref().unwrap()[..], &data[100..]);
+    assert_eq!(got[1].as_ref().unwrap_err().kind(), std::io::ErrorKind::UnexpectedEof);
+    assert_eq!(got[2].as_ref().unwrap_err().kind(), std::io::ErrorKind::UnexpectedEof);
+    assert!(got[3].as_ref().unwrap().is_empty());
 }
 
 #[test]

@@ -254,15 +254,25 @@ impl Backend for AutoBackend {
     ) -> io::Result<()> {
         match self {
             // Any open file works on a ring of the calling thread.
-            AutoBackend::Uring(_) => super::pipeline::run(
-                depth,
-                |f: &AutoFile| match f {
-                    AutoFile::Uring(u) => u.file().as_raw_fd(),
-                    AutoFile::Portable(p) => p.as_raw_fd(),
-                },
-                next,
-                done,
-            ),
+            AutoBackend::Uring(u) => match super::pipeline::ring(depth) {
+                Ok(ring) => super::pipeline::run(
+                    ring,
+                    depth,
+                    |f: &AutoFile| match f {
+                        AutoFile::Uring(f) => (f.file().as_raw_fd(), f.is_direct()),
+                        AutoFile::Portable(p) => (p.as_raw_fd(), u.direct()),
+                    },
+                    next,
+                    done,
+                ),
+                Err(e) => {
+                    super::pipeline::warn_no_ring(&e);
+                    while let Some(r) = next() {
+                        done(r.tag, self.read_at(&r.file, r.offset, r.buf));
+                    }
+                    Ok(())
+                }
+            },
             AutoBackend::Portable(p) => {
                 while let Some(r) = next() {
                     let res = match &*r.file {

@@ -5,6 +5,9 @@
 //! own a ring, keep `depth` reads in flight, submit and reap in the same loop. The ring lives for one
 //! call (creating one costs tens of microseconds, nothing next to a stream of reads).
 //!
+//! Where the ring cannot be created (a memlock or file limit, say), [`ring`] fails and the caller
+//! reads one after another instead, saying so once in the log.
+//!
 //! Buffer ownership: each read's buffer sits in this call's slab from submission until its
 //! completion is reaped. If `next` or `done` panics, [`Pipeline`]'s `Drop` reaps every read still in
 //! flight before the slab (and with it the buffers) is freed, so the kernel never writes into freed
@@ -13,6 +16,7 @@
 
 use std::io;
 use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use io_uring::{opcode, types, IoUring};
 use slab::Slab;
@@ -34,7 +38,7 @@ struct Pipeline<F> {
 
 impl<F> Pipeline<F> {
     /// Queue (the rest of) op `key`'s read; the kernel sees it at the next submit.
-    fn push(&mut self, key: usize, fd: RawFd) {
+    fn push(&mut self, key: usize, (fd, _): (RawFd, bool)) {
         let op = &mut self.ops[key];
         let len = (op.read.buf.len() - op.done).min(1 << 30);
         // SAFETY: `done + len <= buf.len()`, so the pointer stays inside the buffer.
@@ -87,22 +91,37 @@ impl<F> Drop for Pipeline<F> {
     }
 }
 
-/// Run a stream of reads with up to `depth` in flight on a ring of the calling thread.
+/// A ring for [`run`] with room for `depth` reads in flight.
+pub(super) fn ring(depth: usize) -> io::Result<IoUring> {
+    let entries = (depth.clamp(1, 4096) as u32).next_power_of_two();
+    // One thread submits and waits: let completions run when it waits (fewer wake-ups); kernels
+    // before 6.1 refuse the flags, then plain setup.
+    IoUring::builder()
+        .setup_single_issuer()
+        .setup_defer_taskrun()
+        .build(entries)
+        .or_else(|_| IoUring::builder().build(entries))
+}
+
+/// Log, once per process, that pipelined reads run one after another because `e` kept [`ring`] from
+/// creating a ring.
+pub(super) fn warn_no_ring(e: &io::Error) {
+    static WARNED: AtomicBool = AtomicBool::new(false);
+    if !WARNED.swap(true, Ordering::Relaxed) {
+        log::warn!("io_uring: creating a ring for pipelined reads failed ({e}); reading one after another");
+    }
+}
+
+/// Run a stream of reads with up to `depth` in flight on `ring` (from [`ring`]), owned by the calling
+/// thread. `file_of` gives a read's descriptor and whether it was opened with O_DIRECT.
 pub(super) fn run<F>(
+    ring: IoUring,
     depth: usize,
-    fd_of: impl Fn(&F) -> RawFd,
+    file_of: impl Fn(&F) -> (RawFd, bool),
     next: &mut dyn FnMut() -> Option<PipelinedRead<F>>,
     done: &mut dyn FnMut(u64, BufResult),
 ) -> io::Result<()> {
     let depth = depth.clamp(1, 4096);
-    let entries = (depth as u32).next_power_of_two();
-    // One thread submits and waits: let completions run when it waits (fewer wake-ups); kernels
-    // before 6.1 refuse the flags, then plain setup.
-    let ring = IoUring::builder()
-        .setup_single_issuer()
-        .setup_defer_taskrun()
-        .build(entries)
-        .or_else(|_| IoUring::builder().build(entries))?;
     let mut p = Pipeline { ring, ops: Slab::with_capacity(depth) };
     let mut exhausted = false;
     let mut cqes: Vec<(u64, i32)> = Vec::with_capacity(depth);
@@ -116,7 +135,7 @@ pub(super) fn run<F>(
             match next() {
                 Some(r) if r.buf.is_empty() => done(r.tag, (Ok(()), r.buf)),
                 Some(r) => {
-                    let fd = fd_of(&r.file);
+                    let fd = file_of(&r.file);
                     let key = p.ops.insert(Op { read: r, done: 0 });
                     p.push(key, fd);
                     p.submit_only()?;
@@ -150,12 +169,21 @@ pub(super) fn run<F>(
                 Some(Err(io::Error::new(io::ErrorKind::UnexpectedEof, "read met end of file")))
             } else {
                 op.done += res as usize;
-                (op.done == op.read.buf.len()).then_some(Ok(()))
+                let end = op.read.offset + op.done as u64;
+                if op.done == op.read.buf.len() {
+                    Some(Ok(()))
+                } else if file_of(&op.read.file).1 && end % 512 != 0 {
+                    // An O_DIRECT read that ended short at an unaligned offset: the rest cannot even be
+                    // asked for (O_DIRECT needs aligned offsets), so it is the end of the file.
+                    Some(Err(io::Error::new(io::ErrorKind::UnexpectedEof, "read met end of file")))
+                } else {
+                    None
+                }
             };
             match outcome {
                 // Short read, EAGAIN or EINTR: read the rest.
                 None => {
-                    let fd = fd_of(&op.read.file);
+                    let fd = file_of(&op.read.file);
                     p.push(key, fd);
                 }
                 Some(result) => {

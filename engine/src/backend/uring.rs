@@ -150,6 +150,11 @@ impl UringFile {
     pub fn file(&self) -> &File {
         &self.0.file
     }
+
+    /// Whether the file was opened with O_DIRECT.
+    pub fn is_direct(&self) -> bool {
+        self.0.direct
+    }
 }
 
 enum Request {
@@ -642,7 +647,18 @@ impl Backend for UringBackend {
         next: &mut dyn FnMut() -> Option<PipelinedRead<UringFile>>,
         done: &mut dyn FnMut(u64, BufResult),
     ) -> io::Result<()> {
-        super::pipeline::run(depth, |f: &UringFile| f.0.file.as_raw_fd(), next, done)
+        match super::pipeline::ring(depth) {
+            Ok(ring) => {
+                super::pipeline::run(ring, depth, |f: &UringFile| (f.0.file.as_raw_fd(), f.0.direct), next, done)
+            }
+            Err(e) => {
+                super::pipeline::warn_no_ring(&e);
+                while let Some(r) = next() {
+                    done(r.tag, self.read_at(&r.file, r.offset, r.buf));
+                }
+                Ok(())
+            }
+        }
     }
 
     fn read_many(&self, reqs: Vec<ReadReq<'_, UringFile>>) -> Vec<BufResult> {
