@@ -159,12 +159,21 @@ impl UringFile {
 
 enum Request {
     Io(IoOp),
-    Register { file: Arc<FileInner> },
-    Unregister { slot: u32 },
+    Register {
+        file: Arc<FileInner>,
+    },
+    Unregister {
+        slot: u32,
+    },
+    /// Makes the driver panic (tests of what callers see when it dies).
+    #[cfg(test)]
+    Panic,
 }
 
 struct Shared {
-    queue: Mutex<Vec<Request>>,
+    /// Requests for the driver; `None` once the driver has died (panicked), so that a request sent
+    /// afterwards fails at once instead of waiting for a driver that is gone.
+    queue: Mutex<Option<Vec<Request>>>,
     /// The driver's sleep/wake handshake (loom-modelled in `loom-tests/tests/doorbell.rs`).
     idle: Doorbell,
     shutdown: AtomicBool,
@@ -178,10 +187,31 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl Shared {
     fn send(&self, reqs: Vec<Request>) {
-        lock(&self.queue).extend(reqs);
+        match &mut *lock(&self.queue) {
+            Some(q) => q.extend(reqs),
+            None => {
+                // The driver is gone. These operations never reached the kernel: their buffers go
+                // back to their callers with the error.
+                for r in reqs {
+                    if let Request::Io(op) = r {
+                        op.comp.complete((Err(driver_died()), op.buf));
+                    }
+                }
+                return;
+            }
+        }
         if self.idle.must_ring() {
             self.kick();
         }
+    }
+
+    /// The requests queued for the driver (empty once it died).
+    fn take_queue(&self) -> Vec<Request> {
+        lock(&self.queue).as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    fn queue_is_empty(&self) -> bool {
+        lock(&self.queue).as_ref().is_none_or(Vec::is_empty)
     }
 
     fn kick(&self) {
@@ -254,6 +284,11 @@ struct IoOp {
     queued: bool,
     error: Option<io::Error>,
     comp: Arc<Completion<BufResult>>,
+}
+
+/// What an operation gets when the driver thread died (panicked) before finishing it.
+fn driver_died() -> io::Error {
+    io::Error::other("the io_uring driver thread died (panicked); see the log")
 }
 
 fn io_error(kind: io::ErrorKind, msg: String) -> io::Error {
@@ -364,7 +399,7 @@ impl UringBackend {
 
         let eventfd = rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC)?;
         let shared = Arc::new(Shared {
-            queue: Mutex::new(Vec::new()),
+            queue: Mutex::new(Some(Vec::new())),
             idle: Doorbell::new(),
             shutdown: AtomicBool::new(false),
             eventfd,
@@ -710,12 +745,26 @@ impl Drop for Driver {
             // The ring is leaked (see `run`), so the kernel may still complete the armed wake-up read
             // into `wake_buf`: leak it too.
             std::mem::forget(std::mem::replace(&mut self.wake_buf, Box::new([0; 8])));
+            // From now on requests fail at once; those still queued never reached the kernel, so
+            // their buffers go back to their callers.
+            let queued = lock(&self.shared.queue).take().unwrap_or_default();
+            for r in queued {
+                if let Request::Io(op) = r {
+                    op.comp.complete((Err(driver_died()), op.buf));
+                }
+            }
             if !self.ops.is_empty() {
                 log::error!(
                     "io_uring driver panicked with {} operations in flight; leaking their buffers",
                     self.ops.len()
                 );
-                std::mem::forget(std::mem::take(&mut self.ops));
+                // The kernel may still write into these buffers: each is leaked, and its caller is
+                // woken with the error and an empty buffer instead of waiting for good.
+                for (_, op) in std::mem::take(&mut self.ops) {
+                    let IoOp { buf, comp, .. } = op;
+                    std::mem::forget(buf);
+                    comp.complete((Err(driver_died()), AlignedBuf::zeroed(0, 1)));
+                }
             }
         }
     }
@@ -756,7 +805,7 @@ impl Driver {
                 && self.ops.is_empty()
                 && !self.wake_armed
                 && !self.cancel_inflight
-                && lock(&self.shared.queue).is_empty()
+                && self.shared.queue_is_empty()
             {
                 break;
             }
@@ -766,7 +815,7 @@ impl Driver {
                 }
                 continue;
             }
-            if !self.shared.idle.may_sleep(|| !lock(&self.shared.queue).is_empty()) {
+            if !self.shared.idle.may_sleep(|| !self.shared.queue_is_empty()) {
                 continue;
             }
             self.enter(ring, 1);
@@ -803,9 +852,11 @@ impl Driver {
     }
 
     fn take_requests(&mut self, ring: &IoUring) {
-        let reqs = std::mem::take(&mut *lock(&self.shared.queue));
+        let reqs = self.shared.take_queue();
         for r in reqs {
             match r {
+                #[cfg(test)]
+                Request::Panic => panic!("deliberate io_uring driver panic (test)"),
                 Request::Io(op) => {
                     let key = self.ops.insert(op);
                     self.queue_op(key);
@@ -953,5 +1004,53 @@ impl Driver {
             };
             op.comp.complete((result, op.buf));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// When the driver thread dies (a bug), its callers are not left waiting: an operation queued or
+    /// in flight fails with an error (an in-flight one's buffer is leaked, since the kernel may still
+    /// write into it, and an empty one comes back), and later operations fail at once.
+    #[test]
+    fn callers_get_an_error_when_the_driver_dies() {
+        let be = match UringBackend::new(UringOptions { inline_blocking: false, ..Default::default() }) {
+            Ok(b) => b,
+            Err(e) if std::env::var("SPILLWAY_REQUIRE_URING").is_ok_and(|v| v == "1") => {
+                panic!("io_uring required (SPILLWAY_REQUIRE_URING=1) but unavailable: {e}")
+            }
+            Err(e) => {
+                println!("SKIPPED callers_get_an_error_when_the_driver_dies: io_uring unavailable: {e}");
+                return;
+            }
+        };
+        // A read of an empty pipe stays in flight until data arrives, which it never does.
+        let (rx, tx) = rustix::pipe::pipe().unwrap();
+        let f = UringFile(Arc::new(FileInner {
+            file: File::from(rx),
+            direct: false,
+            slot: None,
+            registered: AtomicBool::new(false),
+            shared: be.shared.clone(),
+        }));
+        let pending = be.read(&f, 0, AlignedBuf::zeroed(8, 8));
+        be.shared.send(vec![Request::Panic]);
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let (r, b) = block_on(pending);
+            done_tx.send((r.map_err(|e| e.to_string()), b.len())).unwrap();
+        });
+        let (r, len) = done_rx.recv_timeout(std::time::Duration::from_secs(60)).expect("the caller is woken");
+        assert!(r.as_ref().is_err_and(|e| e.contains("driver thread died")), "{r:?}");
+        assert_eq!(len, 0, "the in-flight buffer is leaked, not handed back");
+        // Afterwards an operation fails at once and gets its (never submitted) buffer back.
+        let (r, b) = block_on(be.read(&f, 0, AlignedBuf::zeroed(8, 8)));
+        assert!(r.is_err_and(|e| e.to_string().contains("driver thread died")));
+        assert_eq!(b.len(), 8);
+        drop(f);
+        drop(be); // joins the dead driver (and logs that it panicked)
+        drop(tx);
     }
 }
