@@ -941,14 +941,13 @@ impl<C: Codec, B: Backend> Store<C, B> {
         let t = Instant::now();
         let bytes: u64 = items.iter().map(|(_, f)| f.total_len()).sum();
         self.log.put_many(items)?;
-        if self.cfg.sync_spills {
-            self.log.sync()?;
-        }
+        // Written (and readable) even if the sync below fails: counted either way.
+        let synced = if self.cfg.sync_spills { self.log.sync() } else { Ok(()) };
         let m = &self.metrics.acts[DISK_WRITE];
         m.count.fetch_add(items.len() as u64, Ordering::Relaxed);
         m.bytes.fetch_add(bytes, Ordering::Relaxed);
         m.ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        Ok(())
+        synced
     }
 
     /// Demote least-recently-used entries until memory, not counting what is being written to disk
