@@ -16,7 +16,8 @@
 //!
 //! ## Failures
 //! `max_spill` full, a serialize failure or a disk failure while evicting *another* key keep that key
-//! in memory (logged once, counted in the metrics) and never fail the caller. A serialize failure of the
+//! in memory (logged, counted in the metrics) and never fail the caller: "Spill file on disk reached
+//! capacity" and "Spill to disk failed" at most every 10 s each, a serialize failure once per entry. A serialize failure of the
 //! key being inserted fails that `put` and the store forgets the key. Nothing is dropped silently.
 //!
 //! ## Locking
@@ -164,6 +165,8 @@ struct Entry<V> {
     large: bool,
     /// Eviction of this entry failed (max_spill, serialize or disk error): skip it until things change.
     stuck: bool,
+    /// Its serialize failure was logged (once per entry, as dask logs a pickle error once per key).
+    logged_serialize: bool,
 }
 
 impl<V> Entry<V> {
@@ -179,6 +182,7 @@ impl<V> Entry<V> {
             tick: 0,
             large: false,
             stuck: false,
+            logged_serialize: false,
         }
     }
 
@@ -199,7 +203,10 @@ struct Inner<V> {
     tier_count: [u64; 4],
     disk_bytes: u64,
     disk_raw: u64,
-    logged_stuck: bool,
+    /// When "reached capacity" (max_spill) and "Spill to disk failed" were last logged: each is
+    /// logged at most every [`LOG_EVERY`], independently of the other.
+    logged_full: Option<Instant>,
+    logged_disk: Option<Instant>,
     /// Some entry is marked stuck (so freeing disk space has flags to reset).
     any_stuck: bool,
     /// Keys whose spill write runs right now, outside the lock. A key is in at most one write at a
@@ -462,6 +469,19 @@ struct Planned<V> {
     weight: u64,
 }
 
+/// "Reached capacity" and "Spill to disk failed" are each logged at most this often (as the Python
+/// `SpillBuffer` does).
+const LOG_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Whether a rate-limited message last logged at `last` is due again; if so, `last` becomes now.
+fn log_due(last: &mut Option<Instant>) -> bool {
+    if last.is_some_and(|t| t.elapsed() < LOG_EVERY) {
+        return false;
+    }
+    *last = Some(Instant::now());
+    true
+}
+
 /// The text of a panic's payload, if it has one.
 fn panic_message(payload: &(dyn std::any::Any + Send)) -> &str {
     match payload.downcast_ref::<&'static str>() {
@@ -519,7 +539,8 @@ impl<C: Codec, B: Backend> Store<C, B> {
             tier_count: [0; 4],
             disk_bytes: 0,
             disk_raw: 0,
-            logged_stuck: false,
+            logged_full: None,
+            logged_disk: None,
             any_stuck: false,
             writing: HashSet::new(),
             writing_weight: 0,
@@ -756,9 +777,12 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 }
                 Err(err) => {
                     if same {
-                        log::error!("Failed to serialize {:?}; keeping it in memory: {err}", key_str(&d.key));
                         self.metrics.spill_failures.fetch_add(1, Ordering::Relaxed);
-                        inner.map.get_mut(&d.key).expect("present").stuck = true;
+                        let e = inner.map.get_mut(&d.key).expect("present");
+                        if !std::mem::replace(&mut e.logged_serialize, true) {
+                            log::error!("Failed to serialize {:?}; keeping it in memory: {err}", key_str(&d.key));
+                        }
+                        e.stuck = true;
                         inner.any_stuck = true;
                     }
                 }
@@ -908,8 +932,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         match self.cfg.max_spill_bytes {
             Some(max) if inner.disk_raw + inner.writing_raw + bytes > max => {
                 self.metrics.max_spill_refusals.fetch_add(1, Ordering::Relaxed);
-                if !inner.logged_stuck {
-                    inner.logged_stuck = true;
+                if log_due(&mut inner.logged_full) {
                     log::warn!("Spill file on disk reached capacity; keeping data in memory");
                 }
                 false
@@ -920,8 +943,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
 
     fn spill_failed(&self, inner: &mut Inner<C::Value>, key: &[u8], err: &Error) {
         self.metrics.spill_failures.fetch_add(1, Ordering::Relaxed);
-        if !inner.logged_stuck {
-            inner.logged_stuck = true;
+        if log_due(&mut inner.logged_disk) {
             log::error!("Spill to disk failed; keeping data in memory ({:?}: {err})", key_str(key));
         }
     }
