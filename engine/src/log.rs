@@ -1888,11 +1888,13 @@ impl<B: Backend> SegmentLog<B> {
     /// the kernel from their own buffers instead of being copied into a staging buffer first. Headers,
     /// small records and padding are built in a small arena.
     ///
-    /// When the large payloads add up to [`LogOptions::parallel_crc_min_bytes`] or more, their crcs are computed
-    /// on a helper thread while this one writes everything but their record heads; the heads (which
-    /// hold the crcs) are written last. Until then the heads' bytes are whatever the segment held
-    /// there (zeros, or nothing past the published end), so a crash in between leaves an unfinished
-    /// record that recovery ends the segment at, as it would a torn single write. On this machine the
+    /// When the large payloads add up to [`LogOptions::parallel_crc_min_bytes`] or more, their crcs
+    /// are computed on a helper thread while this one writes the payloads; everything else (the
+    /// rewritten partial block, every record head, small records, padding) is written after, once
+    /// the crcs are in the heads. A crash in between leaves nothing but payload bytes past the
+    /// published end: no record of this chunk parses, so recovery ends the segment there as at a torn
+    /// tail, and what lay past the end before (zeros, or the head of a record cut off as torn at an
+    /// earlier recovery) is still followed by nothing valid, so it is cut again. On this machine the
     /// crc of 16 MiB costs about a third of copying it into the page cache.
     fn write_chunk_gathered(&self, st: &mut WriterState<B::File>, chunk: &[Prepared<'_>]) -> Result<Vec<Location>> {
         enum Part<'a> {
@@ -1902,7 +1904,6 @@ impl<B: Backend> SegmentLog<B> {
         }
         /// A large record whose head waits for its payload crc.
         struct Large<'a> {
-            part: usize,
             head: std::ops::Range<usize>,
             header: RecordHeader,
             frame_lens: Vec<u64>,
@@ -1921,6 +1922,8 @@ impl<B: Backend> SegmentLog<B> {
         // The partial block before `data_end` is rewritten with the new records, as in `write_chunk`.
         let mut arena: Vec<u8> = tail;
         let mut parts: Vec<Part<'_>> = vec![Part::Arena(0..arena.len())];
+        // Whether each part belongs to a large record's payload.
+        let mut payload: Vec<bool> = vec![false];
         let mut large: Vec<Large<'_>> = Vec::new();
         let mut placed: Vec<(u64, u64, u64)> = Vec::with_capacity(chunk.len());
         let mut pos = data_end;
@@ -1950,7 +1953,6 @@ impl<B: Backend> SegmentLog<B> {
                     let start = arena.len();
                     arena.resize(start + po, 0);
                     large.push(Large {
-                        part: parts.len(),
                         head: start..start + po,
                         header,
                         frame_lens,
@@ -1959,13 +1961,16 @@ impl<B: Backend> SegmentLog<B> {
                         offsets: offsets.clone(),
                     });
                     parts.push(Part::Arena(start..start + po));
+                    payload.push(false);
                     // The payload: each frame and the zeros before it.
                     let mut at = 0u64;
                     for (f, &off) in frames.iter().zip(&offsets) {
                         if off > at {
                             parts.push(Part::Zeros((off - at) as usize));
+                            payload.push(true);
                         }
                         parts.push(Part::Frame(f));
+                        payload.push(true);
                         at = off + f.len() as u64;
                     }
                 }
@@ -1974,15 +1979,18 @@ impl<B: Backend> SegmentLog<B> {
                     arena.resize(start + p.len as usize, 0);
                     Self::encode_record(p, &mut arena[start..], id, epoch, seq);
                     parts.push(Part::Arena(start..start + p.len as usize));
+                    payload.push(false);
                 }
             }
             placed.push((pos, p.len, seq));
             let next = padded(pos + p.len);
             parts.push(Part::Zeros((next - pos - p.len) as usize)); // padding between records
+            payload.push(false);
             pos = next;
         }
         let end = pos;
         parts.push(Part::Zeros((align_up(end, align) - end) as usize)); // up to the aligned end
+        payload.push(false);
 
         // The slices of `parts`, back to back from `base`, each with the index of its part.
         fn slices_of<'a>(arena: &'a [u8], parts: &'a [Part<'a>]) -> Vec<(usize, &'a [u8])> {
@@ -2003,19 +2011,19 @@ impl<B: Backend> SegmentLog<B> {
             slices
         }
         let payload_bytes: u64 = large.iter().map(|l| l.header.raw_len).sum();
-        let write = |arena: &[u8], heads_only: Option<bool>| -> io::Result<()> {
+        // `None`: every part, in one gathered write. `Some(p)`: the parts whose `payload` flag is `p`,
+        // one gathered write per run of consecutive ones.
+        let write = |arena: &[u8], payloads: Option<bool>| -> io::Result<()> {
             let slices = slices_of(arena, &parts);
-            let Some(heads) = heads_only else {
+            let Some(want) = payloads else {
                 let all: Vec<&[u8]> = slices.iter().map(|&(_, s)| s).collect();
                 return self.backend.write_gather_at(&file, base, &all);
             };
-            // One gathered write per run of consecutive slices that are (or are not) large records' heads.
-            let is_head = |part: usize| large.iter().any(|l| l.part == part);
             let mut at = base;
             let mut run: Vec<&[u8]> = Vec::new();
             let mut run_at = base;
             for &(part, sl) in &slices {
-                if is_head(part) == heads {
+                if payload[part] == want {
                     if run.is_empty() {
                         run_at = at;
                     }
@@ -2054,7 +2062,7 @@ impl<B: Backend> SegmentLog<B> {
                     .spawn_scoped(s, || large_ref.iter().map(crc_of).collect::<Vec<u32>>());
                 // Without a helper thread (resource limits), everything is written in order below.
                 if let Ok(h) = helper {
-                    written = write(arena_ref, Some(false));
+                    written = write(arena_ref, Some(true));
                     crcs = Some(h.join().expect("crc32 does not panic"));
                 }
             });
@@ -2066,7 +2074,7 @@ impl<B: Backend> SegmentLog<B> {
             format::write_record_head(&mut arena[l.head.clone()], &h, &l.frame_lens, l.key);
         }
         if written.is_ok() {
-            written = write(&arena, deferred.then_some(true));
+            written = write(&arena, deferred.then_some(false));
         }
         if let Err(e) = written {
             // Nothing of the chunk is published, and the active segment is as it was.
