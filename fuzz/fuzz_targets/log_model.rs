@@ -3,7 +3,9 @@
 //! the model, before and after reopening. With a fault armed (the first input byte says after how many
 //! I/O steps, and which kind), the same ops run until the log fails; then a power cut and a reopen must
 //! still return every record that was synced before the fault (and not deleted since), byte for byte.
-//! The top bit of the first op code turns on write-behind (`LogOptions::write_behind_bytes`).
+//! The top bit of the first op code turns on write-behind (`LogOptions::write_behind_bytes`); the
+//! next one gathered writes (values of 1 KiB or more written from their own buffers), with the crcs
+//! of gathered batches of 4 KiB or more computed on a helper thread and their heads written last.
 #![no_main]
 
 use std::collections::BTreeMap;
@@ -30,6 +32,8 @@ fn opts(write_behind: bool) -> LogOptions {
         segment_bytes: 64 << 10,
         write_group_bytes: 4 << 10,
         write_behind_bytes: if write_behind { 8 << 10 } else { 0 },
+        gather_min_bytes: 1024,
+        parallel_crc_min_bytes: 4096,
         ..Default::default()
     }
 }
@@ -40,6 +44,7 @@ fuzz_target!(|data: &[u8]| {
     be.set_queue_writes(mode & 1 == 1);
     // The first byte's bits all have a use; an op code only uses its low three bits.
     let write_behind = ops.first().is_some_and(|c| c & 0x80 != 0);
+    be.set_gather_writes(ops.first().is_some_and(|c| c & 0x40 != 0));
     let mut log = SegmentLog::open(be.clone(), "/s", opts(write_behind)).unwrap();
     let faulty = mode & 0x80 != 0;
     if faulty {
