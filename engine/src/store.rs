@@ -763,6 +763,8 @@ impl<C: Codec, B: Backend> Store<C, B> {
         let result = if items.is_empty() { Ok(()) } else { self.write_disk(&items) };
         let mut inner = self.lock();
         let mut protect_failed = None;
+        // Keys this round failed to spill: marked stuck at the end, after any unsticking.
+        let mut stuck: Vec<Arc<[u8]>> = Vec::new();
         for (d, r) in demotions.into_iter().zip(serialized) {
             inner.writing.remove(&d.key);
             inner.writing_weight -= d.weight;
@@ -782,8 +784,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                         if !std::mem::replace(&mut e.logged_serialize, true) {
                             log::error!("Failed to serialize {:?}; keeping it in memory: {err}", key_str(&d.key));
                         }
-                        e.stuck = true;
-                        inner.any_stuck = true;
+                        stuck.push(d.key.clone());
                     }
                 }
                 Ok((frames, compressed)) => {
@@ -809,6 +810,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             }
         }
         let mut freed = false;
+        let mut landed = false;
         for (p, d) in batch.iter().zip(&data) {
             let raw = p.raw;
             inner.writing.remove(&p.key);
@@ -827,6 +829,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                         ne.disk_raw = raw;
                         ne.disk_bytes = loc.len;
                     });
+                    landed = true;
                 }
                 (true, None) => {
                     let err = match d {
@@ -834,19 +837,30 @@ impl<C: Codec, B: Backend> Store<C, B> {
                         Ok(_) => result.clone().err().unwrap_or_else(|| vanished(&p.key)),
                     };
                     self.spill_failed(&mut inner, &p.key, &err);
-                    inner.map.get_mut(&p.key).expect("ours").stuck = true;
-                    inner.any_stuck = true;
+                    stuck.push(p.key.clone());
                 }
                 (false, Some(_)) => {
                     self.drop_stale_record(&p.key);
                     freed = true;
                 }
-                (false, None) => freed = true,
+                (false, None) => freed |= result.is_ok(),
             }
+        }
+        if let (Err(e), true) = (&result, landed) {
+            // The records were written (and stay readable), but what followed failed: the sync of
+            // `sync_spills`. Reported like any failed spill.
+            let key = batch.first().map(|p| p.key.clone()).expect("a batch was written");
+            self.spill_failed(&mut inner, &key, e);
         }
         if freed {
             // Space reserved against max_spill for a record nobody wants any more is free again.
             Self::unstick(&mut inner);
+        }
+        for k in stuck {
+            if let Some(e) = inner.map.get_mut(&k) {
+                e.stuck = true;
+                inner.any_stuck = true;
+            }
         }
         self.written.notify_all();
         (inner, protect_failed)
@@ -886,8 +900,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
         inner.writing.remove(&k);
         inner.writing_raw -= raw;
         self.written.notify_all();
-        if streamed.is_err() {
-            // The space this stream reserved against max_spill is free again.
+        if streamed.as_ref().is_err_and(|e| !e.is_no_space()) {
+            // The space this stream reserved against max_spill is free again (unless the disk is
+            // full, when retrying the refused evictions would only fail again).
             Self::unstick(&mut inner);
         }
         streamed?;
