@@ -211,10 +211,10 @@ pub fn dio_alignment(path: &Path) -> Option<usize> {
 /// Writes into reserved blocks need no block allocation on the way. Measured here on ext4, buffered
 /// `pwrite`s of 128 KiB / 1 MiB / 16 MiB into a fresh file (1 GiB, best of 8 rounds) took
 /// 20 / 166 / 2240 µs into a fallocated file against 29 / 226 / 3180 µs into a sparse or growing one,
-/// and store spills went 13-30% faster (docs/benchmarks.md, session 8). A full disk then shows up
-/// here, as an ENOSPC that fails only the call creating the segment. On a nearly full file system
-/// the file is extended sparsely instead, so that the records that still fit can be written (a
-/// write then reports the full disk).
+/// and store spills went 13-36% faster (docs/benchmarks.md, session 8). On a file system too full
+/// for the whole segment, the file is extended sparsely instead, so that the records that still fit
+/// can be written: the full disk then shows up as an ENOSPC from a write, which fails only that call
+/// (for O_DIRECT files too: a direct write into a hole allocates its blocks on the way).
 pub fn allocate_file(file: &File, len: u64) -> io::Result<()> {
     use rustix::io::Errno;
     match rustix::fs::fallocate(file, FallocateFlags::empty(), 0, len) {

@@ -187,18 +187,23 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl Shared {
     fn send(&self, reqs: Vec<Request>) {
-        match &mut *lock(&self.queue) {
-            Some(q) => q.extend(reqs),
-            None => {
-                // The driver is gone. These operations never reached the kernel: their buffers go
-                // back to their callers with the error.
-                for r in reqs {
-                    if let Request::Io(op) = r {
-                        op.comp.complete((Err(driver_died()), op.buf));
-                    }
-                }
-                return;
+        let refused = match &mut *lock(&self.queue) {
+            Some(q) => {
+                q.extend(reqs);
+                None
             }
+            None => Some(reqs),
+        };
+        if let Some(reqs) = refused {
+            // The driver is gone. These operations never reached the kernel: their buffers go back to
+            // their callers with the error. (Outside the queue's lock: dropping a request can drop the
+            // last handle of a file, whose `Drop` sends again.)
+            for r in reqs {
+                if let Request::Io(op) = r {
+                    op.comp.complete((Err(driver_died()), op.buf));
+                }
+            }
+            return;
         }
         if self.idle.must_ring() {
             self.kick();
@@ -761,6 +766,9 @@ impl Drop for Driver {
                 // The kernel may still write into these buffers: each is leaked, and its caller is
                 // woken with the error and an empty buffer instead of waiting for good.
                 for (_, op) in std::mem::take(&mut self.ops) {
+                    // Dropping the op's file handle may close its descriptor: harmless, since each
+                    // submitted entry holds its own reference to the file in the kernel, and the
+                    // leaked ring is never entered again.
                     let IoOp { buf, comp, .. } = op;
                     std::mem::forget(buf);
                     comp.complete((Err(driver_died()), AlignedBuf::zeroed(0, 1)));
@@ -852,15 +860,23 @@ impl Driver {
     }
 
     fn take_requests(&mut self, ring: &IoUring) {
-        let reqs = self.shared.take_queue();
-        for r in reqs {
+        // Operations first, into the slab: should anything below panic, `Drop for Driver` finds them
+        // there and wakes their callers.
+        let mut rest = Vec::new();
+        for r in self.shared.take_queue() {
             match r {
-                #[cfg(test)]
-                Request::Panic => panic!("deliberate io_uring driver panic (test)"),
                 Request::Io(op) => {
                     let key = self.ops.insert(op);
                     self.queue_op(key);
                 }
+                other => rest.push(other),
+            }
+        }
+        for r in rest {
+            match r {
+                #[cfg(test)]
+                Request::Panic => panic!("deliberate io_uring driver panic (test)"),
+                Request::Io(_) => unreachable!("taken above"),
                 Request::Register { file } => {
                     let slot = file.slot.expect("registered files have a slot");
                     match ring.submitter().register_files_update(slot, &[file.file.as_raw_fd()]) {
@@ -1036,7 +1052,11 @@ mod tests {
             shared: be.shared.clone(),
         }));
         let pending = be.read(&f, 0, AlignedBuf::zeroed(8, 8));
-        be.shared.send(vec![Request::Panic]);
+        // Another read in the same batch as the panic: taken by the driver, never submitted.
+        let (op, taken) = UringBackend::make_op(false, &f, 0, AlignedBuf::zeroed(8, 8));
+        be.shared.send(vec![Request::Io(op.expect("not empty")), Request::Panic]);
+        let (r, _) = block_on(taken);
+        assert!(r.is_err_and(|e| e.to_string().contains("driver thread died")));
         let (done_tx, done_rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             let (r, b) = block_on(pending);
