@@ -474,6 +474,8 @@ struct SegmentScan {
     max_epoch: u32,
     /// For unsealed segments: bytes of the last partial block before `data_end`.
     tail: Vec<u8>,
+    /// A torn or garbage tail was cut off at `data_end` (its bytes are still in the file).
+    cut: bool,
 }
 
 impl<B: Backend> SegmentLog<B> {
@@ -705,6 +707,9 @@ impl<B: Backend> SegmentLog<B> {
             let meta = segs.get(&last).expect("scanned");
             if !meta.sealed {
                 let file = files.get(&last).expect("opened").clone();
+                if scan.cut && self.opts.durable {
+                    self.erase_cut_tail(&file, last, meta.data_end, meta.size);
+                }
                 let mut footer = Vec::new();
                 for e in &scan.entries {
                     format::encode_footer_entry(&mut footer, e);
@@ -797,7 +802,7 @@ impl<B: Backend> SegmentLog<B> {
                     meta.sealed = true;
                     meta.records = entries.len() as u64;
                     report.sealed_segments += 1;
-                    return Ok(SegmentScan { meta, entries, max_epoch: t.max_epoch, tail: Vec::new() });
+                    return Ok(SegmentScan { meta, entries, max_epoch: t.max_epoch, tail: Vec::new(), cut: false });
                 }
                 report.corrupt.push((id, t.footer_offset, "footer checksum mismatch; scanning records".into()));
             }
@@ -830,6 +835,20 @@ impl<B: Backend> SegmentLog<B> {
         }
     }
 
+    /// Zero what recovery cut off the end of the segment that writing continues in, and make that
+    /// durable, before anything new is written there. The epoch rule only rejects stale records that
+    /// follow a newer one: a stale record *at* the published end (the head of a torn write, say)
+    /// would, after a power cut that kept later pages of the next write but not its first, be taken
+    /// for a damaged record in the middle of the log, and win over its key's synced value. Only
+    /// durable logs need this (a power cut loses everything a non-durable one wrote anyway); it runs
+    /// only after a crash, and a failure is logged, not fatal (the log is as safe as before it).
+    fn erase_cut_tail(&self, file: &B::File, id: u32, data_end: u64, size: u64) {
+        let r = self.backend.punch_hole(file, data_end, size - data_end).and_then(|()| self.backend.sync_data(file));
+        if let Err(e) = r {
+            log::warn!("segment {id}: could not erase the tail cut off at offset {data_end}: {e}");
+        }
+    }
+
     /// Walk the records of an unsealed segment from `data_start`, verifying each. A region that does
     /// not parse is skipped by searching for the next valid record header of this segment and epoch;
     /// if none follows, the region is a torn tail and the segment ends there.
@@ -849,6 +868,7 @@ impl<B: Backend> SegmentLog<B> {
         let mut pos = data_start;
         let mut prev_epoch = 0u32;
         let mut max_epoch_any = 0u32;
+        let mut cut = false;
         loop {
             match self.try_record_at(&mut win, id, pos, prev_epoch)? {
                 Probe::Record(e, h, intact) => {
@@ -875,6 +895,7 @@ impl<B: Backend> SegmentLog<B> {
                         None => {
                             let garbage_end = win.first_zero_block_from(pos)?;
                             report.truncated_bytes += garbage_end.saturating_sub(pos);
+                            cut = true;
                             break;
                         }
                     }
@@ -886,6 +907,7 @@ impl<B: Backend> SegmentLog<B> {
         while intact_flags.last() == Some(&false) {
             intact_flags.pop();
             let e = entries.pop().expect("one entry per flag");
+            cut = true;
             report.truncated_bytes += pos - e.offset;
             pos = e.offset;
             corrupt.retain(|c| c.1 != e.offset);
@@ -897,7 +919,7 @@ impl<B: Backend> SegmentLog<B> {
         meta.records = entries.len() as u64;
         let tail_start = align_down(pos, self.align);
         let tail = if pos > tail_start { win.bytes(tail_start, pos - tail_start)?.to_vec() } else { Vec::new() };
-        Ok(SegmentScan { meta, entries, max_epoch: max_epoch_any, tail })
+        Ok(SegmentScan { meta, entries, max_epoch: max_epoch_any, tail, cut })
     }
 
     fn try_record_at(&self, win: &mut ScanWindow<'_, B>, id: u32, pos: u64, prev_epoch: u32) -> Result<Probe> {
