@@ -835,8 +835,8 @@ impl<B: Backend> SegmentLog<B> {
         }
     }
 
-    /// Zero what recovery cut off the end of the segment that writing continues in, and make that
-    /// durable, before anything new is written there. The epoch rule only rejects stale records that
+    /// Zero what recovery cut off the end of the segment that writing continues in (or what a failed
+    /// write left past the written end), and make that durable, before anything new is written there. The epoch rule only rejects stale records that
     /// follow a newer one: a stale record *at* the published end (the head of a torn write, say)
     /// would, after a power cut that kept later pages of the next write but not its first, be taken
     /// for a damaged record in the middle of the log, and win over its key's synced value. Only
@@ -845,7 +845,7 @@ impl<B: Backend> SegmentLog<B> {
     fn erase_cut_tail(&self, file: &B::File, id: u32, data_end: u64, size: u64) {
         let r = self.backend.punch_hole(file, data_end, size - data_end).and_then(|()| self.backend.sync_data(file));
         if let Err(e) = r {
-            log::warn!("segment {id}: could not erase the tail cut off at offset {data_end}: {e}");
+            log::warn!("segment {id}: could not erase the bytes past offset {data_end}: {e}");
         }
     }
 
@@ -1450,7 +1450,7 @@ impl<B: Backend> SegmentLog<B> {
             // recovery ever see a partial record.
             let erase_end = align_up(end, self.align).min(buf_base + buf.capacity() as u64);
             let erased = self.erase_aborted(file, base, &old_tail, erase_end);
-            Self::fence_failed_write(st);
+            self.fence_failed_write(st, false); // (erased just above)
             if let Err(we) = erased {
                 return Err(self.write_failed("erase an aborted value", self.seg_path(id), we));
             }
@@ -1793,7 +1793,7 @@ impl<B: Backend> SegmentLog<B> {
         }
         if let Some(e) = failure {
             // Nothing of the chunk is published, and the active segment is as it was.
-            Self::fence_failed_write(st);
+            self.fence_failed_write(st, crate::error::io_no_space(&e));
             return Err(self.write_failed("write segment", self.seg_path(id), e));
         }
         let tail = tail.expect("a non-empty chunk encodes a group");
@@ -2100,7 +2100,7 @@ impl<B: Backend> SegmentLog<B> {
         }
         if let Err(e) = written {
             // Nothing of the chunk is published, and the active segment is as it was.
-            Self::fence_failed_write(st);
+            self.fence_failed_write(st, crate::error::io_no_space(&e));
             return Err(self.write_failed("write segment", self.seg_path(id), e));
         }
         // The new tail: the bytes of the last, partial block, gathered from the end of the slices.
@@ -2199,10 +2199,19 @@ impl<B: Backend> SegmentLog<B> {
     /// After a write of new records failed: whole records of it may lie in the file past the published
     /// end, beyond what the next write covers. Later records get a higher epoch, and recovery's scan
     /// drops a record whose epoch is lower than the one before it (as it does for a torn tail's
-    /// leftovers), so those records never come back once anything was written after them.
-    fn fence_failed_write(st: &mut WriterState<B::File>) {
+    /// leftovers), so those records never come back once anything was written after them. After a
+    /// full file system (`erase`; the log stays writable), a durable log also zeroes and syncs what
+    /// lies past the written end, for the reason recovery does (see [`Self::erase_cut_tail`]): a
+    /// leftover *at* the end is not covered by the epoch rule. (After any other failure the log is
+    /// read-only from then on, and recovery erases the leftovers at the next open.)
+    fn fence_failed_write(&self, st: &mut WriterState<B::File>, erase: bool) {
         if let Some(e) = st.epoch.checked_add(1) {
             st.epoch = e;
+        }
+        if erase && self.opts.durable {
+            if let Some(a) = &st.active {
+                self.erase_cut_tail(&a.file, a.id, a.written_end, a.size);
+            }
         }
     }
 
