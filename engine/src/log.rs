@@ -474,8 +474,8 @@ struct SegmentScan {
     max_epoch: u32,
     /// For unsealed segments: bytes of the last partial block before `data_end`.
     tail: Vec<u8>,
-    /// A torn or garbage tail was cut off at `data_end` (its bytes are still in the file).
-    cut: bool,
+    /// The end of a torn or garbage tail cut off at `data_end` (its bytes are still in the file).
+    cut: Option<u64>,
 }
 
 impl<B: Backend> SegmentLog<B> {
@@ -707,8 +707,9 @@ impl<B: Backend> SegmentLog<B> {
             let meta = segs.get(&last).expect("scanned");
             if !meta.sealed {
                 let file = files.get(&last).expect("opened").clone();
-                if scan.cut && self.opts.durable {
-                    self.erase_cut_tail(&file, last, meta.data_end, meta.size);
+                if let (Some(cut_end), true) = (scan.cut, self.opts.durable) {
+                    let end = align_up(cut_end, self.align).min(meta.size);
+                    self.erase_durably(&file, last, meta.data_end, &scan.tail, end)?;
                 }
                 let mut footer = Vec::new();
                 for e in &scan.entries {
@@ -802,7 +803,7 @@ impl<B: Backend> SegmentLog<B> {
                     meta.sealed = true;
                     meta.records = entries.len() as u64;
                     report.sealed_segments += 1;
-                    return Ok(SegmentScan { meta, entries, max_epoch: t.max_epoch, tail: Vec::new(), cut: false });
+                    return Ok(SegmentScan { meta, entries, max_epoch: t.max_epoch, tail: Vec::new(), cut: None });
                 }
                 report.corrupt.push((id, t.footer_offset, "footer checksum mismatch; scanning records".into()));
             }
@@ -835,18 +836,23 @@ impl<B: Backend> SegmentLog<B> {
         }
     }
 
-    /// Zero what recovery cut off the end of the segment that writing continues in (or what a failed
-    /// write left past the written end), and make that durable, before anything new is written there. The epoch rule only rejects stale records that
-    /// follow a newer one: a stale record *at* the published end (the head of a torn write, say)
-    /// would, after a power cut that kept later pages of the next write but not its first, be taken
-    /// for a damaged record in the middle of the log, and win over its key's synced value. Only
-    /// durable logs need this (a power cut loses everything a non-durable one wrote anyway); it runs
-    /// only after a crash, and a failure is logged, not fatal (the log is as safe as before it).
-    fn erase_cut_tail(&self, file: &B::File, id: u32, data_end: u64, size: u64) {
-        let r = self.backend.punch_hole(file, data_end, size - data_end).and_then(|()| self.backend.sync_data(file));
-        if let Err(e) = r {
-            log::warn!("segment {id}: could not erase the bytes past offset {data_end}: {e}");
+    /// Zero `data_end..end` of a segment that writing continues in (what recovery cut off as a torn
+    /// tail, or what a failed write left past the end; `tail` holds the bytes of the block before
+    /// `data_end`), and sync it, before anything new is written there. The epoch rule rejects a stale
+    /// record only after a newer one: a stale record *at* the published end (the head of a torn
+    /// write, say) would, after a power cut that kept later pages of the next write but not its
+    /// first, be taken for a damaged record in the middle of the log, and win over its key's synced
+    /// value. Only durable logs do this (it runs only after a crash or a failed write). A failed sync
+    /// is an error (an fdatasync is never retried); a failed erase only a warning.
+    fn erase_durably(&self, file: &B::File, id: u32, data_end: u64, tail: &[u8], end: u64) -> Result<()> {
+        if end <= data_end {
+            return Ok(());
         }
+        if let Err(e) = self.erase_aborted(file, data_end - tail.len() as u64, tail, end) {
+            log::warn!("segment {id}: could not erase bytes {data_end}..{end} past the end of its records: {e}");
+            return Ok(());
+        }
+        self.backend.sync_data(file).map_err(|e| Error::io("sync segment", self.seg_path(id), e))
     }
 
     /// Walk the records of an unsealed segment from `data_start`, verifying each. A region that does
@@ -868,7 +874,8 @@ impl<B: Backend> SegmentLog<B> {
         let mut pos = data_start;
         let mut prev_epoch = 0u32;
         let mut max_epoch_any = 0u32;
-        let mut cut = false;
+        // The end of what is cut off as a torn tail, if anything is.
+        let mut cut_end = 0u64;
         loop {
             match self.try_record_at(&mut win, id, pos, prev_epoch)? {
                 Probe::Record(e, h, intact) => {
@@ -895,7 +902,7 @@ impl<B: Backend> SegmentLog<B> {
                         None => {
                             let garbage_end = win.first_zero_block_from(pos)?;
                             report.truncated_bytes += garbage_end.saturating_sub(pos);
-                            cut = true;
+                            cut_end = cut_end.max(garbage_end);
                             break;
                         }
                     }
@@ -907,7 +914,7 @@ impl<B: Backend> SegmentLog<B> {
         while intact_flags.last() == Some(&false) {
             intact_flags.pop();
             let e = entries.pop().expect("one entry per flag");
-            cut = true;
+            cut_end = cut_end.max(pos);
             report.truncated_bytes += pos - e.offset;
             pos = e.offset;
             corrupt.retain(|c| c.1 != e.offset);
@@ -919,6 +926,7 @@ impl<B: Backend> SegmentLog<B> {
         meta.records = entries.len() as u64;
         let tail_start = align_down(pos, self.align);
         let tail = if pos > tail_start { win.bytes(tail_start, pos - tail_start)?.to_vec() } else { Vec::new() };
+        let cut = (cut_end > pos).then_some(cut_end);
         Ok(SegmentScan { meta, entries, max_epoch: max_epoch_any, tail, cut })
     }
 
@@ -1450,9 +1458,16 @@ impl<B: Backend> SegmentLog<B> {
             // recovery ever see a partial record.
             let erase_end = align_up(end, self.align).min(buf_base + buf.capacity() as u64);
             let erased = self.erase_aborted(file, base, &old_tail, erase_end);
-            self.fence_failed_write(st, false); // (erased just above)
+            self.fence_failed_write(st, None); // (erased just above)
             if let Err(we) = erased {
                 return Err(self.write_failed("erase an aborted value", self.seg_path(id), we));
+            }
+            if self.opts.durable {
+                // As in `erase_durably`: the aborted record's head sat at the published end.
+                let file = st.active.as_ref().expect("still active").file.clone();
+                if let Err(se) = self.backend.sync_data(&file) {
+                    return Err(self.poison(Error::io("sync segment", self.seg_path(id), se)));
+                }
             }
             return Err(e);
         }
@@ -1793,7 +1808,7 @@ impl<B: Backend> SegmentLog<B> {
         }
         if let Some(e) = failure {
             // Nothing of the chunk is published, and the active segment is as it was.
-            self.fence_failed_write(st, crate::error::io_no_space(&e));
+            self.fence_failed_write(st, crate::error::io_no_space(&e).then_some(data_end));
             return Err(self.write_failed("write segment", self.seg_path(id), e));
         }
         let tail = tail.expect("a non-empty chunk encodes a group");
@@ -2100,7 +2115,7 @@ impl<B: Backend> SegmentLog<B> {
         }
         if let Err(e) = written {
             // Nothing of the chunk is published, and the active segment is as it was.
-            self.fence_failed_write(st, crate::error::io_no_space(&e));
+            self.fence_failed_write(st, crate::error::io_no_space(&e).then_some(end));
             return Err(self.write_failed("write segment", self.seg_path(id), e));
         }
         // The new tail: the bytes of the last, partial block, gathered from the end of the slices.
@@ -2200,18 +2215,21 @@ impl<B: Backend> SegmentLog<B> {
     /// end, beyond what the next write covers. Later records get a higher epoch, and recovery's scan
     /// drops a record whose epoch is lower than the one before it (as it does for a torn tail's
     /// leftovers), so those records never come back once anything was written after them. After a
-    /// full file system (`erase`; the log stays writable), a durable log also zeroes and syncs what
-    /// lies past the written end, for the reason recovery does (see [`Self::erase_cut_tail`]): a
-    /// leftover *at* the end is not covered by the epoch rule. (After any other failure the log is
-    /// read-only from then on, and recovery erases the leftovers at the next open.)
-    fn fence_failed_write(&self, st: &mut WriterState<B::File>, erase: bool) {
+    /// full file system (`erase_to`: the end of the failed write; the log stays writable), a durable
+    /// log also zeroes and syncs what the write left, for the reason recovery does (see
+    /// [`Self::erase_durably`]): a leftover *at* the end is not covered by the epoch rule; a failed
+    /// sync then makes the log read-only. (After any other failure the log is read-only already, and
+    /// recovery erases the leftovers at the next open.)
+    fn fence_failed_write(&self, st: &mut WriterState<B::File>, erase_to: Option<u64>) {
         if let Some(e) = st.epoch.checked_add(1) {
             st.epoch = e;
         }
-        if erase && self.opts.durable {
-            if let Some(a) = &st.active {
-                self.erase_cut_tail(&a.file, a.id, a.written_end, a.size);
-            }
+        let (Some(end), true) = (erase_to, self.opts.durable) else { return };
+        let Some(a) = &st.active else { return };
+        debug_assert_eq!(a.written_end, a.data_end, "pending records are written before new ones");
+        let end = align_up(end, self.align).min(a.size);
+        if let Err(e) = self.erase_durably(&a.file, a.id, a.data_end, &a.tail, end) {
+            self.poison(e);
         }
     }
 

@@ -436,3 +436,21 @@ fn recovery_erases_the_cut_tail_of_the_segment_it_continues() {
     assert_eq!(log.get(b"k2").unwrap(), Some(frames_for(b"k2", 700)));
     assert!(log.recovery_report().corrupt.is_empty());
 }
+
+/// After a full file system, a durable log zeroes what the failed write left and syncs it. If that
+/// sync fails, the log becomes read-only (an fdatasync is never retried: the kernel may have dropped
+/// the dirty pages it could not write), and reads go on.
+#[test]
+fn a_failed_sync_of_the_erase_after_a_full_disk_makes_the_log_read_only() {
+    let be = SimBackend::new();
+    let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
+    log.put(b"a", &frames_for(b"a", 1000)).unwrap();
+    log.sync().unwrap();
+    be.inject(Fault { op: FaultOp::Write, after: 0, kind: FaultKind::TornEnospc, sticky: false });
+    be.inject(Fault { op: FaultOp::Sync, after: 0, kind: FaultKind::Eio, sticky: false });
+    assert!(log.put(b"b", &frames_for(b"b", 3000)).unwrap_err().is_no_space());
+    assert!(be.fault_fired());
+    let err = log.put(b"c", &frames_for(b"c", 100)).unwrap_err();
+    assert!(matches!(err, spillway::Error::Poisoned { .. }), "{err}");
+    assert_eq!(log.get(b"a").unwrap(), Some(frames_for(b"a", 1000)));
+}
