@@ -351,6 +351,16 @@ fn a_streamed_value_that_meets_a_full_disk_fails_alone() {
     assert_eq!(log.get(b"after").unwrap(), Some(frames_for(b"after", 1000)));
 }
 
+/// Put k (500 bytes) and sync; then a newer value of k whose write is torn: its head reaches the
+/// file, not all of its payload (the log is then read-only, and dropped).
+fn end_with_a_torn_record_of_k(be: &SimBackend, opts: LogOptions) {
+    let log = SegmentLog::open(be.clone(), "/s", opts).unwrap();
+    log.put(b"k", &frames_for(b"k", 500)).unwrap();
+    log.sync().unwrap();
+    be.inject(Fault { op: FaultOp::Write, after: 0, kind: FaultKind::TornWrite, sticky: false });
+    assert!(log.put(b"k", &frames_for(b"k-new", 3000)).is_err());
+}
+
 /// A gathered write whose crcs are computed during the write puts the large payloads down first and
 /// everything else (record heads, small records, the partial block) after. A crash anywhere in that
 /// sequence (here: one of its writes fails, and the files are reopened as they are) must recover
@@ -367,13 +377,7 @@ fn a_crash_between_the_payloads_and_the_heads_of_a_parallel_crc_write_recovers_c
     let setup = || {
         let be = SimBackend::new();
         be.set_gather_writes(true);
-        let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
-        log.put(b"k", &frames_for(b"k", 500)).unwrap();
-        log.sync().unwrap();
-        // A newer value of k, torn: its head reaches the file, not all of its payload.
-        be.inject(Fault { op: FaultOp::Write, after: 0, kind: FaultKind::TornWrite, sticky: false });
-        assert!(log.put(b"k", &frames_for(b"k-new", 3000)).is_err());
-        drop(log);
+        end_with_a_torn_record_of_k(&be, opts());
         let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
         assert_eq!(log.get(b"k").unwrap(), Some(frames_for(b"k", 500)));
         assert!(log.recovery_report().truncated_bytes > 0, "the torn record was cut off");
@@ -415,12 +419,7 @@ fn a_crash_between_the_payloads_and_the_heads_of_a_parallel_crc_write_recovers_c
 #[test]
 fn recovery_erases_the_cut_tail_of_the_segment_it_continues() {
     let be = SimBackend::new();
-    let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
-    log.put(b"k", &frames_for(b"k", 500)).unwrap();
-    log.sync().unwrap();
-    be.inject(Fault { op: FaultOp::Write, after: 0, kind: FaultKind::TornWrite, sticky: false });
-    assert!(log.put(b"k", &frames_for(b"k-new", 3000)).is_err());
-    drop(log);
+    end_with_a_torn_record_of_k(&be, opts());
     let seg = be.files().into_iter().find(|p| p.to_string_lossy().ends_with(".seg")).expect("a segment");
     let heads = |be: &SimBackend| be.file_contents(&seg).unwrap().windows(4).filter(|w| w == b"SPRC").count();
     let before = heads(&be); // the synced record, its sync mark and the torn record's head

@@ -264,16 +264,23 @@ fn serialize_failure_of_the_inserted_key_is_an_error_and_the_key_is_forgotten() 
     s.check_accounting().unwrap();
 }
 
-#[test]
-fn serialize_failure_while_evicting_another_key_keeps_it_in_memory() {
+/// A store holding `stubborn` (3000 bytes starting with `prefix`) in memory after a put that had to
+/// evict it (target 5000) and could not serialize it.
+fn with_a_stubborn_key(prefix: &[u8]) -> (Store<TestCodec, SimBackend>, Vec<u8>) {
     let (s, _) = open(5_000);
-    let mut v = b"unpicklable".to_vec();
+    let mut v = prefix.to_vec();
     v.resize(3_000, 0);
     s.put(b"stubborn", v.clone()).unwrap();
     s.put(b"next", val(1, 3000)).unwrap(); // must evict: stubborn can't be serialized, so next goes
     assert_eq!(s.tier(b"stubborn"), Some(Tier::Materialized));
-    assert_eq!(*s.get(b"stubborn").unwrap().unwrap(), v);
     assert!(s.metrics().spill_failures >= 1);
+    (s, v)
+}
+
+#[test]
+fn serialize_failure_while_evicting_another_key_keeps_it_in_memory() {
+    let (s, v) = with_a_stubborn_key(b"unpicklable");
+    assert_eq!(*s.get(b"stubborn").unwrap().unwrap(), v);
     assert_eq!(s.len(), 2);
 }
 
@@ -283,13 +290,7 @@ fn serialize_failure_while_evicting_another_key_keeps_it_in_memory() {
 /// the panicking value itself straight to disk is a codec error for that put.
 #[test]
 fn a_codec_panic_while_evicting_is_a_serialize_failure() {
-    let (s, _) = open(5_000);
-    let mut v = b"panicky".to_vec();
-    v.resize(3_000, 0);
-    s.put(b"stubborn", v.clone()).unwrap();
-    s.put(b"next", val(1, 3000)).unwrap(); // evicts: the codec panics on stubborn, so next goes
-    assert_eq!(s.tier(b"stubborn"), Some(Tier::Materialized));
-    assert!(s.metrics().spill_failures >= 1);
+    let (s, _) = with_a_stubborn_key(b"panicky");
     // Not left marked as being written: a put of the same key returns.
     s.put(b"stubborn", val(2, 100)).unwrap();
     assert_eq!(*s.get(b"stubborn").unwrap().unwrap(), val(2, 100));
