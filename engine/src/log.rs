@@ -725,7 +725,9 @@ impl<B: Backend> SegmentLog<B> {
                     footer,
                     footer_entries: scan.entries.len() as u64,
                     max_epoch: scan.max_epoch,
-                    dirty: false,
+                    // Its records may be in the page cache only (a process crash, or a close without
+                    // `sync`): the next sync or seal must fdatasync it.
+                    dirty: self.opts.durable,
                     last_is_mark: false,
                 });
             }
@@ -739,6 +741,9 @@ impl<B: Backend> SegmentLog<B> {
         st.epoch = max_epoch.checked_add(1).ok_or_else(|| Error::InvalidConfig("epoch counter exhausted".into()))?;
         st.segs = segs;
         st.active = active;
+        // The directory entries of the segments found may be unsynced too (a crash before the first
+        // `sync`): a durable log's first sync fsyncs the directory once.
+        st.dir_dirty = self.opts.durable && !ids.is_empty();
         if !report.corrupt.is_empty() {
             log::warn!("recovery of {} found {} damaged region(s)", self.dir.display(), report.corrupt.len());
         }
@@ -1423,7 +1428,7 @@ impl<B: Backend> SegmentLog<B> {
                 let (r, b) =
                     self.backend.write_at(file, buf_base, std::mem::replace(&mut buf, AlignedBuf::zeroed(0, align)));
                 buf = b;
-                r.map_err(|e| Error::io("write segment", self.seg_path(id), e))?;
+                r.map_err(|e| self.write_failed("write segment", self.seg_path(id), e))?;
                 buf_base += buf.len() as u64;
                 buf.set_len(0);
             }
@@ -1451,7 +1456,7 @@ impl<B: Backend> SegmentLog<B> {
             let (r, b) =
                 self.backend.write_at(file, buf_base, std::mem::replace(&mut buf, AlignedBuf::zeroed(0, align)));
             buf = b;
-            r.map_err(|e| Error::io("write segment", self.seg_path(id), e))
+            r.map_err(|e| self.write_failed("write segment", self.seg_path(id), e))
         });
         if let Err(e) = result {
             // Nothing was published: erase what this value wrote, so neither the next records nor
@@ -1462,7 +1467,7 @@ impl<B: Backend> SegmentLog<B> {
             if let Err(we) = erased {
                 return Err(self.write_failed("erase an aborted value", self.seg_path(id), we));
             }
-            if self.opts.durable {
+            if self.opts.durable && self.poisoned.get().is_none() {
                 // As in `erase_durably`: the aborted record's head sat at the published end.
                 let file = st.active.as_ref().expect("still active").file.clone();
                 if let Err(se) = self.backend.sync_data(&file) {
@@ -1548,7 +1553,10 @@ impl<B: Backend> SegmentLog<B> {
         }
         if !emptied.is_empty() {
             self.reclaim(&mut st);
-        } else if self.opts.punch_forgotten && old.len >= PUNCH_MIN_BYTES {
+        }
+        // Punch unless the record's segment is gone: an emptied segment may stay (the active one is
+        // never deleted, and a deletion can fail), and then the record's blocks would stay with it.
+        if self.opts.punch_forgotten && old.len >= PUNCH_MIN_BYTES && st.segs.contains_key(&old.segment) {
             self.punch(&mut st, old);
         }
         Ok(true)

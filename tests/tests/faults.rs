@@ -349,6 +349,23 @@ fn a_streamed_value_that_meets_a_full_disk_fails_alone() {
     assert_eq!(log.get(b"big").unwrap().unwrap().concat(), &payload[..]);
     assert_eq!(log.get(b"before").unwrap(), Some(frames_for(b"before", 1000)));
     assert_eq!(log.get(b"after").unwrap(), Some(frames_for(b"after", 1000)));
+
+    // Any other write error while a value streams in makes the log read-only, as on every write path
+    // (it did not: the log stayed writable over a file in an unknown state). Reads go on.
+    an_eio_during_a_stream_makes_the_log_read_only(&payload, &meta);
+}
+
+fn an_eio_during_a_stream_makes_the_log_read_only(payload: &[u8], meta: &spillway::StreamedValue) {
+    let be = SimBackend::new();
+    let o = || LogOptions { segment_bytes: 8 << 20, ..opts() };
+    let log = SegmentLog::open(be.clone(), "/s", o()).unwrap();
+    log.put(b"before", &frames_for(b"before", 1000)).unwrap();
+    be.inject(Fault { op: FaultOp::Write, after: 1, kind: FaultKind::Eio, sticky: false });
+    let e = log.put_stream(b"big", meta, &mut &payload[..]).unwrap_err();
+    assert!(!e.is_no_space(), "{e}");
+    let e = log.put(b"after", &frames_for(b"after", 10)).unwrap_err();
+    assert!(matches!(e, spillway::Error::Poisoned { .. }), "{e}");
+    assert_eq!(log.get(b"before").unwrap(), Some(frames_for(b"before", 1000)));
 }
 
 /// Put k (500 bytes) and sync; then a newer value of k whose write is torn: its head reaches the
@@ -451,5 +468,23 @@ fn a_failed_sync_of_the_erase_after_a_full_disk_makes_the_log_read_only() {
     assert!(be.fault_fired());
     let err = log.put(b"c", &frames_for(b"c", 100)).unwrap_err();
     assert!(matches!(err, spillway::Error::Poisoned { .. }), "{err}");
+    assert_eq!(log.get(b"a").unwrap(), Some(frames_for(b"a", 1000)));
+}
+
+/// After a reopen, what was recovered may be in the page cache only (the process crashed, or the log
+/// was closed without `sync`): records of the segment that writing continues in, and the directory
+/// entries of the segments. A `sync` right after the reopen makes them durable. (It did nothing: the
+/// recovered segment counted as synced.)
+#[test]
+fn a_sync_after_a_reopen_makes_what_was_recovered_durable() {
+    let be = SimBackend::new();
+    let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
+    log.put(b"a", &frames_for(b"a", 1000)).unwrap();
+    drop(log); // no sync
+    assert_eq!(SegmentLog::open(be.crash(None), "/s", opts()).unwrap().get(b"a").unwrap(), None, "not durable yet");
+    let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
+    log.sync().unwrap();
+    drop(log);
+    let log = SegmentLog::open(be.crash(None), "/s", opts()).unwrap();
     assert_eq!(log.get(b"a").unwrap(), Some(frames_for(b"a", 1000)));
 }

@@ -56,6 +56,25 @@ fn forgetting_a_large_record_releases_its_blocks_on_disk() {
     assert_eq!(blocks2(), before2);
 }
 
+/// A large value alone in the active segment (a spill of one big value, then its unspill): forgetting
+/// it empties the segment, which is not deleted while it is active, so its blocks are punched all
+/// the same. (They stayed, on disk and dirty in the page cache, until the next write sealed it.)
+#[test]
+fn forgetting_the_last_record_of_the_active_segment_releases_its_blocks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let blocks = || -> u64 {
+        std::fs::read_dir(tmp.path().join("segments")).unwrap().map(|e| e.unwrap().metadata().unwrap().blocks()).sum()
+    };
+    let log = SegmentLog::open(PortableBackend::new(), tmp.path(), opts()).unwrap();
+    log.put(b"big", &frames_for(b"big", 3 << 20)).unwrap();
+    let before = blocks();
+    assert!(log.forget(b"big").unwrap());
+    let released = before - blocks();
+    assert!(released >= (3 << 20) / 512 - 16, "released {released} of {before} blocks");
+    log.put(b"next", &frames_for(b"next", 100)).unwrap();
+    assert_eq!(log.get(b"next").unwrap(), Some(frames_for(b"next", 100)));
+}
+
 #[test]
 fn neighbours_survive_and_a_reopened_log_steps_over_punched_records() {
     // Real files.
