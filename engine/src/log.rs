@@ -2630,7 +2630,13 @@ impl<B: Backend> SegmentLog<B> {
     // -----------------------------------------------------------------------------------------------
 
     fn wants_compaction(&self, st: &WriterState<B::File>) -> bool {
-        st.segs.iter().any(|(&id, m)| m.sealed && self.is_sparse(st, id, m))
+        st.segs.iter().any(|(&id, m)| Self::closed(st, id, m) && self.is_sparse(st, id, m))
+    }
+
+    /// Whether segment `id` takes no more records: sealed, or an unsealed one that recovery found
+    /// behind the newest (its footer did not land before a crash). Such segments can be compacted.
+    fn closed(st: &WriterState<B::File>, id: u32, m: &SegMeta) -> bool {
+        m.sealed || st.active.as_ref().is_none_or(|a| a.id != id)
     }
 
     fn is_sparse(&self, st: &WriterState<B::File>, id: u32, m: &SegMeta) -> bool {
@@ -2638,8 +2644,9 @@ impl<B: Backend> SegmentLog<B> {
         (m.live_bytes + tomb) * 2 < m.size - m.punched.min(m.size)
     }
 
-    /// Relocate the live records of every sealed segment that is less than half live, then delete it.
-    /// Afterwards every sealed segment holds at least half its size in live data (see
+    /// Relocate the live records of every sealed segment (or unsealed one behind the active one, see
+    /// `closed`) that is less than half live, then delete it. Afterwards every such segment holds at
+    /// least half its size in live data (see
     /// `docs/architecture.md` for the resulting space-amplification bound).
     pub fn compact(&self) -> Result<CompactStats> {
         self.check_writable()?;
@@ -2659,8 +2666,12 @@ impl<B: Backend> SegmentLog<B> {
         let before: u64 = st.segs.values().map(|m| m.size).sum();
         let before_ids: Vec<u32> = st.segs.keys().copied().collect();
         self.collect_garbage(st)?;
-        let victims: Vec<u32> =
-            st.segs.iter().filter(|(&id, m)| m.sealed && self.is_sparse(st, id, m)).map(|(&id, _)| id).collect();
+        let victims: Vec<u32> = st
+            .segs
+            .iter()
+            .filter(|(&id, m)| Self::closed(st, id, m) && self.is_sparse(st, id, m))
+            .map(|(&id, _)| id)
+            .collect();
         for id in victims {
             if !st.segs.contains_key(&id) {
                 continue;
