@@ -2828,6 +2828,13 @@ impl<B: Backend> SegmentLog<B> {
             };
             for e in scan.entries {
                 let loc = Location { segment: id, first_segment: id, offset: e.offset, len: e.record_len };
+                if self.opts.punch_forgotten
+                    && e.record_len >= PUNCH_MIN_BYTES
+                    && e.flags & format::FLAG_TOMBSTONE == 0
+                    && self.location(&e.key).is_none_or(|l| l.segment != id || l.offset != e.offset)
+                {
+                    continue; // a dead large record: forgetting it may have punched its payload out
+                }
                 let err = match self.read_record_bytes(&file, loc) {
                     Ok(raw) => match format::decode_record(&raw) {
                         Ok(r) if r.key == e.key.as_slice() && r.header.seq == e.seq => None,
