@@ -476,6 +476,8 @@ struct SegmentScan {
     tail: Vec<u8>,
     /// The end of a torn or garbage tail cut off at `data_end` (its bytes are still in the file).
     cut: Option<u64>,
+    /// The last record kept is a sync mark (a `sync` then needs no new one, only an fdatasync).
+    ends_with_mark: bool,
 }
 
 impl<B: Backend> SegmentLog<B> {
@@ -728,7 +730,7 @@ impl<B: Backend> SegmentLog<B> {
                     // Its records may be in the page cache only (a process crash, or a close without
                     // `sync`): the next sync or seal must fdatasync it.
                     dirty: self.opts.durable,
-                    last_is_mark: false,
+                    last_is_mark: scan.ends_with_mark,
                 });
             }
         }
@@ -808,7 +810,14 @@ impl<B: Backend> SegmentLog<B> {
                     meta.sealed = true;
                     meta.records = entries.len() as u64;
                     report.sealed_segments += 1;
-                    return Ok(SegmentScan { meta, entries, max_epoch: t.max_epoch, tail: Vec::new(), cut: None });
+                    return Ok(SegmentScan {
+                        meta,
+                        entries,
+                        max_epoch: t.max_epoch,
+                        tail: Vec::new(),
+                        cut: None,
+                        ends_with_mark: false,
+                    });
                 }
                 report.corrupt.push((id, t.footer_offset, "footer checksum mismatch; scanning records".into()));
             }
@@ -925,6 +934,7 @@ impl<B: Backend> SegmentLog<B> {
             corrupt.retain(|c| c.1 != e.offset);
         }
         report.corrupt.extend(corrupt);
+        let ends_with_mark = entries.last().is_some_and(|e| e.flags & format::FLAG_SYNC_MARK != 0);
         entries.retain(|e| e.flags & format::FLAG_SYNC_MARK == 0);
         let mut meta = SegMeta::new(size, data_start);
         meta.data_end = pos;
@@ -932,7 +942,7 @@ impl<B: Backend> SegmentLog<B> {
         let tail_start = align_down(pos, self.align);
         let tail = if pos > tail_start { win.bytes(tail_start, pos - tail_start)?.to_vec() } else { Vec::new() };
         let cut = (cut_end > pos).then_some(cut_end);
-        Ok(SegmentScan { meta, entries, max_epoch: max_epoch_any, tail, cut })
+        Ok(SegmentScan { meta, entries, max_epoch: max_epoch_any, tail, cut, ends_with_mark })
     }
 
     fn try_record_at(&self, win: &mut ScanWindow<'_, B>, id: u32, pos: u64, prev_epoch: u32) -> Result<Probe> {
@@ -1556,7 +1566,11 @@ impl<B: Backend> SegmentLog<B> {
         }
         // Punch unless the record's segment is gone: an emptied segment may stay (the active one is
         // never deleted, and a deletion can fail), and then the record's blocks would stay with it.
-        if self.opts.punch_forgotten && old.len >= PUNCH_MIN_BYTES && st.segs.contains_key(&old.segment) {
+        if self.opts.punch_forgotten
+            && old.len >= PUNCH_MIN_BYTES
+            && st.segs.contains_key(&old.segment)
+            && self.poisoned.get().is_none()
+        {
             self.punch(&mut st, old);
         }
         Ok(true)
@@ -2828,14 +2842,24 @@ impl<B: Backend> SegmentLog<B> {
             };
             for e in scan.entries {
                 let loc = Location { segment: id, first_segment: id, offset: e.offset, len: e.record_len };
-                if self.opts.punch_forgotten
+                // A dead large record: forgetting it may have punched its payload out, so only its
+                // head (which a punch keeps) is checked.
+                let head_only = self.opts.punch_forgotten
                     && e.record_len >= PUNCH_MIN_BYTES
                     && e.flags & format::FLAG_TOMBSTONE == 0
-                    && self.location(&e.key).is_none_or(|l| l.segment != id || l.offset != e.offset)
-                {
-                    continue; // a dead large record: forgetting it may have punched its payload out
-                }
+                    && self.location(&e.key).is_none_or(|l| l.segment != id || l.offset != e.offset);
                 let err = match self.read_record_bytes(&file, loc) {
+                    Ok(raw) if head_only => match format::peek_record_header(&raw)
+                        .and_then(|h| format::verify_record_head(&raw, &h).map(|_| h))
+                    {
+                        Ok(h) if h.seq == e.seq => None,
+                        Ok(_) => Some(Error::Corrupt {
+                            segment: id,
+                            offset: e.offset,
+                            reason: "record differs from its footer entry".into(),
+                        }),
+                        Err(d) => Some(d.at(id, e.offset)),
+                    },
                     Ok(raw) => match format::decode_record(&raw) {
                         Ok(r) if r.key == e.key.as_slice() && r.header.seq == e.seq => None,
                         Ok(_) => Some(Error::Corrupt {

@@ -100,6 +100,8 @@ fn neighbours_survive_and_a_reopened_log_steps_over_punched_records() {
     let log = SegmentLog::open(be.clone(), "/p", opts()).unwrap();
     workload(&log);
     check_kept(&log);
+    let problems = log.verify().unwrap();
+    assert!(problems.is_empty(), "{problems:?}");
     log.sync().unwrap();
     drop(log);
     let log = SegmentLog::open(be, "/p", opts()).unwrap();
