@@ -21,6 +21,11 @@ fn workload<B: Backend>(log: &SegmentLog<B>) {
     assert!(log.forget(b"c").unwrap());
 }
 
+/// 512-byte blocks allocated to the segment files under `dir`.
+fn segment_blocks(dir: &std::path::Path) -> u64 {
+    std::fs::read_dir(dir.join("segments")).unwrap().map(|e| e.unwrap().metadata().unwrap().blocks()).sum()
+}
+
 fn check_kept<B: Backend>(log: &SegmentLog<B>) {
     assert_eq!(log.get(b"b").unwrap(), Some(frames_for(b"b", 5000)));
     assert_eq!(log.get(b"d").unwrap(), Some(frames_for(b"d", 300)));
@@ -29,9 +34,7 @@ fn check_kept<B: Backend>(log: &SegmentLog<B>) {
 #[test]
 fn forgetting_a_large_record_releases_its_blocks_on_disk() {
     let tmp = tempfile::tempdir().unwrap();
-    let blocks = || -> u64 {
-        std::fs::read_dir(tmp.path().join("segments")).unwrap().map(|e| e.unwrap().metadata().unwrap().blocks()).sum()
-    };
+    let blocks = || segment_blocks(tmp.path());
     let log = SegmentLog::open(PortableBackend::new(), tmp.path(), opts()).unwrap();
     log.put(b"a", &frames_for(b"a", 3 << 20)).unwrap();
     log.put(b"b", &frames_for(b"b", 5000)).unwrap();
@@ -48,9 +51,7 @@ fn forgetting_a_large_record_releases_its_blocks_on_disk() {
         SegmentLog::open(PortableBackend::new(), tmp2.path(), LogOptions { punch_forgotten: false, ..opts() }).unwrap();
     log2.put(b"a", &frames_for(b"a", 3 << 20)).unwrap();
     log2.put(b"b", &frames_for(b"b", 5000)).unwrap();
-    let blocks2 = || -> u64 {
-        std::fs::read_dir(tmp2.path().join("segments")).unwrap().map(|e| e.unwrap().metadata().unwrap().blocks()).sum()
-    };
+    let blocks2 = || segment_blocks(tmp2.path());
     let before2 = blocks2();
     log2.forget(b"a").unwrap();
     assert_eq!(blocks2(), before2);
@@ -62,9 +63,7 @@ fn forgetting_a_large_record_releases_its_blocks_on_disk() {
 #[test]
 fn forgetting_the_last_record_of_the_active_segment_releases_its_blocks() {
     let tmp = tempfile::tempdir().unwrap();
-    let blocks = || -> u64 {
-        std::fs::read_dir(tmp.path().join("segments")).unwrap().map(|e| e.unwrap().metadata().unwrap().blocks()).sum()
-    };
+    let blocks = || segment_blocks(tmp.path());
     let log = SegmentLog::open(PortableBackend::new(), tmp.path(), opts()).unwrap();
     log.put(b"big", &frames_for(b"big", 3 << 20)).unwrap();
     let before = blocks();
