@@ -196,7 +196,7 @@ fn pipelined(
 #[test]
 fn pipelined_reads_fall_back_when_no_ring_can_be_created() {
     let data = value_for(b"noring", 4 * 4096);
-    if std::env::var_os("SPILLWAY_TEST_CHILD_NORING").is_some() {
+    if spillway_tests::child_arg().is_some() {
         let be = backend("pipelined_noring", false).expect("the parent checked io_uring");
         let tmp = tempfile::tempdir().unwrap();
         let path = tmp.path().join("f");
@@ -221,18 +221,8 @@ fn pipelined_reads_fall_back_when_no_ring_can_be_created() {
     if backend("pipelined_noring", false).is_none() {
         return;
     }
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["pipelined_reads_fall_back_when_no_ring_can_be_created", "--exact", "--nocapture", "--test-threads=1"])
-        .env("SPILLWAY_TEST_CHILD_NORING", "1")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && stdout.contains("NORING-FALLBACK-OK"),
-        "child: {}\n{stdout}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let (status, out) = spillway_tests::run_child("pipelined_reads_fall_back_when_no_ring_can_be_created", "");
+    assert!(status.success() && out.contains("NORING-FALLBACK-OK"), "child: {status}\n{out}");
 }
 
 /// A buffered pipelined read that comes back short is read on; one past the end is end of file.

@@ -323,16 +323,23 @@ fn child_empties_a_segment_with_pending_overwrites() {
     std::process::exit(0); // no drop: whatever is still pending dies with the process
 }
 
+/// Run child test `name` on a log in a new directory (it ends its process without dropping the log),
+/// then open that log again.
+fn reopen_after_child(name: &str) -> (tempfile::TempDir, SegmentLog<PortableBackend>) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("log");
+    let (status, out) = run_child(name, dir.to_str().unwrap());
+    assert!(status.success() && out.contains("CHILD-DONE"), "child failed: {status:?}\n{out}");
+    let log = SegmentLog::open(PortableBackend::new(), &dir, opts(0)).unwrap();
+    (tmp, log)
+}
+
 /// Garbage collection deletes a segment once nothing in it is live. If what superseded its records
 /// were still pending in memory, a process crash right after would lose both the old and the new
 /// values: the pending records are written first.
 #[test]
 fn a_segment_emptied_by_pending_records_is_deleted_only_after_they_are_written() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("log");
-    let (status, out) = run_child("child_empties_a_segment_with_pending_overwrites", dir.to_str().unwrap());
-    assert!(status.success() && out.contains("CHILD-DONE"), "child failed: {status:?}\n{out}");
-    let log = SegmentLog::open(PortableBackend::new(), &dir, opts(0)).unwrap();
+    let (_tmp, log) = reopen_after_child("child_empties_a_segment_with_pending_overwrites");
     for i in 0..40 {
         let got = log.get(&key(i)).unwrap().unwrap_or_else(|| panic!("key {i} lost"));
         assert!(got == frames_for(&key(i), 3000) || got == frames_for(b"newer", 100), "key {i}");
@@ -379,11 +386,7 @@ fn child_compacts_a_tombstone_into_a_pending_copy() {
 /// old record would come back: the pending records are written first.
 #[test]
 fn a_tombstone_copied_by_compaction_is_written_before_its_segment_goes() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("log");
-    let (status, out) = run_child("child_compacts_a_tombstone_into_a_pending_copy", dir.to_str().unwrap());
-    assert!(status.success() && out.contains("CHILD-DONE"), "child failed: {status:?}\n{out}");
-    let log = SegmentLog::open(PortableBackend::new(), &dir, opts(0)).unwrap();
+    let (_tmp, log) = reopen_after_child("child_compacts_a_tombstone_into_a_pending_copy");
     assert_eq!(log.get(&key(0)).unwrap(), None, "a deleted key came back");
     for i in 1..10 {
         assert_eq!(log.get(&key(i)).unwrap(), Some(frames_for(&key(i), 3000)), "key {i}");
