@@ -907,16 +907,15 @@ impl<B: Backend> SegmentLog<B> {
                     if win.is_zero_from(pos)? {
                         break; // clean end of the written area
                     }
-                    // Garbage: search for the next record; stop at the first all-zero block.
+                    // Garbage: search the rest of the segment for the next record.
                     match self.resync(&mut win, id, pos, prev_epoch, &mut max_epoch_any)? {
-                        Some(next) => {
+                        Resync::Record(next) => {
                             corrupt.push((id, pos, format!("unreadable bytes up to offset {next}")));
                             pos = next;
                         }
-                        None => {
-                            let garbage_end = win.first_zero_block_from(pos)?;
-                            report.truncated_bytes += garbage_end.saturating_sub(pos);
-                            cut_end = cut_end.max(garbage_end);
+                        Resync::Garbage { end } => {
+                            report.truncated_bytes += end.saturating_sub(pos);
+                            cut_end = cut_end.max(end);
                             break;
                         }
                     }
@@ -975,6 +974,11 @@ impl<B: Backend> SegmentLog<B> {
         Ok(Probe::Record(e, h, intact))
     }
 
+    /// Search for the next acceptable record after unparseable bytes at `from`, to the end of the
+    /// segment. All-zero blocks are skipped, not taken for the end: a value may hold whole blocks of
+    /// zeros (a zero-filled array, a punched hole), and a damaged head in front of one must not cost
+    /// the records behind it. If nothing acceptable follows, the garbage ends with the last block
+    /// that is not all zero: that much is cut (and, in a durable log, erased).
     fn resync(
         &self,
         win: &mut ScanWindow<'_, B>,
@@ -982,21 +986,26 @@ impl<B: Backend> SegmentLog<B> {
         from: u64,
         prev_epoch: u32,
         max_epoch_any: &mut u32,
-    ) -> Result<Option<u64>> {
+    ) -> Result<Resync> {
+        let mut garbage_end = align_up(from + 1, self.align).min(win.limit);
         let mut pos = from + RECORD_ALIGN;
         while pos + format::RECORD_HEADER_LEN as u64 <= win.limit {
-            if pos % self.align == 0 && win.is_zero_block(pos)? {
-                return Ok(None);
+            if pos % self.align == 0 {
+                if win.is_zero_block(pos)? {
+                    pos += self.align; // no record starts inside a zero block
+                    continue;
+                }
+                garbage_end = garbage_end.max((pos + self.align).min(win.limit));
             }
             if win.bytes(pos, 4)? == b"SPRC" {
                 match self.try_record_at(win, id, pos, prev_epoch)? {
-                    Probe::Record(..) => return Ok(Some(pos)),
+                    Probe::Record(..) => return Ok(Resync::Record(pos)),
                     Probe::Invalid { stale_epoch } => *max_epoch_any = (*max_epoch_any).max(stale_epoch),
                 }
             }
             pos += RECORD_ALIGN;
         }
-        Ok(None)
+        Ok(Resync::Garbage { end: garbage_end })
     }
 
     fn read_aligned(&self, file: &B::File, offset: u64, len: usize, path: &Path) -> Result<AlignedBuf> {
@@ -2893,6 +2902,14 @@ enum Probe {
     Invalid { stale_epoch: u32 },
 }
 
+/// How a search after unparseable bytes ended.
+enum Resync {
+    /// An acceptable record starts here.
+    Record(u64),
+    /// Nothing acceptable follows: the unparseable bytes end here.
+    Garbage { end: u64 },
+}
+
 /// A sliding read window over a segment file, for scanning.
 struct ScanWindow<'a, B: Backend> {
     log: &'a SegmentLog<B>,
@@ -2955,18 +2972,6 @@ impl<'a, B: Backend> ScanWindow<'a, B> {
             return Ok(true);
         }
         Ok(self.bytes(off, end - off)?.iter().all(|&b| b == 0))
-    }
-
-    /// Offset of the first all-zero aligned block at or after `off` (or the limit).
-    fn first_zero_block_from(&mut self, off: u64) -> Result<u64> {
-        let mut b = align_up(off, self.log.align);
-        while b < self.limit {
-            if self.is_zero_block(b)? {
-                return Ok(b);
-            }
-            b += self.log.align;
-        }
-        Ok(self.limit)
     }
 }
 

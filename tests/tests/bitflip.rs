@@ -127,3 +127,53 @@ fn a_flipped_record_version_byte_is_damage_with_a_location() {
         }
     }
 }
+
+/// A flipped header bit in the unsealed segment, in a record whose value holds whole blocks of zeros
+/// (a zero-filled array, or a punched hole), loses that record only. The scan that searches for the
+/// next record after the damage must not take the value's zero blocks for the end of the segment:
+/// every record after it was written, synced and acknowledged.
+#[test]
+fn a_damaged_header_before_zero_blocks_loses_only_that_record() {
+    let zeros = |n: usize| spillway::Frames::single(vec![0u8; n]);
+    let opts = LogOptions { segment_bytes: 1 << 20, auto_compact: false, ..Default::default() };
+    for (what, at) in [("magic", 0u64), ("stored_len", 41), ("key", 64)] {
+        let be = SimBackend::new();
+        let mut expected: Vec<(Vec<u8>, spillway::Frames)> = vec![(b"zeros-a".to_vec(), zeros(20_000))];
+        for i in 0..6 {
+            let k = format!("after-{i}").into_bytes();
+            let v = if i % 2 == 0 { frames_for(&k, 3000) } else { zeros(9000 + i * 1000) };
+            expected.push((k, v));
+        }
+        let loc = {
+            let log = SegmentLog::open(be.clone(), "/s", opts.clone()).unwrap();
+            for (k, v) in &expected {
+                log.put(k, v).unwrap();
+            }
+            log.sync().unwrap();
+            assert_eq!(log.stats().sealed_segments, 0, "all records stay in the unsealed segment");
+            log.location(b"zeros-a").unwrap()
+        };
+        let file = be
+            .files()
+            .into_iter()
+            .find(|f| f.file_stem().unwrap().to_str().unwrap() == format!("{:08x}", loc.segment))
+            .unwrap();
+        let off = loc.offset + at;
+        let b = be.file_contents(&file).unwrap()[off as usize] ^ 0x10;
+        be.poke(&file, off, &[b]).unwrap();
+
+        let log = SegmentLog::open(be, "/s", opts.clone()).unwrap();
+        assert_eq!(log.recovery_report().truncated_bytes, 0, "{what}: nothing after the damage is a torn tail");
+        assert!(log.get(b"zeros-a").unwrap().is_none(), "{what}: the damaged record is unreadable");
+        for (k, v) in &expected[1..] {
+            assert_eq!(
+                log.get(k).unwrap_or_else(|e| panic!("{what}: {e}")).as_ref(),
+                Some(v),
+                "{what}: {:?} after the damaged record",
+                String::from_utf8_lossy(k)
+            );
+        }
+        let problems = log.verify().unwrap();
+        assert!(problems.iter().any(|p| p.segment == loc.segment && p.offset == loc.offset), "{what}: {problems:?}");
+    }
+}
