@@ -226,6 +226,29 @@ impl AlignedBuf {
         Ok(AlignedBuf { ptr, len, cap: capacity, align, owner })
     }
 
+    /// A buffer of length `data.len()` (capacity rounded up to `align`) holding a copy of `data`,
+    /// written into fresh memory without a zero-fill first (as [`Self::read_exact_at`]). A zeroed
+    /// allocation of this size is a `calloc` that glibc serves by sweeping its fast bins first.
+    pub fn copied(data: &[u8], align: usize) -> Self {
+        assert!(align.is_power_of_two(), "alignment {align} is not a power of two");
+        let len = data.len();
+        let capacity = len.div_ceil(align) * align;
+        if capacity == 0 {
+            return Self::with_capacity(0, align);
+        }
+        let (ptr, owner) = heap(capacity, align, false);
+        let raw = ptr.as_ptr();
+        // SAFETY: `heap` gave us `capacity >= len` bytes at `raw` that nothing else refers to, and
+        // `data` is a live slice of `len` bytes that cannot overlap memory allocated just now.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), raw, len) };
+        // SAFETY: as above, `raw` points to `capacity` bytes we own; `MaybeUninit<u8>` needs no
+        // initialization.
+        let tail: &mut [MaybeUninit<u8>] = unsafe { std::slice::from_raw_parts_mut(raw.cast(), capacity) };
+        tail[len..].fill(MaybeUninit::new(0)); // the rounding tail is zeroed, as in `with_capacity`
+                                               // Every byte of `0..capacity` is initialized: `0..len` by the copy, the rest by the fill.
+        AlignedBuf { ptr, len, cap: capacity, align, owner }
+    }
+
     /// A zero-filled buffer of length `len` (capacity rounded up to `align`).
     pub fn zeroed(len: usize, align: usize) -> Self {
         let mut b = Self::with_capacity(len, align);
@@ -509,6 +532,30 @@ mod tests {
             let e = AlignedBuf::read_exact_at(&f, 9_000, 2_000, align).unwrap_err();
             assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
         }
+    }
+
+    #[test]
+    fn copied_holds_the_bytes_aligned_with_a_zeroed_tail_even_in_recycled_memory() {
+        let data: Vec<u8> = (0..5000u32).map(|i| (i * 31 % 253) as u8 + 1).collect();
+        for (len, align) in [(5000usize, 64usize), (4097, 512), (1, 64), (0, 64)] {
+            // A freed buffer of the same layout, full of non-zero bytes, is what `copied` may reuse.
+            let mut old = AlignedBuf::read_exact_at(&tempfile_of(&[0xAB; 8192]), 0, len, align).unwrap();
+            let cap = old.capacity();
+            old.spare_full().fill(0xAB);
+            drop(old);
+            let mut b = AlignedBuf::copied(&data[..len], align);
+            assert_eq!(&b[..], &data[..len]);
+            assert_eq!(b.as_ptr() as usize % align, 0);
+            assert_eq!(b.capacity(), cap);
+            assert!(b.spare_full()[len..cap].iter().all(|&x| x == 0), "rounding tail zeroed");
+        }
+    }
+
+    fn tempfile_of(bytes: &[u8]) -> std::fs::File {
+        use std::io::Write;
+        let mut f = tempfile::tempfile().unwrap();
+        f.write_all(bytes).unwrap();
+        f
     }
 
     #[test]

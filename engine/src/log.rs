@@ -1946,8 +1946,7 @@ impl<B: Backend> SegmentLog<B> {
         let a = st.active.as_ref().expect("active segment");
         let base = a.data_end - a.tail.len() as u64;
         let from = (loc.offset - base) as usize;
-        let mut buf = AlignedBuf::zeroed(loc.len as usize, format::FRAME_ALIGN as usize);
-        buf.copy_from_slice(&a.tail[from..from + loc.len as usize]);
+        let buf = AlignedBuf::copied(&a.tail[from..from + loc.len as usize], format::FRAME_ALIGN as usize);
         Ok(Some(buf.freeze()))
     }
 
