@@ -368,6 +368,47 @@ fn an_eio_during_a_stream_makes_the_log_read_only(payload: &[u8], meta: &spillwa
     assert_eq!(log.get(b"before").unwrap(), Some(frames_for(b"before", 1000)));
 }
 
+/// A streamed value that meets a full disk, and whose erase fails too (a punch on a full file system
+/// can need a block to split an extent). As after any failed write on a full disk, the call fails
+/// alone and the log stays writable (a failed erase is a warning, see `erase_durably`); the next
+/// write goes over the partial record. Nothing acknowledged is lost, and the partial value never
+/// shows, neither before nor after a reopen or a power cut.
+#[test]
+fn a_streamed_value_whose_erase_fails_loses_nothing() {
+    let payload = spillway_tests::value_for(b"big", 3 << 20);
+    let n = payload.len() as u64;
+    let meta = spillway::StreamedValue {
+        lz4: false,
+        frame_lens: vec![n],
+        raw_len: n,
+        stored_len: n,
+        payload_crc: spillway::format::payload_crc(&payload),
+    };
+    for durable in [false, true] {
+        let be = SimBackend::new();
+        let o = || LogOptions { segment_bytes: 8 << 20, durable, ..opts() };
+        let log = SegmentLog::open(be.clone(), "/s", o()).unwrap();
+        log.put(b"big", &frames_for(b"big", 2000)).unwrap();
+        log.put(b"before", &frames_for(b"before", 1000)).unwrap();
+        log.sync().unwrap();
+        be.inject(Fault { op: FaultOp::Write, after: 1, kind: FaultKind::TornEnospc, sticky: true });
+        be.inject(Fault { op: FaultOp::Punch, after: 0, kind: FaultKind::Enospc, sticky: true });
+        let e = log.put_stream(b"big", &meta, &mut &payload[..]).unwrap_err();
+        assert!(e.is_no_space(), "durable={durable}: {e}");
+        be.clear_faults();
+        assert_eq!(log.get(b"big").unwrap(), Some(frames_for(b"big", 2000)), "durable={durable}");
+        log.put(b"after", &frames_for(b"after", 1000)).unwrap();
+        log.sync().unwrap();
+        drop(log);
+        for be in [be.clone(), be.crash(None)] {
+            let log = SegmentLog::open(be, "/s", o()).unwrap();
+            assert_eq!(log.get(b"big").unwrap(), Some(frames_for(b"big", 2000)), "durable={durable}");
+            assert_eq!(log.get(b"before").unwrap(), Some(frames_for(b"before", 1000)), "durable={durable}");
+            assert_eq!(log.get(b"after").unwrap(), Some(frames_for(b"after", 1000)), "durable={durable}");
+        }
+    }
+}
+
 /// Put k (500 bytes) and sync; then a newer value of k whose write is torn: its head reaches the
 /// file, not all of its payload (the log is then read-only, and dropped).
 fn end_with_a_torn_record_of_k(be: &SimBackend, opts: LogOptions) {

@@ -120,3 +120,30 @@ fn discard_existing_opens_empty() {
     log.put(b"x", &frames_for(b"x", 10)).unwrap();
     assert_eq!(log.get(b"x").unwrap(), Some(frames_for(b"x", 10)));
 }
+
+/// A punch that fails (EIO, a full disk, or a punch torn half-way) is advisory: `forget` still
+/// succeeds, the log stays writable, the neighbours read back, `verify` finds nothing wrong, and a
+/// reopened log (a clean one, and one after a power cut) has every kept key.
+#[test]
+fn a_failed_punch_changes_nothing_but_the_space() {
+    use spillway::backend::{Fault, FaultKind, FaultOp};
+    for kind in [FaultKind::Eio, FaultKind::Enospc, FaultKind::TornWrite] {
+        let be = SimBackend::new();
+        let log = SegmentLog::open(be.clone(), "/p", opts()).unwrap();
+        be.inject(Fault { op: FaultOp::Punch, after: 0, kind, sticky: true });
+        workload(&log);
+        assert!(be.fault_fired(), "{kind:?}: the punches were attempted");
+        check_kept(&log);
+        assert_eq!(log.get(b"a").unwrap(), None);
+        log.put(b"e", &frames_for(b"e", 7000)).unwrap();
+        let problems = log.verify().unwrap();
+        assert!(problems.is_empty(), "{kind:?}: {problems:?}");
+        log.sync().unwrap();
+        drop(log);
+        for be in [be.clone(), be.crash(None)] {
+            let log = SegmentLog::open(be, "/p", opts()).unwrap();
+            check_kept(&log);
+            assert_eq!(log.get(b"e").unwrap(), Some(frames_for(b"e", 7000)), "{kind:?}");
+        }
+    }
+}

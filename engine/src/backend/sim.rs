@@ -32,6 +32,9 @@ pub enum FaultOp {
     Create,
     /// `remove_file`.
     Remove,
+    /// `punch_hole`. Not counted by `Any` (nor by [`SimBackend::op_count`]): the log treats most
+    /// punches as advisory, so a fault there is often not an error to its caller.
+    Punch,
     /// Every counted operation.
     Any,
 }
@@ -71,13 +74,17 @@ enum OpKind {
     Allocate,
     Create,
     Remove,
+    Punch,
 }
 
 impl FaultOp {
     fn matches(self, op: OpKind) -> bool {
         matches!(
             (self, op),
-            (FaultOp::Any, _)
+            (
+                FaultOp::Any,
+                OpKind::Read | OpKind::Write | OpKind::Sync | OpKind::Allocate | OpKind::Create | OpKind::Remove
+            ) | (FaultOp::Punch, OpKind::Punch)
                 | (FaultOp::Read, OpKind::Read)
                 | (FaultOp::Write, OpKind::Write)
                 | (FaultOp::Sync, OpKind::Sync)
@@ -219,7 +226,9 @@ impl SimBackend {
 
     fn check(&self, op: OpKind) -> Option<FaultKind> {
         let mut st = self.lock();
-        st.ops += 1;
+        if op != OpKind::Punch {
+            st.ops += 1;
+        }
         if op == OpKind::Write {
             st.writes += 1;
         }
@@ -498,14 +507,24 @@ impl Backend for SimBackend {
     }
 
     fn punch_hole(&self, file: &SimFile, offset: u64, len: u64) -> io::Result<()> {
-        // Like a write of zeros that never fails (and, as a write, volatile until a sync).
+        // Like a write of zeros (and, as a write, volatile until a sync). A torn fault zeroes the
+        // first half (rounded down to 512 bytes), then fails.
+        let fault = self.check(OpKind::Punch);
+        let len = match fault {
+            Some(FaultKind::TornWrite | FaultKind::TornEnospc) => (len / 2) / 512 * 512,
+            Some(kind) => return Err(Self::fault_error(kind)),
+            None => len,
+        };
         let mut d = file.inode.lock();
         let end = (offset + len).min(d.cur.len() as u64) as usize;
         if (offset as usize) < end {
             d.cur[offset as usize..end].fill(0);
             d.pending.push((offset, vec![0; end - offset as usize]));
         }
-        Ok(())
+        match fault {
+            Some(kind) => Err(Self::fault_error(kind)),
+            None => Ok(()),
+        }
     }
 
     fn write_at(&self, file: &SimFile, offset: u64, buf: AlignedBuf) -> BufResult {
