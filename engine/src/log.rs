@@ -23,7 +23,7 @@ use std::sync::{Arc, OnceLock};
 
 // The index and writer locks come from the sync shim, so the store's loom models see every log call
 // that touches the index (a read racing a removal, for one) as a step to interleave.
-use crate::sync::{AtomicU64, Mutex, MutexGuard, Ordering, RwLock};
+use crate::sync::{AtomicBool, AtomicU64, Mutex, MutexGuard, Ordering, RwLock};
 
 use bytes::Bytes;
 
@@ -390,6 +390,10 @@ enum NewRecord<'a> {
         bytes: &'a [u8],
         header: RecordHeader,
         key: &'a [u8],
+        /// Where it is copied from (segment, offset): the copy becomes the key's live record only if
+        /// the index still points there when it is published (`forget` does not wait for the writer
+        /// lock that compaction holds).
+        from: (u32, u64),
     },
 }
 
@@ -429,6 +433,13 @@ pub struct SegmentLog<B: Backend = PortableBackend> {
     index: RwLock<HashMap<IndexKey, PackedLoc>>,
     files: RwLock<HashMap<u32, Arc<B::File>>>,
     state: Mutex<WriterState<B::File>>,
+    /// Records forgotten while the writer lock was busy (a long write, or a value streaming in from
+    /// a peer, which holds it for as long as the peer takes): their index entries are gone at once;
+    /// their space accounting, garbage collection and hole punching wait for the next taker of the
+    /// writer lock ([`SegmentLog::writer`]). So `forget` never waits for a write.
+    forgotten: Mutex<Vec<Location>>,
+    /// `forgotten` is not empty (read without its lock at every writer-lock acquisition).
+    any_forgotten: AtomicBool,
     /// Write-behind: `pending_key(segment, written_end)` while records of the active segment at or
     /// after `written_end` are pending in its tail, else `NOTHING_PENDING`. Stored before those records
     /// are published in the index and reset after they are written, so a reader that found a record
@@ -562,6 +573,8 @@ impl<B: Backend> SegmentLog<B> {
                 unsynced_sealed: Vec::new(),
                 spare_bufs: Vec::new(),
             }),
+            forgotten: Mutex::new(Vec::new()),
+            any_forgotten: AtomicBool::new(false),
             pending: AtomicU64::new(NOTHING_PENDING),
             poisoned: OnceLock::new(),
             warned: AtomicU64::new(0),
@@ -1156,7 +1169,7 @@ impl<B: Backend> SegmentLog<B> {
             // Pending (write-behind): written out first. If that write fails, it is in memory, not in
             // a file (`Error::Poisoned`, or a full file system: the transfer sources then send it
             // from memory).
-            let mut st = lock(&self.state);
+            let mut st = self.writer();
             if st.active.as_ref().is_some_and(|a| a.id == loc.segment && loc.offset >= a.written_end) {
                 self.flush_pending(&mut st)?;
             }
@@ -1323,7 +1336,7 @@ impl<B: Backend> SegmentLog<B> {
             self.validate(k, v)?;
         }
         let recs: Vec<NewRecord<'_>> = items.iter().map(|(key, frames)| NewRecord::Value { key, frames }).collect();
-        let mut st = lock(&self.state);
+        let mut st = self.writer();
         self.append(&mut st, recs).map(|_| ())
     }
 
@@ -1361,7 +1374,7 @@ impl<B: Backend> SegmentLog<B> {
             return Err(Error::ValueTooLarge { len, max: MAX_RECORD_BYTES, unit: "record bytes" });
         }
         self.check_writable()?;
-        let mut guard = lock(&self.state);
+        let mut guard = self.writer();
         let st = &mut *guard;
         let need_new = match &st.active {
             Some(a) => !self.fits(a, len, key.len()),
@@ -1544,7 +1557,7 @@ impl<B: Backend> SegmentLog<B> {
         if key.len() > format::MAX_KEY_BYTES {
             return Err(Error::KeyTooLarge { len: key.len(), max: format::MAX_KEY_BYTES });
         }
-        let mut st = lock(&self.state);
+        let mut st = self.writer();
         let Some(loc) = self.location(key) else {
             return Ok(false);
         };
@@ -1562,16 +1575,57 @@ impl<B: Backend> SegmentLog<B> {
     /// any more) is a side effect: if it fails, the key is forgotten all the same, the failure is
     /// logged, and the segment goes at a later garbage collection.
     pub fn forget(&self, key: &[u8]) -> Result<bool> {
-        let mut st = lock(&self.state);
         let old = self.index.write().unwrap_or_else(|p| p.into_inner()).remove(key);
         let Some(old) = old.map(Location::from) else { return Ok(false) };
+        let mut st = match self.state.try_lock() {
+            Ok(st) => st,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => {
+                // A write holds the lock (maybe for as long as a peer takes to send a value): the
+                // key is gone from the index already; the rest is left to the writer lock's next
+                // taker.
+                let mut f = lock(&self.forgotten);
+                f.push(old);
+                self.any_forgotten.store(true, Ordering::Release);
+                return Ok(true);
+            }
+        };
+        self.settle_forgotten(&mut st);
+        self.release_forgotten(&mut st, old);
+        Ok(true)
+    }
+
+    /// The writer lock, after settling what `forget` left for it while it was busy.
+    fn writer(&self) -> MutexGuard<'_, WriterState<B::File>> {
+        let mut st = lock(&self.state);
+        self.settle_forgotten(&mut st);
+        st
+    }
+
+    fn settle_forgotten(&self, st: &mut WriterState<B::File>) {
+        if !self.any_forgotten.load(Ordering::Acquire) {
+            return;
+        }
+        let locs = {
+            let mut f = lock(&self.forgotten);
+            self.any_forgotten.store(false, Ordering::Release);
+            std::mem::take(&mut *f)
+        };
+        for old in locs {
+            self.release_forgotten(st, old);
+        }
+    }
+
+    /// Account for a forgotten record (its index entry already removed): its segment's live count,
+    /// garbage collection, and the punch that releases its blocks.
+    fn release_forgotten(&self, st: &mut WriterState<B::File>, old: Location) {
         let mut emptied = Vec::new();
-        Self::release(&mut st, old, &mut emptied);
+        Self::release(st, old, &mut emptied);
         if self.poisoned.get().is_some() {
-            return Ok(true); // read-only: nothing on disk changes any more
+            return; // read-only: nothing on disk changes any more
         }
         if !emptied.is_empty() {
-            self.reclaim(&mut st);
+            self.reclaim(st);
         }
         // Punch unless the record's segment is gone: an emptied segment may stay (the active one is
         // never deleted, and a deletion can fail), and then the record's blocks would stay with it.
@@ -1580,9 +1634,8 @@ impl<B: Backend> SegmentLog<B> {
             && st.segs.contains_key(&old.segment)
             && self.poisoned.get().is_none()
         {
-            self.punch(&mut st, old);
+            self.punch(st, old);
         }
-        Ok(true)
     }
 
     /// Release the whole blocks inside a forgotten record (`LogOptions::punch_forgotten`): its disk
@@ -2366,6 +2419,12 @@ impl<B: Backend> SegmentLog<B> {
                         m.min_shadow = m.min_shadow.min(header.aux);
                         locs.push(Location { segment: id, first_segment: header.aux, offset, len });
                     }
+                    NewRecord::Relocated { from, .. }
+                        if index.get(key).is_none_or(|l| (l.segment, l.offset as u64) != *from) =>
+                    {
+                        // Forgotten while compaction copied it: the copy is dead on arrival.
+                        locs.push(Location { segment: id, first_segment: id, offset, len });
+                    }
                     _ => {
                         let first_segment = index.get(key).map_or(id, |o| o.first_segment.min(id));
                         let loc = Location { segment: id, first_segment, offset, len };
@@ -2633,7 +2692,7 @@ impl<B: Backend> SegmentLog<B> {
     /// segments directory if segments were created or removed since the last sync.
     pub fn sync(&self) -> Result<()> {
         self.check_writable()?;
-        let mut st = lock(&self.state);
+        let mut st = self.writer();
         if st.active.as_ref().is_some_and(|a| a.dirty && !a.last_is_mark) {
             self.append(&mut st, vec![NewRecord::SyncMark])?;
         }
@@ -2672,7 +2731,7 @@ impl<B: Backend> SegmentLog<B> {
     /// `docs/architecture.md` for the resulting space-amplification bound).
     pub fn compact(&self) -> Result<CompactStats> {
         self.check_writable()?;
-        let mut st = lock(&self.state);
+        let mut st = self.writer();
         self.compact_locked(&mut st)
     }
 
@@ -2742,17 +2801,18 @@ impl<B: Backend> SegmentLog<B> {
         let mut moved = 0;
         let mut bytes = 0;
         // Relocate in bounded batches so memory stays proportional to the batch, not the segment.
-        let mut batch: Vec<Bytes> = Vec::new();
+        let mut batch: Vec<(Bytes, u64)> = Vec::new();
         let mut batch_bytes = 0u64;
-        let flush = |st: &mut WriterState<B::File>, batch: &mut Vec<Bytes>| -> Result<()> {
+        let flush = |st: &mut WriterState<B::File>, batch: &mut Vec<(Bytes, u64)>| -> Result<()> {
             let recs: Vec<NewRecord<'_>> = batch
                 .iter()
-                .map(|b| {
+                .map(|(b, offset)| {
                     let header = format::peek_record_header(b).expect("verified before relocation");
                     NewRecord::Relocated {
                         bytes: b,
                         header,
                         key: &b[header.key_offset()..header.key_offset() + header.key_len as usize],
+                        from: (id, *offset),
                     }
                 })
                 .collect();
@@ -2774,7 +2834,7 @@ impl<B: Backend> SegmentLog<B> {
             moved += 1;
             bytes += e.record_len;
             batch_bytes += e.record_len;
-            batch.push(raw);
+            batch.push((raw, e.offset));
             if batch_bytes >= 8 << 20 {
                 flush(st, &mut batch)?;
                 batch_bytes = 0;
@@ -2802,7 +2862,7 @@ impl<B: Backend> SegmentLog<B> {
 
     /// Space accounting.
     pub fn stats(&self) -> LogStats {
-        let st = lock(&self.state);
+        let st = self.writer();
         let mut s = LogStats::default();
         for (&id, m) in &st.segs {
             s.segments += 1;
@@ -2825,7 +2885,7 @@ impl<B: Backend> SegmentLog<B> {
     pub fn verify(&self) -> Result<Vec<VerifyProblem>> {
         // Hold the writer lock so the active segment is not changing under the scan, and check the
         // file with nothing pending in memory (write-behind).
-        let mut st = lock(&self.state);
+        let mut st = self.writer();
         self.flush_pending(&mut st)?;
         let mut problems: Vec<VerifyProblem> = self
             .recovery
@@ -2978,7 +3038,7 @@ impl<B: Backend> Drop for SegmentLog<B> {
     /// Writes what is pending (write-behind), so that a log dropped without `sync` has handed every
     /// record to the kernel, as without write-behind.
     fn drop(&mut self) {
-        let mut st = lock(&self.state);
+        let mut st = self.writer();
         if let Err(e) = self.flush_pending(&mut st) {
             log::error!("segment log {}: pending records not written at close: {e}", self.dir.display());
         }

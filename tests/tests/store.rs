@@ -223,6 +223,68 @@ fn an_aborted_stream_gives_its_max_spill_space_back() {
     s.check_accounting().unwrap();
 }
 
+/// A value streaming in from a peer holds the log's writer lock for as long as the peer takes. A
+/// remove (or overwrite) of a spilled key meanwhile must not wait for it while holding the store's
+/// lock: that stalled every get and put of the store until the transfer ended, however slow the
+/// peer. Here the peer, mid-value, waits for another thread to remove a spilled key and read
+/// another one (bounded wait, so a regression fails instead of hanging).
+#[test]
+fn removing_a_spilled_key_does_not_wait_for_a_value_streaming_in() {
+    struct Peer<'a> {
+        store: &'a Arc<Store<TestCodec, SimBackend>>,
+        payload: &'a [u8],
+        sent: usize,
+        others_done: Option<bool>,
+    }
+    impl std::io::Read for Peer<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            if self.others_done.is_none() {
+                let (tx, rx) = std::sync::mpsc::channel();
+                let store = self.store.clone();
+                std::thread::spawn(move || {
+                    assert!(store.remove(b"spilled").unwrap());
+                    assert_eq!(*store.get(b"in-memory").unwrap().unwrap(), val(2, 1_000));
+                    store.put(b"new", val(3, 500)).unwrap();
+                    let _ = tx.send(());
+                });
+                self.others_done = Some(rx.recv_timeout(std::time::Duration::from_secs(20)).is_ok());
+            }
+            let n = buf.len().min(self.payload.len() - self.sent).min(1000);
+            buf[..n].copy_from_slice(&self.payload[self.sent..self.sent + n]);
+            self.sent += n;
+            Ok(n)
+        }
+    }
+    let s = Arc::new(Store::open(TestCodec::default(), SimBackend::new(), "/store", cfg(4_000)).unwrap());
+    s.put(b"spilled", val(1, 3_000)).unwrap();
+    s.put(b"in-memory", val(2, 1_000)).unwrap();
+    s.put(b"pusher", val(4, 2_000)).unwrap();
+    assert_eq!(s.tier(b"spilled"), Some(Tier::Disk));
+    let frames = ser(&val(7, 6_000)); // heavier than the target: streamed to disk
+    let lens: Vec<u64> = frames.iter().map(|f| f.len() as u64).collect();
+    let (_, raw_len) = spillway::format::frame_layout(lens.iter().copied()).unwrap();
+    let mut payload = vec![0u8; raw_len as usize];
+    spillway::format::lay_out_frames(&mut payload, frames.iter().map(|f| &f[..]));
+    let meta = spillway::StreamedValue {
+        lz4: false,
+        frame_lens: lens,
+        raw_len,
+        stored_len: raw_len,
+        payload_crc: spillway::format::payload_crc(&payload),
+    };
+    let mut peer = Peer { store: &s, payload: &payload, sent: 0, others_done: None };
+    s.put_stream(b"streamed", &meta, &mut peer).unwrap();
+    assert_eq!(peer.others_done, Some(true), "the remove waited for the stream");
+    assert_eq!(s.tier(b"streamed"), Some(Tier::Disk));
+    assert!(!s.contains(b"spilled"));
+    assert_eq!(*s.get(b"streamed").unwrap().unwrap(), val(7, 6_000));
+    assert_eq!(*s.get(b"new").unwrap().unwrap(), val(3, 500));
+    s.check_accounting().unwrap();
+    // The log released the removed record once its writer lock was free again.
+    assert_eq!(s.log().get(b"spilled").unwrap(), None);
+    assert_eq!(s.log().stats().live_records, s.log().len() as u64, "{:?}", s.log().stats());
+}
+
 /// A value streamed from a peer that `max_spill` refuses is received into memory instead: one
 /// refusal counted (not one for the stream and another for the fallback), nothing lost.
 #[test]
