@@ -342,7 +342,22 @@ pub fn serve_connection<S: Source>(src: &S, mut stream: TcpStream, opts: &Transf
         };
         let log = src.log();
         stream.write_all(&encode_value_response(&sv.meta)).map_err(|e| io_err("send value header", e))?;
-        match log.backend().as_fd(&sv.file) {
+        // splice(2) reads an O_DIRECT file with direct I/O, which refuses the payload's offset (only
+        // 64-byte aligned): splice from a buffered descriptor of the same file instead (copy if there
+        // is none).
+        let fd = log.backend().as_fd(&sv.file);
+        let direct =
+            fd.is_some_and(|fd| rustix::fs::fcntl_getfl(fd).map_or(true, |f| f.contains(rustix::fs::OFlags::DIRECT)));
+        let buffered = match fd {
+            Some(fd) if direct => reopen_buffered(fd).ok(),
+            _ => None,
+        };
+        let splice_fd = match &buffered {
+            Some(f) => Some(std::os::fd::AsFd::as_fd(f)),
+            None if direct => None,
+            None => fd,
+        };
+        match splice_fd {
             Some(fd) if !opts.copy && sv.meta.stored_len >= opts.splice_min_bytes => {
                 if pipe.is_none() {
                     pipe = Some(make_pipe().map_err(|e| io_err("create pipe", e))?);
@@ -408,6 +423,13 @@ fn make_pipe() -> io::Result<Pipe> {
 }
 
 /// `len` bytes at `offset` of `file` into `sock`, through the pipe, never through user memory.
+/// A new, buffered (not O_DIRECT) read-only descriptor of the file behind `fd`, through
+/// `/proc/self/fd` (which works for a segment already unlinked, too).
+fn reopen_buffered(fd: std::os::fd::BorrowedFd<'_>) -> io::Result<std::fs::File> {
+    use std::os::fd::AsRawFd;
+    std::fs::File::open(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+}
+
 fn splice_out(
     file: std::os::fd::BorrowedFd<'_>,
     offset: u64,
@@ -450,6 +472,9 @@ pub struct Client {
     broken: bool,
     /// The last request ended with a whole ERROR response: the connection is still in step.
     answered_error: bool,
+    /// The current request has been (or may have been) sent: after that, a failure leaves the
+    /// connection in step only if it was a whole ERROR response.
+    sent: bool,
 }
 
 impl Client {
@@ -467,7 +492,7 @@ impl Client {
                     let mut h = [0u8; 8];
                     stream.read_exact(&mut h).map_err(|e| io_err("receive hello", e))?;
                     check_hello(&h)?;
-                    return Ok(Client { stream, opts, broken: false, answered_error: false });
+                    return Ok(Client { stream, opts, broken: false, answered_error: false, sent: false });
                 }
                 Err(e) => last = e,
             }
@@ -481,14 +506,14 @@ impl Client {
             return Err(proto("the connection is unusable after an earlier error; connect again"));
         }
         self.answered_error = false;
+        self.sent = false;
         let r = f(self);
-        if let Err(e) = &r {
-            // A refused key never left, and a whole ERROR response leaves the stream in step: the
-            // connection goes on. Anything else may have left it mid-message.
-            if !matches!(e, Error::KeyTooLarge { .. }) && !std::mem::take(&mut self.answered_error) {
-                self.broken = true;
-                let _ = self.stream.shutdown(Shutdown::Both);
-            }
+        // A request refused before it was sent, or answered by a whole ERROR response, leaves the
+        // stream in step: the connection goes on. Any other failure may have left it mid-message
+        // (a value its receiver refused before reading the payload, for one).
+        if r.is_err() && std::mem::take(&mut self.sent) && !std::mem::take(&mut self.answered_error) {
+            self.broken = true;
+            let _ = self.stream.shutdown(Shutdown::Both);
         }
         r
     }
@@ -500,6 +525,7 @@ impl Client {
         let mut req = vec![OP_GET];
         req.extend_from_slice(&(key.len() as u32).to_le_bytes());
         req.extend_from_slice(key);
+        self.sent = true;
         self.stream.write_all(&req).map_err(|e| io_err("send request", e))?;
         let mut st = [0u8; 1];
         self.stream.read_exact(&mut st).map_err(|e| io_err("receive response", e))?;

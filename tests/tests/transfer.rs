@@ -148,6 +148,29 @@ fn the_connection_survives_an_error_response_but_not_a_short_one() {
     assert!(e.to_string().contains("unusable"), "{e}");
 }
 
+/// A value the receiving log refuses before reading its payload (a key too long to store under, here)
+/// leaves the payload unread on the connection: the connection must not be used again, or the next
+/// request reads payload bytes as its response (a payload byte of 1 was a false "not found").
+#[test]
+fn a_value_refused_by_the_receiving_log_leaves_the_connection_unusable() {
+    let payload = vec![1u8; 5000]; // 1 = NOT_FOUND, were it read as a status
+    let mut value =
+        transfer::encode_value_response(&meta(payload.len() as u64, spillway::format::payload_crc(&payload)));
+    value.extend_from_slice(&payload);
+    let mut c = Client::connect(fake_server_answering(vec![value.clone(), value]), opts()).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let log = log_at(tmp.path(), Compression::None);
+    let long = vec![b'k'; spillway::format::MAX_KEY_BYTES + 1];
+    let e = c.get_into(b"k", &log, &long).unwrap_err();
+    assert!(matches!(e, spillway::Error::KeyTooLarge { .. }), "{e}");
+    let e = c.get(b"next").unwrap_err();
+    assert!(e.to_string().contains("unusable"), "{e}");
+    // A key refused before anything was sent keeps the connection in step.
+    let mut c = Client::connect(fake_server_answering(vec![vec![1u8]]), opts()).unwrap();
+    assert!(matches!(c.get(&long).unwrap_err(), spillway::Error::KeyTooLarge { .. }));
+    assert!(c.get(b"k").unwrap().is_none());
+}
+
 #[test]
 fn a_wrong_checksum_is_an_error_and_stores_nothing() {
     let payload = value_for(b"crc", 200_000);
@@ -286,4 +309,33 @@ fn a_shut_down_listener_ends_serve() {
     assert!(ended.is_ok(), "{ended:?}");
     // The connection being served when it stopped still works.
     assert_eq!(c.get(b"k").unwrap().unwrap().concat(), &b"v"[..]);
+}
+
+/// A server whose segment files are O_DIRECT sends its values whole by both paths: splicing from an
+/// O_DIRECT file at a payload offset that is only 64-byte aligned must not fail the connection.
+#[test]
+fn values_arrive_intact_from_o_direct_segments() {
+    let src = tempfile::tempdir().unwrap();
+    let log = SegmentLog::open(
+        PortableBackend::with_direct(true),
+        src.path(),
+        LogOptions { segment_bytes: 8 << 20, ..Default::default() },
+    )
+    .unwrap();
+    if !log.backend().direct() {
+        eprintln!("skipped: O_DIRECT refused in {}", src.path().display());
+        return;
+    }
+    let sizes = [100_000usize, (1 << 20) + 3, 5 << 20];
+    for n in sizes {
+        let k = format!("v{n}");
+        log.put(k.as_bytes(), &frames_for(k.as_bytes(), n)).unwrap();
+    }
+    let addr = start_server(log, false);
+    let mut c = Client::connect(&addr, opts()).unwrap();
+    for n in sizes {
+        let k = format!("v{n}");
+        let want = frames_for(k.as_bytes(), n);
+        assert_eq!(c.get(k.as_bytes()).unwrap().as_ref(), Some(&want), "{k}");
+    }
 }
