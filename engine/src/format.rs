@@ -348,6 +348,11 @@ pub fn peek_record_header(b: &[u8]) -> Result<RecordHeader, DecodeError> {
     if h.is_sync_mark() && (h.key_len != 0 || h.flags != FLAG_SYNC_MARK) {
         return Err(DecodeError::Invalid("sync mark with a key or other flags"));
     }
+    if h.is_lz4() && !lz4_can_expand_to(h.stored_len, h.raw_len) {
+        // A reader allocates `raw_len` bytes to decompress into: a header with valid checksums (a
+        // crafted one) must not make it ask for terabytes.
+        return Err(DecodeError::Invalid("lz4 raw_len beyond what its payload can expand to"));
+    }
     if !h.is_lz4() && h.raw_len != h.stored_len {
         return Err(DecodeError::Invalid("uncompressed record with raw_len != stored_len"));
     }
@@ -645,6 +650,14 @@ pub fn decode_segment_header(b: &[u8]) -> Result<SegmentHeader, DecodeError> {
     Ok(h)
 }
 
+/// An lz4 block never expands more than this (each 255 bytes of a match cost at least one byte).
+const LZ4_MAX_RATIO: u64 = 256;
+
+/// Whether an lz4 block of `stored` bytes can decompress to `raw` bytes (`raw ≤ 256 · stored + 4096`).
+pub fn lz4_can_expand_to(stored: u64, raw: u64) -> bool {
+    raw <= stored.saturating_mul(LZ4_MAX_RATIO).saturating_add(4096)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -699,6 +712,31 @@ mod tests {
                 assert!(decode_record(&c).is_err(), "flip at byte {byte} bit {bit} went unnoticed");
             }
         }
+    }
+
+    #[test]
+    fn an_lz4_record_cannot_claim_more_than_its_payload_expands_to() {
+        let (key, lens) = (b"k", [1u64 << 40]);
+        let h = RecordHeader {
+            flags: FLAG_LZ4,
+            frame_count: 1,
+            key_len: 1,
+            segment: 7,
+            epoch: 3,
+            payload_crc: payload_crc(&[0u8; 10]),
+            seq: 1,
+            raw_len: 1 << 40,
+            stored_len: 10,
+            aux: 0,
+        };
+        let mut b = vec![0u8; h.record_len() as usize];
+        write_record_head(&mut b, &h, &lens, key);
+        let e = decode_record(&b).unwrap_err();
+        assert!(matches!(e, DecodeError::Invalid(m) if m.contains("lz4 raw_len")), "{e:?}");
+        // The bound holds for what lz4 really does to the most compressible input.
+        let zeros = vec![0u8; 16 << 20];
+        let c = lz4_flex::block::compress(&zeros);
+        assert!(zeros.len() as u64 <= c.len() as u64 * LZ4_MAX_RATIO, "{} -> {}", zeros.len(), c.len());
     }
 
     #[test]

@@ -174,6 +174,37 @@ pub struct StoredValue<F> {
     pub payload_offset: u64,
     /// The record's metadata: what a receiver needs besides the payload bytes.
     pub meta: StreamedValue,
+    /// Keeps `forget` from punching the record's blocks while it is being sent.
+    _pin: SendPin,
+}
+
+/// Records being sent ([`SegmentLog::stored_value`]), by (segment, offset), with a count.
+type SendPins = Arc<Mutex<HashMap<(u32, u64), u32>>>;
+
+/// One pin of a record being sent: while it lives, `forget` leaves the record's blocks alone (the
+/// sender reads them from the file after the key may have been forgotten).
+struct SendPin {
+    pins: SendPins,
+    at: (u32, u64),
+}
+
+impl SendPin {
+    fn new(pins: &SendPins, at: (u32, u64)) -> Self {
+        *lock(pins).entry(at).or_insert(0) += 1;
+        SendPin { pins: pins.clone(), at }
+    }
+}
+
+impl Drop for SendPin {
+    fn drop(&mut self) {
+        let mut p = lock(&self.pins);
+        if let Some(n) = p.get_mut(&self.at) {
+            *n -= 1;
+            if *n == 0 {
+                p.remove(&self.at);
+            }
+        }
+    }
 }
 
 /// Where a live record is.
@@ -440,6 +471,8 @@ pub struct SegmentLog<B: Backend = PortableBackend> {
     forgotten: Mutex<Vec<Location>>,
     /// `forgotten` is not empty (read without its lock at every writer-lock acquisition).
     any_forgotten: AtomicBool,
+    /// Records being sent: not punched when forgotten (see [`SendPin`]).
+    sending: SendPins,
     /// Write-behind: `pending_key(segment, written_end)` while records of the active segment at or
     /// after `written_end` are pending in its tail, else `NOTHING_PENDING`. Stored before those records
     /// are published in the index and reset after they are written, so a reader that found a record
@@ -575,6 +608,7 @@ impl<B: Backend> SegmentLog<B> {
             }),
             forgotten: Mutex::new(Vec::new()),
             any_forgotten: AtomicBool::new(false),
+            sending: Arc::new(Mutex::new(HashMap::new())),
             pending: AtomicU64::new(NOTHING_PENDING),
             poisoned: OnceLock::new(),
             warned: AtomicU64::new(0),
@@ -1165,6 +1199,12 @@ impl<B: Backend> SegmentLog<B> {
     /// verified). `None` if the key is absent.
     pub fn stored_value(&self, key: &[u8]) -> Result<Option<StoredValue<B::File>>> {
         let Some((loc, file)) = self.lookup(key) else { return Ok(None) };
+        // Pinned before the index is checked again: a forget that removed the key before the check
+        // makes it absent; one after it finds the pin and does not punch what is being sent.
+        let pin = SendPin::new(&self.sending, (loc.segment, loc.offset));
+        if self.location(key).is_none_or(|l| (l.segment, l.offset) != (loc.segment, loc.offset)) {
+            return Ok(None);
+        }
         if self.may_be_pending(loc) {
             // Pending (write-behind): written out first. If that write fails, it is in memory, not in
             // a file (`Error::Poisoned`, or a full file system: the transfer sources then send it
@@ -1197,6 +1237,7 @@ impl<B: Backend> SegmentLog<B> {
                 stored_len: h.stored_len,
                 payload_crc: h.payload_crc,
             },
+            _pin: pin,
         }))
     }
 
@@ -1360,6 +1401,9 @@ impl<B: Backend> SegmentLog<B> {
         }
         if !meta.lz4 && meta.stored_len != meta.raw_len {
             return Err(invalid("uncompressed value with stored_len != raw_len"));
+        }
+        if meta.lz4 && !format::lz4_can_expand_to(meta.stored_len, meta.raw_len) {
+            return Err(invalid("lz4 raw_len beyond what its payload can expand to"));
         }
         let total: u64 = meta.frame_lens.iter().sum();
         if total > self.opts.max_value_bytes || meta.stored_len > self.opts.max_value_bytes + (1 << 20) {
@@ -1646,6 +1690,9 @@ impl<B: Backend> SegmentLog<B> {
     fn punch(&self, st: &mut WriterState<B::File>, old: Location) {
         if st.active.as_ref().is_some_and(|a| a.id == old.segment && old.offset >= a.written_end) {
             return; // pending (write-behind): not in the file yet, nothing to release
+        }
+        if lock(&self.sending).contains_key(&(old.segment, old.offset)) {
+            return; // being sent: its blocks go when the segment does
         }
         let Some(file) = self.files.read().unwrap_or_else(|p| p.into_inner()).get(&old.segment).cloned() else {
             return;

@@ -147,3 +147,32 @@ fn a_failed_punch_changes_nothing_but_the_space() {
         }
     }
 }
+
+/// A value being sent to a peer (`stored_value`, then reads of its payload from the file) whose key
+/// is forgotten meanwhile is still sent whole: the punch that would release its blocks waits for the
+/// segment to go. It used to zero them under the sender, which the receiver took for damage. A key
+/// forgotten before its stored form is taken is absent.
+#[test]
+fn a_record_being_sent_is_not_punched_under_the_sender() {
+    let be = SimBackend::new();
+    let log = SegmentLog::open(be.clone(), "/p", opts()).unwrap();
+    let v = frames_for(b"big", 3 << 20);
+    log.put(b"big", &v).unwrap();
+    log.put(b"other", &frames_for(b"other", 5000)).unwrap();
+    let sv = log.stored_value(b"big").unwrap().unwrap();
+    assert!(log.forget(b"big").unwrap());
+    let sent = log.read_stored(&sv).unwrap();
+    assert_eq!(spillway::format::payload_crc(&sent), sv.meta.payload_crc, "the payload was punched while being sent");
+    drop(sv);
+    assert!(log.stored_value(b"big").unwrap().is_none());
+    // Without a send in progress, a forget still punches (the simulated disk zeroes the blocks).
+    log.put(b"big2", &frames_for(b"big2", 3 << 20)).unwrap();
+    let loc = log.location(b"big2").unwrap();
+    let file =
+        be.files().into_iter().find(|f| f.to_string_lossy().ends_with(&format!("{:08x}.seg", loc.segment))).unwrap();
+    let middle =
+        |be: &SimBackend| be.file_contents(&file).unwrap()[(loc.offset + (1 << 20)) as usize..][..4096].to_vec();
+    assert!(middle(&be).iter().any(|&b| b != 0));
+    assert!(log.forget(b"big2").unwrap());
+    assert!(middle(&be).iter().all(|&b| b == 0), "not punched");
+}
