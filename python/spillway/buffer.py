@@ -29,8 +29,9 @@ Policy (as dask's)
   memory and "Spill file on disk reached capacity; keeping data in memory" is logged (at most every
   10 s). The bytes counted are the pickle frames spillway stores; dask counts its own framing, a
   little larger, so right at the limit dask may refuse a spill that spillway makes.
-* A disk error (``OSError``, or a :class:`spillway.SpillwayError` other than ``DiskFull``) keeps the
-  key in memory and logs "Spill to disk failed; keeping data in memory" with the traceback (at most
+* A disk error (``OSError``, or a :class:`spillway.SpillwayError` other than ``DiskFull``), or a
+  value the log refuses (``ValueError``: more than 65535 out-of-band buffers, or larger than the
+  log's value limit), keeps the key in memory and logs "Spill to disk failed; keeping data in memory" with the traceback (at most
   every 10 s).
 * A value that fails to pickle: if it is the one being set, ``__setitem__`` raises
   ``TypeError("Failed to pickle 'key'")`` (the pickling error chained as ``__cause__``) and the key
@@ -898,7 +899,9 @@ class SpillBuffer(MutableMapping):
                 raise _SpillFailure("pickle", key, error) from None
             if isinstance(error, DiskFull):
                 raise _SpillFailure("max_spill", key, error) from None
-            if isinstance(error, (OSError, SpillwayError)):
+            # ValueError: a value the log cannot hold (more out-of-band buffers than a record's
+            # frame table, or larger than its value limit) stays in memory like any failed write.
+            if isinstance(error, (OSError, SpillwayError, ValueError)):
                 raise _SpillFailure("disk", key, error) from None
             raise
 
@@ -928,7 +931,7 @@ class SpillBuffer(MutableMapping):
     def _write(self, key: Hashable, tier: Tier, value: object, write_number: int):
         """Pickle (objects) and write one value to the log, within ``max_spill``. Returns (log
         key, payload bytes, seconds). Raises PickleError, DiskFull (max_spill), OSError,
-        SpillwayError."""
+        SpillwayError, ValueError (a value the log refuses)."""
         frames = value if tier is _FRAMES else self._pickle(key, value)
         log_key = encode_key(key) + write_number.to_bytes(8, "big")
         if self.max_spill is False:

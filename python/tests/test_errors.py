@@ -353,3 +353,19 @@ def test_full_disk_keeps_data_in_memory(tiny_tmpfs, caplog_spillway):
             assert (buf[key] == key).all()
     finally:
         buf.close()
+
+
+def test_a_value_the_log_refuses_is_a_disk_error_not_an_exception(make_buffer, caplog_spillway):
+    # More out-of-band buffers than one record holds (65535 frames): the log refuses the value with
+    # a ValueError. As any other failure to write, that keeps the key in memory and is logged; it
+    # must not escape from the set of this key, nor from later sets whose eviction retries it.
+    buf = make_buffer(target=1000)
+    many = [np.zeros(1, dtype="u1") for _ in range(70_000)]
+    buf["many"] = many  # heavier than the target: spilled at once, which fails
+    assert "many" in buf.fast
+    buf["x"] = bytes(600)
+    buf["y"] = bytes(600)
+    assert messages(caplog_spillway, logging.ERROR) == [DISK_ERROR_MESSAGE]
+    assert "frames" in caplog_spillway.text
+    assert len(buf["many"]) == 70_000
+    assert buf["x"] == bytes(600)
