@@ -248,15 +248,22 @@ pub fn serve<S: Source>(log: Arc<S>, listener: TcpListener, opts: TransferOption
             }
             continue;
         }
-        let (log, opts, slot) = (log.clone(), opts.clone(), active.clone());
+        /// The connection's place in `max_connections`, given back when the serving thread ends
+        /// however it ends (a panic included), or with the closure if the thread never starts.
+        struct Held(Arc<AtomicUsize>);
+        impl Drop for Held {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+        let (log, opts, held) = (log.clone(), opts.clone(), Held(active.clone()));
         let spawned = std::thread::Builder::new().name(format!("spillway-serve-{peer}")).spawn(move || {
+            let _held = held;
             if let Err(e) = serve_connection(&*log, stream, &opts) {
                 log::info!("transfer: connection from {peer} ended: {e}");
             }
-            slot.fetch_sub(1, Ordering::SeqCst);
         });
         if let Err(e) = spawned {
-            active.fetch_sub(1, Ordering::SeqCst);
             log::warn!("transfer: cannot start a thread for {peer}: {e}");
         }
     }
