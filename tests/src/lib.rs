@@ -108,3 +108,20 @@ pub fn assert_same_files(a: &[(std::path::PathBuf, Vec<u8>)], b: &[(std::path::P
         assert!(x == y, "{}: {what}: contents differ", p.display());
     }
 }
+
+/// `frames` laid out (64-byte frame alignment) as a plain, not lz4, value streamed from a peer: the
+/// payload bytes and the metadata that announces them.
+pub fn streamed(frames: &Frames) -> (Vec<u8>, spillway::StreamedValue) {
+    let lens: Vec<u64> = frames.iter().map(|f| f.len() as u64).collect();
+    let (_, raw_len) = spillway::format::frame_layout(lens.iter().copied()).expect("frames lay out");
+    let mut payload = vec![0u8; raw_len as usize];
+    spillway::format::lay_out_frames(&mut payload, frames.iter().map(|f| &f[..]));
+    let meta = spillway::StreamedValue {
+        lz4: false,
+        frame_lens: lens,
+        raw_len,
+        stored_len: raw_len,
+        payload_crc: spillway::format::payload_crc(&payload),
+    };
+    (payload, meta)
+}

@@ -327,15 +327,7 @@ fn a_streamed_value_that_meets_a_full_disk_fails_alone() {
     let o = || LogOptions { segment_bytes: 8 << 20, ..opts() };
     let log = SegmentLog::open(be.clone(), "/s", o()).unwrap();
     log.put(b"before", &frames_for(b"before", 1000)).unwrap();
-    let payload = spillway_tests::value_for(b"big", 3 << 20);
-    let n = payload.len() as u64;
-    let meta = spillway::StreamedValue {
-        lz4: false,
-        frame_lens: vec![n],
-        raw_len: n,
-        stored_len: n,
-        payload_crc: spillway::format::payload_crc(&payload),
-    };
+    let (payload, meta) = spillway_tests::streamed(&Frames::from(spillway_tests::value_for(b"big", 3 << 20)));
     // The second 1 MiB write fails, and so does every write after it until there is room again.
     be.inject(Fault { op: FaultOp::Write, after: 1, kind: FaultKind::TornEnospc, sticky: true });
     let e = log.put_stream(b"big", &meta, &mut &payload[..]).unwrap_err();
@@ -375,15 +367,7 @@ fn an_eio_during_a_stream_makes_the_log_read_only(payload: &[u8], meta: &spillwa
 /// shows, neither before nor after a reopen or a power cut.
 #[test]
 fn a_streamed_value_whose_erase_fails_loses_nothing() {
-    let payload = spillway_tests::value_for(b"big", 3 << 20);
-    let n = payload.len() as u64;
-    let meta = spillway::StreamedValue {
-        lz4: false,
-        frame_lens: vec![n],
-        raw_len: n,
-        stored_len: n,
-        payload_crc: spillway::format::payload_crc(&payload),
-    };
+    let (payload, meta) = spillway_tests::streamed(&Frames::from(spillway_tests::value_for(b"big", 3 << 20)));
     for durable in [false, true] {
         let be = SimBackend::new();
         let o = || LogOptions { segment_bytes: 8 << 20, durable, ..opts() };

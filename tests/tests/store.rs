@@ -261,17 +261,7 @@ fn removing_a_spilled_key_does_not_wait_for_a_value_streaming_in() {
     s.put(b"pusher", val(4, 2_000)).unwrap();
     assert_eq!(s.tier(b"spilled"), Some(Tier::Disk));
     let frames = ser(&val(7, 6_000)); // heavier than the target: streamed to disk
-    let lens: Vec<u64> = frames.iter().map(|f| f.len() as u64).collect();
-    let (_, raw_len) = spillway::format::frame_layout(lens.iter().copied()).unwrap();
-    let mut payload = vec![0u8; raw_len as usize];
-    spillway::format::lay_out_frames(&mut payload, frames.iter().map(|f| &f[..]));
-    let meta = spillway::StreamedValue {
-        lz4: false,
-        frame_lens: lens,
-        raw_len,
-        stored_len: raw_len,
-        payload_crc: spillway::format::payload_crc(&payload),
-    };
+    let (payload, meta) = spillway_tests::streamed(&frames);
     let mut peer = Peer { store: &s, payload: &payload, sent: 0, others_done: None };
     s.put_stream(b"streamed", &meta, &mut peer).unwrap();
     assert_eq!(peer.others_done, Some(true), "the remove waited for the stream");
@@ -292,17 +282,7 @@ fn a_streamed_value_refused_by_max_spill_is_counted_once_and_kept_in_memory() {
     let c = StoreConfig { max_spill_bytes: Some(3_000), ..cfg(4_000) };
     let s = Store::open(TestCodec::default(), SimBackend::new(), "/store", c).unwrap();
     let frames = ser(&val(7, 6_000)); // heavier than the target and than max_spill
-    let lens: Vec<u64> = frames.iter().map(|f| f.len() as u64).collect();
-    let (_, raw_len) = spillway::format::frame_layout(lens.iter().copied()).unwrap();
-    let mut payload = vec![0u8; raw_len as usize];
-    spillway::format::lay_out_frames(&mut payload, frames.iter().map(|f| &f[..]));
-    let meta = spillway::StreamedValue {
-        lz4: false,
-        frame_lens: lens,
-        raw_len,
-        stored_len: raw_len,
-        payload_crc: spillway::format::payload_crc(&payload),
-    };
+    let (payload, meta) = spillway_tests::streamed(&frames);
     s.put_stream(b"k", &meta, &mut &payload[..]).unwrap();
     assert_eq!(s.metrics().max_spill_refusals, 1);
     assert_ne!(s.tier(b"k"), Some(Tier::Disk));
