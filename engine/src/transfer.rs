@@ -351,8 +351,8 @@ pub fn serve_connection<S: Source>(src: &S, mut stream: TcpStream, opts: &Transf
         stream.write_all(&encode_value_response(&sv.meta)).map_err(|e| io_err("send value header", e))?;
         // splice(2) reads an O_DIRECT file with direct I/O, which refuses the payload's offset (only
         // 64-byte aligned): splice from a buffered descriptor of the same file instead (copy if there
-        // is none).
-        let fd = log.backend().as_fd(&sv.file);
+        // is none). Looked at only for a value that is to be spliced.
+        let fd = log.backend().as_fd(&sv.file).filter(|_| !opts.copy && sv.meta.stored_len >= opts.splice_min_bytes);
         let direct =
             fd.is_some_and(|fd| rustix::fs::fcntl_getfl(fd).map_or(true, |f| f.contains(rustix::fs::OFlags::DIRECT)));
         let buffered = match fd {
@@ -365,7 +365,7 @@ pub fn serve_connection<S: Source>(src: &S, mut stream: TcpStream, opts: &Transf
             None => fd,
         };
         match splice_fd {
-            Some(fd) if !opts.copy && sv.meta.stored_len >= opts.splice_min_bytes => {
+            Some(fd) => {
                 if pipe.is_none() {
                     pipe = Some(make_pipe().map_err(|e| io_err("create pipe", e))?);
                 }
@@ -376,7 +376,7 @@ pub fn serve_connection<S: Source>(src: &S, mut stream: TcpStream, opts: &Transf
                     return Err(io_err("splice value", e));
                 }
             }
-            _ => {
+            None => {
                 let payload = log.read_stored(&sv)?;
                 stream.write_all(&payload).map_err(|e| io_err("send value", e))?;
             }
