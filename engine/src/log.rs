@@ -114,7 +114,8 @@ pub struct LogOptions {
     /// so such a log should not be reopened: the store discards it at open instead.
     pub punch_forgotten: bool,
     /// At open, delete whatever segments the directory holds instead of recovering them (after taking
-    /// the directory's lock): for a spill store, whose data dies with its process.
+    /// the directory's lock): for a spill store, whose data dies with its process. Files in
+    /// `segments/` that are not named like segments are left alone (with a warning), as recovery does.
     pub discard_existing: bool,
     /// fdatasync on its own where crash consistency needs it: before sealing a segment and before
     /// deleting one. Turn off for data that dies with the process (a spill store); `sync()` still
@@ -551,9 +552,15 @@ impl<B: Backend> SegmentLog<B> {
         })?;
         if opts.discard_existing {
             // A spill store's data died with its process: drop it unread (its records may have been
-            // hole-punched, so recovering them would only report damage).
+            // hole-punched, so recovering them would only report damage). Only segment files: anything
+            // else in the directory is not ours to delete (recovery ignores it the same way), and its name
+            // may not even be UTF-8, so the name `list_dir` gives may not open.
             let names = backend.list_dir(&seg_dir).map_err(|e| Error::io("list segments", seg_dir.clone(), e))?;
             for name in names {
+                if parse_seg_file_name(&name).is_none() {
+                    log::warn!("ignoring unexpected file {:?} in {}", name, seg_dir.display());
+                    continue;
+                }
                 let path = seg_dir.join(name);
                 backend.remove_file(&path).map_err(|e| Error::io("remove segment", path, e))?;
             }

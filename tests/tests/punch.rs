@@ -121,6 +121,30 @@ fn discard_existing_opens_empty() {
     assert_eq!(log.get(b"x").unwrap(), Some(frames_for(b"x", 10)));
 }
 
+/// Discarding deletes segment files only. A file of someone else's in `segments/` is left alone,
+/// also one whose name is not UTF-8 (its lossy name would not open, and the open failed on it).
+#[test]
+fn discard_existing_leaves_other_files_alone() {
+    use std::os::unix::ffi::OsStrExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let log = SegmentLog::open(PortableBackend::new(), tmp.path(), opts()).unwrap();
+    workload(&log);
+    drop(log);
+    let seg = tmp.path().join("segments");
+    let odd = seg.join(std::ffi::OsStr::from_bytes(b"not-utf8-\xff.seg"));
+    std::fs::write(&odd, b"theirs").unwrap();
+    std::fs::write(seg.join("notes.txt"), b"theirs too").unwrap();
+    let log =
+        SegmentLog::open(PortableBackend::new(), tmp.path(), LogOptions { discard_existing: true, ..opts() }).unwrap();
+    assert!(log.is_empty());
+    let mut left: Vec<_> = std::fs::read_dir(&seg).unwrap().map(|e| e.unwrap().file_name()).collect();
+    left.sort();
+    assert_eq!(left, [odd.file_name().unwrap().to_owned(), std::ffi::OsString::from("notes.txt")]);
+    assert_eq!(std::fs::read(&odd).unwrap(), b"theirs");
+    log.put(b"x", &frames_for(b"x", 10)).unwrap();
+    assert_eq!(log.get(b"x").unwrap(), Some(frames_for(b"x", 10)));
+}
+
 /// A punch that fails (EIO, a full disk, or a punch torn half-way) is advisory: `forget` still
 /// succeeds, the log stays writable, the neighbours read back, `verify` finds nothing wrong, and a
 /// reopened log (a clean one, and one after a power cut) has every kept key.
