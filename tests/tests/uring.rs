@@ -441,3 +441,21 @@ fn auto_backend_passes_the_write_strategy_through() {
         assert_eq!((auto.queues_writes(), auto.gathers_writes()), (queues, gathers), "direct={direct}");
     }
 }
+
+/// io_uring's direct files are laid out and read at the same O_DIRECT alignment as the portable
+/// backend's (they used to take the buffered answer, only the file system block, for layout), and
+/// the auto backend answers as the backend it wraps.
+#[test]
+fn direct_files_get_the_same_alignment_on_every_file_backend() {
+    let Some(be) = backend("direct_files_get_the_same_alignment", true) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::write(tmp.path().join("LOCK"), b"").unwrap();
+    let portable = spillway::PortableBackend::with_direct(true);
+    assert_eq!(be.alignment(tmp.path()), portable.alignment(tmp.path()));
+    assert_eq!(be.read_alignment(tmp.path()), portable.read_alignment(tmp.path()));
+    if let Some(dio) = spillway::backend::dio_alignment(&tmp.path().join("LOCK")) {
+        assert_eq!(be.alignment(tmp.path()) % dio, 0);
+    }
+    let auto = AutoBackend::Uring(be);
+    assert_eq!(auto.alignment(tmp.path()), portable.alignment(tmp.path()));
+}

@@ -174,7 +174,10 @@ impl Backend for AutoBackend {
         PortableBackend::new().lock_dir(dir)
     }
     fn alignment(&self, dir: &Path) -> usize {
-        PortableBackend::new().alignment(dir)
+        match self {
+            AutoBackend::Uring(u) => u.alignment(dir),
+            AutoBackend::Portable(p) => p.alignment(dir),
+        }
     }
     fn read_alignment(&self, dir: &Path) -> usize {
         match self {

@@ -154,19 +154,27 @@ impl Backend for PortableBackend {
     }
 
     fn alignment(&self, dir: &Path) -> usize {
-        let dio = self.read_alignment(dir);
-        let block = rustix::fs::statx(CWD, dir, AtFlags::empty(), StatxFlags::BASIC_STATS)
-            .map(|st| st.stx_blksize as usize)
-            .unwrap_or(DEFAULT_ALIGN);
-        if block.is_power_of_two() {
-            dio.max(block.clamp(512, 65536))
-        } else {
-            dio.max(DEFAULT_ALIGN)
-        }
+        alignment(dir, self.direct())
     }
 
     fn read_alignment(&self, dir: &Path) -> usize {
         read_alignment(dir, self.direct())
+    }
+}
+
+/// The write and layout alignment for segment files in `dir` ([`Backend::alignment`]) for a backend
+/// that opens them with O_DIRECT (`direct`) or not: the larger of the read alignment and the file
+/// system block. Shared by every file backend, so that io_uring's direct files get their O_DIRECT
+/// alignment too.
+pub(crate) fn alignment(dir: &Path, direct: bool) -> usize {
+    let dio = read_alignment(dir, direct);
+    let block = rustix::fs::statx(CWD, dir, AtFlags::empty(), StatxFlags::BASIC_STATS)
+        .map(|st| st.stx_blksize as usize)
+        .unwrap_or(DEFAULT_ALIGN);
+    if block.is_power_of_two() {
+        dio.max(block.clamp(512, 65536))
+    } else {
+        dio.max(DEFAULT_ALIGN)
     }
 }
 
@@ -194,17 +202,24 @@ pub(crate) fn buffered_align(direct: bool, align: usize) -> usize {
 }
 
 /// The O_DIRECT offset alignment the file system reports for `path` (statx `STATX_DIOALIGN`, Linux
-/// 6.1+), clamped to 512..=4096; `None` when unknown.
+/// 6.1+): the larger of its offset and memory alignments, clamped to 512..=65536 (the log's range);
+/// `None` when unknown. Devices with 8 or 16 KiB logical blocks report more than 4096, and reads at
+/// a smaller alignment would fail with EINVAL there.
 pub fn dio_alignment(path: &Path) -> Option<usize> {
     let st = rustix::fs::statx(CWD, path, AtFlags::empty(), StatxFlags::DIOALIGN).ok()?;
     if !StatxFlags::from_bits_retain(st.stx_mask).contains(StatxFlags::DIOALIGN) {
         return None;
     }
-    let a = st.stx_dio_offset_align.max(st.stx_dio_mem_align) as usize;
+    dio_align_of(st.stx_dio_offset_align, st.stx_dio_mem_align)
+}
+
+/// [`dio_alignment`] from statx's two fields.
+fn dio_align_of(offset_align: u32, mem_align: u32) -> Option<usize> {
+    let a = offset_align.max(mem_align) as usize;
     if a == 0 || !a.is_power_of_two() {
         return None;
     }
-    Some(a.clamp(512, 4096))
+    Some(a.clamp(512, 65536))
 }
 
 /// Give a new segment file its size, reserving its blocks (`fallocate`) where the file system can.
@@ -262,4 +277,38 @@ pub(crate) fn write_gather(file: &File, mut offset: u64, parts: &[&[u8]]) -> io:
 pub(crate) fn punch_hole(file: &File, offset: u64, len: u64) -> io::Result<()> {
     rustix::fs::fallocate(file, FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE, offset, len)
         .map_err(io::Error::from)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A device with 8 or 16 KiB logical blocks reports that as its O_DIRECT alignment; reads at a
+    /// smaller one (the old 4096 cap) fail with EINVAL there.
+    #[test]
+    fn dio_alignment_keeps_large_device_blocks() {
+        assert_eq!(dio_align_of(512, 4), Some(512));
+        assert_eq!(dio_align_of(512, 4096), Some(4096));
+        assert_eq!(dio_align_of(8192, 512), Some(8192));
+        assert_eq!(dio_align_of(16384, 16384), Some(16384));
+        assert_eq!(dio_align_of(1 << 20, 512), Some(65536), "clamped to the log's range");
+        assert_eq!(dio_align_of(1, 1), Some(512), "at least a sector");
+        assert_eq!(dio_align_of(0, 0), None, "not reported");
+        assert_eq!(dio_align_of(3000, 512), None, "not a power of two");
+    }
+
+    /// Direct files are laid out at least at their O_DIRECT alignment; buffered reads need only 64.
+    #[test]
+    fn direct_alignment_covers_the_dio_alignment() {
+        let tmp = tempfile::tempdir().unwrap();
+        std::fs::write(tmp.path().join("LOCK"), b"").unwrap();
+        let direct = alignment(tmp.path(), true);
+        assert!(direct.is_power_of_two() && (512..=65536).contains(&direct), "{direct}");
+        if let Some(dio) = dio_alignment(&tmp.path().join("LOCK")) {
+            assert_eq!(read_alignment(tmp.path(), true), dio);
+            assert_eq!(direct % dio, 0, "{direct} is not a multiple of the O_DIRECT alignment {dio}");
+        }
+        assert_eq!(read_alignment(tmp.path(), false), crate::format::FRAME_ALIGN as usize);
+        assert!(alignment(tmp.path(), false) >= 512);
+    }
 }

@@ -613,7 +613,7 @@ impl Backend for UringBackend {
         self.portable.lock_dir(dir)
     }
     fn alignment(&self, dir: &Path) -> usize {
-        self.portable.alignment(dir)
+        super::portable::alignment(dir, self.direct())
     }
     fn read_alignment(&self, dir: &Path) -> usize {
         super::portable::read_alignment(dir, self.direct())
