@@ -288,6 +288,63 @@ fn connections_over_the_limit_are_told_why() {
     drop(first);
 }
 
+/// Threads of this process named `name` (as /proc shows it: 15 bytes at most).
+fn threads_named(name: &str) -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|comm| comm.trim_end() == name)
+        .count()
+}
+
+/// A flood of connections over the limit costs at most `MAX_REFUSING` refusing threads (each waits
+/// up to a second for a greeting that never comes); the rest are closed unanswered. Every flooding
+/// client is answered or closed, and the server still serves once its place is free.
+#[test]
+fn a_flood_over_the_limit_costs_a_bounded_number_of_threads() {
+    let src = tempfile::tempdir().unwrap();
+    let log = log_at(src.path(), Compression::None);
+    log.put(b"k", &Frames::from(b"v".to_vec())).unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let o = TransferOptions { max_connections: 1, ..opts() };
+    std::thread::spawn(move || transfer::serve(Arc::new(log), listener, o));
+    let mut first = Client::connect(&addr, opts()).unwrap();
+    assert_eq!(first.get(b"k").unwrap().unwrap().concat(), &b"v"[..]);
+    // Silent clients: no greeting, so each refusal would wait out its second.
+    let flood: Vec<TcpStream> = (0..64).map(|_| TcpStream::connect(&addr).unwrap()).collect();
+    let mut most = 0;
+    for _ in 0..200 {
+        most = most.max(threads_named("spillway-refuse"));
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    // One more may belong to `connections_over_the_limit_are_told_why`, running alongside.
+    assert!(most <= transfer::MAX_REFUSING + 1, "{most} refusing threads at once");
+    for mut s in flood {
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let mut buf = Vec::new();
+        // EOF or a reset (closed unanswered), or the greeting and the refusal, then EOF.
+        match s.read_to_end(&mut buf) {
+            Ok(_) => assert!(buf.is_empty() || String::from_utf8_lossy(&buf).contains("too many connections")),
+            Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset, "{e}"),
+        }
+    }
+    drop(first);
+    // The place is given back when the first connection's thread sees it close: bounded retries.
+    let mut served = false;
+    for _ in 0..200 {
+        if let Ok(mut c) = Client::connect(&addr, opts()) {
+            if let Ok(Some(v)) = c.get(b"k") {
+                assert_eq!(v.concat(), &b"v"[..]);
+                served = true;
+                break;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(served, "the server serves again once its place is free");
+}
+
 /// `serve` returns `Ok` when its listener is shut down from another thread; connections it was
 /// serving go on.
 #[test]
