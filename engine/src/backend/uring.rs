@@ -1073,4 +1073,64 @@ mod tests {
         drop(be); // joins the dead driver (and logs that it panicked)
         drop(tx);
     }
+
+    /// Operations sent from other threads while the driver dies, at whatever moment each lands
+    /// (before the panic, in the batch it panics on, between the panic and the queue's closing,
+    /// after it): each one completes, with its data or with the driver's death, and none waits for
+    /// good. Once a thread has seen the death, every later operation fails at once.
+    #[test]
+    fn operations_racing_the_driver_death_all_complete() {
+        let be = match UringBackend::new(UringOptions { inline_blocking: false, ..Default::default() }) {
+            Ok(b) => Arc::new(b),
+            Err(e) if std::env::var("SPILLWAY_REQUIRE_URING").is_ok_and(|v| v == "1") => {
+                panic!("io_uring required (SPILLWAY_REQUIRE_URING=1) but unavailable: {e}")
+            }
+            Err(e) => {
+                println!("SKIPPED operations_racing_the_driver_death_all_complete: io_uring unavailable: {e}");
+                return;
+            }
+        };
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("f");
+        std::fs::write(&path, [7u8; 4096]).unwrap();
+        let f = be.open(&path, false).unwrap();
+        const THREADS: usize = 4;
+        let start = Arc::new(std::sync::Barrier::new(THREADS + 1));
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        for _ in 0..THREADS {
+            let (be, f, start, done_tx) = (be.clone(), f.clone(), start.clone(), done_tx.clone());
+            std::thread::spawn(move || {
+                start.wait();
+                let mut ok = 0u64;
+                // Bounded: the driver dies within the first few of these.
+                for _ in 0..1_000_000 {
+                    let (r, b) = block_on(be.read(&f, 0, AlignedBuf::zeroed(4096, 4096)));
+                    match r {
+                        Ok(()) => {
+                            assert!(b.iter().all(|&x| x == 7), "a completed read has the file's data");
+                            ok += 1;
+                        }
+                        Err(e) => {
+                            assert!(e.to_string().contains("driver thread died"), "{e}");
+                            // From now on, at once, with the buffer back (never submitted).
+                            let (r, b) = block_on(be.read(&f, 0, AlignedBuf::zeroed(4096, 4096)));
+                            assert!(r.is_err_and(|e| e.to_string().contains("driver thread died")));
+                            assert_eq!(b.len(), 4096);
+                            done_tx.send(Some(ok)).unwrap();
+                            return;
+                        }
+                    }
+                }
+                done_tx.send(None).unwrap();
+            });
+        }
+        start.wait();
+        be.shared.send(vec![Request::Panic]);
+        for _ in 0..THREADS {
+            let got = done_rx.recv_timeout(std::time::Duration::from_secs(60)).expect("every caller completes");
+            assert!(got.is_some(), "a thread never saw the driver's death");
+        }
+        drop(f);
+        drop(be);
+    }
 }
