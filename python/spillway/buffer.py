@@ -914,6 +914,7 @@ class SpillBuffer(MutableMapping):
                 self._delete_record(key, log_key)
                 return 0
             del self._lru[key]
+            self._heavy.pop(key, None)
             self._memory_weight -= weight
             e.tier = _DISK
             e.value = None
@@ -1000,8 +1001,10 @@ class SpillBuffer(MutableMapping):
                             self._weak[key] = obj
                         except TypeError:
                             pass
-                    if e.tier is _FRAMES:
-                        self._heavy[key] = None  # served from disk from now on, as dask does
+                    if e.tier is _FRAMES and not e.evicting:
+                        # Served from disk from now on, as dask does. (A key being written already
+                        # is on its way: marking it again would have it spilled a second time.)
+                        self._heavy[key] = None
                         memory_changed = True
         if load is not None:
             load.set_result(obj)
@@ -1016,13 +1019,13 @@ class SpillBuffer(MutableMapping):
         e = self._entries.pop(key, None)
         if e is None:
             return
+        self._heavy.pop(key, None)
         if e.tier is _DISK:
             self._spilled_memory -= e.weight
             self._spilled_disk -= e.disk_bytes
             self._delete_record(key, e.log_key)
         else:
             del self._lru[key]
-            self._heavy.pop(key, None)
             self._memory_weight -= e.weight
         self._weak.pop(key, None)
         self.logged_pickle_errors.discard(key)

@@ -155,7 +155,7 @@ def test_failed_unpickle_wakes_waiters_with_the_error_and_keeps_the_data(make_bu
 
 
 def test_mixed_operations_from_many_threads(make_buffer):
-    """Random set/get/del/evict/get_serialized from 6 threads; every read returns a value that was
+    """Random set/set_serialized/get/del/evict/get_serialized from 6 threads; every read returns a value that was
     set for that key, and the accounting adds up at the end."""
     buf = make_buffer(target=200_000)
     n_keys = 40
@@ -184,6 +184,11 @@ def test_mixed_operations_from_many_threads(make_buffer):
                         del buf[key]
                     except KeyError:
                         pass
+                elif op < 0.9:
+                    # Data from a peer: held pickled until a reader unpickles it.
+                    from spillway import buffer
+
+                    buf.set_serialized(key, buffer._dumps(value(key, seed * 10_000 + i)))
                 elif op < 0.95:
                     try:
                         frames = buf.get_serialized(key)
@@ -231,3 +236,69 @@ def assert_consistent(buf):
         assert buf.spilled_total.disk == sum(e.disk_bytes for e in on_disk.values())
         assert buf.spilled_total.disk == buf.log.disk_bytes
         assert sorted(buf.log.keys()) == sorted(e.log_key for e in on_disk.values())
+
+
+class BlockingPut:
+    """Wraps a SpillBuffer's Log: the first ``put`` signals ``entered`` and waits for ``release``."""
+
+    def __init__(self, log):
+        self.inner = log
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.blocked = False
+
+    def put(self, key, frames):
+        if not self.blocked:
+            self.blocked = True
+            self.entered.set()
+            assert self.release.wait(60), "test never released the write"
+        return self.inner.put(key, frames)
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_an_object_read_again_while_its_frames_are_spilled_is_spilled_once(make_buffer):
+    """Frames that unpickle to an object heavier than target are spilled by their first reader. A
+    second reader, served from the weak cache while that write is in flight, used to mark the key
+    for spilling again: the first reader then pickled the key's (now empty) value into a second
+    record and raised KeyError, or, after ``evict()``, every later eviction raised KeyError."""
+    from spillway import buffer
+
+    obj = list(range(100_000))
+    frames = buffer._dumps(obj)
+    light, heavy = buffer._frame_bytes(frames), buffer._sizeof(obj)
+    assert light < heavy, (light, heavy)
+    buf = make_buffer(target=(light + heavy) // 2)  # the frames fit, the object does not
+    log = BlockingPut(buf._log)
+    buf._log = log
+    buf.set_serialized("k", frames)
+    assert buf.tier("k") == "frames"
+    first = {}
+
+    def owner():
+        try:
+            first["value"] = buf["k"]
+        except BaseException as e:  # noqa: BLE001
+            first["value"] = e
+
+    t = threading.Thread(target=owner)
+    t.start()
+    # The owner unpickled the frames, found the object too heavy, and is writing them to disk.
+    assert log.entered.wait(60)
+    assert buf["k"] == obj  # from the weak cache, while the write is in flight
+    log.release.set()
+    t.join(60)
+    assert not t.is_alive()
+    assert first["value"] == obj
+    assert buf.tier("k") == "disk"
+    assert len(buf.log) == 1, "spilled once"
+    assert_consistent(buf)
+    assert buf.evict() == -1  # nothing left in memory, and no error
+    del buf["k"]
+    buf["x"] = b"small"
+    assert buf.evict() > 0
+    assert_consistent(buf)
