@@ -1077,13 +1077,29 @@ impl<B: Backend> SegmentLog<B> {
     /// The value stored under `key`, or `None`. A damaged record is an error naming its segment and
     /// offset; other records are unaffected.
     pub fn get(&self, key: &[u8]) -> Result<Option<Frames>> {
-        let Some((loc, file)) = self.lookup(key) else {
-            return Ok(None);
-        };
-        if let Some(raw) = self.pending_record(loc)? {
-            return decode_read(raw, loc, key).map(Some);
+        let mut tries = 0;
+        loop {
+            let Some((loc, file)) = self.lookup(key) else {
+                return Ok(None);
+            };
+            let got = match self.pending_record(loc)? {
+                Some(raw) => decode_read(raw, loc, key),
+                None => self.read_record(&file, loc, key),
+            };
+            match got {
+                Err(e) if tries < 8 && self.moved_under_read(&e, key, loc) => tries += 1,
+                got => return got.map(Some),
+            }
         }
-        self.read_record(&file, loc, key).map(Some)
+    }
+
+    /// Whether `e`, the failure of a read of `key`'s record at `loc`, may come from the key being
+    /// forgotten or moved while it was read rather than from damage: a forget may punch the record's
+    /// blocks (and a deleted segment's file may be reused) once the index no longer points there.
+    /// Then the reader looks the key up again instead of reporting damage that is not there.
+    fn moved_under_read(&self, e: &Error, key: &[u8], loc: Location) -> bool {
+        matches!(e, Error::Corrupt { .. } | Error::ChecksumMismatch { .. })
+            && self.location(key).is_none_or(|l| (l.segment, l.offset) != (loc.segment, loc.offset))
     }
 
     /// Where `key`'s record is, if it is live.
@@ -1193,7 +1209,11 @@ impl<B: Backend> SegmentLog<B> {
                 Err(e) => Err(Error::io("read segment", self.seg_path(loc.segment), e)),
                 Ok(()) => {
                     let from = (loc.offset - start) as usize;
-                    decode_read(buf.freeze().slice(from..from + loc.len as usize), loc, &key).map(Some)
+                    match decode_read(buf.freeze().slice(from..from + loc.len as usize), loc, &key) {
+                        // Forgotten or moved while being read: as a fresh `get` finds it now.
+                        Err(e) if self.moved_under_read(&e, &key, loc) => self.get(&key),
+                        got => got.map(Some),
+                    }
                 }
             };
             (on_value.borrow_mut())(key, res);
