@@ -508,6 +508,11 @@ class _WeakCache:
         return len(self._refs)
 
 
+class _RecordGone(Exception):
+    """A key's record left the log while it was being read (another thread deleted the key, set it
+    again, or brought it back into memory): the reader starts over from the key's current state."""
+
+
 class _SpillFailure(Exception):
     """A spill that did not happen; the key is still in memory. ``kind`` is "pickle", "max_spill" or
     "disk"; ``error`` the exception behind it."""
@@ -682,6 +687,13 @@ class SpillBuffer(MutableMapping):
         """The object of ``key``. An object in memory moves to the tail of the LRU. A key held as
         frames or on disk is unpickled (once, whatever the number of concurrent readers) and, unless
         heavier than ``target``, kept in memory as an object."""
+        while True:
+            try:
+                return self._get_once(key)
+            except _RecordGone:
+                continue  # read again from what the key is now (KeyError if it is gone)
+
+    def _get_once(self, key: Hashable) -> object:
         with self._lock:
             e = self._entries[key]
             if e.tier is _OBJECT:
@@ -708,7 +720,7 @@ class SpillBuffer(MutableMapping):
                 try:
                     frames = self._log.get(log_key)
                 except KeyError:
-                    raise KeyError(key) from None  # deleted by another thread meanwhile
+                    raise _RecordGone() from None  # its waiters start over too
                 t1 = perf_counter()
                 read = (sum(map(len, frames)), t1 - t0)  # 1-D byte memoryviews: len is nbytes
                 # The log's memoryviews are writeable already: nothing to copy.
@@ -790,7 +802,10 @@ class SpillBuffer(MutableMapping):
                 if tier is _FRAMES:
                     return list(value)
         if tier is _DISK:
-            return self._read(key, log_key)
+            try:
+                return self._read(key, log_key)
+            except _RecordGone:
+                return self.get_serialized(key)  # moved meanwhile: from where it is now
         return self._pickle(key, value)
 
     def set_serialized(self, key: Hashable, frames: list) -> None:
@@ -968,46 +983,49 @@ class SpillBuffer(MutableMapping):
         same lock."""
         weight = _sizeof(obj)
         memory_changed = False
-        with self._lock:
-            if read is not None:
-                self._digest_io("disk-read", *read)
-            if deserialize_seconds is not None:
-                self._digest("deserialize", deserialize_seconds, "seconds")
-            if load is not None:
-                e.loading = None
-            # (without ``load``, ``obj`` came from the weak cache, whose reference is there already)
-            if self._entries.get(key) is e and e.tier is not _OBJECT:
-                if weight <= self.target:
-                    if e.tier is _DISK:
-                        self._spilled_memory -= e.weight
-                        self._spilled_disk -= e.disk_bytes
-                        self._delete_record(key, e.log_key)
-                        self._lru[key] = None
-                    else:
-                        self._memory_weight -= e.weight
-                        self._heavy.pop(key, None)
-                        self._lru.move_to_end(key)
-                    self._weak.pop(key, None)
-                    e.tier = _OBJECT
-                    e.value = obj
-                    e.weight = weight
-                    e.log_key = b""
-                    e.disk_bytes = 0
-                    self._memory_weight += weight
-                    memory_changed = True
-                else:
-                    if load is not None:
-                        try:
-                            self._weak[key] = obj
-                        except TypeError:
-                            pass
-                    if e.tier is _FRAMES and not e.evicting:
-                        # Served from disk from now on, as dask does. (A key being written already
-                        # is on its way: marking it again would have it spilled a second time.)
-                        self._heavy[key] = None
+        try:
+            with self._lock:
+                if load is not None:
+                    e.loading = None  # first: whatever happens below, the key is not left loading
+                if read is not None:
+                    self._digest_io("disk-read", *read)
+                if deserialize_seconds is not None:
+                    self._digest("deserialize", deserialize_seconds, "seconds")
+                # (without ``load``, ``obj`` came from the weak cache, whose reference is there
+                # already)
+                if self._entries.get(key) is e and e.tier is not _OBJECT:
+                    if weight <= self.target:
+                        if e.tier is _DISK:
+                            self._spilled_memory -= e.weight
+                            self._spilled_disk -= e.disk_bytes
+                            self._delete_record(key, e.log_key)
+                            self._lru[key] = None
+                        else:
+                            self._memory_weight -= e.weight
+                            self._heavy.pop(key, None)
+                            self._lru.move_to_end(key)
+                        self._weak.pop(key, None)
+                        e.tier = _OBJECT
+                        e.value = obj
+                        e.weight = weight
+                        e.log_key = b""
+                        e.disk_bytes = 0
+                        self._memory_weight += weight
                         memory_changed = True
-        if load is not None:
-            load.set_result(obj)
+                    else:
+                        if load is not None:
+                            try:
+                                self._weak[key] = obj
+                            except TypeError:
+                                pass
+                        if e.tier is _FRAMES and not e.evicting:
+                            # Served from disk from now on, as dask does. (A key being written
+                            # already is on its way: marking it again would spill it twice.)
+                            self._heavy[key] = None
+                            memory_changed = True
+        finally:
+            if load is not None:
+                load.set_result(obj)  # the waiters have their object whatever happened above
         if memory_changed:
             try:
                 self._evict_until_below_target()
@@ -1033,6 +1051,8 @@ class SpillBuffer(MutableMapping):
     def _delete_record(self, key: Hashable, log_key: bytes) -> None:
         try:
             self._log.delete(log_key)
+        except ValueError:
+            pass  # the buffer was closed: the log and its directory are gone already
         except (OSError, SpillwayError):
             logger.error("Failed to delete the spilled data of %r from disk", key, exc_info=True)
 
@@ -1050,7 +1070,7 @@ class SpillBuffer(MutableMapping):
         try:
             frames = self._log.get(log_key)
         except KeyError:
-            raise KeyError(key) from None  # deleted by another thread meanwhile
+            raise _RecordGone() from None
         seconds = perf_counter() - t0
         nbytes = sum(map(len, frames))  # the log returns 1-D byte memoryviews: len is nbytes
         with self._lock:
@@ -1103,7 +1123,11 @@ class SpillBuffer(MutableMapping):
             return _loads(value, self.writeable)
         if value is not None:  # still alive elsewhere
             return value
-        return _loads(self._read(key, log_key), False)  # the log's memoryviews are writeable
+        try:
+            frames = self._read(key, log_key)
+        except _RecordGone:
+            return self._peek(key)  # moved meanwhile: from where it is now
+        return _loads(frames, False)  # the log's memoryviews are writeable
 
 
 class _TierView(Mapping):

@@ -239,7 +239,7 @@ def assert_consistent(buf):
 
 
 class BlockingPut:
-    """Wraps a SpillBuffer's Log: the first ``put`` signals ``entered`` and waits for ``release``."""
+    """Wraps a SpillBuffer's Log: the first ``put`` signals ``entered``, waits for ``release``."""
 
     def __init__(self, log):
         self.inner = log
@@ -301,4 +301,94 @@ def test_an_object_read_again_while_its_frames_are_spilled_is_spilled_once(make_
     del buf["k"]
     buf["x"] = b"small"
     assert buf.evict() > 0
+    assert_consistent(buf)
+
+
+class BlockingGet:
+    """Wraps a SpillBuffer's Log: the first ``get`` signals ``entered`` and waits for ``release``
+    before reading."""
+
+    def __init__(self, log):
+        self.inner = log
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.blocked = False
+
+    def get(self, key):
+        if not self.blocked:
+            self.blocked = True
+            self.entered.set()
+            assert self.release.wait(60), "test never released the read"
+        return self.inner.get(key)
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _in_thread(fn):
+    """Run ``fn`` in a thread; returns (thread, result dict with "value" or "error")."""
+    out = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001
+            out["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, out
+
+
+@pytest.mark.parametrize("how", ["get_serialized", "peek"])
+def test_a_read_from_disk_racing_a_promotion_finds_the_key_where_it_went(make_buffer, how):
+    """A reader of a spilled key (``get_serialized``, a peer's path; ``items()``) whose record is
+    deleted under it, because another thread brought the key back into memory, reads it from
+    memory: it used to raise KeyError for a key that is there (or, for a large record, report it
+    as damaged)."""
+    import pickle
+
+    buf = make_buffer(target=1 << 20)
+    value = ("v", bytes(300_000))
+    buf["k"] = value
+    assert buf.evict() > 0 and buf.tier("k") == "disk"
+    log = BlockingGet(buf._log)
+    buf._log = log
+    if how == "get_serialized":
+
+        def read():
+            frames = buf.get_serialized("k")
+            return pickle.loads(frames[0], buffers=frames[1:])
+
+        t, out = _in_thread(read)
+    else:
+        t, out = _in_thread(lambda: buf.slow["k"])
+    assert log.entered.wait(60)
+    assert buf["k"] == value  # read, promoted, its record deleted
+    assert buf.tier("k") == "object"
+    log.release.set()
+    t.join(60)
+    assert not t.is_alive()
+    assert out.get("value") == value, out
+    assert_consistent(buf)
+
+
+def test_a_get_racing_a_set_of_the_same_key_returns_a_value(make_buffer):
+    """A reader of a spilled key whose record is deleted under it because the key was set again
+    returns the new value (waiters of the same read too), not KeyError."""
+    buf = make_buffer(target=1 << 20)
+    buf["k"] = ("old", bytes(300_000))
+    assert buf.evict() > 0 and buf.tier("k") == "disk"
+    log = BlockingGet(buf._log)
+    buf._log = log
+    t, out = _in_thread(lambda: buf["k"])
+    assert log.entered.wait(60)
+    buf["k"] = ("new", b"")
+    log.release.set()
+    t.join(60)
+    assert not t.is_alive()
+    assert out.get("value") == ("new", b""), out
     assert_consistent(buf)

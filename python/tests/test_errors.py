@@ -369,3 +369,20 @@ def test_a_value_the_log_refuses_is_a_disk_error_not_an_exception(make_buffer, c
     assert "frames" in caplog_spillway.text
     assert len(buf["many"]) == 70_000
     assert buf["x"] == bytes(600)
+
+
+def test_keys_can_be_deleted_after_close(make_buffer):
+    """After ``close()`` (the log and its directory are gone), deleting a spilled key or clearing
+    the buffer forgets the keys without raising: ``del`` used to raise ValueError ("closed") after
+    the key was already gone, and ``clear()`` stopped at the first spilled key."""
+    buf = make_buffer(target=1 << 20)
+    for k in "abc":
+        buf[k] = bytes(1000)
+    assert buf.evict() > 0 and buf.evict() > 0
+    assert buf.tier("a") == "disk" and buf.tier("b") == "disk"
+    buf.close()
+    del buf["a"]
+    assert "a" not in buf
+    buf.clear()
+    assert len(buf) == 0
+    assert buf.spilled_total == (0, 0)
