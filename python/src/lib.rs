@@ -342,8 +342,11 @@ impl Log {
 
     /// Bytes of the segment files on disk (preallocated size included).
     #[getter]
-    fn file_bytes(&self) -> PyResult<u64> {
-        Ok(self.inner()?.log.stats().disk_bytes)
+    fn file_bytes(&self, py: Python<'_>) -> PyResult<u64> {
+        let inner = self.inner()?;
+        // Without the GIL: the log's statistics wait for its writer, which a large `put` on another
+        // thread holds for the whole write.
+        Ok(py.allow_threads(|| inner.log.stats().disk_bytes))
     }
 
     /// The backend in use: "uring" or "portable".
