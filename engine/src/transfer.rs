@@ -153,6 +153,10 @@ pub fn read_value_header(r: &mut impl Read, max: u64) -> Result<StreamedValue> {
     if !lz4 && stored_len != raw_len {
         return Err(proto("uncompressed value whose stored length differs from its length"));
     }
+    // Before any receive path allocates `raw_len` for the decompressed value.
+    if lz4 && !format::lz4_can_expand_to(stored_len, raw_len) {
+        return Err(proto(format!("lz4 value of {stored_len} bytes cannot decompress to {raw_len}")));
+    }
     Ok(StreamedValue { lz4, frame_lens, raw_len, stored_len, payload_crc })
 }
 

@@ -200,6 +200,13 @@ fn oversized_and_malformed_responses_are_refused_before_allocating() {
     bad.frame_lens = vec![50, 49];
     let mut c = Client::connect(fake_server(transfer::encode_value_response(&bad)), o.clone()).unwrap();
     assert!(matches!(c.get(b"k").unwrap_err(), spillway::Error::Protocol(_)));
+    // An lz4 value of 10 bytes announcing 1 MiB (within max_value_bytes, but more than lz4 can
+    // expand 10 bytes to): refused before the 1 MiB is allocated.
+    let mut lz = meta(1 << 20, 0);
+    lz.lz4 = true;
+    lz.stored_len = 10;
+    let mut c = Client::connect(fake_server(transfer::encode_value_response(&lz)), o.clone()).unwrap();
+    assert!(matches!(c.get(b"k").unwrap_err(), spillway::Error::Protocol(m) if m.contains("cannot decompress")));
     // An unknown status byte.
     let mut c = Client::connect(fake_server(vec![9]), o).unwrap();
     assert!(matches!(c.get(b"k").unwrap_err(), spillway::Error::Protocol(_)));
