@@ -27,7 +27,7 @@ use bytes::Bytes;
 ///
 /// Invariants: `ptr` points to `cap` bytes that `self` owns exclusively until it drops: either
 /// `offset` bytes into an allocation from `alloc::alloc_zeroed(layout)` or `alloc::alloc(layout)`
-/// then filled by a read (`Owner::Heap`, `offset + cap <= layout.size()`, see [`heap`]), or one
+/// then filled by a read (`Owner::Heap`, `offset + cap <= layout.size()`, see `heap`), or one
 /// checked-out slot of a [`BufPool`] arena (`Owner::Pool`), or nothing (`Owner::Empty`, `cap == 0`,
 /// dangling but aligned). `len <= cap`, and every byte in `0..cap` is initialized (zeroed when the
 /// memory was allocated, later only overwritten).

@@ -6,7 +6,7 @@
 //!
 //! This crate is layered:
 //!
-//! * [`format`]: the byte layout of segment files (records, footers, trailers), and nothing else.
+//! * [`format`](mod@format): the byte layout of segment files (records, footers, trailers), and nothing else.
 //! * [`backend`]: the I/O backends the log runs on: io_uring (`backend::uring`), [`PortableBackend`]
 //!   (`pread`/`pwrite`), [`SimBackend`] (in memory, with fault injection and power cuts), and
 //!   [`AutoBackend`], which picks io_uring and falls back to portable where it is unavailable.

@@ -1137,7 +1137,10 @@ impl<B: Backend> SegmentLog<B> {
     /// As [`SegmentLog::get`], but the read runs as a future: with the io_uring backend many reads
     /// from one thread are in flight at once (the index lookup happens before the first poll). The
     /// future owns everything it needs, so it may outlive borrows of the log; dropping it early is
-    /// safe (the backend keeps the buffer until the kernel is done with it).
+    /// safe (the backend keeps the buffer until the kernel is done with it). Unlike `get`, it cannot
+    /// look the key up again after a failed read: a read racing a `forget` of the same key may report
+    /// the punched record as damaged. ([`Store::get_async`](crate::Store::get_async) checks whether
+    /// the key is still there before it reports an error.)
     pub fn get_async(&self, key: &[u8]) -> impl Future<Output = Result<Option<Frames>>> + Send + 'static {
         let started = self.lookup(key).map(|(loc, file)| {
             // A pending record (write-behind) is served from memory.

@@ -279,8 +279,9 @@ fn a_short_lz4_block_is_an_error_not_a_panic_and_the_client_stops_reading() {
     }
 }
 
-#[test]
-fn connections_over_the_limit_are_told_why() {
+/// A server of one key ("k" = "v") with `max_connections = 1`, and the client that holds that
+/// place (having read the key once). The temporary directory lives as long as the first item.
+fn serve_with_one_place_taken() -> (tempfile::TempDir, String, Client) {
     let src = tempfile::tempdir().unwrap();
     let log = log_at(src.path(), Compression::None);
     log.put(b"k", &Frames::from(b"v".to_vec())).unwrap();
@@ -290,6 +291,12 @@ fn connections_over_the_limit_are_told_why() {
     std::thread::spawn(move || transfer::serve(Arc::new(log), listener, o));
     let mut first = Client::connect(&addr, opts()).unwrap();
     assert_eq!(first.get(b"k").unwrap().unwrap().concat(), &b"v"[..]);
+    (src, addr, first)
+}
+
+#[test]
+fn connections_over_the_limit_are_told_why() {
+    let (_src, addr, first) = serve_with_one_place_taken();
     let err = Client::connect(&addr, opts()).and_then(|mut c| c.get(b"k")).unwrap_err();
     assert!(err.to_string().contains("too many connections"), "{err}");
     drop(first);
@@ -309,15 +316,7 @@ fn threads_named(name: &str) -> usize {
 /// client is answered or closed, and the server still serves once its place is free.
 #[test]
 fn a_flood_over_the_limit_costs_a_bounded_number_of_threads() {
-    let src = tempfile::tempdir().unwrap();
-    let log = log_at(src.path(), Compression::None);
-    log.put(b"k", &Frames::from(b"v".to_vec())).unwrap();
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
-    let o = TransferOptions { max_connections: 1, ..opts() };
-    std::thread::spawn(move || transfer::serve(Arc::new(log), listener, o));
-    let mut first = Client::connect(&addr, opts()).unwrap();
-    assert_eq!(first.get(b"k").unwrap().unwrap().concat(), &b"v"[..]);
+    let (_src, addr, first) = serve_with_one_place_taken();
     // Silent clients: no greeting, so each refusal would wait out its second.
     let flood: Vec<TcpStream> = (0..64).map(|_| TcpStream::connect(&addr).unwrap()).collect();
     let mut most = 0;
