@@ -1095,8 +1095,8 @@ impl<B: Backend> SegmentLog<B> {
 
     /// Whether `e`, the failure of a read of `key`'s record at `loc`, may come from the key being
     /// forgotten or moved while it was read rather than from damage: a forget may punch the record's
-    /// blocks (and a deleted segment's file may be reused) once the index no longer points there.
-    /// Then the reader looks the key up again instead of reporting damage that is not there.
+    /// blocks once the index no longer points there. Then the reader looks the key up again instead
+    /// of reporting damage that is not there.
     fn moved_under_read(&self, e: &Error, key: &[u8], loc: Location) -> bool {
         matches!(e, Error::Corrupt { .. } | Error::ChecksumMismatch { .. })
             && self.location(key).is_none_or(|l| (l.segment, l.offset) != (loc.segment, loc.offset))
