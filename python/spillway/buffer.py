@@ -824,7 +824,8 @@ class SpillBuffer(MutableMapping):
     # Lifecycle
 
     def close(self) -> None:
-        """Close the log and remove its directory. Idempotent."""
+        """Close the log and remove its directory. Idempotent. Waits for log operations running on
+        other threads (a spill being written, a read) to finish first."""
         self._finalizer()
 
     def __enter__(self) -> SpillBuffer:

@@ -11,7 +11,7 @@
 
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
-use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::sync::{mpsc, Arc, Mutex, PoisonError, RwLock};
 
 use bytes::Bytes;
 use pyo3::buffer::PyBuffer;
@@ -136,6 +136,9 @@ struct Inner {
     sizes: Mutex<Sizes>,
     max_disk: Option<u64>,
     durable: bool,
+    /// Dropped with the log (after it: fields drop in order), which tells `Log.close` that the
+    /// log is closed.
+    _closed: mpsc::Sender<()>,
 }
 
 impl Inner {
@@ -163,6 +166,9 @@ const DEFAULT_WRITE_BEHIND: u64 = 2 << 20;
 #[pyclass(frozen, module = "spillway._core")]
 struct Log {
     inner: RwLock<Option<Arc<Inner>>>,
+    /// Disconnected once the log has been dropped: `close` waits on it for the operations that were
+    /// running on other threads (each holds the log until it returns).
+    closed: Mutex<Option<mpsc::Receiver<()>>>,
     backend: &'static str,
 }
 
@@ -228,9 +234,10 @@ impl Log {
                 total += n;
                 map.insert(k, n);
             }
-            let inner =
-                Inner { log, sizes: Mutex::new(Sizes { map, total, reserved: 0 }), max_disk: max_disk_bytes, durable };
-            Ok(Log { inner: RwLock::new(Some(Arc::new(inner))), backend: name })
+            let (tx, rx) = mpsc::channel();
+            let sizes = Mutex::new(Sizes { map, total, reserved: 0 });
+            let inner = Inner { log, sizes, max_disk: max_disk_bytes, durable, _closed: tx };
+            Ok(Log { inner: RwLock::new(Some(Arc::new(inner))), closed: Mutex::new(Some(rx)), backend: name })
         })
     }
 
@@ -355,11 +362,21 @@ impl Log {
         self.backend
     }
 
-    /// Close the log (idempotent). Later calls raise ValueError.
+    /// Close the log (idempotent). Later calls raise ValueError. Operations already running on
+    /// other threads finish first, and `close` returns once the log is closed (its pending values
+    /// written, its files closed), so the caller may then remove its directory.
     fn close(&self, py: Python<'_>) {
         let taken = self.inner.write().unwrap_or_else(PoisonError::into_inner).take();
-        // Dropping the log joins the io_uring driver: do it without the GIL.
-        py.allow_threads(move || drop(taken));
+        let closed = self.closed.lock().unwrap_or_else(PoisonError::into_inner).take();
+        // Dropping the log joins the io_uring driver, and running operations may take a while:
+        // wait without the GIL. The last of them to return drops the log.
+        py.allow_threads(move || {
+            drop(taken);
+            if let Some(closed) = closed {
+                // Disconnected (an error) when the log is dropped: nothing is ever sent.
+                let _ = closed.recv();
+            }
+        });
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {

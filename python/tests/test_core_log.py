@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import threading
 
 import numpy as np
@@ -158,3 +159,46 @@ def test_a_damaged_record_fails_its_own_get_not_the_reopen(tmp_path):
 
 def test_log_has_its_docstring():
     assert "append-only segment log" in (Log.__doc__ or "")
+
+
+def test_close_waits_for_a_put_running_on_another_thread(tmp_path):
+    """``close()`` returns only once the log is closed, after the operations already running on
+    other threads: SpillBuffer removes the directory right after ``close()``, and used to remove it
+    under a running put, which then failed to create its segment file."""
+    path = tmp_path / "log"
+    log = Log(str(path), segment_bytes=64 << 10)
+    started, release = threading.Event(), threading.Event()
+
+    def frames():  # the put holds the log while it iterates the frames
+        yield b"x" * 1000
+        started.set()
+        release.wait(30)
+        yield b"y" * (256 << 10)  # larger than a segment: the put creates a new segment file
+
+    result = {}
+
+    def put():
+        try:
+            result["put"] = log.put(b"k", frames())
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            result["put"] = e
+
+    def close():  # as SpillBuffer.close does
+        log.close()
+        shutil.rmtree(path)
+
+    putter = threading.Thread(target=put)
+    putter.start()
+    assert started.wait(30)
+    closer = threading.Thread(target=close)
+    closer.start()
+    closer.join(timeout=0.5)  # with the bug, close and the removal are done by now
+    closed_under_the_put = not closer.is_alive()
+    release.set()
+    putter.join(30)
+    closer.join(30)
+    assert not closed_under_the_put, "close() returned while a put was running"
+    assert result["put"] == 1000 + (256 << 10)
+    assert not path.exists()
+    with pytest.raises(ValueError, match="closed"):
+        log.get(b"k")
