@@ -218,6 +218,9 @@ struct Inner<V> {
     /// still counts in `mem_bytes` (the bytes are still in memory) until the write lands.
     writing_weight: u64,
     writing_raw: u64,
+    /// Keys a `put_stream` is receiving right now (absent from `map` meanwhile), each with whether
+    /// a put or remove of the key came after the transfer started, which then wins over it.
+    streams: HashMap<Arc<[u8]>, bool>,
 }
 
 impl<V> Inner<V> {
@@ -547,6 +550,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             writing: HashSet::new(),
             writing_weight: 0,
             writing_raw: 0,
+            streams: HashMap::new(),
         };
         for k in log.keys() {
             let len = log.location(&k).map_or(0, |l| l.len);
@@ -611,6 +615,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// Remove `key`'s entry from memory and disk; returns whether it existed. If the log cannot drop
     /// the record (a persistent store's tombstone write failed), the entry stays as it was.
     fn drop_entry(&self, inner: &mut Inner<C::Value>, key: &[u8]) -> Result<bool> {
+        if let Some(superseded) = inner.streams.get_mut(key) {
+            *superseded = true; // every put and remove comes here
+        }
         let Some(disk_bytes) = inner.map.get(key).map(|e| e.disk_bytes) else { return Ok(false) };
         if disk_bytes > 0 {
             if self.cfg.persistent {
@@ -619,15 +626,22 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 self.log.forget(key)?;
             }
         }
-        let (_, e) = inner.map.remove_entry(key).expect("looked up under the same lock");
-        inner.account(&e, -1);
-        if e.tier != Tier::Disk {
-            inner.lru.remove(&e.tick);
-        }
+        Self::take_entry(inner, key);
         if disk_bytes > 0 {
             Self::unstick(inner);
         }
         Ok(true)
+    }
+
+    /// Take `key`'s entry out of the map, the accounting and the LRU order, leaving its record (if
+    /// any) in the log.
+    fn take_entry(inner: &mut Inner<C::Value>, key: &[u8]) -> Option<Entry<C::Value>> {
+        let (_, e) = inner.map.remove_entry(key)?;
+        inner.account(&e, -1);
+        if e.tier != Tier::Disk {
+            inner.lru.remove(&e.tick);
+        }
+        Some(e)
     }
 
     /// Disk space was freed, or space reserved for a write was given back unused: retry the
@@ -871,10 +885,12 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// Store a value arriving from a peer (`src`, in the stored form `meta` announces) straight into
     /// the log, never holding it in memory: for a receiver over its target. The value is then on
     /// disk, like a spilled one. When `max_spill` refuses it, it is received into memory instead
-    /// (serialized). The old value of `key`, if any, is dropped when the transfer starts. The bytes
-    /// arrive without the store's lock held (other operations go on); nothing of the value is visible
-    /// until it arrived whole and verified. If a `put` of the same key lands during the transfer, that
-    /// newer value wins and the streamed record is dropped.
+    /// (serialized). The bytes arrive without the store's lock held (other operations go on); nothing
+    /// of the value is visible until it arrived whole and verified. The old value of `key`, if any,
+    /// is out of sight during the transfer (the key reads as absent, as a key being fetched does)
+    /// and is back as it was if the transfer fails. If a `put` of the same key lands during the
+    /// transfer, or a `remove`, the newer operation wins: the streamed record (or, on failure, the
+    /// old value) is dropped.
     pub fn put_stream(&self, key: &[u8], meta: &StreamedValue, src: &mut dyn std::io::Read) -> Result<()> {
         let raw: u64 = meta.frame_lens.iter().sum();
         let mut inner = self.wait_unwritten(self.lock(), key);
@@ -891,8 +907,13 @@ impl<C: Codec, B: Backend> Store<C, B> {
             }
             return self.put_serialized(key, frames);
         }
-        self.drop_entry(&mut inner, key)?;
+        // The old value leaves the map but keeps its record (if any) in the log: a streamed record
+        // that arrives whole supersedes that record; a failed transfer publishes nothing, and the
+        // old entry goes back. (Being in `writing`, the key is not spilled meanwhile: its eviction,
+        // or a `put_large`, waits for this write.)
+        let old = Self::take_entry(&mut inner, key);
         let k: Arc<[u8]> = Arc::from(key);
+        inner.streams.insert(k.clone(), false);
         inner.writing.insert(k.clone());
         inner.writing_raw += raw;
         drop(inner);
@@ -902,20 +923,34 @@ impl<C: Codec, B: Backend> Store<C, B> {
         inner.writing.remove(&k);
         inner.writing_raw -= raw;
         self.written.notify_all();
-        if streamed.as_ref().is_err_and(|e| !e.is_no_space()) {
-            // The space this stream reserved against max_spill is free again (unless the disk is
-            // full, when retrying the refused evictions would only fail again).
-            Self::unstick(&mut inner);
+        // A put of the key (in memory: its eviction waited for this write) or a remove came
+        // meanwhile.
+        let superseded = inner.streams.remove(&k).expect("registered above");
+        if let Err(e) = streamed {
+            if !e.is_no_space() {
+                // The space this stream reserved against max_spill is free again (unless the disk
+                // is full, when retrying the refused evictions would only fail again).
+                Self::unstick(&mut inner);
+            }
+            match old {
+                // Back as it was; it held a valid key before, so inserting it cannot fail.
+                Some(old) if !superseded => drop(self.insert(&mut inner, key, old)),
+                // The newer value wins, and the old value's record must not outlive it.
+                Some(old) if old.disk_bytes > 0 => self.drop_stale_record(key),
+                _ => {}
+            }
+            return Err(e);
         }
-        streamed?;
         let m = &self.metrics.acts[DISK_WRITE];
         m.count.fetch_add(1, Ordering::Relaxed);
         m.bytes.fetch_add(raw, Ordering::Relaxed);
         m.ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        if inner.map.contains_key(key) {
-            // A put of the key landed meanwhile (in memory: its eviction waited for this write).
-            self.drop_stale_record(key);
+        if superseded || old.is_some_and(|o| o.disk_bytes > 0) {
+            // Disk space comes free: the streamed record, or the old one it superseded.
             Self::unstick(&mut inner);
+        }
+        if superseded {
+            self.drop_stale_record(key);
             return Ok(());
         }
         let mut e = Entry::new(Slot::new(), Tier::Disk, 0);

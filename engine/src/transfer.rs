@@ -600,7 +600,8 @@ impl Client {
     /// Fetch `key` into `store` under the same key. A receiver at or under its target keeps the value
     /// in memory, serialized (deserialized only when a task asks for it); one over its target stores
     /// it straight into its log without holding it in memory ([`Store::put_stream`]). Returns whether
-    /// the server had the key; on any failure nothing is stored.
+    /// the server had the key; on any failure nothing is stored, and the key's old value, if any,
+    /// stays.
     pub fn get_into_store<C: Codec, B: Backend>(&mut self, key: &[u8], store: &Store<C, B>) -> Result<bool> {
         self.guarded(|c| {
             let Some(m) = c.request(key)? else { return Ok(false) };

@@ -125,3 +125,33 @@ pub fn streamed(frames: &Frames) -> (Vec<u8>, spillway::StreamedValue) {
     };
     (payload, meta)
 }
+
+/// A fake transfer server on an ephemeral loopback port that greets, reads one request, answers
+/// with `response` (raw bytes), then hangs up. Returns its address.
+pub fn fake_server(response: Vec<u8>) -> String {
+    fake_server_answering(vec![response])
+}
+
+/// A fake transfer server that answers one connection's requests with `responses` (raw bytes), in
+/// order, then hangs up: mid-value if a response is short.
+pub fn fake_server_answering(responses: Vec<Vec<u8>>) -> String {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let mut hello = [0u8; 8];
+        s.read_exact(&mut hello).unwrap();
+        s.write_all(&spillway::transfer::greeting()).unwrap();
+        for response in responses {
+            let mut req = [0u8; 5];
+            if s.read_exact(&mut req).is_err() {
+                return;
+            }
+            let mut key = vec![0u8; u32::from_le_bytes(req[1..5].try_into().unwrap()) as usize];
+            s.read_exact(&mut key).unwrap();
+            let _ = s.write_all(&response);
+        }
+    });
+    addr
+}

@@ -766,6 +766,73 @@ fn transfer_between_stores_by_tier_without_deserializing() {
     assert!(m.activity("disk-write").bytes >= 300_000, "the large value was written on arrival");
 }
 
+/// A transfer streamed straight to disk (the receiver is over its target) that the peer cuts off
+/// leaves the receiver's old value of the key as it was, in memory or on disk: it used to be
+/// dropped when the transfer started.
+#[test]
+fn a_failed_transfer_into_a_store_keeps_the_old_value() {
+    use spillway::transfer::{self, Client, TransferOptions};
+    for (old, tier) in [(val(b'o', 5_000), Tier::Serialized), (val(b'O', 30_000), Tier::Disk)] {
+        let s = Store::open(TestCodec::default(), SimBackend::new(), "/r", cfg(20_000)).unwrap();
+        s.put_serialized(b"k", ser(&old)).unwrap();
+        assert_eq!(s.tier(b"k"), Some(tier));
+        let (mem, disk) = (s.memory_bytes(), s.metrics().spilled_disk_bytes);
+        let (payload, meta) = spillway_tests::streamed(&ser(&val(b'n', 1 << 20)));
+        let mut cut = transfer::encode_value_response(&meta);
+        cut.extend_from_slice(&payload[..10_000]);
+        let mut c = Client::connect(spillway_tests::fake_server(cut), TransferOptions::default()).unwrap();
+        assert!(c.get_into_store(b"k", &s).is_err());
+        assert_eq!(s.tier(b"k"), Some(tier), "the old value is back where it was");
+        assert_eq!((s.memory_bytes(), s.metrics().spilled_disk_bytes), (mem, disk));
+        assert_eq!(*s.get(b"k").unwrap().unwrap(), old);
+    }
+}
+
+/// A `remove` of a key while a transfer of it is streamed to disk wins over the transfer, as a
+/// `put` does: the key stays absent, and the streamed record is dropped.
+#[test]
+fn a_remove_during_a_transfer_into_a_store_wins() {
+    use spillway::transfer::{self, Client, TransferOptions};
+    use std::io::{Read, Write};
+    let s = Arc::new(Store::open(TestCodec::default(), SimBackend::new(), "/r", cfg(20_000)).unwrap());
+    s.put_serialized(b"k", ser(&val(b'o', 5_000))).unwrap();
+    let (payload, meta) = spillway_tests::streamed(&ser(&val(b'n', 1 << 20)));
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let (go_on, wait) = std::sync::mpsc::channel::<()>();
+    let server = std::thread::spawn(move || {
+        let (mut sock, _) = listener.accept().unwrap();
+        let mut hello = [0u8; 8];
+        sock.read_exact(&mut hello).unwrap();
+        sock.write_all(&transfer::greeting()).unwrap();
+        let mut req = [0u8; 6]; // op, key length, the key "k"
+        sock.read_exact(&mut req).unwrap();
+        sock.write_all(&transfer::encode_value_response(&meta)).unwrap();
+        sock.write_all(&payload[..4096]).unwrap();
+        wait.recv().unwrap();
+        sock.write_all(&payload[4096..]).unwrap();
+        let _ = sock.read(&mut [0u8; 1]); // until the client hangs up
+    });
+    let receiver = {
+        let s = s.clone();
+        std::thread::spawn(move || Client::connect(addr, TransferOptions::default())?.get_into_store(b"k", &s))
+    };
+    // The transfer has started once the old value is out of sight.
+    let mut spins = 0u64;
+    while s.contains(b"k") {
+        spins += 1;
+        assert!(spins < 50_000_000, "the transfer never started");
+        std::thread::yield_now();
+    }
+    assert!(!s.remove(b"k").unwrap(), "absent during the transfer");
+    go_on.send(()).unwrap();
+    assert!(receiver.join().unwrap().unwrap(), "the server had the key");
+    server.join().unwrap();
+    assert!(!s.contains(b"k"), "the remove wins over the transfer");
+    assert!(s.get(b"k").unwrap().is_none());
+    assert_eq!((s.memory_bytes(), s.metrics().spilled_disk_bytes), (0, 0));
+}
+
 /// Four threads run a random mix of every operation over a few keys, with a target small enough that
 /// values move between all tiers. A value's first byte names its key and generation, so a read can
 /// check it belongs to the key it asked for. No operation may fail (a get racing a remove of a spilled

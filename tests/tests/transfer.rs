@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use spillway::transfer::{self, Client, TransferOptions};
 use spillway::{Compression, Frames, LogOptions, PortableBackend, SegmentLog, StreamedValue};
-use spillway_tests::{frames_for, value_for};
+use spillway_tests::{fake_server, fake_server_answering, frames_for, value_for};
 
 fn opts() -> TransferOptions {
     TransferOptions { timeout: Duration::from_secs(10), ..Default::default() }
@@ -65,34 +65,6 @@ fn values_arrive_intact_by_every_path_on_both_send_paths() {
         let into = log_at(dst.path(), Compression::None);
         assert_eq!(into.len(), sizes().len());
     }
-}
-
-/// A fake server that greets, reads one request, answers with `response`, then closes.
-fn fake_server(response: Vec<u8>) -> String {
-    fake_server_answering(vec![response])
-}
-
-/// A server that answers one connection's requests with `responses`, in order, then hangs up.
-fn fake_server_answering(responses: Vec<Vec<u8>>) -> String {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
-    std::thread::spawn(move || {
-        let (mut s, _) = listener.accept().unwrap();
-        let mut hello = [0u8; 8];
-        s.read_exact(&mut hello).unwrap();
-        s.write_all(&transfer::greeting()).unwrap();
-        for response in responses {
-            let mut req = [0u8; 5];
-            if s.read_exact(&mut req).is_err() {
-                return;
-            }
-            let mut key = vec![0u8; u32::from_le_bytes(req[1..5].try_into().unwrap()) as usize];
-            s.read_exact(&mut key).unwrap();
-            let _ = s.write_all(&response);
-        }
-        // Dropping `s` hangs up, mid-value if the response was short.
-    });
-    addr
 }
 
 fn meta(len: u64, crc: u32) -> StreamedValue {
