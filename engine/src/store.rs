@@ -218,9 +218,16 @@ struct Inner<V> {
     /// still counts in `mem_bytes` (the bytes are still in memory) until the write lands.
     writing_weight: u64,
     writing_raw: u64,
-    /// Keys a `put_stream` is receiving right now (absent from `map` meanwhile), each with whether
-    /// a put or remove of the key came after the transfer started, which then wins over it.
-    streams: HashMap<Arc<[u8]>, bool>,
+    /// Keys a `put_stream` is receiving right now (absent from `map` meanwhile).
+    streams: HashMap<Arc<[u8]>, Stream>,
+}
+
+/// A `put_stream` in progress.
+struct Stream {
+    /// A put or remove of the key came after the transfer started: it wins over the transfer.
+    superseded: bool,
+    /// The key had a value when the transfer started (set aside meanwhile).
+    has_old: bool,
 }
 
 impl<V> Inner<V> {
@@ -615,10 +622,10 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// Remove `key`'s entry from memory and disk; returns whether it existed. If the log cannot drop
     /// the record (a persistent store's tombstone write failed), the entry stays as it was.
     fn drop_entry(&self, inner: &mut Inner<C::Value>, key: &[u8]) -> Result<bool> {
-        if let Some(superseded) = inner.streams.get_mut(key) {
-            *superseded = true; // every put and remove comes here
-        }
-        let Some(disk_bytes) = inner.map.get(key).map(|e| e.disk_bytes) else { return Ok(false) };
+        // Every put and remove comes here. The old value a transfer set aside counts as existing.
+        let set_aside =
+            inner.streams.get_mut(key).is_some_and(|s| !std::mem::replace(&mut s.superseded, true) && s.has_old);
+        let Some(disk_bytes) = inner.map.get(key).map(|e| e.disk_bytes) else { return Ok(set_aside) };
         if disk_bytes > 0 {
             if self.cfg.persistent {
                 self.log.delete(key)?;
@@ -892,9 +899,15 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// transfer, or a `remove`, the newer operation wins: the streamed record (or, on failure, the
     /// old value) is dropped.
     pub fn put_stream(&self, key: &[u8], meta: &StreamedValue, src: &mut dyn std::io::Read) -> Result<()> {
-        let raw: u64 = meta.frame_lens.iter().sum();
+        let raw = meta.frame_lens.iter().try_fold(0u64, |a, &l| a.checked_add(l)).ok_or(Error::ValueTooLarge {
+            len: u64::MAX,
+            max: self.log.options().max_value_bytes,
+            unit: "bytes",
+        })?;
         let mut inner = self.wait_unwritten(self.lock(), key);
-        if !self.spill_allowed(&mut inner, raw) {
+        // The record it replaces (if any) stops counting against max_spill once this one lands.
+        let replaced = inner.map.get(key).map_or(0, |e| e.disk_raw);
+        if !self.spill_allowed(&mut inner, raw.saturating_sub(replaced)) {
             drop(inner);
             let frames = crate::transfer::read_stored_form(meta, src, self.log.options().max_value_bytes)?;
             if frames.total_len() > self.cfg.target_bytes {
@@ -910,35 +923,42 @@ impl<C: Codec, B: Backend> Store<C, B> {
         // The old value leaves the map but keeps its record (if any) in the log: a streamed record
         // that arrives whole supersedes that record; a failed transfer publishes nothing, and the
         // old entry goes back. (Being in `writing`, the key is not spilled meanwhile: its eviction,
-        // or a `put_large`, waits for this write.)
+        // or a `put_large`, waits for this write.) Its memory stays counted until then.
         let old = Self::take_entry(&mut inner, key);
+        let aside = old.as_ref().map_or(0, |o| o.weight);
+        inner.mem_bytes += aside;
         let k: Arc<[u8]> = Arc::from(key);
-        inner.streams.insert(k.clone(), false);
+        inner.streams.insert(k.clone(), Stream { superseded: false, has_old: old.is_some() });
         inner.writing.insert(k.clone());
         inner.writing_raw += raw;
         drop(inner);
         let t = Instant::now();
-        let streamed = self.log.put_stream(key, meta, src);
+        // A panic of the caller's reader (or the log) still settles the store before it goes on.
+        let streamed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.log.put_stream(key, meta, src)));
         let mut inner = self.lock();
+        inner.mem_bytes -= aside;
         inner.writing.remove(&k);
         inner.writing_raw -= raw;
         self.written.notify_all();
         // A put of the key (in memory: its eviction waited for this write) or a remove came
         // meanwhile.
-        let superseded = inner.streams.remove(&k).expect("registered above");
+        let superseded = inner.streams.remove(&k).expect("registered above").superseded;
+        let streamed = match streamed {
+            Ok(streamed) => streamed,
+            Err(panic) => {
+                Self::unstick(&mut inner);
+                self.settle_failed_stream(&mut inner, key, old, superseded);
+                drop(inner);
+                std::panic::resume_unwind(panic);
+            }
+        };
         if let Err(e) = streamed {
             if !e.is_no_space() {
                 // The space this stream reserved against max_spill is free again (unless the disk
                 // is full, when retrying the refused evictions would only fail again).
                 Self::unstick(&mut inner);
             }
-            match old {
-                // Back as it was; it held a valid key before, so inserting it cannot fail.
-                Some(old) if !superseded => drop(self.insert(&mut inner, key, old)),
-                // The newer value wins, and the old value's record must not outlive it.
-                Some(old) if old.disk_bytes > 0 => self.drop_stale_record(key),
-                _ => {}
-            }
+            self.settle_failed_stream(&mut inner, key, old, superseded);
             return Err(e);
         }
         let m = &self.metrics.acts[DISK_WRITE];
@@ -959,6 +979,27 @@ impl<C: Codec, B: Backend> Store<C, B> {
         e.large = raw > self.cfg.target_bytes;
         self.insert(&mut inner, key, e)?;
         Ok(())
+    }
+
+    /// After a failed `put_stream`: the old value goes back as it was, unless a put or remove of
+    /// the key came meanwhile; then its record (if any) must not outlive the newer operation.
+    fn settle_failed_stream(
+        &self,
+        inner: &mut Inner<C::Value>,
+        key: &[u8],
+        old: Option<Entry<C::Value>>,
+        superseded: bool,
+    ) {
+        match old {
+            Some(mut old) if !superseded => {
+                // Retried like every other entry: a refusal may have been lifted meanwhile.
+                old.stuck = false;
+                // It held a valid key before, so inserting it cannot fail.
+                drop(self.insert(inner, key, old));
+            }
+            Some(old) if old.disk_bytes > 0 => self.drop_stale_record(key),
+            _ => {}
+        }
     }
 
     /// Drop the record a spill or stream wrote for `key` after the key was removed or replaced

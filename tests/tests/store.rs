@@ -817,6 +817,7 @@ fn a_remove_during_a_transfer_into_a_store_wins() {
         let s = s.clone();
         std::thread::spawn(move || Client::connect(addr, TransferOptions::default())?.get_into_store(b"k", &s))
     };
+    let held = s.memory_bytes();
     // The transfer has started once the old value is out of sight.
     let mut spins = 0u64;
     while s.contains(b"k") {
@@ -824,13 +825,72 @@ fn a_remove_during_a_transfer_into_a_store_wins() {
         assert!(spins < 50_000_000, "the transfer never started");
         std::thread::yield_now();
     }
-    assert!(!s.remove(b"k").unwrap(), "absent during the transfer");
+    assert_eq!(s.memory_bytes(), held, "the old value set aside still counts");
+    assert!(s.remove(b"k").unwrap(), "the old value set aside is removed");
+    assert!(!s.remove(b"k").unwrap(), "only once");
     go_on.send(()).unwrap();
     assert!(receiver.join().unwrap().unwrap(), "the server had the key");
     server.join().unwrap();
     assert!(!s.contains(b"k"), "the remove wins over the transfer");
     assert!(s.get(b"k").unwrap().is_none());
     assert_eq!((s.memory_bytes(), s.metrics().spilled_disk_bytes), (0, 0));
+}
+
+/// A reader that panics in the middle of `put_stream` leaves the store as it was: the old value
+/// readable, and the key not held as being written (a flush, or a large put of the key, would
+/// wait for that write forever).
+#[test]
+fn a_reader_panicking_in_put_stream_leaves_the_store_usable() {
+    struct Panics<'a>(&'a [u8]);
+    impl std::io::Read for Panics<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            assert!(!self.0.is_empty(), "the reader panics");
+            let n = buf.len().min(self.0.len()).min(8192);
+            buf[..n].copy_from_slice(&self.0[..n]);
+            self.0 = &self.0[n..];
+            Ok(n)
+        }
+    }
+    let s = Arc::new(open(20_000).0);
+    s.put_serialized(b"k", ser(&val(b'o', 5_000))).unwrap();
+    let held = s.memory_bytes();
+    let (payload, meta) = spillway_tests::streamed(&ser(&val(b'n', 100_000)));
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        s.put_stream(b"k", &meta, &mut Panics(&payload[..50_000]))
+    }));
+    assert!(r.is_err(), "the panic goes on to the caller");
+    assert_eq!(*s.get(b"k").unwrap().unwrap(), val(b'o', 5_000));
+    assert_eq!(s.memory_bytes(), held);
+    let (done, finished) = std::sync::mpsc::channel();
+    let s2 = s.clone();
+    std::thread::spawn(move || {
+        s2.flush().unwrap();
+        s2.put_serialized(b"k", ser(&val(b'x', 30_000))).unwrap(); // over the target: written at once
+        done.send(()).unwrap();
+    });
+    finished.recv_timeout(std::time::Duration::from_secs(60)).expect("flush and put do not wait forever");
+    assert_eq!(*s.get(b"k").unwrap().unwrap(), val(b'x', 30_000));
+    assert_eq!(s.tier(b"k"), Some(Tier::Disk));
+}
+
+/// A value streamed over a spilled value of the same key is not refused by `max_spill` for the
+/// bytes of the record it replaces.
+#[test]
+fn put_stream_over_a_spilled_key_counts_only_the_difference_against_max_spill() {
+    let s = Store::open(
+        TestCodec::default(),
+        SimBackend::new(),
+        "/s",
+        StoreConfig { max_spill_bytes: Some(5_000), ..cfg(3_000) },
+    )
+    .unwrap();
+    s.put_serialized(b"k", ser(&val(b'o', 4_000))).unwrap();
+    assert_eq!(s.tier(b"k"), Some(Tier::Disk));
+    let (payload, meta) = spillway_tests::streamed(&ser(&val(b'n', 4_000)));
+    s.put_stream(b"k", &meta, &mut &payload[..]).unwrap();
+    assert_eq!(s.tier(b"k"), Some(Tier::Disk), "streamed to disk, not kept in memory");
+    assert_eq!(s.metrics().max_spill_refusals, 0);
+    assert_eq!(*s.get(b"k").unwrap().unwrap(), val(b'n', 4_000));
 }
 
 /// Four threads run a random mix of every operation over a few keys, with a target small enough that
