@@ -52,6 +52,17 @@ enum Owner {
     },
 }
 
+/// The panic message of a buffer size that does not fit the address space (as `Vec`'s "capacity
+/// overflow": a programming error, never reached from data on disk or from a peer, whose lengths
+/// are bounded first).
+const OVERFLOW: &str = "buffer size overflows";
+
+/// `len` rounded up to a multiple of `align` (a power of two), panicking on overflow: a wrapped
+/// size would give a buffer smaller than its length.
+fn round_up(len: usize, align: usize) -> usize {
+    len.checked_next_multiple_of(align).expect(OVERFLOW)
+}
+
 /// Largest alignment carved out of a plain allocation (see [`heap`]).
 const CARVED_ALIGN_MAX: usize = 64;
 
@@ -65,9 +76,12 @@ const CARVED_ALIGN_MAX: usize = 64;
 /// zeroed may be one this thread freed recently (see [`recycle`]).
 fn heap(capacity: usize, align: usize, zeroed: bool) -> (NonNull<u8>, Owner) {
     let carve = align > 16 && align <= CARVED_ALIGN_MAX;
-    let layout =
-        if carve { Layout::from_size_align(capacity + align, 16) } else { Layout::from_size_align(capacity, align) }
-            .expect("buffer size overflows isize");
+    let layout = if carve {
+        Layout::from_size_align(capacity.checked_add(align).expect(OVERFLOW), 16)
+    } else {
+        Layout::from_size_align(capacity, align)
+    }
+    .expect(OVERFLOW);
     let recycled = if zeroed { None } else { recycled_take(layout) };
     let raw = match recycled {
         Some(raw) => raw.as_ptr(),
@@ -174,7 +188,7 @@ impl AlignedBuf {
     /// Panics if `align` is not a power of two; that is a programming error, not an input error.
     pub fn with_capacity(capacity: usize, align: usize) -> Self {
         assert!(align.is_power_of_two(), "alignment {align} is not a power of two");
-        let capacity = capacity.div_ceil(align) * align;
+        let capacity = round_up(capacity, align);
         if capacity == 0 {
             // A dangling but well-aligned pointer: never dereferenced for a zero-capacity buffer.
             let ptr = NonNull::new(align as *mut u8).expect("alignment is non-zero");
@@ -190,7 +204,7 @@ impl AlignedBuf {
     /// `UnexpectedEof`. On error nothing is kept.
     pub fn read_exact_at(file: &impl AsFd, offset: u64, len: usize, align: usize) -> io::Result<Self> {
         assert!(align.is_power_of_two(), "alignment {align} is not a power of two");
-        let capacity = len.div_ceil(align) * align;
+        let capacity = round_up(len, align);
         if capacity == 0 {
             return Ok(Self::with_capacity(0, align));
         }
@@ -232,7 +246,7 @@ impl AlignedBuf {
     pub fn copied(data: &[u8], align: usize) -> Self {
         assert!(align.is_power_of_two(), "alignment {align} is not a power of two");
         let len = data.len();
-        let capacity = len.div_ceil(align) * align;
+        let capacity = round_up(len, align);
         if capacity == 0 {
             return Self::with_capacity(0, align);
         }
@@ -405,18 +419,26 @@ unsafe impl Sync for PoolShared {}
 
 impl BufPool {
     /// A pool of `count` zeroed buffers of `buf_size` bytes (rounded up to `align`), each aligned to
-    /// `align` (a power of two). Panics on a zero count or size (programming errors).
+    /// `align` (a power of two). Panics on a zero count or size, or a size that overflows
+    /// (programming errors), and aborts if the memory cannot be allocated, as `Vec` does.
     pub fn new(count: usize, buf_size: usize, align: usize) -> BufPool {
+        Self::try_new(count, buf_size, align).unwrap_or_else(|layout| alloc::handle_alloc_error(layout))
+    }
+
+    /// As [`BufPool::new`], but a pool that cannot be allocated is `Err` with the layout asked
+    /// for, so the caller can ask for a smaller one.
+    pub fn try_new(count: usize, buf_size: usize, align: usize) -> Result<BufPool, Layout> {
         assert!(count > 0 && buf_size > 0 && count <= u32::MAX as usize, "empty buffer pool");
         assert!(align.is_power_of_two(), "alignment {align} is not a power of two");
-        let buf_size = buf_size.div_ceil(align) * align;
-        let total = buf_size.checked_mul(count).expect("pool size overflows");
-        let layout = Layout::from_size_align(total, align.max(4096)).expect("pool size overflows isize");
-        // SAFETY: `layout` has a non-zero size (count and buf_size are non-zero).
+        let buf_size = round_up(buf_size, align);
+        let total = buf_size.checked_mul(count).expect(OVERFLOW);
+        let layout = Layout::from_size_align(total, align.max(4096)).expect(OVERFLOW);
+        // SAFETY: `layout` has a non-zero size: count and buf_size are non-zero, and rounding
+        // buf_size up cannot wrap to zero (checked).
         let raw = unsafe { alloc::alloc_zeroed(layout) };
-        let Some(base) = NonNull::new(raw) else { alloc::handle_alloc_error(layout) };
+        let Some(base) = NonNull::new(raw) else { return Err(layout) };
         let free = (0..count as u32).rev().collect();
-        BufPool {
+        Ok(BufPool {
             shared: Arc::new(PoolShared {
                 base,
                 layout,
@@ -425,7 +447,7 @@ impl BufPool {
                 free: Mutex::new(free),
                 freed: Condvar::new(),
             }),
-        }
+        })
     }
 
     /// Number of buffers.
@@ -511,6 +533,20 @@ impl fmt::Debug for BufPool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A size whose rounding (up to the alignment, or the carving slack) overflows panics, as
+    /// `Vec` does: it used to wrap to a small allocation behind a buffer claiming the huge length.
+    #[test]
+    fn sizes_that_overflow_panic_instead_of_wrapping() {
+        for (cap, align) in [(usize::MAX, 4096), (usize::MAX - 63, 64), (usize::MAX - 10, 16)] {
+            assert!(std::panic::catch_unwind(|| AlignedBuf::with_capacity(cap, align)).is_err(), "{cap} at {align}");
+        }
+        assert!(std::panic::catch_unwind(|| AlignedBuf::zeroed(usize::MAX, 4096)).is_err());
+        assert!(std::panic::catch_unwind(|| BufPool::new(1, usize::MAX, 4096)).is_err());
+        // More than the address space: an error the caller can act on (ask for less), not an abort.
+        assert!(BufPool::try_new(1, 1 << 62, 4096).is_err());
+        assert_eq!(BufPool::try_new(2, 1000, 512).map(|p| (p.count(), p.buf_size())).ok(), Some((2, 1024)));
+    }
 
     #[test]
     fn read_exact_at_reads_into_fresh_memory_and_reports_eof() {

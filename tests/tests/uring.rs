@@ -459,3 +459,24 @@ fn direct_files_get_the_same_alignment_on_every_file_backend() {
     let auto = AutoBackend::Uring(be);
     assert_eq!(auto.alignment(tmp.path()), portable.alignment(tmp.path()));
 }
+
+/// A file opened by one io_uring backend and used with another goes to that file: its registered
+/// slot number belongs to the first backend's file table, and the second used to submit it against
+/// its own table, where the same slot holds a file of its own (the write landed there).
+#[test]
+fn a_file_of_one_backend_used_with_another_reaches_the_right_file() {
+    let Some(a) = backend("a_file_of_one_backend_used_with_another", false) else { return };
+    let Some(b) = backend("a_file_of_one_backend_used_with_another", false) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let fa = a.open(&tmp.path().join("a"), true).unwrap();
+    let fb = b.open(&tmp.path().join("b"), true).unwrap();
+    // Each backend's first file takes slot 0 of its own table; a write through each registers it.
+    a.write_at(&fa, 0, filled(&[b'a'; 4096])).0.unwrap();
+    b.write_at(&fb, 0, filled(&[b'b'; 4096])).0.unwrap();
+    b.write_at(&fa, 0, filled(&[b'A'; 4096])).0.unwrap();
+    let (r, got) = b.read_at(&fa, 0, AlignedBuf::zeroed(4096, 4096));
+    r.unwrap();
+    assert!(got.iter().all(|&c| c == b'A'), "read through b from a's file");
+    assert_eq!(std::fs::read(tmp.path().join("a")).unwrap(), vec![b'A'; 4096], "a's file holds the write");
+    assert_eq!(std::fs::read(tmp.path().join("b")).unwrap(), vec![b'b'; 4096], "b's file is untouched");
+}

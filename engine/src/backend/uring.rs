@@ -357,11 +357,22 @@ impl UringBackend {
             }
         }
 
-        // The registered pool: halve on failure (RLIMIT_MEMLOCK), none at all as the last resort.
+        // The registered pool: halve on failure (RLIMIT_MEMLOCK, or no memory for it), none at all
+        // as the last resort.
         let mut pool = None;
         let mut count = opts.pool_buffers;
         while count > 0 {
-            let p = BufPool::new(count, opts.pool_buffer_size.max(4096), 4096);
+            let p = match BufPool::try_new(count, opts.pool_buffer_size.max(4096), 4096) {
+                Ok(p) => p,
+                Err(layout) => {
+                    log::warn!(
+                        "io_uring: no memory for a pool of {count} buffers ({} bytes); trying fewer",
+                        layout.size()
+                    );
+                    count /= 2;
+                    continue;
+                }
+            };
             let iovecs: Vec<libc::iovec> = p
                 .regions()
                 .into_iter()
@@ -927,7 +938,10 @@ impl Driver {
                 let ptr = unsafe { op.buf.as_mut_ptr().add(start) };
                 let off = op.offset + start as u64;
                 let n = len as u32;
-                let e = if op.file.registered.load(Ordering::Relaxed) {
+                // A fixed slot indexes this driver's own file table: a file opened by another
+                // backend (its slot numbers are of another table) goes by its descriptor.
+                let own_slot = Arc::ptr_eq(&op.file.shared, &self.shared) && op.file.registered.load(Ordering::Relaxed);
+                let e = if own_slot {
                     let fd = types::Fixed(op.file.slot.expect("registered files have a slot"));
                     rw_entry!(fd, op.write, ptr, n, index, off)
                 } else {
@@ -938,7 +952,8 @@ impl Driver {
                 // SAFETY: the entry points into `op.buf`, which the op (in `self.ops`) owns until this
                 // piece's completion is reaped: ops leave the slab only in `complete` once `inflight` is 0,
                 // and the driver outlives every submitted entry (shutdown drains before dropping). The
-                // file (fd or fixed slot) is kept open by the op's Arc<FileInner>. Fixed buffer `index`
+                // file (fd, or a slot of this driver's table, which holds it until the file's Drop
+                // unregisters it) is kept open by the op's Arc<FileInner>. Fixed buffer `index`
                 // is set only when the buffer is a slot of the registered pool.
                 unsafe { sq.push(&e) }.expect("checked not full");
                 op.todo.pop_front();
