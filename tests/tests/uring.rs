@@ -480,3 +480,19 @@ fn a_file_of_one_backend_used_with_another_reaches_the_right_file() {
     assert_eq!(std::fs::read(tmp.path().join("a")).unwrap(), vec![b'A'; 4096], "a's file holds the write");
     assert_eq!(std::fs::read(tmp.path().join("b")).unwrap(), vec![b'b'; 4096], "b's file is untouched");
 }
+
+/// On Linux 6.1 and later the driver's ring runs completions as deferred task work (with the
+/// task-run flag, so a submit that does not wait still posts them): the kernel must accept that
+/// combination of setup flags, or the backend silently falls back to a plain ring.
+#[test]
+fn the_tuned_ring_is_used_where_the_kernel_has_it() {
+    let Some(be) = backend("the_tuned_ring_is_used_where_the_kernel_has_it", false) else { return };
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+    let mut parts = release.trim().split(|c: char| !c.is_ascii_digit()).map(|p| p.parse::<u32>().unwrap_or(0));
+    let (major, minor) = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+    if (major, minor) < (6, 1) {
+        println!("SKIPPED the_tuned_ring_is_used_where_the_kernel_has_it: Linux {major}.{minor} has no DEFER_TASKRUN");
+        return;
+    }
+    assert!(be.info().deferred_taskrun, "Linux {major}.{minor} refused the ring's setup flags");
+}

@@ -323,6 +323,9 @@ impl UringBackend {
             .setup_r_disabled()
             .setup_single_issuer()
             .setup_defer_taskrun()
+            // Flags pending task work in the submission ring, so a submit that does not wait still
+            // runs it (posts the completions) when there is some.
+            .setup_taskrun_flag()
             .build(entries);
         let (ring, deferred) = match tuned {
             Ok(r) => (Ok(r), true),
@@ -835,6 +838,15 @@ impl Driver {
                 continue;
             }
             if !self.shared.idle.may_sleep(|| !self.shared.queue_is_empty()) {
+                // More requests arrived. What `fill` queued is submitted now, not when requests stop
+                // coming; and with DEFER_TASKRUN completions are posted only inside io_uring_enter,
+                // so a steady stream of requests must not keep the driver out of it. With every
+                // piece slot taken, wait for a completion instead of spinning.
+                if self.inflight >= self.max_inflight {
+                    self.enter(ring, 1);
+                } else if self.inflight > 0 || !ring.submission().is_empty() {
+                    self.enter(ring, 0);
+                }
                 continue;
             }
             self.enter(ring, 1);
