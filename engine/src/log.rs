@@ -1228,13 +1228,24 @@ impl<B: Backend> SegmentLog<B> {
     /// segment file, the payload's offset in it, and the record's metadata (header checksum
     /// verified). `None` if the key is absent.
     pub fn stored_value(&self, key: &[u8]) -> Result<Option<StoredValue<B::File>>> {
-        let Some((loc, file)) = self.lookup(key) else { return Ok(None) };
-        // Pinned before the index is checked again: a forget that removed the key before the check
-        // makes it absent; one after it finds the pin and does not punch what is being sent.
-        let pin = SendPin::new(&self.sending, (loc.segment, loc.offset));
-        if self.location(key).is_none_or(|l| (l.segment, l.offset) != (loc.segment, loc.offset)) {
-            return Ok(None);
-        }
+        let mut tries = 0;
+        let (loc, file, pin) = loop {
+            let Some((loc, file)) = self.lookup(key) else { return Ok(None) };
+            // Pinned before the index is checked again: a forget that removed the key before the
+            // check makes it absent; one after it finds the pin and does not punch what is being
+            // sent.
+            let pin = SendPin::new(&self.sending, (loc.segment, loc.offset));
+            match self.location(key) {
+                None => return Ok(None),
+                Some(l) if (l.segment, l.offset) == (loc.segment, loc.offset) => break (loc, file, pin),
+                // Rewritten (a put, or compaction moving it) meanwhile: the new record is looked up.
+                Some(_) if tries < 64 => tries += 1,
+                Some(_) => {
+                    let why = io::Error::new(io::ErrorKind::WouldBlock, "the key is rewritten too often to pin");
+                    return Err(Error::io("pin a record to send", None, why));
+                }
+            }
+        };
         if self.may_be_pending(loc) {
             // Pending (write-behind): written out first. If that write fails, it is in memory, not in
             // a file (`Error::Poisoned`, or a full file system: the transfer sources then send it

@@ -332,6 +332,8 @@ pub fn serve_connection<S: Source>(src: &S, mut stream: TcpStream, opts: &Transf
         match stream.read(&mut req[..1]) {
             Ok(0) => return Ok(()), // the client is done
             Ok(_) => {}
+            // A signal handler ran: a socket with timeouts is never restarted, whatever SA_RESTART.
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(io_err("receive request", e)),
         }
         stream.read_exact(&mut req[1..]).map_err(|e| io_err("receive request", e))?;
@@ -469,7 +471,12 @@ fn splice_out(
     let mut left = len;
     while left > 0 {
         let want = (left as usize).min(PIPE_BYTES);
-        let n = splice(file, Some(&mut off), w, None, want, SpliceFlags::empty())?;
+        // EINTR (a signal handler ran) retries: splice is never restarted after a handler.
+        let n = match splice(file, Some(&mut off), w, None, want, SpliceFlags::empty()) {
+            Ok(n) => n,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
+        };
         if n == 0 {
             return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "segment file shorter than its record"));
         }
@@ -478,7 +485,11 @@ fn splice_out(
         // final partial segment back (about 200 ms per value for values of a pipe or less).
         let flags = if left > n as u64 { SpliceFlags::MORE } else { SpliceFlags::empty() };
         while in_pipe > 0 {
-            let m = splice(r, None, sock, None, in_pipe, flags)?;
+            let m = match splice(r, None, sock, None, in_pipe, flags) {
+                Ok(m) => m,
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(e) => return Err(e.into()),
+            };
             if m == 0 {
                 return Err(io::Error::new(io::ErrorKind::WriteZero, "peer closed the connection"));
             }
@@ -640,7 +651,11 @@ impl Client {
         let mut pos = 0u64;
         while pos < m.stored_len {
             let want = ((m.stored_len - pos) as usize).min(buf.len());
-            let n = self.stream.read(&mut buf[..want]).map_err(|e| io_err("receive value", e))?;
+            let n = match self.stream.read(&mut buf[..want]) {
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(io_err("receive value", e)),
+            };
             if n == 0 {
                 return Err(io_err(
                     "receive value",

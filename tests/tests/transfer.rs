@@ -374,3 +374,107 @@ fn values_arrive_intact_from_o_direct_segments() {
         assert_eq!(c.get(k.as_bytes()).unwrap().as_ref(), Some(&want), "{k}");
     }
 }
+
+/// A signal handler that runs on the serving thread or the receiving thread in the middle of a
+/// value (a profiler's timer, SIGCHLD) does not cut the value short: a socket call on a socket with
+/// timeouts is never restarted after a handler, whatever SA_RESTART, so the splices and reads get
+/// EINTR, and they used to give up on it.
+#[test]
+fn signal_handlers_running_mid_value_do_not_cut_it_short() {
+    extern "C" fn nothing(_: libc::c_int) {}
+    // SAFETY: a zeroed `sigaction` is a valid value of the C struct; the handler does nothing (so
+    // it is async-signal-safe), and SIGUSR1 is used by nothing else in this test process.
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = nothing as extern "C" fn(libc::c_int) as libc::sighandler_t;
+        sa.sa_flags = libc::SA_RESTART;
+        assert_eq!(libc::sigaction(libc::SIGUSR1, &sa, std::ptr::null_mut()), 0);
+    }
+    let src = tempfile::tempdir().unwrap();
+    let log = log_at(src.path(), Compression::None);
+    let n = 32 << 20;
+    log.put(b"big", &frames_for(b"big", n)).unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let (tid_tx, tid_rx) = std::sync::mpsc::channel();
+    let server = std::thread::spawn(move || {
+        let (s, _) = listener.accept().unwrap();
+        // SAFETY: pthread_self has no preconditions.
+        tid_tx.send(unsafe { libc::pthread_self() }).unwrap();
+        transfer::serve_connection(&log, s, &TransferOptions { splice_min_bytes: 0, ..opts() })
+    });
+    let mut c = Client::connect(&addr, opts()).unwrap();
+    // SAFETY: as above.
+    let threads = [tid_rx.recv().unwrap(), unsafe { libc::pthread_self() }];
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let signaller = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut sent = 0u32;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) && sent < 100_000 {
+                for &t in &threads {
+                    // SAFETY: both threads are alive until `stop` is set (the server's until the
+                    // client below hangs up, after this thread is joined).
+                    unsafe { libc::pthread_kill(t, libc::SIGUSR1) };
+                }
+                sent += 1;
+                std::thread::sleep(Duration::from_micros(500));
+            }
+        })
+    };
+    /// Takes its time, so the server often waits in splice for room in the socket.
+    struct Slow(Vec<u8>);
+    impl Write for Slow {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            std::thread::sleep(Duration::from_micros(300));
+            self.0.extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut out = Slow(Vec::new());
+    let got = c.get_to(b"big", &mut out);
+    let again = c.get(b"big");
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    signaller.join().unwrap();
+    assert!(got.unwrap(), "the value arrived");
+    assert!(out.0 == frames_for(b"big", n).concat(), "whole and intact");
+    assert_eq!(again.unwrap().map(|f| f.concat().to_vec()), Some(out.0), "the connection stays usable");
+    drop(c);
+    server.join().unwrap().unwrap();
+}
+
+/// A key that is rewritten while a peer asks for it is sent (its old or new value), never
+/// answered NOT_FOUND: the server looked the key up, pinned the record, saw that the key had
+/// moved meanwhile and reported it absent.
+#[test]
+fn a_key_rewritten_while_it_is_requested_is_never_reported_absent() {
+    let src = tempfile::tempdir().unwrap();
+    let log = Arc::new(log_at(src.path(), Compression::None));
+    let value = frames_for(b"k", 100);
+    log.put(b"k", &value).unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let served = log.clone();
+    std::thread::spawn(move || transfer::serve(served, listener, TransferOptions { splice_min_bytes: 0, ..opts() }));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let (log, stop, value) = (log.clone(), stop.clone(), value.clone());
+        std::thread::spawn(move || {
+            let mut puts = 0u32;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) && puts < 2_000_000 {
+                log.put(b"k", &value).unwrap();
+                puts += 1;
+            }
+        })
+    };
+    let mut c = Client::connect(&addr, opts()).unwrap();
+    let answers: Vec<Option<Frames>> = (0..3000).map(|_| c.get(b"k").unwrap()).collect();
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    writer.join().unwrap();
+    let absent = answers.iter().filter(|a| a.is_none()).count();
+    assert_eq!(absent, 0, "{absent} of {} requests answered NOT_FOUND", answers.len());
+    assert!(answers.iter().all(|a| a.as_ref() == Some(&value)));
+}
