@@ -28,6 +28,7 @@ pub mod error;
 pub mod format;
 pub mod key;
 pub mod log;
+mod sigpipe;
 pub mod slot;
 pub mod store;
 pub mod sync;

@@ -450,7 +450,6 @@ fn make_pipe() -> io::Result<Pipe> {
     Ok((r, w))
 }
 
-/// `len` bytes at `offset` of `file` into `sock`, through the pipe, never through user memory.
 /// A new, buffered (not O_DIRECT) read-only descriptor of the file behind `fd`, through
 /// `/proc/self/fd` (which works for a segment already unlinked, too).
 fn reopen_buffered(fd: std::os::fd::BorrowedFd<'_>) -> io::Result<std::fs::File> {
@@ -458,6 +457,7 @@ fn reopen_buffered(fd: std::os::fd::BorrowedFd<'_>) -> io::Result<std::fs::File>
     std::fs::File::open(format!("/proc/self/fd/{}", fd.as_raw_fd()))
 }
 
+/// `len` bytes at `offset` of `file` into `sock`, through the pipe, never through user memory.
 fn splice_out(
     file: std::os::fd::BorrowedFd<'_>,
     offset: u64,
@@ -467,6 +467,7 @@ fn splice_out(
     sock: &TcpStream,
 ) -> io::Result<()> {
     use rustix::pipe::{splice, SpliceFlags};
+    let _held = crate::sigpipe::SigpipeHeld::new();
     let mut off = offset;
     let mut left = len;
     while left > 0 {

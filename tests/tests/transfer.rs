@@ -478,3 +478,44 @@ fn a_key_rewritten_while_it_is_requested_is_never_reported_absent() {
     assert_eq!(absent, 0, "{absent} of {} requests answered NOT_FOUND", answers.len());
     assert!(answers.iter().all(|a| a.as_ref() == Some(&value)));
 }
+
+/// A client that hangs up in the middle of a spliced value, in the way that makes the server's
+/// next splice fail with EPIPE (its own shutdown first, so the server is in CLOSE_WAIT, then a
+/// close with unread data, a reset), does not kill the serving process with SIGPIPE where SIGPIPE
+/// has its default action (a host process embedding the engine; Rust and Python programs ignore
+/// it). std's socket writes pass MSG_NOSIGNAL; a splice cannot. Runs in a child process, which
+/// restores the default action; the server reports the broken connection as an error.
+#[test]
+fn a_client_hanging_up_mid_splice_does_not_kill_the_server_with_sigpipe() {
+    const NAME: &str = "a_client_hanging_up_mid_splice_does_not_kill_the_server_with_sigpipe";
+    if spillway_tests::child_arg().is_none() {
+        let (status, out) = spillway_tests::run_child(NAME, "child");
+        assert!(status.success(), "the serving process died: {status:?}\n{out}");
+        assert!(out.contains("served: broken connection"), "{out}");
+        return;
+    }
+    // SAFETY: SIG_DFL is a valid disposition; this child process runs only this test.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    let src = tempfile::tempdir().unwrap();
+    let log = log_at(src.path(), Compression::None);
+    log.put(b"big", &frames_for(b"big", 64 << 20)).unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = std::thread::spawn(move || {
+        let (s, _) = listener.accept().unwrap();
+        transfer::serve_connection(&log, s, &TransferOptions { splice_min_bytes: 0, ..opts() })
+    });
+    let mut sock = TcpStream::connect(addr).unwrap();
+    sock.write_all(&transfer::greeting()).unwrap();
+    let mut greeting = [0u8; 8];
+    sock.read_exact(&mut greeting).unwrap();
+    sock.write_all(&[1, 3, 0, 0, 0]).unwrap(); // GET, a key of 3 bytes
+    sock.write_all(b"big").unwrap();
+    let mut first = vec![0u8; 1 << 20];
+    sock.read_exact(&mut first).unwrap();
+    sock.shutdown(std::net::Shutdown::Write).unwrap();
+    drop(sock); // unread data: a reset
+    let served = server.join().unwrap();
+    assert!(served.is_err(), "the value cannot have been sent whole");
+    println!("served: broken connection ({})", served.unwrap_err());
+}
