@@ -1441,13 +1441,15 @@ impl<C: Codec, B: Backend> Store<C, B> {
         if e.tier == Tier::Materialized || e.slot.state() != crate::slot::SlotState::Ready {
             return Ok(Some(v));
         }
-        if e.large {
+        let weight = self.codec.size_of(&v);
+        if e.large || weight > self.cfg.target_bytes {
+            // Served without promotion: a value heavier than the target (as bytes, or as the object
+            // its bytes deserialize to) stays where it is, as a `put` of it would go to disk.
             e.slot.evict();
             return Ok(Some(v));
         }
         let tick = inner.next_tick;
         inner.next_tick += 1;
-        let weight = self.codec.size_of(&v);
         // A value read back from disk keeps its disk copy (disk_* fields unchanged): evicting it again
         // costs no write.
         Self::modify_entry(&mut inner, k, |ne| {

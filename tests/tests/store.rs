@@ -10,6 +10,7 @@ use spillway::{Backend, Codec, CodecError, Error, Frames, LogOptions, SimBackend
 
 /// Values are byte vectors; serialized as a 1-byte header frame plus the bytes. Values starting with
 /// `unpicklable` fail to serialize, values starting with `panicky` make it panic; serialized data starting with `undeserializable` fails to deserialize.
+/// Values starting with `bloated` weigh 20 times their length as objects.
 #[derive(Default)]
 struct TestCodec {
     serialized: AtomicUsize,
@@ -39,6 +40,9 @@ impl Codec for TestCodec {
         Ok(f.0[1].to_vec())
     }
     fn size_of(&self, v: &Vec<u8>) -> u64 {
+        if v.starts_with(b"bloated") {
+            return 20 * v.len() as u64; // an object much heavier than its serialized form
+        }
         v.len() as u64 + 1
     }
 }
@@ -891,6 +895,27 @@ fn put_stream_over_a_spilled_key_counts_only_the_difference_against_max_spill() 
     assert_eq!(s.tier(b"k"), Some(Tier::Disk), "streamed to disk, not kept in memory");
     assert_eq!(s.metrics().max_spill_refusals, 0);
     assert_eq!(*s.get(b"k").unwrap().unwrap(), val(b'n', 4_000));
+}
+
+/// A value whose object is heavier than the target, though its serialized bytes are light, is
+/// served by `get` without promotion, as a `put` of the object would have kept it on disk:
+/// promoting it pushed every other entry down a tier, then demoted the value itself.
+#[test]
+fn a_get_does_not_promote_an_object_heavier_than_the_target() {
+    let (s, _) = open(10_000);
+    let mut x = b"bloated".to_vec();
+    x.resize(800, b'x'); // 16,000 bytes as an object
+    s.put_serialized(b"x", ser(&x)).unwrap();
+    s.put_serialized(b"s1", ser(&val(1, 2_000))).unwrap();
+    s.put_serialized(b"s2", ser(&val(2, 2_000))).unwrap();
+    for _ in 0..2 {
+        assert_eq!(*s.get(b"x").unwrap().unwrap(), x);
+    }
+    assert_eq!(s.tier(b"x"), Some(Tier::Serialized));
+    assert_eq!(s.tier(b"s1"), Some(Tier::Serialized), "not pushed to disk");
+    assert_eq!(s.tier(b"s2"), Some(Tier::Serialized));
+    assert_eq!(s.metrics().activity("disk-write").count, 0);
+    assert!(s.memory_bytes() <= 10_000);
 }
 
 /// Four threads run a random mix of every operation over a few keys, with a target small enough that
