@@ -1375,7 +1375,9 @@ impl<B: Backend> SegmentLog<B> {
         self.poison(Error::io(op, path, e))
     }
 
-    fn validate(&self, key: &[u8], frames: &Frames) -> Result<()> {
+    /// Whether `value` can be stored under `key`: what [`put_many`](Self::put_many) checks for
+    /// every item before it writes any (key and value limits, frame count, record length).
+    pub fn validate(&self, key: &[u8], frames: &Frames) -> Result<()> {
         if key.len() > format::MAX_KEY_BYTES {
             return Err(Error::KeyTooLarge { len: key.len(), max: format::MAX_KEY_BYTES });
         }

@@ -768,17 +768,22 @@ impl<C: Codec, B: Backend> Store<C, B> {
             })
             .collect();
         // A compressed value is written decompressed (the log compresses on its own if configured).
+        // A value the log cannot store (too large, too many frames) fails alone, before the write:
+        // in the batch it would fail every other value with it.
         let data: Vec<Result<Frames>> = batch
             .iter()
-            .map(|p| match &p.data {
-                Source::Frames(f) => Ok(f.clone()),
-                Source::Compressed(c) => {
-                    let t = Instant::now();
-                    let f = decompress(c)?;
-                    self.metrics.acts[DECOMPRESS].add(f.total_len(), t);
-                    Ok(f)
-                }
-                Source::Disk => unreachable!("only in-memory values are planned for writing"),
+            .map(|p| {
+                let f = match &p.data {
+                    Source::Frames(f) => f.clone(),
+                    Source::Compressed(c) => {
+                        let t = Instant::now();
+                        let f = decompress(c)?;
+                        self.metrics.acts[DECOMPRESS].add(f.total_len(), t);
+                        f
+                    }
+                    Source::Disk => unreachable!("only in-memory values are planned for writing"),
+                };
+                self.log.validate(&p.key, &f).map(|()| f)
             })
             .collect();
         let items: Vec<(&[u8], &Frames)> =

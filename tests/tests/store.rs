@@ -918,6 +918,26 @@ fn a_get_does_not_promote_an_object_heavier_than_the_target() {
     assert!(s.memory_bytes() <= 10_000);
 }
 
+/// A value the log cannot store (here larger than its `max_value_bytes`) fails its eviction alone:
+/// the other values planned for the same write still go to disk. It used to fail the whole batch,
+/// leaving every value in it stuck in memory and counted as a failed spill.
+#[test]
+fn a_value_the_log_refuses_does_not_fail_the_others_spilled_with_it() {
+    let mut c = cfg(9_000);
+    c.log.max_value_bytes = 4_500;
+    let s = Store::open(TestCodec::default(), SimBackend::new(), "/s", c).unwrap();
+    s.put_serialized(b"a", ser(&val(b'a', 1_000))).unwrap();
+    s.put_serialized(b"big", ser(&val(b'g', 5_000))).unwrap(); // more than the log takes
+    s.put_serialized(b"b", ser(&val(b'b', 4_000))).unwrap(); // over the target: a and big are evicted
+    assert_eq!(s.tier(b"a"), Some(Tier::Disk));
+    assert_eq!(s.tier(b"big"), Some(Tier::Serialized), "kept in memory");
+    assert_eq!(s.tier(b"b"), Some(Tier::Disk), "evicted next, since big is stuck");
+    assert_eq!(s.metrics().spill_failures, 1, "one failure: big's");
+    for (k, v) in [(&b"a"[..], val(b'a', 1_000)), (b"big", val(b'g', 5_000)), (b"b", val(b'b', 4_000))] {
+        assert_eq!(*s.get(k).unwrap().unwrap(), v);
+    }
+}
+
 /// Four threads run a random mix of every operation over a few keys, with a target small enough that
 /// values move between all tiers. A value's first byte names its key and generation, so a read can
 /// check it belongs to the key it asked for. No operation may fail (a get racing a remove of a spilled
