@@ -352,10 +352,17 @@ pub fn serve_connection<S: Source>(src: &S, mut stream: TcpStream, opts: &Transf
                 continue;
             }
             Ok(Some(Outgoing::Frames(frames))) => {
-                if frames.total_len() > opts.max_value_bytes {
-                    send_error(&mut stream, &format!("value of {} bytes is over the limit", frames.total_len()))?;
-                } else {
-                    send_frames(&mut stream, &frames)?;
+                // A value held in memory was never checked by a log: the frame count and the laid-out
+                // length (frames plus their 64-byte gaps) are what a client checks.
+                let laid_out = format::frame_layout(frames.iter().map(|f| f.len() as u64)).map(|(_, n)| n);
+                match laid_out {
+                    _ if frames.len() > format::MAX_FRAMES => {
+                        let msg =
+                            format!("value of {} frames is over the limit of {}", frames.len(), format::MAX_FRAMES);
+                        send_error(&mut stream, &msg)?
+                    }
+                    Some(n) if n <= opts.max_value_bytes => send_frames(&mut stream, &frames)?,
+                    _ => send_error(&mut stream, &format!("value of {} bytes is over the limit", frames.total_len()))?,
                 }
                 continue;
             }

@@ -938,6 +938,27 @@ fn a_value_the_log_refuses_does_not_fail_the_others_spilled_with_it() {
     }
 }
 
+/// A value held in memory that no log checked, with more frames than the wire format carries, is
+/// answered with an ERROR the client reads, and the connection stays in step: the server used to
+/// send it, and the client rejected the header as malformed and dropped the connection.
+#[test]
+fn a_value_in_memory_over_the_wire_limits_is_refused_by_the_server_not_the_client() {
+    use spillway::transfer::{self, Client, TransferOptions};
+    let sender = Arc::new(Store::open(TestCodec::default(), SimBackend::new(), "/s", cfg(10 << 20)).unwrap());
+    let many = Frames((0..70_000).map(|_| Bytes::from_static(b"x")).collect());
+    sender.put_serialized(b"many", many).unwrap();
+    sender.put_serialized(b"ok", ser(&val(b'o', 100))).unwrap();
+    assert_eq!(sender.tier(b"many"), Some(Tier::Serialized));
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let served = sender.clone();
+    std::thread::spawn(move || transfer::serve(served, listener, TransferOptions::default()));
+    let mut c = Client::connect(&addr, TransferOptions::default()).unwrap();
+    let err = c.get(b"many").unwrap_err().to_string();
+    assert!(err.contains("70000 frames"), "{err}");
+    assert_eq!(c.get(b"ok").unwrap(), Some(ser(&val(b'o', 100))), "the connection is still in step");
+}
+
 /// Four threads run a random mix of every operation over a few keys, with a target small enough that
 /// values move between all tiers. A value's first byte names its key and generation, so a read can
 /// check it belongs to the key it asked for. No operation may fail (a get racing a remove of a spilled
