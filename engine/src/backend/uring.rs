@@ -809,6 +809,9 @@ impl Driver {
                 self.arm_wake(ring);
             }
             self.take_requests(ring);
+            self.fill(ring);
+            // After `fill`, so the cancel also covers what this pass submitted (the requests taken
+            // in the pass that first sees the shutdown). `fill` leaves its slot free.
             if self.shared.shutdown.load(Ordering::SeqCst) && !self.cancel_sent {
                 self.cancel_sent = true;
                 let e = opcode::AsyncCancel2::new(types::CancelBuilder::any()).build().user_data(CANCEL);
@@ -817,7 +820,6 @@ impl Driver {
                     self.cancel_inflight = true;
                 }
             }
-            self.fill(ring);
             cqes.clear();
             cqes.extend(ring.completion().map(|c| (c.user_data(), c.result())));
             for &(ud, res) in &cqes {
@@ -992,6 +994,11 @@ impl Driver {
             }
             CANCEL => {
                 self.cancel_inflight = false;
+                if res == -libc::EINVAL {
+                    // Kernels before 5.19 have no IORING_ASYNC_CANCEL_ANY: the operations in flight
+                    // (file I/O) finish on their own, and the shutdown waits for them.
+                    log::debug!("io_uring: cancel-any unsupported; draining operations in flight");
+                }
                 return;
             }
             _ => {}
@@ -1099,6 +1106,46 @@ mod tests {
         drop(f);
         drop(be); // joins the dead driver (and logs that it panicked)
         drop(tx);
+    }
+
+    /// Dropping the backend cancels reads that would otherwise never complete, also one sent just
+    /// before the drop and taken by the driver in the same pass that sees the shutdown (its cancel
+    /// was pushed before that pass submitted the read, so the drop waited for it forever).
+    #[test]
+    fn dropping_the_backend_cancels_reads_sent_just_before() {
+        for round in 0..20 {
+            let be = match UringBackend::new(UringOptions { inline_blocking: false, ..Default::default() }) {
+                Ok(b) => b,
+                Err(e) if std::env::var("SPILLWAY_REQUIRE_URING").is_ok_and(|v| v == "1") => {
+                    panic!("io_uring required (SPILLWAY_REQUIRE_URING=1) but unavailable: {e}")
+                }
+                Err(e) => {
+                    println!("SKIPPED dropping_the_backend_cancels_reads_sent_just_before: io_uring unavailable: {e}");
+                    return;
+                }
+            };
+            let (rx, tx) = rustix::pipe::pipe().unwrap();
+            let f = UringFile(Arc::new(FileInner {
+                file: File::from(rx),
+                direct: false,
+                slot: None,
+                registered: AtomicBool::new(false),
+                shared: be.shared.clone(),
+            }));
+            let pending = be.read(&f, 0, AlignedBuf::zeroed(8, 8));
+            let (done_tx, done_rx) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                drop(be);
+                done_tx.send(()).unwrap();
+            });
+            done_rx
+                .recv_timeout(std::time::Duration::from_secs(60))
+                .unwrap_or_else(|_| panic!("round {round}: the drop waits for a read that never completes"));
+            let (r, _) = block_on(pending);
+            assert!(r.is_err(), "round {round}: the read was cancelled");
+            drop(f);
+            drop(tx);
+        }
     }
 
     /// Operations sent from other threads while the driver dies, at whatever moment each lands
