@@ -209,8 +209,9 @@ struct Inner<V> {
     /// logged at most every [`LOG_EVERY`], independently of the other.
     logged_full: Option<Instant>,
     logged_disk: Option<Instant>,
-    /// Some entry is marked stuck (so freeing disk space has flags to reset).
-    any_stuck: bool,
+    /// Keys marked stuck since the last `unstick` (some may have been unstuck or removed since).
+    /// A stuck entry is out of the LRU order, so eviction does not walk past it again and again.
+    stuck: Vec<Arc<[u8]>>,
     /// Keys whose spill write runs right now, outside the lock. A key is in at most one write at a
     /// time: eviction skips these keys, and a direct write of one (`put_large`, `put_stream`) waits.
     writing: HashSet<Arc<[u8]>>,
@@ -260,14 +261,22 @@ struct Acct {
     weight: u64,
     disk_bytes: u64,
     disk_raw: u64,
+    stuck: bool,
 }
 
 impl Acct {
     fn of<V>(e: &Entry<V>) -> Acct {
-        Acct { tier: e.tier, tick: e.tick, weight: e.weight, disk_bytes: e.disk_bytes, disk_raw: e.disk_raw }
+        Acct {
+            tier: e.tier,
+            tick: e.tick,
+            weight: e.weight,
+            disk_bytes: e.disk_bytes,
+            disk_raw: e.disk_raw,
+            stuck: e.stuck,
+        }
     }
     fn in_lru(&self) -> bool {
-        self.tier != Tier::Disk
+        self.tier != Tier::Disk && !self.stuck
     }
 }
 
@@ -553,7 +562,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             disk_raw: 0,
             logged_full: None,
             logged_disk: None,
-            any_stuck: false,
+            stuck: Vec::new(),
             writing: HashSet::new(),
             writing_weight: 0,
             writing_raw: 0,
@@ -597,9 +606,14 @@ impl<C: Codec, B: Backend> Store<C, B> {
         inner.next_tick += 1;
         let e = inner.map.get_mut(key).expect("touched key exists");
         if e.tier != Tier::Disk {
-            inner.lru.remove(&e.tick);
+            let in_lru = Acct::of(e).in_lru();
+            if in_lru {
+                inner.lru.remove(&e.tick);
+            }
             e.tick = tick;
-            inner.lru.insert(tick, key.clone());
+            if in_lru {
+                inner.lru.insert(tick, key.clone());
+            }
         }
     }
 
@@ -612,7 +626,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
         if e.tier != Tier::Disk {
             e.tick = inner.next_tick;
             inner.next_tick += 1;
-            inner.lru.insert(e.tick, k.clone());
+            if !e.stuck {
+                inner.lru.insert(e.tick, k.clone());
+            }
         }
         inner.account(&e, 1);
         inner.map.insert(k.clone(), e);
@@ -645,7 +661,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
     fn take_entry(inner: &mut Inner<C::Value>, key: &[u8]) -> Option<Entry<C::Value>> {
         let (_, e) = inner.map.remove_entry(key)?;
         inner.account(&e, -1);
-        if e.tier != Tier::Disk {
+        if Acct::of(&e).in_lru() {
             inner.lru.remove(&e.tick);
         }
         Some(e)
@@ -654,10 +670,19 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// Disk space was freed, or space reserved for a write was given back unused: retry the
     /// evictions that max_spill or a full disk refused.
     fn unstick(inner: &mut Inner<C::Value>) {
-        if std::mem::take(&mut inner.any_stuck) {
-            for e in inner.map.values_mut() {
-                e.stuck = false;
+        for k in std::mem::take(&mut inner.stuck) {
+            if inner.map.get(&k).is_some_and(|e| e.stuck) {
+                Self::modify_entry(inner, &k, |e| e.stuck = false);
             }
+        }
+    }
+
+    /// A spill of `key` was refused or failed: its entry stays in memory, out of the LRU order,
+    /// until [`Self::unstick`].
+    fn set_stuck(inner: &mut Inner<C::Value>, key: &Arc<[u8]>) {
+        if inner.map.get(key).is_some_and(|e| !e.stuck) {
+            Self::modify_entry(inner, key, |e| e.stuck = true);
+            inner.stuck.push(key.clone());
         }
     }
 
@@ -707,8 +732,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         let slot = e.slot.clone();
         let k = self.insert(&mut inner, key, e)?;
         if !self.spill_allowed(&mut inner, raw) {
-            inner.map.get_mut(&k).expect("just inserted").stuck = true;
-            inner.any_stuck = true;
+            Self::set_stuck(&mut inner, &k);
             return Ok(());
         }
         let planned = Planned { key: k, data: Source::Frames(frames), raw, slot, weight: raw };
@@ -885,10 +909,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             Self::unstick(&mut inner);
         }
         for k in stuck {
-            if let Some(e) = inner.map.get_mut(&k) {
-                e.stuck = true;
-                inner.any_stuck = true;
-            }
+            Self::set_stuck(&mut inner, &k);
         }
         self.written.notify_all();
         (inner, protect_failed)
@@ -919,8 +940,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 // What `put_large` would do, without asking `max_spill` (and counting a refusal) again.
                 let mut inner = self.wait_unwritten(self.lock(), key);
                 let k = self.insert(&mut inner, key, Entry::serialized(frames, true))?;
-                inner.map.get_mut(&k).expect("just inserted").stuck = true;
-                inner.any_stuck = true;
+                Self::set_stuck(&mut inner, &k);
                 return Ok(());
             }
             return self.put_serialized(key, frames);
@@ -1187,10 +1207,8 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 let slot = inner.map[&k].slot.clone();
                 planned.push(Planned { key: k, data, raw, slot, weight });
             } else {
-                let e = inner.map.get_mut(&k).expect("present");
-                freed = freed.saturating_sub(e.weight);
-                e.stuck = true;
-                inner.any_stuck = true;
+                freed = freed.saturating_sub(inner.map[&k].weight);
+                Self::set_stuck(inner, &k);
             }
         }
         for p in &planned {
@@ -1650,6 +1668,14 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 Tier::Disk => {
                     if e.weight != 0 || e.frames.is_some() || e.compressed.is_some() || e.disk_bytes == 0 {
                         return Err(format!("{name:?}: disk entry with memory state or no record"));
+                    }
+                }
+                _ if e.stuck => {
+                    if inner.lru.get(&e.tick).is_some_and(|l| l == k) {
+                        return Err(format!("{name:?}: stuck but in the LRU"));
+                    }
+                    if !inner.stuck.contains(k) {
+                        return Err(format!("{name:?}: stuck but not listed for unsticking"));
                     }
                 }
                 _ => {

@@ -168,6 +168,7 @@ fn max_spill_refusal_keeps_data_in_memory_and_is_reported() {
     assert!(m.max_spill_refusals > 0);
     assert!(m.spilled_memory_bytes <= 7_000, "{m:?}");
     assert!(m.memory_bytes > 4_000, "refused entries stay in memory above the target");
+    s.check_accounting().unwrap(); // stuck entries are out of the LRU order, and listed
     for i in 0..6u8 {
         assert_eq!(*s.get(&[i]).unwrap().unwrap(), val(i, 2999), "nothing is lost");
     }
@@ -178,6 +179,7 @@ fn max_spill_refusal_keeps_data_in_memory_and_is_reported() {
     }
     s.put(b"new", val(7, 10)).unwrap();
     assert!(s.metrics().spilled_memory_bytes > 0);
+    s.check_accounting().unwrap();
 }
 
 /// While a stream is being received, its size counts against `max_spill`, so evictions meanwhile can
