@@ -19,7 +19,7 @@ use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
@@ -58,6 +58,70 @@ pub struct TransferOptions {
     /// connection) rather than spliced. Measured on loopback: splice ran at 0.35x the copy path for
     /// 1 MiB values, 1.1x for 64 MiB and 5.4x for 1 GiB (where the copy path also costs 1 GiB of RSS).
     pub splice_min_bytes: u64,
+    /// Slowest average rate, in bytes per second, at which a value's payload may arrive (client)
+    /// or leave (server); 0 for no limit. A payload of `n` bytes must be through within
+    /// `timeout + n / min_bytes_per_sec`, or the transfer fails with `TimedOut`. The socket
+    /// timeout bounds each call only: a peer that sends (or reads) a byte every few seconds would
+    /// otherwise hold the transfer, its connection slot and, for a value streamed into a log, the
+    /// log's writer lock, for good.
+    pub min_bytes_per_sec: u64,
+}
+
+impl TransferOptions {
+    /// When a payload of `bytes` starting now must be through (see
+    /// [`TransferOptions::min_bytes_per_sec`]); `None` for no limit.
+    fn deadline(&self, bytes: u64) -> Option<Instant> {
+        if self.min_bytes_per_sec == 0 {
+            return None;
+        }
+        let pace = Duration::from_secs_f64((bytes as f64 / self.min_bytes_per_sec as f64).min(1e9));
+        Instant::now().checked_add(self.timeout.saturating_add(pace))
+    }
+}
+
+/// A socket (or any reader or writer) whose calls fail with `TimedOut` once a deadline has passed:
+/// it bounds a whole payload, where the socket timeout bounds each call.
+struct Paced<'a, S> {
+    inner: &'a mut S,
+    deadline: Option<Instant>,
+}
+
+impl<'a, S> Paced<'a, S> {
+    fn new(inner: &'a mut S, deadline: Option<Instant>) -> Self {
+        Paced { inner, deadline }
+    }
+
+    fn check(&self) -> io::Result<()> {
+        check_deadline(self.deadline)
+    }
+}
+
+/// `TimedOut` once `deadline` has passed.
+fn check_deadline(deadline: Option<Instant>) -> io::Result<()> {
+    if deadline.is_some_and(|d| Instant::now() > d) {
+        return Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            "the value was not through in time (timeout + size / min_bytes_per_sec)",
+        ));
+    }
+    Ok(())
+}
+
+impl<S: Read> Read for Paced<'_, S> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.check()?;
+        self.inner.read(buf)
+    }
+}
+
+impl<S: Write> Write for Paced<'_, S> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.check()?;
+        self.inner.write(buf)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
 }
 
 impl Default for TransferOptions {
@@ -68,6 +132,7 @@ impl Default for TransferOptions {
             timeout: Duration::from_secs(30),
             max_connections: 64,
             splice_min_bytes: 8 << 20,
+            min_bytes_per_sec: 1 << 20,
         }
     }
 }
@@ -361,7 +426,9 @@ pub fn serve_connection<S: Source>(src: &S, mut stream: TcpStream, opts: &Transf
                             format!("value of {} frames is over the limit of {}", frames.len(), format::MAX_FRAMES);
                         send_error(&mut stream, &msg)?
                     }
-                    Some(n) if n <= opts.max_value_bytes => send_frames(&mut stream, &frames)?,
+                    Some(n) if n <= opts.max_value_bytes => {
+                        send_frames(&mut Paced::new(&mut stream, opts.deadline(n)), &frames)?
+                    }
                     _ => send_error(&mut stream, &format!("value of {} bytes is over the limit", frames.total_len()))?,
                 }
                 continue;
@@ -398,7 +465,8 @@ pub fn serve_connection<S: Source>(src: &S, mut stream: TcpStream, opts: &Transf
                     pipe = Some(make_pipe().map_err(|e| io_err("create pipe", e))?);
                 }
                 let (r, w) = pipe.as_ref().expect("just made");
-                if let Err(e) = splice_out(fd, sv.payload_offset, sv.meta.stored_len, r, w, &stream) {
+                let deadline = opts.deadline(sv.meta.stored_len);
+                if let Err(e) = splice_out(fd, sv.payload_offset, sv.meta.stored_len, r, w, &stream, deadline) {
                     // Bytes may be stuck in the pipe: the connection cannot continue in step.
                     let _ = stream.shutdown(Shutdown::Both);
                     return Err(io_err("splice value", e));
@@ -406,7 +474,8 @@ pub fn serve_connection<S: Source>(src: &S, mut stream: TcpStream, opts: &Transf
             }
             None => {
                 let payload = log.read_stored(&sv)?;
-                stream.write_all(&payload).map_err(|e| io_err("send value", e))?;
+                let deadline = opts.deadline(sv.meta.stored_len);
+                Paced::new(&mut stream, deadline).write_all(&payload).map_err(|e| io_err("send value", e))?;
             }
         }
     }
@@ -414,7 +483,7 @@ pub fn serve_connection<S: Source>(src: &S, mut stream: TcpStream, opts: &Transf
 
 /// Send in-memory frames as an uncompressed VALUE: the same layout as on disk (each frame at a
 /// 64-byte boundary, zeros between), written from the frames' own buffers.
-fn send_frames(stream: &mut TcpStream, frames: &Frames) -> Result<()> {
+fn send_frames(stream: &mut impl Write, frames: &Frames) -> Result<()> {
     const ZEROS: [u8; format::FRAME_ALIGN as usize] = [0; format::FRAME_ALIGN as usize];
     let frame_lens: Vec<u64> = frames.iter().map(|f| f.len() as u64).collect();
     let (offsets, total) = format::frame_layout(frame_lens.iter().copied()).expect("in-memory frames fit");
@@ -472,12 +541,14 @@ fn splice_out(
     r: &std::os::fd::OwnedFd,
     w: &std::os::fd::OwnedFd,
     sock: &TcpStream,
+    deadline: Option<Instant>,
 ) -> io::Result<()> {
     use rustix::pipe::{splice, SpliceFlags};
     let _held = crate::sigpipe::SigpipeHeld::new();
     let mut off = offset;
     let mut left = len;
     while left > 0 {
+        check_deadline(deadline)?;
         let want = (left as usize).min(PIPE_BYTES);
         // EINTR (a signal handler ran) retries: splice is never restarted after a handler.
         let n = match splice(file, Some(&mut off), w, None, want, SpliceFlags::empty()) {
@@ -493,6 +564,7 @@ fn splice_out(
         // final partial segment back (about 200 ms per value for values of a pipe or less).
         let flags = if left > n as u64 { SpliceFlags::MORE } else { SpliceFlags::empty() };
         while in_pipe > 0 {
+            check_deadline(deadline)?;
             let m = match splice(r, None, sock, None, in_pipe, flags) {
                 Ok(m) => m,
                 Err(rustix::io::Errno::INTR) => continue,
@@ -604,7 +676,8 @@ impl Client {
     /// Read the stored payload announced by `m` into memory, verify it, decompress it, cut it into
     /// frames (bounded by `max_value_bytes`, checked when the header was read).
     fn receive_whole(&mut self, m: &StreamedValue) -> Result<Frames> {
-        read_stored_form(m, &mut self.stream, self.opts.max_value_bytes)
+        let deadline = self.opts.deadline(m.stored_len);
+        read_stored_form(m, &mut Paced::new(&mut self.stream, deadline), self.opts.max_value_bytes)
     }
 
     /// Fetch `key` straight into `log` under `as_key`, in stored form, never holding the value in
@@ -612,7 +685,8 @@ impl Client {
     pub fn get_into<B: Backend>(&mut self, key: &[u8], log: &SegmentLog<B>, as_key: &[u8]) -> Result<bool> {
         self.guarded(|c| {
             let Some(m) = c.request(key)? else { return Ok(false) };
-            log.put_stream(as_key, &m, &mut c.stream).map(|()| true)
+            let deadline = c.opts.deadline(m.stored_len);
+            log.put_stream(as_key, &m, &mut Paced::new(&mut c.stream, deadline)).map(|()| true)
         })
     }
 
@@ -629,7 +703,8 @@ impl Client {
                 let frames = c.receive_whole(&m)?;
                 store.put_serialized(key, frames)?;
             } else {
-                store.put_stream(key, &m, &mut c.stream)?;
+                let deadline = c.opts.deadline(m.stored_len);
+                store.put_stream(key, &m, &mut Paced::new(&mut c.stream, deadline))?;
             }
             Ok(true)
         })
@@ -657,9 +732,10 @@ impl Client {
         let mut crc = crc32fast::Hasher::new();
         let mut buf = vec![0u8; PIPE_BYTES];
         let mut pos = 0u64;
+        let mut src = Paced::new(&mut self.stream, self.opts.deadline(m.stored_len));
         while pos < m.stored_len {
             let want = ((m.stored_len - pos) as usize).min(buf.len());
-            let n = match self.stream.read(&mut buf[..want]) {
+            let n = match src.read(&mut buf[..want]) {
                 Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => return Err(io_err("receive value", e)),

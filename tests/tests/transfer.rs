@@ -519,3 +519,89 @@ fn a_client_hanging_up_mid_splice_does_not_kill_the_server_with_sigpipe() {
     assert!(served.is_err(), "the value cannot have been sent whole");
     println!("served: broken connection ({})", served.unwrap_err());
 }
+
+/// A sender that trickles a value (a byte every 20 ms, each well within the socket timeout) is cut
+/// off once the value is not through within `timeout + size / min_bytes_per_sec`; the receiving
+/// log, whose writer lock the stream holds, takes other puts again. Without the bound, the transfer
+/// (and the lock) was held for as long as the trickle lasted.
+#[test]
+fn a_trickling_sender_is_cut_off_and_the_receiving_log_goes_on() {
+    let announced = 1 << 20;
+    let (payload, meta) = spillway_tests::streamed(&frames_for(b"slow", announced));
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let mut hello = [0u8; 8];
+        s.read_exact(&mut hello).unwrap();
+        s.write_all(&transfer::greeting()).unwrap();
+        let mut req = [0u8; 9]; // GET, key length, "slow"
+        s.read_exact(&mut req).unwrap();
+        s.write_all(&transfer::encode_value_response(&meta)).unwrap();
+        for b in payload.iter().take(10_000) {
+            if s.write_all(std::slice::from_ref(b)).is_err() {
+                return; // the receiver gave up
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    });
+    let dst = tempfile::tempdir().unwrap();
+    let log = Arc::new(log_at(dst.path(), Compression::None));
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    {
+        let log = log.clone();
+        std::thread::spawn(move || {
+            // 1 s + 1 MiB at 1 MiB/s: the deadline is 2 s after the header.
+            let o = TransferOptions { timeout: Duration::from_secs(1), min_bytes_per_sec: 1 << 20, ..opts() };
+            let r = Client::connect(&addr, o).unwrap().get_into(b"slow", &log, b"slow");
+            done_tx.send(r.map_err(|e| e.to_string())).unwrap();
+        });
+    }
+    let r = done_rx.recv_timeout(Duration::from_secs(60)).expect("the trickle is cut off");
+    let err = r.unwrap_err();
+    assert!(err.contains("not through in time"), "{err}");
+    assert_eq!(log.get(b"slow").unwrap(), None, "nothing published");
+    log.put(b"after", &frames_for(b"after", 100)).unwrap();
+    assert_eq!(log.get(b"after").unwrap(), Some(frames_for(b"after", 100)));
+}
+
+/// A client that reads a spliced value very slowly is cut off by the server once the value is not
+/// through within `timeout + size / min_bytes_per_sec`: its connection slot is not held for good.
+#[test]
+fn a_client_reading_too_slowly_is_cut_off_by_the_server() {
+    let src = tempfile::tempdir().unwrap();
+    let log = log_at(src.path(), Compression::None);
+    log.put(b"big", &frames_for(b"big", 8 << 20)).unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let (s, _) = listener.accept().unwrap();
+        // 1 s + 8 MiB at 4 MiB/s: the deadline is 3 s after the header.
+        let o = TransferOptions {
+            timeout: Duration::from_secs(1),
+            min_bytes_per_sec: 4 << 20,
+            splice_min_bytes: 0,
+            ..opts()
+        };
+        done_tx.send(transfer::serve_connection(&log, s, &o).map_err(|e| e.to_string())).unwrap();
+    });
+    let mut sock = TcpStream::connect(addr).unwrap();
+    sock.write_all(&transfer::greeting()).unwrap();
+    let mut greeting = [0u8; 8];
+    sock.read_exact(&mut greeting).unwrap();
+    sock.write_all(&[1, 3, 0, 0, 0]).unwrap();
+    sock.write_all(b"big").unwrap();
+    let mut chunk = [0u8; 4096];
+    let served = loop {
+        if let Ok(r) = done_rx.try_recv() {
+            break r;
+        }
+        match sock.read(&mut chunk) {
+            Ok(0) | Err(_) => break done_rx.recv_timeout(Duration::from_secs(60)).expect("the server ends"),
+            Ok(_) => std::thread::sleep(Duration::from_millis(20)), // about 200 KB/s
+        }
+    };
+    let err = served.unwrap_err();
+    assert!(err.contains("not through in time"), "{err}");
+}
