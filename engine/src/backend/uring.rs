@@ -1061,22 +1061,24 @@ impl Driver {
 mod tests {
     use super::*;
 
-    /// When the driver thread dies (a bug), its callers are not left waiting: an operation queued or
-    /// in flight fails with an error (an in-flight one's buffer is leaked, since the kernel may still
-    /// write into it, and an empty one comes back), and later operations fail at once.
-    #[test]
-    fn callers_get_an_error_when_the_driver_dies() {
-        let be = match UringBackend::new(UringOptions { inline_blocking: false, ..Default::default() }) {
-            Ok(b) => b,
+    /// A backend whose blocking calls go through the ring, or `None` after printing why `test` is
+    /// skipped (a panic instead under `SPILLWAY_REQUIRE_URING=1`).
+    fn backend_or_skip(test: &str) -> Option<UringBackend> {
+        match UringBackend::new(UringOptions { inline_blocking: false, ..Default::default() }) {
+            Ok(b) => Some(b),
             Err(e) if std::env::var("SPILLWAY_REQUIRE_URING").is_ok_and(|v| v == "1") => {
                 panic!("io_uring required (SPILLWAY_REQUIRE_URING=1) but unavailable: {e}")
             }
             Err(e) => {
-                println!("SKIPPED callers_get_an_error_when_the_driver_dies: io_uring unavailable: {e}");
-                return;
+                println!("SKIPPED {test}: io_uring unavailable: {e}");
+                None
             }
-        };
-        // A read of an empty pipe stays in flight until data arrives, which it never does.
+        }
+    }
+
+    /// The read end of an empty pipe as a file of `be`, and the write end (a read stays in flight
+    /// until data arrives, which it never does while the write end is open).
+    fn empty_pipe(be: &UringBackend) -> (UringFile, OwnedFd) {
         let (rx, tx) = rustix::pipe::pipe().unwrap();
         let f = UringFile(Arc::new(FileInner {
             file: File::from(rx),
@@ -1085,6 +1087,16 @@ mod tests {
             registered: AtomicBool::new(false),
             shared: be.shared.clone(),
         }));
+        (f, tx)
+    }
+
+    /// When the driver thread dies (a bug), its callers are not left waiting: an operation queued or
+    /// in flight fails with an error (an in-flight one's buffer is leaked, since the kernel may still
+    /// write into it, and an empty one comes back), and later operations fail at once.
+    #[test]
+    fn callers_get_an_error_when_the_driver_dies() {
+        let Some(be) = backend_or_skip("callers_get_an_error_when_the_driver_dies") else { return };
+        let (f, tx) = empty_pipe(&be);
         let pending = be.read(&f, 0, AlignedBuf::zeroed(8, 8));
         // Another read in the same batch as the panic: taken by the driver, never submitted.
         let (op, taken) = UringBackend::make_op(false, &f, 0, AlignedBuf::zeroed(8, 8));
@@ -1114,24 +1126,8 @@ mod tests {
     #[test]
     fn dropping_the_backend_cancels_reads_sent_just_before() {
         for round in 0..20 {
-            let be = match UringBackend::new(UringOptions { inline_blocking: false, ..Default::default() }) {
-                Ok(b) => b,
-                Err(e) if std::env::var("SPILLWAY_REQUIRE_URING").is_ok_and(|v| v == "1") => {
-                    panic!("io_uring required (SPILLWAY_REQUIRE_URING=1) but unavailable: {e}")
-                }
-                Err(e) => {
-                    println!("SKIPPED dropping_the_backend_cancels_reads_sent_just_before: io_uring unavailable: {e}");
-                    return;
-                }
-            };
-            let (rx, tx) = rustix::pipe::pipe().unwrap();
-            let f = UringFile(Arc::new(FileInner {
-                file: File::from(rx),
-                direct: false,
-                slot: None,
-                registered: AtomicBool::new(false),
-                shared: be.shared.clone(),
-            }));
+            let Some(be) = backend_or_skip("dropping_the_backend_cancels_reads_sent_just_before") else { return };
+            let (f, tx) = empty_pipe(&be);
             let pending = be.read(&f, 0, AlignedBuf::zeroed(8, 8));
             let (done_tx, done_rx) = std::sync::mpsc::channel();
             std::thread::spawn(move || {
@@ -1154,16 +1150,8 @@ mod tests {
     /// good. Once a thread has seen the death, every later operation fails at once.
     #[test]
     fn operations_racing_the_driver_death_all_complete() {
-        let be = match UringBackend::new(UringOptions { inline_blocking: false, ..Default::default() }) {
-            Ok(b) => Arc::new(b),
-            Err(e) if std::env::var("SPILLWAY_REQUIRE_URING").is_ok_and(|v| v == "1") => {
-                panic!("io_uring required (SPILLWAY_REQUIRE_URING=1) but unavailable: {e}")
-            }
-            Err(e) => {
-                println!("SKIPPED operations_racing_the_driver_death_all_complete: io_uring unavailable: {e}");
-                return;
-            }
-        };
+        let Some(be) = backend_or_skip("operations_racing_the_driver_death_all_complete") else { return };
+        let be = Arc::new(be);
         let tmp = tempfile::tempdir().unwrap();
         let path = tmp.path().join("f");
         std::fs::write(&path, [7u8; 4096]).unwrap();
