@@ -209,9 +209,10 @@ struct Inner<V> {
     /// logged at most every [`LOG_EVERY`], independently of the other.
     logged_full: Option<Instant>,
     logged_disk: Option<Instant>,
-    /// Keys marked stuck since the last `unstick` (some may have been unstuck or removed since).
-    /// A stuck entry is out of the LRU order, so eviction does not walk past it again and again.
-    stuck: Vec<Arc<[u8]>>,
+    /// Keys marked stuck since the last `unstick` (some may have been unstuck since; removed keys
+    /// leave it). A stuck entry is out of the LRU order, so eviction does not walk past it again
+    /// and again.
+    stuck: HashSet<Arc<[u8]>>,
     /// Keys whose spill write runs right now, outside the lock. A key is in at most one write at a
     /// time: eviction skips these keys, and a direct write of one (`put_large`, `put_stream`) waits.
     writing: HashSet<Arc<[u8]>>,
@@ -229,6 +230,10 @@ struct Stream {
     superseded: bool,
     /// The key had a value when the transfer started (set aside meanwhile).
     has_old: bool,
+    /// Memory weight and spilled bytes of that value, still counted in `mem_bytes` and
+    /// `disk_raw` (it may come back).
+    aside_weight: u64,
+    aside_raw: u64,
 }
 
 impl<V> Inner<V> {
@@ -562,7 +567,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             disk_raw: 0,
             logged_full: None,
             logged_disk: None,
-            stuck: Vec::new(),
+            stuck: HashSet::new(),
             writing: HashSet::new(),
             writing_weight: 0,
             writing_raw: 0,
@@ -664,6 +669,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
         if Acct::of(&e).in_lru() {
             inner.lru.remove(&e.tick);
         }
+        if e.stuck {
+            inner.stuck.remove(key);
+        }
         Some(e)
     }
 
@@ -682,7 +690,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
     fn set_stuck(inner: &mut Inner<C::Value>, key: &Arc<[u8]>) {
         if inner.map.get(key).is_some_and(|e| !e.stuck) {
             Self::modify_entry(inner, key, |e| e.stuck = true);
-            inner.stuck.push(key.clone());
+            inner.stuck.insert(key.clone());
         }
     }
 
@@ -949,11 +957,15 @@ impl<C: Codec, B: Backend> Store<C, B> {
         // that arrives whole supersedes that record; a failed transfer publishes nothing, and the
         // old entry goes back. (Being in `writing`, the key is not spilled meanwhile: its eviction,
         // or a `put_large`, waits for this write.) Its memory stays counted until then.
+        // Its record's spilled bytes stay counted against max_spill too: on failure it comes back
+        // with them, so other spills must not take that room meanwhile.
         let old = Self::take_entry(&mut inner, key);
-        let aside = old.as_ref().map_or(0, |o| o.weight);
-        inner.mem_bytes += aside;
+        let (aside_weight, aside_raw) = old.as_ref().map_or((0, 0), |o| (o.weight, o.disk_raw));
+        inner.mem_bytes += aside_weight;
+        inner.disk_raw += aside_raw;
         let k: Arc<[u8]> = Arc::from(key);
-        inner.streams.insert(k.clone(), Stream { superseded: false, has_old: old.is_some() });
+        let stream = Stream { superseded: false, has_old: old.is_some(), aside_weight, aside_raw };
+        inner.streams.insert(k.clone(), stream);
         inner.writing.insert(k.clone());
         inner.writing_raw += raw;
         drop(inner);
@@ -961,7 +973,8 @@ impl<C: Codec, B: Backend> Store<C, B> {
         // A panic of the caller's reader (or the log) still settles the store before it goes on.
         let streamed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.log.put_stream(key, meta, src)));
         let mut inner = self.lock();
-        inner.mem_bytes -= aside;
+        inner.mem_bytes -= aside_weight;
+        inner.disk_raw -= aside_raw;
         inner.writing.remove(&k);
         inner.writing_raw -= raw;
         self.written.notify_all();
@@ -1674,7 +1687,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                     if inner.lru.get(&e.tick).is_some_and(|l| l == k) {
                         return Err(format!("{name:?}: stuck but in the LRU"));
                     }
-                    if !inner.stuck.contains(k) {
+                    if !inner.stuck.contains(&k[..]) {
                         return Err(format!("{name:?}: stuck but not listed for unsticking"));
                     }
                 }
@@ -1697,6 +1710,14 @@ impl<C: Codec, B: Backend> Store<C, B> {
         }
         if in_lru != inner.lru.len() {
             return Err(format!("LRU holds {} keys, {in_lru} entries are in memory", inner.lru.len()));
+        }
+        if inner.stuck.len() > inner.map.len() {
+            return Err(format!("{} keys listed as stuck, {} entries", inner.stuck.len(), inner.map.len()));
+        }
+        // Values set aside by transfers in progress still count.
+        for st in inner.streams.values() {
+            mem += st.aside_weight;
+            raw += st.aside_raw;
         }
         if (mem, disk, raw, count, bytes)
             != (inner.mem_bytes, inner.disk_bytes, inner.disk_raw, inner.tier_count, inner.tier_bytes)

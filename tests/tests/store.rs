@@ -961,6 +961,78 @@ fn a_value_in_memory_over_the_wire_limits_is_refused_by_the_server_not_the_clien
     assert_eq!(c.get(b"ok").unwrap(), Some(ser(&val(b'o', 100))), "the connection is still in step");
 }
 
+/// A value re-read while `max_spill` refuses its eviction is marked stuck again on every round:
+/// the list of stuck keys holds each key once (it grew by one per round, without bound).
+#[test]
+fn stuck_keys_are_listed_once_however_often_they_are_refused() {
+    let s = Store::open(
+        TestCodec::default(),
+        SimBackend::new(),
+        "/s",
+        StoreConfig { max_spill_bytes: Some(0), ..cfg(1_000) },
+    )
+    .unwrap();
+    for k in [b"a", b"b", b"c"] {
+        s.put_serialized(k, ser(&val(k[0], 600))).unwrap();
+    }
+    assert!(s.metrics().max_spill_refusals > 0);
+    for _ in 0..1_000 {
+        assert_eq!(*s.get(b"a").unwrap().unwrap(), val(b'a', 600));
+    }
+    s.check_accounting().unwrap();
+}
+
+/// While a transfer streams over a spilled value, that value's spilled bytes still count against
+/// `max_spill` (it comes back if the transfer fails): other spills meanwhile are refused rather
+/// than take its room, and after the failure the total stays within the limit.
+#[test]
+fn a_failed_put_stream_over_a_spilled_value_does_not_overshoot_max_spill() {
+    struct FailsAfterPuts(Arc<Store<TestCodec, SimBackend>>);
+    impl std::io::Read for FailsAfterPuts {
+        fn read(&mut self, _: &mut [u8]) -> std::io::Result<usize> {
+            // Other threads put (and try to spill) while the transfer is in progress. A spill
+            // allowed now would wait for the log's writer lock, which this transfer holds: give up
+            // on them after a while, which then lets them spill into the room of the old value.
+            let (done, finished) = std::sync::mpsc::channel();
+            let s = self.0.clone();
+            std::thread::spawn(move || {
+                for i in 0..3u8 {
+                    s.put_serialized(&[b'x', i], ser(&val(i, 3_000))).unwrap();
+                }
+                let _ = done.send(());
+            });
+            let _ = finished.recv_timeout(std::time::Duration::from_secs(5));
+            Err(std::io::Error::new(std::io::ErrorKind::ConnectionReset, "the peer hung up"))
+        }
+    }
+    let s = Arc::new(
+        Store::open(
+            TestCodec::default(),
+            SimBackend::new(),
+            "/s",
+            StoreConfig { max_spill_bytes: Some(10_000), ..cfg(4_000) },
+        )
+        .unwrap(),
+    );
+    s.put_serialized(b"k", ser(&val(b'o', 8_000))).unwrap();
+    assert_eq!(s.tier(b"k"), Some(Tier::Disk));
+    let (_, meta) = spillway_tests::streamed(&ser(&val(b'n', 100)));
+    assert!(s.put_stream(b"k", &meta, &mut FailsAfterPuts(s.clone())).is_err());
+    assert_eq!(*s.get(b"k").unwrap().unwrap(), val(b'o', 8_000));
+    let x: Vec<u8> = vec![b'x', 2];
+    let _ = s.get(&x); // whatever the puts' thread did, it is done once its last key exists
+    let mut spins = 0u64;
+    while !s.contains(&x) {
+        spins += 1;
+        assert!(spins < 50_000_000, "the puts never finished");
+        std::thread::yield_now();
+    }
+    s.flush().unwrap();
+    let m = s.metrics();
+    assert!(m.spilled_memory_bytes <= 10_000, "spilled {} over max_spill 10000", m.spilled_memory_bytes);
+    s.check_accounting().unwrap();
+}
+
 /// Four threads run a random mix of every operation over a few keys, with a target small enough that
 /// values move between all tiers. A value's first byte names its key and generation, so a read can
 /// check it belongs to the key it asked for. No operation may fail (a get racing a remove of a spilled
