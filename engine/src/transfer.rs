@@ -68,31 +68,35 @@ pub struct TransferOptions {
 }
 
 impl TransferOptions {
-    /// When a payload of `bytes` starting now must be through (see
-    /// [`TransferOptions::min_bytes_per_sec`]); `None` for no limit.
-    fn deadline(&self, bytes: u64) -> Option<Instant> {
+    /// How long a payload of `bytes` may take (see [`TransferOptions::min_bytes_per_sec`]);
+    /// `None` for no limit.
+    fn allowance(&self, bytes: u64) -> Option<Duration> {
         if self.min_bytes_per_sec == 0 {
             return None;
         }
         let pace = Duration::from_secs_f64((bytes as f64 / self.min_bytes_per_sec as f64).min(1e9));
-        Instant::now().checked_add(self.timeout.saturating_add(pace))
+        Some(self.timeout.saturating_add(pace))
     }
 }
 
-/// A socket (or any reader or writer) whose calls fail with `TimedOut` once a deadline has passed:
-/// it bounds a whole payload, where the socket timeout bounds each call.
+/// A socket (or any reader or writer) whose calls fail with `TimedOut` once an allowance, counted
+/// from its first call, has passed: it bounds a whole payload, where the socket timeout bounds each
+/// call. Counting from the first call leaves out a wait before it (a receiving log's writer lock).
 struct Paced<'a, S> {
     inner: &'a mut S,
+    allowance: Option<Duration>,
     deadline: Option<Instant>,
 }
 
 impl<'a, S> Paced<'a, S> {
-    fn new(inner: &'a mut S, deadline: Option<Instant>) -> Self {
-        Paced { inner, deadline }
+    fn new(inner: &'a mut S, allowance: Option<Duration>) -> Self {
+        Paced { inner, allowance, deadline: None }
     }
 
-    fn check(&self) -> io::Result<()> {
-        check_deadline(self.deadline)
+    fn check(&mut self) -> io::Result<()> {
+        let Some(allowance) = self.allowance else { return Ok(()) };
+        let deadline = *self.deadline.get_or_insert_with(|| Instant::now() + allowance);
+        check_deadline(Some(deadline))
     }
 }
 
@@ -427,7 +431,7 @@ pub fn serve_connection<S: Source>(src: &S, mut stream: TcpStream, opts: &Transf
                         send_error(&mut stream, &msg)?
                     }
                     Some(n) if n <= opts.max_value_bytes => {
-                        send_frames(&mut Paced::new(&mut stream, opts.deadline(n)), &frames)?
+                        send_frames(&mut Paced::new(&mut stream, opts.allowance(n)), &frames)?
                     }
                     _ => send_error(&mut stream, &format!("value of {} bytes is over the limit", frames.total_len()))?,
                 }
@@ -465,7 +469,7 @@ pub fn serve_connection<S: Source>(src: &S, mut stream: TcpStream, opts: &Transf
                     pipe = Some(make_pipe().map_err(|e| io_err("create pipe", e))?);
                 }
                 let (r, w) = pipe.as_ref().expect("just made");
-                let deadline = opts.deadline(sv.meta.stored_len);
+                let deadline = opts.allowance(sv.meta.stored_len).map(|a| Instant::now() + a);
                 if let Err(e) = splice_out(fd, sv.payload_offset, sv.meta.stored_len, r, w, &stream, deadline) {
                     // Bytes may be stuck in the pipe: the connection cannot continue in step.
                     let _ = stream.shutdown(Shutdown::Both);
@@ -474,8 +478,8 @@ pub fn serve_connection<S: Source>(src: &S, mut stream: TcpStream, opts: &Transf
             }
             None => {
                 let payload = log.read_stored(&sv)?;
-                let deadline = opts.deadline(sv.meta.stored_len);
-                Paced::new(&mut stream, deadline).write_all(&payload).map_err(|e| io_err("send value", e))?;
+                let allowance = opts.allowance(sv.meta.stored_len);
+                Paced::new(&mut stream, allowance).write_all(&payload).map_err(|e| io_err("send value", e))?;
             }
         }
     }
@@ -676,8 +680,8 @@ impl Client {
     /// Read the stored payload announced by `m` into memory, verify it, decompress it, cut it into
     /// frames (bounded by `max_value_bytes`, checked when the header was read).
     fn receive_whole(&mut self, m: &StreamedValue) -> Result<Frames> {
-        let deadline = self.opts.deadline(m.stored_len);
-        read_stored_form(m, &mut Paced::new(&mut self.stream, deadline), self.opts.max_value_bytes)
+        let allowance = self.opts.allowance(m.stored_len);
+        read_stored_form(m, &mut Paced::new(&mut self.stream, allowance), self.opts.max_value_bytes)
     }
 
     /// Fetch `key` straight into `log` under `as_key`, in stored form, never holding the value in
@@ -685,8 +689,8 @@ impl Client {
     pub fn get_into<B: Backend>(&mut self, key: &[u8], log: &SegmentLog<B>, as_key: &[u8]) -> Result<bool> {
         self.guarded(|c| {
             let Some(m) = c.request(key)? else { return Ok(false) };
-            let deadline = c.opts.deadline(m.stored_len);
-            log.put_stream(as_key, &m, &mut Paced::new(&mut c.stream, deadline)).map(|()| true)
+            let allowance = c.opts.allowance(m.stored_len);
+            log.put_stream(as_key, &m, &mut Paced::new(&mut c.stream, allowance)).map(|()| true)
         })
     }
 
@@ -703,8 +707,8 @@ impl Client {
                 let frames = c.receive_whole(&m)?;
                 store.put_serialized(key, frames)?;
             } else {
-                let deadline = c.opts.deadline(m.stored_len);
-                store.put_stream(key, &m, &mut Paced::new(&mut c.stream, deadline))?;
+                let allowance = c.opts.allowance(m.stored_len);
+                store.put_stream(key, &m, &mut Paced::new(&mut c.stream, allowance))?;
             }
             Ok(true)
         })
@@ -732,7 +736,7 @@ impl Client {
         let mut crc = crc32fast::Hasher::new();
         let mut buf = vec![0u8; PIPE_BYTES];
         let mut pos = 0u64;
-        let mut src = Paced::new(&mut self.stream, self.opts.deadline(m.stored_len));
+        let mut src = Paced::new(&mut self.stream, self.opts.allowance(m.stored_len));
         while pos < m.stored_len {
             let want = ((m.stored_len - pos) as usize).min(buf.len());
             let n = match src.read(&mut buf[..want]) {

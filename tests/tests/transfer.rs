@@ -605,3 +605,46 @@ fn a_client_reading_too_slowly_is_cut_off_by_the_server() {
     let err = served.unwrap_err();
     assert!(err.contains("not through in time"), "{err}");
 }
+
+/// The payload deadline counts from the payload's first read: a `get_into` that first waits for
+/// the receiving log's writer lock (held here for 3 s by another transfer) is not cut off for that
+/// wait. The deadline used to start before the wait.
+#[test]
+fn waiting_for_the_receiving_log_does_not_count_against_the_payload_deadline() {
+    let src = tempfile::tempdir().unwrap();
+    let log = log_at(src.path(), Compression::None);
+    log.put(b"small", &frames_for(b"small", 10_000)).unwrap();
+    let addr = start_server(log, false);
+    let dst = tempfile::tempdir().unwrap();
+    let into = Arc::new(log_at(dst.path(), Compression::None));
+    /// Holds the writer lock of the log it streams into: its first read waits 3 s.
+    struct Slow {
+        payload: std::io::Cursor<Vec<u8>>,
+        started: Option<std::sync::mpsc::Sender<()>>,
+    }
+    impl Read for Slow {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            if let Some(started) = self.started.take() {
+                started.send(()).unwrap();
+                std::thread::sleep(Duration::from_secs(3));
+            }
+            self.payload.read(buf)
+        }
+    }
+    let (payload, meta) = spillway_tests::streamed(&frames_for(b"big", 100_000));
+    let (started, wait) = std::sync::mpsc::channel();
+    let holder = {
+        let into = into.clone();
+        std::thread::spawn(move || {
+            let mut slow = Slow { payload: std::io::Cursor::new(payload), started: Some(started) };
+            into.put_stream(b"big", &meta, &mut slow)
+        })
+    };
+    wait.recv().unwrap();
+    let o = TransferOptions { timeout: Duration::from_secs(1), min_bytes_per_sec: 1 << 20, ..opts() };
+    let got = Client::connect(&addr, o).unwrap().get_into(b"small", &into, b"small");
+    holder.join().unwrap().unwrap();
+    assert!(got.unwrap(), "fetched once the log was free");
+    assert_eq!(into.get(b"small").unwrap(), Some(frames_for(b"small", 10_000)));
+    assert_eq!(into.get(b"big").unwrap(), Some(frames_for(b"big", 100_000)));
+}
