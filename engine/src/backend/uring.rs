@@ -1076,6 +1076,13 @@ mod tests {
         }
     }
 
+    /// Whether the running kernel is at least `major.minor`.
+    fn kernel_at_least(major: u32, minor: u32) -> bool {
+        let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+        let mut parts = release.trim().split(|c: char| !c.is_ascii_digit()).map(|p| p.parse::<u32>().unwrap_or(0));
+        (parts.next().unwrap_or(0), parts.next().unwrap_or(0)) >= (major, minor)
+    }
+
     /// The read end of an empty pipe as a file of `be`, and the write end (a read stays in flight
     /// until data arrives, which it never does while the write end is open).
     fn empty_pipe(be: &UringBackend) -> (UringFile, OwnedFd) {
@@ -1125,6 +1132,11 @@ mod tests {
     /// was pushed before that pass submitted the read, so the drop waited for it forever).
     #[test]
     fn dropping_the_backend_cancels_reads_sent_just_before() {
+        if !kernel_at_least(5, 19) {
+            // No cancel-any: a read that never completes keeps the drop waiting (file I/O does not).
+            println!("SKIPPED dropping_the_backend_cancels_reads_sent_just_before: kernel before 5.19");
+            return;
+        }
         for round in 0..20 {
             let Some(be) = backend_or_skip("dropping_the_backend_cancels_reads_sent_just_before") else { return };
             let (f, tx) = empty_pipe(&be);
