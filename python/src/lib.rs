@@ -9,6 +9,7 @@
 //! The `unsafe` here is the buffer protocol in both directions; each site names its invariant.
 #![allow(unsafe_code)]
 
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
 use std::sync::{mpsc, Arc, Mutex, PoisonError, RwLock};
@@ -168,17 +169,46 @@ struct Log {
     inner: RwLock<Option<Arc<Inner>>>,
     /// Disconnected once the log has been dropped: `close` waits on it for the operations that were
     /// running on other threads (each holds the log until it returns).
-    closed: Mutex<Option<mpsc::Receiver<()>>>,
+    closed: Mutex<mpsc::Receiver<()>>,
     backend: &'static str,
 }
 
+thread_local! {
+    /// Log operations running on this thread: a `close` called from inside one (from a frame
+    /// iterator, or a signal handler) must not wait for it, which would never end.
+    static RUNNING: Cell<usize> = const { Cell::new(0) };
+}
+
+/// A running operation's hold on the log. The last hold, after `close`, drops the log without the
+/// GIL (that writes the pending values and joins the io_uring driver).
+struct Held(Option<Arc<Inner>>);
+
+impl std::ops::Deref for Held {
+    type Target = Inner;
+    fn deref(&self) -> &Inner {
+        self.0.as_ref().expect("held until dropped")
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        RUNNING.with(|r| r.set(r.get() - 1));
+        if let Some(last) = self.0.take().and_then(Arc::into_inner) {
+            Python::with_gil(|py| py.allow_threads(move || drop(last)));
+        }
+    }
+}
+
 impl Log {
-    fn inner(&self) -> PyResult<Arc<Inner>> {
-        self.inner
+    fn inner(&self) -> PyResult<Held> {
+        let inner = self
+            .inner
             .read()
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
-            .ok_or_else(|| PyValueError::new_err("the log is closed"))
+            .ok_or_else(|| PyValueError::new_err("the log is closed"))?;
+        RUNNING.with(|r| r.set(r.get() + 1));
+        Ok(Held(Some(inner)))
     }
 }
 
@@ -237,7 +267,7 @@ impl Log {
             let (tx, rx) = mpsc::channel();
             let sizes = Mutex::new(Sizes { map, total, reserved: 0 });
             let inner = Inner { log, sizes, max_disk: max_disk_bytes, durable, _closed: tx };
-            Ok(Log { inner: RwLock::new(Some(Arc::new(inner))), closed: Mutex::new(Some(rx)), backend: name })
+            Ok(Log { inner: RwLock::new(Some(Arc::new(inner))), closed: Mutex::new(rx), backend: name })
         })
     }
 
@@ -367,14 +397,17 @@ impl Log {
     /// written, its files closed), so the caller may then remove its directory.
     fn close(&self, py: Python<'_>) {
         let taken = self.inner.write().unwrap_or_else(PoisonError::into_inner).take();
-        let closed = self.closed.lock().unwrap_or_else(PoisonError::into_inner).take();
+        // Called from inside an operation on this thread, which cannot end while this waits: the
+        // log closes when that operation returns.
+        let wait = RUNNING.with(|r| r.get()) == 0;
         // Dropping the log joins the io_uring driver, and running operations may take a while:
         // wait without the GIL. The last of them to return drops the log.
-        py.allow_threads(move || {
+        py.allow_threads(|| {
             drop(taken);
-            if let Some(closed) = closed {
-                // Disconnected (an error) when the log is dropped: nothing is ever sent.
-                let _ = closed.recv();
+            if wait {
+                // Disconnected (an error) when the log is dropped: nothing is ever sent. A second
+                // `close` waits here after the first, then returns at once.
+                let _ = self.closed.lock().unwrap_or_else(PoisonError::into_inner).recv();
             }
         });
     }

@@ -192,13 +192,40 @@ def test_close_waits_for_a_put_running_on_another_thread(tmp_path):
     assert started.wait(30)
     closer = threading.Thread(target=close)
     closer.start()
+    second = threading.Thread(target=log.close)  # a second close waits as well
+    second.start()
     closer.join(timeout=0.5)  # with the bug, close and the removal are done by now
+    second.join(timeout=0.5)
     closed_under_the_put = not closer.is_alive()
+    second_returned_early = not second.is_alive()
     release.set()
     putter.join(30)
     closer.join(30)
+    second.join(30)
     assert not closed_under_the_put, "close() returned while a put was running"
+    assert not second_returned_early, "a second close() returned while a put was running"
     assert result["put"] == 1000 + (256 << 10)
     assert not path.exists()
+    with pytest.raises(ValueError, match="closed"):
+        log.get(b"k")
+
+
+def test_close_from_inside_a_put_on_the_same_thread_does_not_hang(tmp_path):
+    """A ``close()`` called from inside an operation on the same thread (here the frame iterator of
+    a put) cannot wait for that operation: it returns, the put completes, and the log closes when
+    the put returns."""
+    log = Log(str(tmp_path / "log"))
+
+    def frames():
+        yield b"x" * 10
+        log.close()
+        yield b"y" * 10
+
+    result = {}
+    putter = threading.Thread(target=lambda: result.setdefault("put", log.put(b"k", frames())))
+    putter.start()
+    putter.join(30)
+    assert not putter.is_alive(), "close() inside the put waited for the put"
+    assert result["put"] == 20
     with pytest.raises(ValueError, match="closed"):
         log.get(b"k")
