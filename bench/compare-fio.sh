@@ -30,7 +30,9 @@ mkdir -p "$DIR"
 
 if ! command -v fio >/dev/null; then
     echo "installing fio from Debian..." >&2
-    (apt-get install -y fio >/dev/null 2>&1 || { apt-get update >/dev/null && apt-get install -y fio >/dev/null; })
+    SUDO=""
+    if [[ $(id -u) != 0 ]]; then SUDO=sudo; fi
+    ($SUDO apt-get install -y fio >/dev/null 2>&1 || { $SUDO apt-get update >/dev/null && $SUDO apt-get install -y fio >/dev/null; })
 fi
 
 if [[ $QUICK == 1 ]]; then SIZE_MB=512; RUNTIME=4; else SIZE_MB=2048; RUNTIME=10; fi

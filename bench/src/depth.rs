@@ -8,7 +8,7 @@
 //! with O_DIRECT the block layer splits it into requests that the device serves in parallel. Each value
 //! of a batch is recorded with the batch's latency (its completion time).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -46,8 +46,10 @@ pub(crate) struct Job<'a> {
 pub(crate) fn reads(j: &Job<'_>, rng: &mut SmallRng) -> Result<(Side, Side)> {
     let Job { log, args, rw, job, nkeys, deadline, done } = *j;
     let mut issued = 0u64;
-    // Start times of the reads in flight, by key (a random key may be in flight twice).
-    let mut started: HashMap<Vec<u8>, Vec<Instant>> = HashMap::new();
+    // Start times of the reads in flight, by key, oldest first (a random key may be in flight
+    // twice; the pipeline completes reads of one key in order). Only keys in flight have an entry,
+    // so the map stays as small as the depth.
+    let mut started: HashMap<Vec<u8>, VecDeque<Instant>> = HashMap::new();
     let mut r = Side::new();
     let mut failure: Option<anyhow::Error> = None;
     let started_ref = std::cell::RefCell::new(&mut started);
@@ -57,11 +59,19 @@ pub(crate) fn reads(j: &Job<'_>, rng: &mut SmallRng) -> Result<(Side, Side)> {
         }
         let k = if rw == Rw::Read { key(job, issued % nkeys) } else { key(job, rng.gen_range(0..nkeys)) };
         issued += 1;
-        started_ref.borrow_mut().entry(k.clone()).or_default().push(Instant::now());
+        started_ref.borrow_mut().entry(k.clone()).or_default().push_back(Instant::now());
         Some(k)
     });
     log.get_pipelined(args.iodepth, &mut keys, &mut |k, res| {
-        let t = started_ref.borrow_mut().get_mut(&k).and_then(|v| v.pop()).expect("started");
+        let t = {
+            let mut started = started_ref.borrow_mut();
+            let times = started.get_mut(&k).expect("started");
+            let t = times.pop_front().expect("started");
+            if times.is_empty() {
+                started.remove(&k);
+            }
+            t
+        };
         match res {
             Ok(Some(v)) => {
                 r.record(t.elapsed().as_nanos() as u64, v.total_len());

@@ -11,7 +11,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use clap::{Parser, ValueEnum};
+use clap::parser::ValueSource;
+use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser, ValueEnum};
 use hdrhistogram::Histogram;
 use rand::{Rng, SeedableRng};
 use serde_json::json;
@@ -27,7 +28,7 @@ mod transfer_job;
 enum Rw {
     /// Sequential writes of new keys.
     Write,
-    /// Reads of every key in write order (keys are written first if the store is empty).
+    /// Reads of every key in write order (the keys are laid out by a write first).
     Read,
     /// Reads of random keys.
     Randread,
@@ -137,10 +138,16 @@ struct Args {
     /// I/O backend.
     #[arg(long, value_enum, default_value = "auto")]
     backend: BackendArg,
-    /// Operations in flight per job: reads run as that many concurrent futures on the io_uring
-    /// driver; writes go in batches of that many values (one aligned write the block layer splits).
+    /// Operations in flight per job: reads are pipelined on a ring the job thread owns (io_uring;
+    /// the portable backend reads one after another); writes go in batches of that many values
+    /// (one aligned write the block layer splits). Not for randrw.
     #[arg(long, default_value_t = 1)]
     iodepth: usize,
+    /// Drop the store's cached pages after the layout write, before a buffered read job (as fio's
+    /// `invalidate=1`, its default), so reads come from the disk; `--invalidate 0` reads what the
+    /// page cache holds.
+    #[arg(long, default_value = "true", value_parser = parse_bool01)]
+    invalidate: bool,
     /// O_DIRECT segment files (`--direct` or `--direct=1`), bypassing the page cache.
     #[arg(long, default_value = "false", num_args = 0..=1, default_missing_value = "true", value_parser = parse_bool01)]
     direct: bool,
@@ -201,29 +208,38 @@ impl Side {
         self.bytes += other.bytes;
         self.ops += other.ops;
     }
+    /// fio's JSON for one direction. The latency of an operation is measured from its issue to its
+    /// completion, so `clat_ns` and `lat_ns` carry the same distribution and `slat_ns` is zero (there
+    /// is no separate submission step to time). A direction without I/O has a zero runtime, as in fio.
     fn json(&self, runtime: Duration) -> serde_json::Value {
         let secs = runtime.as_secs_f64().max(1e-9);
-        let pct = |q: f64| if self.ops == 0 { 0 } else { self.hist.value_at_quantile(q) };
+        let none = self.ops == 0;
+        // fio's default percentile list.
+        const PERCENTILES: [f64; 17] =
+            [1.0, 5.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 90.0, 95.0, 99.0, 99.5, 99.9, 99.95, 99.99];
+        let percentile: serde_json::Map<String, serde_json::Value> = PERCENTILES
+            .iter()
+            .map(|&p| (format!("{p:.6}"), json!(if none { 0 } else { self.hist.value_at_quantile(p / 100.0) })))
+            .collect();
+        let lat = json!({
+            "min": if none { 0 } else { self.hist.min() },
+            "max": if none { 0 } else { self.hist.max() },
+            "mean": if none { 0.0 } else { self.hist.mean() },
+            "stddev": if none { 0.0 } else { self.hist.stdev() },
+            "N": self.ops,
+            "percentile": percentile,
+        });
         json!({
             "io_bytes": self.bytes,
             "io_kbytes": self.bytes / 1024,
             "bw_bytes": (self.bytes as f64 / secs) as u64,
             "bw": (self.bytes as f64 / secs / 1024.0) as u64,
             "iops": self.ops as f64 / secs,
-            "runtime": runtime.as_millis() as u64,
+            "runtime": if none { 0 } else { runtime.as_millis() as u64 },
             "total_ios": self.ops,
-            "clat_ns": {
-                "min": if self.ops == 0 { 0 } else { self.hist.min() },
-                "max": if self.ops == 0 { 0 } else { self.hist.max() },
-                "mean": if self.ops == 0 { 0.0 } else { self.hist.mean() },
-                "percentile": {
-                    "50.000000": pct(0.50),
-                    "90.000000": pct(0.90),
-                    "99.000000": pct(0.99),
-                    "99.900000": pct(0.999),
-                    "99.990000": pct(0.9999),
-                }
-            }
+            "slat_ns": {"min": 0, "max": 0, "mean": 0.0, "stddev": 0.0, "N": 0},
+            "clat_ns": lat.clone(),
+            "lat_ns": lat,
         })
     }
     fn human(&self, name: &str, runtime: Duration) -> String {
@@ -381,14 +397,67 @@ fn run_job(log: &Arc<SegmentLog<AutoBackend>>, args: &Args, rw: Rw, progress: bo
     Ok(JobResult { name: format!("{rw:?}").to_lowercase(), read, write, runtime })
 }
 
+/// Drop the cached pages of every file in `dir` (written back already), as fio's `invalidate`.
+fn drop_cached_pages(dir: &std::path::Path) -> Result<()> {
+    for entry in std::fs::read_dir(dir)? {
+        let f = std::fs::File::open(entry?.path())?;
+        rustix::fs::fadvise(&f, 0, None, rustix::fs::Advice::DontNeed)?;
+    }
+    Ok(())
+}
+
+/// Refuse options given on the command line that the job does not read, rather than ignore them.
+fn check_options(matches: &ArgMatches, rw: Option<Rw>) -> Result<()> {
+    const ANY: &[&str] = &["rw", "dir", "output_format", "size", "serve_dir", "serve_copy"];
+    let (job, used): (&str, &[&str]) = match rw {
+        None | Some(Rw::Write | Rw::Read | Rw::Randread | Rw::Randwrite | Rw::Randrw) => (
+            "log jobs",
+            &[
+                "bs",
+                "numjobs",
+                "runtime",
+                "time_based",
+                "rwmixread",
+                "backend",
+                "iodepth",
+                "direct",
+                "compress",
+                "payload",
+                "segment_size",
+                "keep",
+                "durable",
+                "invalidate",
+            ],
+        ),
+        Some(Rw::SpillUnspill) => {
+            ("spill-unspill", &["bs", "target", "loops", "batch", "written_back", "direct", "segment_size", "backend"])
+        }
+        Some(Rw::Materialize) => ("materialize", &["bs", "numjobs", "segment_size"]),
+        Some(Rw::Transfer) => ("transfer", &["bs"]),
+        Some(Rw::Open) => ("open", &["keys"]),
+    };
+    let cmd = Args::command();
+    for id in cmd.get_arguments().map(|a| a.get_id().as_str()) {
+        if matches.value_source(id) == Some(ValueSource::CommandLine) && !ANY.contains(&id) && !used.contains(&id) {
+            bail!("--{} does not apply to {job}", id.replace('_', "-"));
+        }
+    }
+    Ok(())
+}
+
 fn main() -> Result<()> {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
-    let args = Args::parse();
+    let matches = Args::command().get_matches();
+    let args = Args::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     if let Some(dir) = &args.serve_dir {
         return transfer_job::serve(dir, args.serve_copy);
     }
     if args.bs == 0 || args.size == 0 || args.numjobs == 0 {
         bail!("--bs, --size and --numjobs must be positive");
+    }
+    check_options(&matches, args.rw)?;
+    if args.rw == Some(Rw::Randrw) && args.iodepth > 1 {
+        bail!("--iodepth above 1 is not supported for randrw (reads and writes would not mix in flight)");
     }
     let mut tmp = None;
     let dir = match &args.dir {
@@ -415,10 +484,8 @@ fn main() -> Result<()> {
         if args.output_format == OutputFormat::Json {
             println!("{}", serde_json::to_string_pretty(&json!({"jobs": [out]}))?);
         }
-        match (args.keep, tmp) {
-            (true, Some(t)) => eprintln!("kept {}", t.keep().display()),
-            (false, Some(t)) => t.close().context("removing the temporary directory")?,
-            _ => {}
+        if let Some(t) = tmp {
+            t.close().context("removing the temporary directory")?;
         }
         return Ok(());
     }
@@ -446,8 +513,8 @@ fn main() -> Result<()> {
         if args.output_format == OutputFormat::Json {
             println!("{}", serde_json::to_string_pretty(&json!({"jobs": [out]}))?);
         }
-        if let (true, Some(t)) = (args.keep, tmp) {
-            eprintln!("kept {}", t.keep().display());
+        if let Some(t) = tmp {
+            t.close().context("removing the temporary directory")?;
         }
         return Ok(());
     }
@@ -464,11 +531,13 @@ fn main() -> Result<()> {
     let backend_name = backend.name();
     let direct = backend.direct();
     let log = Arc::new(SegmentLog::open(backend, &store_dir, opts).context("opening the store")?);
-    let jobs: Vec<Rw> = match args.rw {
-        Some(Rw::Write) => vec![Rw::Write],
-        // Read jobs need data: write it first (reported too, as fio reports its layout phase).
-        Some(rw) => vec![Rw::Write, rw],
-        None => vec![Rw::Write, Rw::Randread],
+    // Read and overwrite jobs need data: a write lays it out first. Like fio's layout phase it is
+    // not one of the jobs asked for: it is reported apart (JSON: `spillway.layout`). The default set
+    // runs two jobs, a write and a random read of what it wrote.
+    let (jobs, laid_out): (Vec<Rw>, bool) = match args.rw {
+        Some(Rw::Write) => (vec![Rw::Write], false),
+        Some(rw) => (vec![Rw::Write, rw], true),
+        None => (vec![Rw::Write, Rw::Randread], false),
     };
     let human = args.output_format == OutputFormat::Normal;
     if human {
@@ -485,13 +554,20 @@ fn main() -> Result<()> {
         );
     }
     let mut results = Vec::new();
+    let mut layout_result = None;
     let njobs = jobs.len();
     for (i, rw) in jobs.into_iter().enumerate() {
-        // The write that lays out data for a read job writes `--size` once, like fio's layout phase.
+        // A write that lays out data for the next job writes `--size` once (no `--runtime`).
         let layout = rw == Rw::Write && i + 1 < njobs;
-        let r = run_job(&log, &args, rw, human, layout)?;
+        let mut r = run_job(&log, &args, rw, human, layout)?;
         if rw == Rw::Write {
             log.sync()?;
+            if layout && args.invalidate && !direct {
+                drop_cached_pages(&store_dir.join("segments")).context("dropping the store's cached pages")?;
+            }
+        }
+        if layout && laid_out {
+            r.name = "layout".into();
         }
         if human {
             println!("{} ({:.2} s):", r.name, r.runtime.as_secs_f64());
@@ -502,7 +578,11 @@ fn main() -> Result<()> {
                 println!("{}", r.read.human("read", r.runtime));
             }
         }
-        results.push(r);
+        if layout && laid_out {
+            layout_result = Some(r);
+        } else {
+            results.push(r);
+        }
     }
     let stats = log.stats();
     if human {
@@ -536,7 +616,13 @@ fn main() -> Result<()> {
             "fio version": concat!("spillway-bench-", env!("CARGO_PKG_VERSION")),
             "timestamp": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
             "jobs": jobs,
-            "spillway": { "segments": stats.segments, "live_bytes": stats.live_bytes, "disk_bytes": stats.disk_bytes },
+            "spillway": {
+                "segments": stats.segments, "live_bytes": stats.live_bytes, "disk_bytes": stats.disk_bytes,
+                "layout": layout_result.as_ref().map(|r| json!({
+                    "write": r.write.json(r.runtime), "runtime": r.runtime.as_millis() as u64,
+                })),
+                "invalidate": args.invalidate && !direct,
+            },
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
     }

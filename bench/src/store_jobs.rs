@@ -390,7 +390,10 @@ pub fn spill_unspill(job: &StoreJob<'_>) -> Result<Value> {
 /// `--rw materialize --numjobs T`: T threads get the same serialized keys at the same time; every key
 /// must be deserialized exactly once.
 pub fn materialize(job: &StoreJob<'_>) -> Result<Value> {
-    let n = (job.size / job.bs).clamp(1, 100_000);
+    let n = (job.size / job.bs).max(1);
+    if n > 100_000 {
+        anyhow::bail!("materialize: {n} keys (--size / --bs); at most 100000");
+    }
     let vals = values(n, job.bs);
     let cfg = StoreConfig {
         target_bytes: u64::MAX / 2,

@@ -127,6 +127,7 @@ pub(crate) fn run(bs: u64, size: u64, dir: &Path, human: bool) -> Result<serde_j
         drop(into);
         std::fs::remove_dir_all(&dst)?;
     }
+    std::fs::remove_dir_all(&src)?;
     let ratio = out[0]["bw_bytes"].as_f64().unwrap_or(0.0) / out[1]["bw_bytes"].as_f64().unwrap_or(1.0).max(1.0);
     if human {
         println!("  splice / copy throughput: {ratio:.2}x");

@@ -1,0 +1,69 @@
+//! Black-box tests of `spillway-bench`'s interface: the fio-shaped JSON that fio tooling reads, and
+//! options a job does not read are refused rather than silently ignored.
+
+use std::process::{Command, Output};
+
+fn bench(args: &[&str]) -> Output {
+    let out = Command::new(env!("CARGO_BIN_EXE_spillway-bench"))
+        .args(args)
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .expect("run spillway-bench");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "spillway-bench {args:?} panicked: {stderr}");
+    out
+}
+
+fn json(out: &Output) -> serde_json::Value {
+    assert!(out.status.success(), "failed: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("stdout is one JSON document")
+}
+
+/// A read job reports exactly the job asked for (the layout write goes under `spillway.layout`, as
+/// fio's layout phase is no job), with fio's field names and units, and leaves `--dir` clean.
+#[test]
+fn a_read_job_reports_one_fio_shaped_job() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let out = bench(&["--rw", "randread", "--bs", "64KiB", "--size", "4MiB", "--dir", d, "--output-format", "json"]);
+    let v = json(&out);
+    let jobs = v["jobs"].as_array().unwrap();
+    assert_eq!(jobs.len(), 1, "{v}");
+    let job = &jobs[0];
+    assert_eq!(job["jobname"], "randread");
+    let read = &job["read"];
+    assert_eq!(read["total_ios"], 64);
+    assert_eq!(read["io_bytes"], 4 << 20);
+    for lat in ["clat_ns", "lat_ns"] {
+        let p = read[lat]["percentile"].as_object().unwrap();
+        assert_eq!(p.len(), 17, "fio's default percentile list");
+        assert!(p.contains_key("99.500000") && p.contains_key("50.000000"));
+        assert!(read[lat]["max"].as_u64().unwrap() >= p["50.000000"].as_u64().unwrap());
+    }
+    assert_eq!(read["slat_ns"]["max"], 0);
+    assert_eq!(job["write"]["total_ios"], 0);
+    assert_eq!(job["write"]["runtime"], 0, "no writes: zero runtime, as in fio");
+    assert_eq!(v["spillway"]["layout"]["write"]["total_ios"], 64);
+    assert_eq!(v["spillway"]["invalidate"], true);
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "the store is removed without --keep");
+}
+
+/// Options a job does not read are refused with a message that names them; so is a depth the job
+/// cannot honour.
+#[test]
+fn options_a_job_does_not_read_are_refused() {
+    for (args, msg) in [
+        (&["--rw", "open", "--bs", "4KiB"][..], "--bs does not apply to open"),
+        (&["--rw", "spill-unspill", "--compress", "lz4"], "--compress does not apply to spill-unspill"),
+        (&["--rw", "transfer", "--direct"], "--direct does not apply to transfer"),
+        (&["--rw", "materialize", "--keep"], "--keep does not apply to materialize"),
+        (&["--rw", "write", "--target", "1MiB"], "--target does not apply to log jobs"),
+        (&["--rw", "randrw", "--iodepth", "4"], "not supported for randrw"),
+        (&["--rw", "materialize", "--bs", "1", "--size", "1MiB"], "at most 100000"),
+    ] {
+        let out = bench(args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(msg), "{args:?}: {stderr}");
+    }
+}
