@@ -959,7 +959,23 @@ impl<B: Backend> SegmentLog<B> {
                 Probe::Invalid { stale_epoch } => {
                     max_epoch_any = max_epoch_any.max(stale_epoch);
                     if win.is_zero_from(pos)? {
-                        break; // clean end of the written area
+                        // The end of the written area, unless a write left records beyond a zero
+                        // gap: its earlier part never landed (an earlier group of a batch failed, or
+                        // the process died with groups in flight), so they were never acknowledged.
+                        // They are cut, and their epochs counted, so that the next life's epoch is
+                        // higher and a later scan never takes them for records of its own (with an
+                        // equal epoch and higher sequence numbers they would win over newer values).
+                        let clean = align_up(pos + 1, self.align).min(win.limit);
+                        // With no acceptable epoch, every record found counts as stale: the search
+                        // goes to the end, and `end` covers every non-zero block on the way.
+                        let beyond = self.resync(&mut win, id, pos, u32::MAX, &mut max_epoch_any)?;
+                        if let Resync::Garbage { end } = beyond {
+                            if end > clean {
+                                report.truncated_bytes += end - pos;
+                                cut_end = cut_end.max(end);
+                            }
+                        }
+                        break;
                     }
                     // Garbage: search the rest of the segment for the next record.
                     match self.resync(&mut win, id, pos, prev_epoch, &mut max_epoch_any)? {

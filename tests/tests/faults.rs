@@ -520,3 +520,48 @@ fn a_sync_after_a_reopen_makes_what_was_recovered_durable() {
     log.sync().unwrap();
     assert_eq!(be.write_count(), writes, "no new sync mark");
 }
+
+/// A batch whose first group of writes failed while a later group landed leaves records beyond a
+/// zero gap. They were never acknowledged. Recovery used to stop at the gap without counting their
+/// epoch, so the next life wrote with the same epoch and lower sequence numbers; once its records
+/// came close, a later scan resynced onto the old ones, accepted them, and the old value of `k`
+/// won over the one put and synced after it.
+#[test]
+fn records_beyond_a_failed_group_never_come_back_over_newer_values() {
+    let be = SimBackend::new();
+    be.set_queue_writes(true);
+    let o = LogOptions {
+        segment_bytes: 1 << 20,
+        alignment: Some(4096),
+        write_group_bytes: 16 << 10,
+        write_behind_bytes: 0,
+        ..Default::default()
+    };
+    let log = SegmentLog::open(be.clone(), "/s", o.clone()).unwrap();
+    log.put(b"x", &Frames::from(vec![1u8; 100])).unwrap();
+    log.sync().unwrap();
+    drop(log);
+
+    let log = SegmentLog::open(be.clone(), "/s", o.clone()).unwrap();
+    be.inject(Fault { op: FaultOp::Write, after: 0, kind: FaultKind::Eio, sticky: false });
+    let big: Vec<Frames> = (0..4u8).map(|i| Frames::from(vec![i; 4000])).collect();
+    let old = Frames::from(b"old".to_vec());
+    let mut items: Vec<(&[u8], &Frames)> = vec![(b"a1", &big[0]), (b"a2", &big[1]), (b"a3", &big[2]), (b"a4", &big[3])];
+    items.push((b"k", &old));
+    assert!(log.put_many(&items).is_err(), "the first group fails");
+    drop(log);
+
+    let log = SegmentLog::open(be.clone(), "/s", o.clone()).unwrap();
+    assert_eq!(log.get(b"k").unwrap(), None, "never acknowledged");
+    let new = Frames::from(b"new".to_vec());
+    log.put(b"k", &new).unwrap();
+    log.put(b"f1", &big[0]).unwrap();
+    log.put(b"f2", &big[1]).unwrap();
+    log.sync().unwrap();
+    drop(log);
+
+    let log = SegmentLog::open(be, "/s", o).unwrap();
+    assert_eq!(log.get(b"k").unwrap(), Some(new), "the value put and synced last");
+    assert_eq!(log.get(b"a4").unwrap(), None, "never acknowledged");
+    assert_eq!(log.get(b"x").unwrap(), Some(Frames::from(vec![1u8; 100])));
+}
