@@ -1476,8 +1476,10 @@ impl<B: Backend> SegmentLog<B> {
         if len > MAX_RECORD_BYTES {
             return Err(Error::ValueTooLarge { len, max: MAX_RECORD_BYTES, unit: "record bytes" });
         }
-        self.check_writable()?;
         let mut guard = self.writer();
+        // Checked under the writer lock: a write or fsync that failed while this call waited for
+        // the lock poisoned the log, and nothing may be written (or an fsync retried) after that.
+        self.check_writable()?;
         let st = &mut *guard;
         let need_new = match &st.active {
             Some(a) => !self.fits(a, len, key.len()),
@@ -2669,6 +2671,8 @@ impl<B: Backend> SegmentLog<B> {
         self.flush_pending(st)?;
         if let Some(a) = st.active.as_mut() {
             if a.dirty {
+                // Never after a failed write or fdatasync (it could report success for lost data).
+                self.check_writable()?;
                 if let Err(e) = self.backend.sync_data(&a.file) {
                     return Err(self.poison(Error::io("fdatasync", self.seg_path(a.id), e)));
                 }
@@ -2797,8 +2801,10 @@ impl<B: Backend> SegmentLog<B> {
     /// Make every record written before this call durable: fdatasync the active segment, and fsync the
     /// segments directory if segments were created or removed since the last sync.
     pub fn sync(&self) -> Result<()> {
-        self.check_writable()?;
         let mut st = self.writer();
+        // Under the writer lock: a sync that failed while this one waited poisoned the log, and a
+        // failed fdatasync must never be retried (it can report success for data that was dropped).
+        self.check_writable()?;
         if st.active.as_ref().is_some_and(|a| a.dirty && !a.last_is_mark) {
             self.append(&mut st, vec![NewRecord::SyncMark])?;
         }
@@ -2836,8 +2842,8 @@ impl<B: Backend> SegmentLog<B> {
     /// least half its size in live data (see
     /// `docs/architecture.md` for the resulting space-amplification bound).
     pub fn compact(&self) -> Result<CompactStats> {
-        self.check_writable()?;
         let mut st = self.writer();
+        self.check_writable()?; // under the lock, as in `sync`
         self.compact_locked(&mut st)
     }
 
