@@ -2932,6 +2932,8 @@ impl<B: Backend> SegmentLog<B> {
             batch.clear();
             Ok(())
         };
+        // Tombstones to keep that could not be moved (damaged): the segment must keep them.
+        let mut stuck_tombstones = 0u64;
         for (e, keep) in index_snapshot {
             if !keep {
                 continue;
@@ -2939,8 +2941,10 @@ impl<B: Backend> SegmentLog<B> {
             let loc = Location { segment: id, first_segment: id, offset: e.offset, len: e.record_len };
             let raw = self.read_record_bytes(&file, loc)?;
             if let Err(err) = format::decode_record(&raw) {
-                // A damaged record stays where it is (its segment is kept) and is reported.
+                // A damaged record stays where it is (its segment is kept) and is reported. A live
+                // value keeps its segment by being live; a tombstone does by its count, below.
                 log::warn!("compaction leaves damaged record in place: {}", err.at(id, e.offset));
+                stuck_tombstones += u64::from(e.flags & format::FLAG_TOMBSTONE != 0);
                 continue;
             }
             moved += 1;
@@ -2955,15 +2959,19 @@ impl<B: Backend> SegmentLog<B> {
         if !batch.is_empty() {
             flush(st, &mut batch)?;
         }
-        // Tombstones moved out: this segment's tombstones are no longer needed here.
+        // Tombstones moved out: this segment's tombstones are no longer needed here, unless one
+        // could not be moved; then they all stay counted, so the segment (and with it the damaged
+        // tombstone, which recovery still honours through the footer) is not deleted.
         let pending = st.active.as_ref().is_some_and(|a| a.written_end != a.data_end);
         if let Some(m) = st.segs.get_mut(&id) {
             // Copies still pending in memory (write-behind) stand in for this segment's records,
             // its tombstones included: the segment may go only once they are written.
             m.superseded_by_pending |= pending;
-            m.tombstones = 0;
-            m.tombstone_bytes = 0;
-            m.min_shadow = u32::MAX;
+            if stuck_tombstones == 0 {
+                m.tombstones = 0;
+                m.tombstone_bytes = 0;
+                m.min_shadow = u32::MAX;
+            }
         }
         Ok((moved, bytes))
     }

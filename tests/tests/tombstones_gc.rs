@@ -280,3 +280,46 @@ fn a_segment_deleted_after_a_reopen_loses_nothing_once_synced() {
         assert_eq!(log.get(k).unwrap(), Some(frames_for(b"new", 1500)), "{k:?}");
     }
 }
+
+/// A tombstone that compaction cannot move (its bytes are damaged) keeps its segment: compaction
+/// used to skip it with a warning, count the segment's tombstones as moved and delete the segment,
+/// and the deleted key's older value came back at the next open. The footer still lists the
+/// tombstone, and recovery honours it.
+#[test]
+fn a_damaged_tombstone_keeps_its_segment_through_compaction() {
+    let be = SimBackend::new();
+    let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
+    log.put(b"gone-key", &Frames::from(b"v1".to_vec())).unwrap();
+    log.put(b"pinned", &Frames::from(b"p".to_vec())).unwrap();
+    let first = log.location(b"pinned").unwrap().segment;
+    let mut fillers = Vec::new();
+    // Fill the first segment, so the delete lands in the second.
+    while fillers.last().is_none_or(|k: &Vec<u8>| log.location(k).unwrap().segment == first) {
+        let k = format!("filler-{}", fillers.len()).into_bytes();
+        log.put(&k, &frames_for(&k, 1000)).unwrap();
+        fillers.push(k);
+    }
+    assert!(log.delete(b"gone-key").unwrap());
+    let second = first + 1;
+    // Seal the second segment, then make it sparse: only the tombstone stays needed there.
+    while fillers.last().is_none_or(|k: &Vec<u8>| log.location(k).unwrap().segment == second) {
+        let k = format!("filler-{}", fillers.len()).into_bytes();
+        log.put(&k, &frames_for(&k, 1000)).unwrap();
+        fillers.push(k);
+    }
+    for k in &fillers {
+        if log.location(k).unwrap().segment == second {
+            log.forget(k).unwrap();
+        }
+    }
+    log.sync().unwrap();
+    let path = std::path::PathBuf::from(format!("/s/segments/{second:08x}.seg"));
+    let bytes = be.file_contents(&path).expect("the second segment");
+    let at = bytes.windows(8).position(|w| w == b"gone-key").expect("the tombstone's key") as u64;
+    be.poke(&path, at, b"G").unwrap();
+    log.compact().unwrap();
+    drop(log);
+    let log = SegmentLog::open(be, "/s", opts()).unwrap();
+    assert_eq!(log.get(b"gone-key").unwrap(), None, "a deleted key came back");
+    assert_eq!(log.get(b"pinned").unwrap(), Some(Frames::from(b"p".to_vec())));
+}
