@@ -345,6 +345,10 @@ struct SegMeta {
     /// Some record of this segment was superseded by a record still pending in memory
     /// (write-behind): deleting the segment must wait until that record is written.
     superseded_by_pending: bool,
+    /// A needed tombstone here could not be relocated (its bytes are damaged): compaction leaves
+    /// the segment alone (it would copy the other tombstones again every time), and garbage
+    /// collection keeps it while that tombstone is needed.
+    damaged_tombstones: bool,
 }
 
 impl SegMeta {
@@ -362,6 +366,7 @@ impl SegMeta {
             min_shadow: u32::MAX,
             punched: 0,
             superseded_by_pending: false,
+            damaged_tombstones: false,
         }
     }
 }
@@ -2833,6 +2838,9 @@ impl<B: Backend> SegmentLog<B> {
     }
 
     fn is_sparse(&self, st: &WriterState<B::File>, id: u32, m: &SegMeta) -> bool {
+        if m.damaged_tombstones {
+            return false;
+        }
         let tomb = if Self::tombstones_needed(st, id) { m.tombstone_bytes } else { 0 };
         (m.live_bytes + tomb) * 2 < m.size - m.punched.min(m.size)
     }
@@ -2932,8 +2940,9 @@ impl<B: Backend> SegmentLog<B> {
             batch.clear();
             Ok(())
         };
-        // Tombstones to keep that could not be moved (damaged): the segment must keep them.
-        let mut stuck_tombstones = 0u64;
+        // Tombstones to keep that could not be moved (damaged): the segment must keep them. Their
+        // count, bytes and oldest shadowed segment.
+        let (mut stuck_tombstones, mut stuck_bytes, mut stuck_shadow) = (0u64, 0u64, u32::MAX);
         for (e, keep) in index_snapshot {
             if !keep {
                 continue;
@@ -2944,7 +2953,11 @@ impl<B: Backend> SegmentLog<B> {
                 // A damaged record stays where it is (its segment is kept) and is reported. A live
                 // value keeps its segment by being live; a tombstone does by its count, below.
                 log::warn!("compaction leaves damaged record in place: {}", err.at(id, e.offset));
-                stuck_tombstones += u64::from(e.flags & format::FLAG_TOMBSTONE != 0);
+                if e.flags & format::FLAG_TOMBSTONE != 0 {
+                    stuck_tombstones += 1;
+                    stuck_bytes += padded(e.record_len);
+                    stuck_shadow = stuck_shadow.min(e.aux);
+                }
                 continue;
             }
             moved += 1;
@@ -2959,19 +2972,18 @@ impl<B: Backend> SegmentLog<B> {
         if !batch.is_empty() {
             flush(st, &mut batch)?;
         }
-        // Tombstones moved out: this segment's tombstones are no longer needed here, unless one
-        // could not be moved; then they all stay counted, so the segment (and with it the damaged
-        // tombstone, which recovery still honours through the footer) is not deleted.
+        // Tombstones moved out: this segment's tombstones are no longer needed here, except those
+        // that could not be moved. They stay counted, so the segment (and with it each damaged
+        // tombstone, which recovery still honours through the footer) is kept while they are needed.
         let pending = st.active.as_ref().is_some_and(|a| a.written_end != a.data_end);
         if let Some(m) = st.segs.get_mut(&id) {
             // Copies still pending in memory (write-behind) stand in for this segment's records,
             // its tombstones included: the segment may go only once they are written.
             m.superseded_by_pending |= pending;
-            if stuck_tombstones == 0 {
-                m.tombstones = 0;
-                m.tombstone_bytes = 0;
-                m.min_shadow = u32::MAX;
-            }
+            m.tombstones = stuck_tombstones;
+            m.tombstone_bytes = stuck_bytes;
+            m.min_shadow = stuck_shadow;
+            m.damaged_tombstones |= stuck_tombstones > 0;
         }
         Ok((moved, bytes))
     }
