@@ -44,6 +44,10 @@ fn values_arrive_intact_by_every_path_on_both_send_paths() {
         for (k, n) in sizes() {
             log.put(k.as_bytes(), &frames_for(k.as_bytes(), n)).unwrap();
         }
+        // Which records the sender stores compressed (the receiver must store the same form).
+        let sent_lz4: Vec<bool> =
+            sizes().iter().map(|(k, _)| log.stored_value(k.as_bytes()).unwrap().unwrap().meta.lz4).collect();
+        assert_eq!(sent_lz4.iter().any(|&z| z), compression == Compression::Lz4);
         let addr = start_server(log, copy);
         let dst = tempfile::tempdir().unwrap();
         let into = log_at(dst.path(), Compression::None);
@@ -60,10 +64,15 @@ fn values_arrive_intact_by_every_path_on_both_send_paths() {
         assert_eq!(c.get(b"absent").unwrap(), None);
         assert!(!c.get_into(b"absent", &into, b"absent").unwrap());
         assert!(into.verify().unwrap().is_empty());
-        // The stored form travels as is: a received lz4 record is still lz4 on the receiver's disk.
+        // The stored form travels as is: a received lz4 record is still lz4 on the receiver's disk
+        // (whose log does not compress), and reads back after a reopen.
         drop(into);
         let into = log_at(dst.path(), Compression::None);
         assert_eq!(into.len(), sizes().len());
+        for ((k, n), lz4) in sizes().iter().zip(&sent_lz4) {
+            assert_eq!(into.stored_value(k.as_bytes()).unwrap().unwrap().meta.lz4, *lz4, "{k}");
+            assert_eq!(into.get(k.as_bytes()).unwrap(), Some(frames_for(k.as_bytes(), *n)), "{k}");
+        }
     }
 }
 

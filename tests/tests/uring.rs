@@ -115,7 +115,8 @@ fn many_threads_and_many_futures_share_one_driver() {
                 let mut rng = Rng::new(t + 1);
                 for i in 0..150u64 {
                     let slot = t * 1000 + rng.below(64);
-                    let data = value_for(&(slot, i).0.to_le_bytes(), block);
+                    // Each round's bytes differ, so a lost write or a stale read cannot match.
+                    let data = value_for(&(slot << 16 | i).to_le_bytes(), block);
                     be.write_at(&f, slot * block as u64, filled(&data)).0.unwrap();
                     let (r, got) = be.read_at(&f, slot * block as u64, AlignedBuf::zeroed(block, 4096));
                     r.unwrap();
