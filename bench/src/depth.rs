@@ -46,9 +46,10 @@ pub(crate) struct Job<'a> {
 pub(crate) fn reads(j: &Job<'_>, rng: &mut SmallRng) -> Result<(Side, Side)> {
     let Job { log, args, rw, job, nkeys, deadline, done } = *j;
     let mut issued = 0u64;
-    // Start times of the reads in flight, by key, oldest first (a random key may be in flight
-    // twice; the pipeline completes reads of one key in order). Only keys in flight have an entry,
-    // so the map stays as small as the depth.
+    // Start times of the reads in flight, by key, oldest first. Only keys in flight have an entry,
+    // so the map stays as small as the depth. A random key may be in flight twice, and its reads
+    // may complete in either order: the oldest start is then given to the first completion, which
+    // can swap two latencies (the statistics only, never a result).
     let mut started: HashMap<Vec<u8>, VecDeque<Instant>> = HashMap::new();
     let mut r = Side::new();
     let mut failure: Option<anyhow::Error> = None;

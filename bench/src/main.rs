@@ -146,7 +146,7 @@ struct Args {
     /// Drop the store's cached pages after the layout write, before a buffered read job (as fio's
     /// `invalidate=1`, its default), so reads come from the disk; `--invalidate 0` reads what the
     /// page cache holds.
-    #[arg(long, default_value = "true", value_parser = parse_bool01)]
+    #[arg(long, default_value = "true", action = clap::ArgAction::Set, value_parser = parse_bool01)]
     invalidate: bool,
     /// O_DIRECT segment files (`--direct` or `--direct=1`), bypassing the page cache.
     #[arg(long, default_value = "false", num_args = 0..=1, default_missing_value = "true", value_parser = parse_bool01)]
@@ -409,32 +409,41 @@ fn drop_cached_pages(dir: &std::path::Path) -> Result<()> {
 /// Refuse options given on the command line that the job does not read, rather than ignore them.
 fn check_options(matches: &ArgMatches, rw: Option<Rw>) -> Result<()> {
     const ANY: &[&str] = &["rw", "dir", "output_format", "size", "serve_dir", "serve_copy"];
-    let (job, used): (&str, &[&str]) = match rw {
-        None | Some(Rw::Write | Rw::Read | Rw::Randread | Rw::Randwrite | Rw::Randrw) => (
-            "log jobs",
-            &[
-                "bs",
-                "numjobs",
-                "runtime",
-                "time_based",
-                "rwmixread",
-                "backend",
-                "iodepth",
-                "direct",
-                "compress",
-                "payload",
-                "segment_size",
-                "keep",
-                "durable",
-                "invalidate",
-            ],
+    const LOG: &[&str] = &[
+        "bs",
+        "numjobs",
+        "runtime",
+        "time_based",
+        "backend",
+        "iodepth",
+        "direct",
+        "compress",
+        "payload",
+        "segment_size",
+        "keep",
+        "durable",
+    ];
+    // A log job reads --invalidate if it reads what a layout wrote, --rwmixread if it mixes.
+    let log_job = |name: &'static str, invalidate: bool, mix: bool| {
+        let mut used = LOG.to_vec();
+        used.extend(invalidate.then_some("invalidate"));
+        used.extend(mix.then_some("rwmixread"));
+        (name, used)
+    };
+    let (job, used): (&str, Vec<&str>) = match rw {
+        None => log_job("the default jobs", true, false),
+        Some(Rw::Write) => log_job("write", false, false),
+        Some(Rw::Read) => log_job("read", true, false),
+        Some(Rw::Randread) => log_job("randread", true, false),
+        Some(Rw::Randwrite) => log_job("randwrite", false, false),
+        Some(Rw::Randrw) => log_job("randrw", true, true),
+        Some(Rw::SpillUnspill) => (
+            "spill-unspill",
+            vec!["bs", "target", "loops", "batch", "written_back", "direct", "segment_size", "backend"],
         ),
-        Some(Rw::SpillUnspill) => {
-            ("spill-unspill", &["bs", "target", "loops", "batch", "written_back", "direct", "segment_size", "backend"])
-        }
-        Some(Rw::Materialize) => ("materialize", &["bs", "numjobs", "segment_size"]),
-        Some(Rw::Transfer) => ("transfer", &["bs"]),
-        Some(Rw::Open) => ("open", &["keys"]),
+        Some(Rw::Materialize) => ("materialize", vec!["bs", "numjobs", "segment_size"]),
+        Some(Rw::Transfer) => ("transfer", vec!["bs"]),
+        Some(Rw::Open) => ("open", vec!["keys"]),
     };
     let cmd = Args::command();
     for id in cmd.get_arguments().map(|a| a.get_id().as_str()) {
@@ -555,6 +564,7 @@ fn main() -> Result<()> {
     }
     let mut results = Vec::new();
     let mut layout_result = None;
+    let mut invalidated = false;
     let njobs = jobs.len();
     for (i, rw) in jobs.into_iter().enumerate() {
         // A write that lays out data for the next job writes `--size` once (no `--runtime`).
@@ -564,6 +574,7 @@ fn main() -> Result<()> {
             log.sync()?;
             if layout && args.invalidate && !direct {
                 drop_cached_pages(&store_dir.join("segments")).context("dropping the store's cached pages")?;
+                invalidated = true;
             }
         }
         if layout && laid_out {
@@ -621,7 +632,7 @@ fn main() -> Result<()> {
                 "layout": layout_result.as_ref().map(|r| json!({
                     "write": r.write.json(r.runtime), "runtime": r.runtime.as_millis() as u64,
                 })),
-                "invalidate": args.invalidate && !direct,
+                "invalidate": invalidated,
             },
         });
         println!("{}", serde_json::to_string_pretty(&out)?);

@@ -46,6 +46,11 @@ fn a_read_job_reports_one_fio_shaped_job() {
     assert_eq!(v["spillway"]["layout"]["write"]["total_ios"], 64);
     assert_eq!(v["spillway"]["invalidate"], true);
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "the store is removed without --keep");
+    let kept_cache =
+        ["--rw", "read", "--bs", "64KiB", "--size", "1MiB", "--invalidate", "0", "--output-format", "json"];
+    let v = json(&bench(&kept_cache));
+    assert_eq!(v["spillway"]["invalidate"], false);
+    assert_eq!(v["jobs"][0]["read"]["total_ios"], 16);
 }
 
 /// Options a job does not read are refused with a message that names them; so is a depth the job
@@ -57,7 +62,9 @@ fn options_a_job_does_not_read_are_refused() {
         (&["--rw", "spill-unspill", "--compress", "lz4"], "--compress does not apply to spill-unspill"),
         (&["--rw", "transfer", "--direct"], "--direct does not apply to transfer"),
         (&["--rw", "materialize", "--keep"], "--keep does not apply to materialize"),
-        (&["--rw", "write", "--target", "1MiB"], "--target does not apply to log jobs"),
+        (&["--rw", "write", "--target", "1MiB"], "--target does not apply to write"),
+        (&["--rw", "write", "--invalidate", "0"], "--invalidate does not apply to write"),
+        (&["--rw", "randread", "--rwmixread", "70"], "--rwmixread does not apply to randread"),
         (&["--rw", "randrw", "--iodepth", "4"], "not supported for randrw"),
         (&["--rw", "materialize", "--bs", "1", "--size", "1MiB"], "at most 100000"),
     ] {
