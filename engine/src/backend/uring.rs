@@ -1156,6 +1156,36 @@ mod tests {
         }
     }
 
+    /// A read dropped while in flight keeps its registered pool slot until the kernel is done with
+    /// it: the slot is not free while the read waits (an empty pipe), and comes back once the read
+    /// completes (the pipe's write end closes: end of file).
+    #[test]
+    fn a_dropped_read_keeps_its_pool_slot_until_the_kernel_is_done() {
+        let Some(be) = backend_or_skip("a_dropped_read_keeps_its_pool_slot_until_the_kernel_is_done") else { return };
+        let Some(pool) = be.pool().cloned() else {
+            println!("SKIPPED a_dropped_read_keeps_its_pool_slot_until_the_kernel_is_done: no registered pool");
+            return;
+        };
+        let (f, tx) = empty_pipe(&be);
+        let buf = be.alloc_buf(4096, 4096);
+        assert!(buf.pool_index(&pool).is_some(), "a pool slot");
+        assert_eq!(pool.available(), pool.count() - 1);
+        drop(be.read(&f, 0, buf));
+        // The driver holds the slot for the read in flight (the kernel may still write into it).
+        for _ in 0..100 {
+            std::thread::yield_now();
+            assert_eq!(pool.available(), pool.count() - 1, "a slot came back while its read was in flight");
+        }
+        drop(tx); // the read completes (end of file), and the slot comes back
+        let mut spins = 0u64;
+        while pool.available() != pool.count() {
+            spins += 1;
+            assert!(spins < 50_000_000, "the slot never came back");
+            std::thread::yield_now();
+        }
+        drop(f);
+    }
+
     /// Operations sent from other threads while the driver dies, at whatever moment each lands
     /// (before the panic, in the batch it panics on, between the panic and the queue's closing,
     /// after it): each one completes, with its data or with the driver's death, and none waits for
