@@ -63,6 +63,12 @@ fn persistent(target: u64) -> StoreConfig {
     StoreConfig { persistent: true, ..cfg(target) }
 }
 
+/// A store on a fresh simulated disk with `max_spill_bytes` set.
+fn open_max_spill(max_spill: u64, target: u64) -> Store<TestCodec, SimBackend> {
+    let c = StoreConfig { max_spill_bytes: Some(max_spill), ..cfg(target) };
+    Store::open(TestCodec::default(), SimBackend::new(), "/s", c).unwrap()
+}
+
 fn open(target: u64) -> (Store<TestCodec, SimBackend>, SimBackend) {
     let be = SimBackend::new();
     (Store::open(TestCodec::default(), be.clone(), "/store", cfg(target)).unwrap(), be)
@@ -883,13 +889,7 @@ fn a_reader_panicking_in_put_stream_leaves_the_store_usable() {
 /// bytes of the record it replaces.
 #[test]
 fn put_stream_over_a_spilled_key_counts_only_the_difference_against_max_spill() {
-    let s = Store::open(
-        TestCodec::default(),
-        SimBackend::new(),
-        "/s",
-        StoreConfig { max_spill_bytes: Some(5_000), ..cfg(3_000) },
-    )
-    .unwrap();
+    let s = open_max_spill(5_000, 3_000);
     s.put_serialized(b"k", ser(&val(b'o', 4_000))).unwrap();
     assert_eq!(s.tier(b"k"), Some(Tier::Disk));
     let (payload, meta) = spillway_tests::streamed(&ser(&val(b'n', 4_000)));
@@ -965,13 +965,7 @@ fn a_value_in_memory_over_the_wire_limits_is_refused_by_the_server_not_the_clien
 /// the list of stuck keys holds each key once (it grew by one per round, without bound).
 #[test]
 fn stuck_keys_are_listed_once_however_often_they_are_refused() {
-    let s = Store::open(
-        TestCodec::default(),
-        SimBackend::new(),
-        "/s",
-        StoreConfig { max_spill_bytes: Some(0), ..cfg(1_000) },
-    )
-    .unwrap();
+    let s = open_max_spill(0, 1_000);
     for k in [b"a", b"b", b"c"] {
         s.put_serialized(k, ser(&val(k[0], 600))).unwrap();
     }
@@ -1005,15 +999,7 @@ fn a_failed_put_stream_over_a_spilled_value_does_not_overshoot_max_spill() {
             Err(std::io::Error::new(std::io::ErrorKind::ConnectionReset, "the peer hung up"))
         }
     }
-    let s = Arc::new(
-        Store::open(
-            TestCodec::default(),
-            SimBackend::new(),
-            "/s",
-            StoreConfig { max_spill_bytes: Some(10_000), ..cfg(4_000) },
-        )
-        .unwrap(),
-    );
+    let s = Arc::new(open_max_spill(10_000, 4_000));
     s.put_serialized(b"k", ser(&val(b'o', 8_000))).unwrap();
     assert_eq!(s.tier(b"k"), Some(Tier::Disk));
     let (_, meta) = spillway_tests::streamed(&ser(&val(b'n', 100)));
