@@ -1429,13 +1429,24 @@ fn a_large_put_of_a_key_being_spilled_waits_for_that_write_and_wins() {
     let s = Arc::new(Store::open(TestCodec::default(), be.clone(), "/store", cfg(4000)).unwrap());
     let t = park_a_spill_of_old(&s, &be);
     // A value over the target goes straight to disk: it must not race the parked write of "old".
+    let serialized = s.codec().serialized.load(Ordering::SeqCst);
     let s2 = s.clone();
     let large = std::thread::spawn(move || s2.put(b"old", val(b'L', 9000)));
+    // Released only once the large put has serialized its value: from there it goes to the store,
+    // where the parked write of the same key makes it wait.
+    let mut spins = 0u64;
+    while s.codec().serialized.load(Ordering::SeqCst) == serialized {
+        spins += 1;
+        assert!(spins < 50_000_000, "the large put never serialized");
+        std::thread::yield_now();
+    }
     be.gate.release();
     t.join().unwrap().unwrap();
     large.join().unwrap().unwrap();
     assert_eq!(s.tier(b"old"), Some(Tier::Disk));
     assert_eq!(*s.get(b"old").unwrap().unwrap(), val(b'L', 9000));
+    let st = s.log().stats();
+    assert_eq!(st.live_records, s.log().len() as u64, "one record per key: the older write's was dropped");
     s.check_accounting().unwrap();
 }
 
