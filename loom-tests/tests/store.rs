@@ -96,6 +96,33 @@ fn concurrent_gets_of_a_spilled_key_read_and_deserialize_once() {
     });
 }
 
+/// Two threads get a value heavier than the target. It is served without promotion, so once both gets
+/// return, its slot must be empty again, even if one get was inside the slot's fast path when the
+/// other tried to empty it: an object left there would be memory nobody accounts for, and the next get
+/// would return it without deserializing.
+#[test]
+fn concurrent_gets_of_a_heavy_value_leave_its_slot_empty() {
+    bounded().check(|| {
+        let s = store();
+        s.put_serialized(b"a", Frames(vec![Bytes::from(val(1, 128))])).unwrap();
+        assert_eq!(s.tier(b"a"), Some(Tier::Disk));
+        let t = {
+            let s = s.clone();
+            thread::spawn(move || s.get(b"a").unwrap().unwrap())
+        };
+        let x = s.get(b"a").unwrap().unwrap();
+        assert_eq!(*t.join().unwrap(), val(1, 128));
+        assert_eq!(*x, val(1, 128));
+        drop(x);
+        assert_eq!(s.tier(b"a"), Some(Tier::Disk));
+        assert_eq!(s.memory_bytes(), 0);
+        let before = deserialized(&s);
+        assert_eq!(*s.get(b"a").unwrap().unwrap(), val(1, 128));
+        assert_eq!(deserialized(&s), before + 1, "the heavy object stayed cached in its slot");
+        s.check_accounting().unwrap();
+    });
+}
+
 /// A get of a spilled key races its removal: the get returns the value or nothing, never an error (the
 /// record it was about to read may be gone), and nothing of the key is left in memory, on disk or in
 /// the accounting.
