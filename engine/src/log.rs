@@ -1532,6 +1532,9 @@ impl<B: Backend> SegmentLog<B> {
         let mut left = meta.stored_len;
         let file = &a.file;
         let end = start + len;
+        // A panic of the caller's reader is caught, so that what this value wrote is erased below
+        // like after any other failure, and then goes on unwinding.
+        let mut panicked: Option<Box<dyn std::any::Any + Send>> = None;
         let result: Result<()> = (|| {
             loop {
                 // Fill the buffer from the peer, then write it whole (it is a multiple of `align`).
@@ -1539,15 +1542,21 @@ impl<B: Backend> SegmentLog<B> {
                     let at = buf.len();
                     let want = ((fill - at) as u64).min(left) as usize;
                     buf.set_len(at + want);
-                    let n = match src.read(&mut buf[at..at + want]) {
-                        Ok(n) => n,
-                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {
+                    let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| src.read(&mut buf[at..at + want])));
+                    let n = match read {
+                        Ok(Ok(n)) => n,
+                        Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => {
                             buf.set_len(at);
                             continue;
                         }
-                        Err(e) => {
+                        Ok(Err(e)) => {
                             buf.set_len(at);
                             return Err(Error::io("receive value", None, e));
+                        }
+                        Err(panic) => {
+                            buf.set_len(at);
+                            panicked = Some(panic);
+                            return Err(Error::io("receive value", None, io::Error::other("the reader panicked")));
                         }
                     };
                     buf.set_len(at + n);
@@ -1606,17 +1615,23 @@ impl<B: Backend> SegmentLog<B> {
             let erase_end = align_up(end, self.align).min(buf_base + buf.capacity() as u64);
             let erased = self.erase_aborted(file, base, &old_tail, erase_end);
             self.fence_failed_write(st, None); // (erased just above)
-            if let Err(we) = erased {
-                return Err(self.write_failed("erase an aborted value", self.seg_path(id), we));
-            }
-            if self.opts.durable && self.poisoned.get().is_none() {
-                // As in `erase_durably`: the aborted record's head sat at the published end.
-                let file = st.active.as_ref().expect("still active").file.clone();
-                if let Err(se) = self.backend.sync_data(&file) {
-                    return Err(self.poison(Error::io("sync segment", self.seg_path(id), se)));
+            let failed = match erased {
+                Err(we) => self.write_failed("erase an aborted value", self.seg_path(id), we),
+                Ok(()) if self.opts.durable && self.poisoned.get().is_none() => {
+                    // As in `erase_durably`: the aborted record's head sat at the published end.
+                    let file = st.active.as_ref().expect("still active").file.clone();
+                    match self.backend.sync_data(&file) {
+                        Err(se) => self.poison(Error::io("sync segment", self.seg_path(id), se)),
+                        Ok(()) => e,
+                    }
                 }
+                Ok(()) => e,
+            };
+            if let Some(panic) = panicked {
+                drop(guard);
+                std::panic::resume_unwind(panic);
             }
-            return Err(e);
+            return Err(failed);
         }
         // The record's padding is part of the tail block the next write rewrites.
         let pend = padded(end);
