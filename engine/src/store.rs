@@ -215,7 +215,9 @@ struct Inner<V> {
     stuck: HashSet<Arc<[u8]>>,
     /// Keys whose spill write runs right now, outside the lock. A key is in at most one write at a
     /// time: eviction skips these keys, and a direct write of one (`put_large`, `put_stream`) waits.
-    writing: HashSet<Arc<[u8]>>,
+    /// Each write has a ticket (from `next_write`): `flush` waits for the writes older than itself.
+    writing: HashMap<Arc<[u8]>, u64>,
+    next_write: u64,
     /// Memory weight and serialized bytes of the entries in those writes, as planned. The weight
     /// still counts in `mem_bytes` (the bytes are still in memory) until the write lands.
     writing_weight: u64,
@@ -568,7 +570,8 @@ impl<C: Codec, B: Backend> Store<C, B> {
             logged_full: None,
             logged_disk: None,
             stuck: HashSet::new(),
-            writing: HashSet::new(),
+            writing: HashMap::new(),
+            next_write: 0,
             writing_weight: 0,
             writing_raw: 0,
             streams: HashMap::new(),
@@ -669,7 +672,8 @@ impl<C: Codec, B: Backend> Store<C, B> {
         if Acct::of(&e).in_lru() {
             inner.lru.remove(&e.tick);
         }
-        if e.stuck {
+        // Listed keys that are no longer stuck (a get promoted them) leave the list here too.
+        if !inner.stuck.is_empty() {
             inner.stuck.remove(key);
         }
         Some(e)
@@ -756,14 +760,21 @@ impl<C: Codec, B: Backend> Store<C, B> {
         mut inner: MutexGuard<'a, Inner<C::Value>>,
         key: &[u8],
     ) -> MutexGuard<'a, Inner<C::Value>> {
-        while inner.writing.contains(key) {
+        while inner.writing.contains_key(key) {
             inner = self.written.wait(inner).unwrap_or_else(|p| p.into_inner());
         }
         inner
     }
 
+    /// `key` is being written (to the log, outside the store's lock) from now on.
+    fn begin_write(inner: &mut Inner<C::Value>, key: Arc<[u8]>) {
+        let ticket = inner.next_write;
+        inner.next_write += 1;
+        inner.writing.insert(key, ticket);
+    }
+
     fn mark_writing(inner: &mut Inner<C::Value>, p: &Planned<C::Value>) {
-        inner.writing.insert(p.key.clone());
+        Self::begin_write(inner, p.key.clone());
         inner.writing_weight += p.weight;
         inner.writing_raw += p.raw;
     }
@@ -931,7 +942,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// is out of sight during the transfer (the key reads as absent, as a key being fetched does)
     /// and is back as it was if the transfer fails. If a `put` of the same key lands during the
     /// transfer, or a `remove`, the newer operation wins: the streamed record (or, on failure, the
-    /// old value) is dropped.
+    /// old value) is dropped. In a persistent store that drop (a tombstone over the old record)
+    /// is written when the transfer ends, since the transfer holds the log's writer lock: a crash
+    /// before then brings the old value back at the next open.
     pub fn put_stream(&self, key: &[u8], meta: &StreamedValue, src: &mut dyn std::io::Read) -> Result<()> {
         let raw = meta.frame_lens.iter().try_fold(0u64, |a, &l| a.checked_add(l)).ok_or(Error::ValueTooLarge {
             len: u64::MAX,
@@ -942,16 +955,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         // The record it replaces (if any) stops counting against max_spill once this one lands.
         let replaced = inner.map.get(key).map_or(0, |e| e.disk_raw);
         if !self.spill_allowed(&mut inner, raw.saturating_sub(replaced)) {
-            drop(inner);
-            let frames = crate::transfer::read_stored_form(meta, src, self.log.options().max_value_bytes)?;
-            if frames.total_len() > self.cfg.target_bytes {
-                // What `put_large` would do, without asking `max_spill` (and counting a refusal) again.
-                let mut inner = self.wait_unwritten(self.lock(), key);
-                let k = self.insert(&mut inner, key, Entry::serialized(frames, true))?;
-                Self::set_stuck(&mut inner, &k);
-                return Ok(());
-            }
-            return self.put_serialized(key, frames);
+            return self.receive_serialized(inner, key, meta, src, true);
         }
         // The old value leaves the map but keeps its record (if any) in the log: a streamed record
         // that arrives whole supersedes that record; a failed transfer publishes nothing, and the
@@ -966,7 +970,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         let k: Arc<[u8]> = Arc::from(key);
         let stream = Stream { superseded: false, has_old: old.is_some(), aside_weight, aside_raw };
         inner.streams.insert(k.clone(), stream);
-        inner.writing.insert(k.clone());
+        Self::begin_write(&mut inner, k.clone());
         inner.writing_raw += raw;
         drop(inner);
         let t = Instant::now();
@@ -1019,6 +1023,63 @@ impl<C: Codec, B: Backend> Store<C, B> {
         Ok(())
     }
 
+    /// Receive a value in stored form into memory, serialized, and store it as `put_serialized`
+    /// would (for `Client::get_into_store`). The bytes arrive without the store's lock, with the key
+    /// held as being written (a second transfer of it waits); its old value stays readable
+    /// meanwhile. A `put` or `remove` of the key while the bytes arrive wins: the received value is
+    /// dropped.
+    pub(crate) fn put_received(&self, key: &[u8], meta: &StreamedValue, src: &mut dyn std::io::Read) -> Result<()> {
+        self.receive_serialized(self.lock(), key, meta, src, false)
+    }
+
+    /// [`Self::put_received`] with the store's lock held on entry. `put_stream` calls it for a value
+    /// `refused` by `max_spill`, which stays in memory as `put_large` keeps a refused value, without
+    /// asking `max_spill` (and counting a refusal) again.
+    fn receive_serialized<'a>(
+        &'a self,
+        inner: MutexGuard<'a, Inner<C::Value>>,
+        key: &[u8],
+        meta: &StreamedValue,
+        src: &mut dyn std::io::Read,
+        refused: bool,
+    ) -> Result<()> {
+        let mut inner = self.wait_unwritten(inner, key);
+        let k: Arc<[u8]> = Arc::from(key);
+        inner.streams.insert(k.clone(), Stream { superseded: false, has_old: false, aside_weight: 0, aside_raw: 0 });
+        Self::begin_write(&mut inner, k.clone());
+        drop(inner);
+        let max = self.log.options().max_value_bytes;
+        let got = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            crate::transfer::read_stored_form(meta, src, max)
+        }));
+        let mut inner = self.lock();
+        inner.writing.remove(&k);
+        self.written.notify_all();
+        let superseded = inner.streams.remove(&k).expect("registered above").superseded;
+        let frames = match got {
+            Ok(frames) => frames?,
+            Err(panic) => {
+                drop(inner);
+                std::panic::resume_unwind(panic);
+            }
+        };
+        if superseded {
+            return Ok(());
+        }
+        if frames.total_len() > self.cfg.target_bytes {
+            if !refused {
+                return self.put_large(inner, key, frames);
+            }
+            let k = self.insert(&mut inner, key, Entry::serialized(frames, true))?;
+            Self::set_stuck(&mut inner, &k);
+            return Ok(());
+        }
+        let e = Entry::serialized(frames, false);
+        let slot = e.slot.clone();
+        self.insert(&mut inner, key, e)?;
+        self.enforce(inner, Some(&slot))
+    }
+
     /// After a failed `put_stream`: the old value goes back as it was, unless a put or remove of
     /// the key came meanwhile; then its record (if any) must not outlive the newer operation.
     fn settle_failed_stream(
@@ -1032,6 +1093,12 @@ impl<C: Codec, B: Backend> Store<C, B> {
             Some(mut old) if !superseded => {
                 // Retried like every other entry: a refusal may have been lifted meanwhile.
                 old.stuck = false;
+                // A get that started before the value was set aside may have materialized it into
+                // this slot meanwhile, and found no entry to promote: an entry that is not
+                // materialized must not come back with a cached object nobody accounts for.
+                if old.tier != Tier::Materialized {
+                    old.slot = Arc::new(Slot::new());
+                }
                 // It held a valid key before, so inserting it cannot fail.
                 drop(self.insert(inner, key, old));
             }
@@ -1170,7 +1237,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 key.clone()
             };
             let Some(e) = inner.map.get(&key) else { continue };
-            if e.stuck || e.tier == Tier::Disk || inner.writing.contains(&key) {
+            if e.stuck || e.tier == Tier::Disk || inner.writing.contains_key(&key) {
                 continue;
             }
             scanned += 1;
@@ -1194,7 +1261,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 let Some(value) = e.slot.try_get() else { continue };
                 let d = Demotion { key: key.clone(), value, slot: e.slot.clone(), weight: e.weight, tick: e.tick };
                 freed += d.weight;
-                inner.writing.insert(key.clone());
+                Self::begin_write(inner, key.clone());
                 inner.writing_weight += d.weight;
                 demotions.push(d);
                 continue;
@@ -1674,7 +1741,10 @@ impl<C: Codec, B: Backend> Store<C, B> {
             disk += e.disk_bytes;
             raw += e.disk_raw;
             let logged = self.log.location(k).map(|l| l.len);
-            if (e.disk_bytes > 0) != logged.is_some() || logged.is_some_and(|l| l != e.disk_bytes) {
+            // A key being written (or streamed, its old record set aside) may or may not have its
+            // new record in the log yet.
+            let settled = !inner.writing.contains_key(k) && !inner.streams.contains_key(k);
+            if settled && ((e.disk_bytes > 0) != logged.is_some() || logged.is_some_and(|l| l != e.disk_bytes)) {
                 return Err(format!("{name:?}: accounted {} bytes on disk, the log has {logged:?}", e.disk_bytes));
             }
             match e.tier {
@@ -1756,7 +1826,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         let Some(key) = inner
             .lru
             .values()
-            .find(|k| !inner.writing.contains(*k) && inner.map.get(*k).is_some_and(|e| !e.stuck))
+            .find(|k| !inner.writing.contains_key(*k) && inner.map.get(*k).is_some_and(|e| !e.stuck))
             .cloned()
         else {
             return Ok(0);
@@ -1769,7 +1839,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         for _ in 0..2 {
             let live =
                 inner.map.get(&key).is_some_and(|e| Arc::ptr_eq(&e.slot, &slot) && e.tier != Tier::Disk && !e.stuck);
-            if !live || inner.writing.contains(&key) {
+            if !live || inner.writing.contains_key(&key) {
                 break;
             }
             let (_, plan) = self.evict_round(&mut inner, weight.max(1), Some(&key))?;
@@ -1782,10 +1852,11 @@ impl<C: Codec, B: Backend> Store<C, B> {
     }
 
     /// Make everything spilled so far durable (fdatasync of the log), spill writes in flight
-    /// included (they are waited for).
+    /// included (they are waited for; writes that start meanwhile are not).
     pub fn flush(&self) -> Result<()> {
         let mut inner = self.lock();
-        while !inner.writing.is_empty() {
+        let now = inner.next_write;
+        while inner.writing.values().any(|&w| w < now) {
             inner = self.written.wait(inner).unwrap_or_else(|p| p.into_inner());
         }
         drop(inner);

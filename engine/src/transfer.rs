@@ -704,8 +704,8 @@ impl Client {
             let Some(m) = c.request(key)? else { return Ok(false) };
             let total: u64 = m.frame_lens.iter().sum();
             if store.memory_bytes().saturating_add(total) <= store.config().target_bytes {
-                let frames = c.receive_whole(&m)?;
-                store.put_serialized(key, frames)?;
+                let allowance = c.opts.allowance(m.stored_len);
+                store.put_received(key, &m, &mut Paced::new(&mut c.stream, allowance))?;
             } else {
                 let allowance = c.opts.allowance(m.stored_len);
                 store.put_stream(key, &m, &mut Paced::new(&mut c.stream, allowance))?;

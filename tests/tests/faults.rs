@@ -565,3 +565,47 @@ fn records_beyond_a_failed_group_never_come_back_over_newer_values() {
     assert_eq!(log.get(b"a4").unwrap(), None, "never acknowledged");
     assert_eq!(log.get(b"x").unwrap(), Some(Frames::from(vec![1u8; 100])));
 }
+
+/// A reader that panics part-way through `put_stream` (after whole chunks of the value reached the
+/// file) leaves the segment as a reader that fails does: what the value wrote is erased, so neither
+/// the next records nor a recovery see a partial record. The panic still reaches the caller.
+#[test]
+fn a_reader_panicking_in_put_stream_leaves_no_partial_record() {
+    /// Gives `ok` bytes of `payload`, then fails (an error or a panic).
+    struct Stops<'a> {
+        payload: &'a [u8],
+        ok: usize,
+        panic: bool,
+    }
+    impl std::io::Read for Stops<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            if self.ok == 0 {
+                assert!(!self.panic, "the reader panics");
+                return Err(std::io::ErrorKind::ConnectionReset.into());
+            }
+            let n = buf.len().min(self.ok).min(64 << 10);
+            buf[..n].copy_from_slice(&self.payload[..n]);
+            self.payload = &self.payload[n..];
+            self.ok -= n;
+            Ok(n)
+        }
+    }
+    let (payload, meta) = spillway_tests::streamed(&Frames::from(spillway_tests::value_for(b"big", 3 << 20)));
+    let segments = |panic: bool| {
+        let be = SimBackend::new();
+        let log = SegmentLog::open(be.clone(), "/s", LogOptions { segment_bytes: 8 << 20, ..opts() }).unwrap();
+        log.put(b"before", &frames_for(b"before", 1000)).unwrap();
+        let mut src = Stops { payload: &payload, ok: 2 << 20, panic };
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| log.put_stream(b"big", &meta, &mut src)));
+        assert_eq!(r.is_err(), panic, "a panic goes on to the caller");
+        if !panic {
+            assert!(r.unwrap().is_err());
+        }
+        assert_eq!(log.get(b"before").unwrap(), Some(frames_for(b"before", 1000)));
+        assert_eq!(log.get(b"big").unwrap(), None);
+        drop(log);
+        be.files().into_iter().map(|f| be.file_contents(&f).unwrap()).collect::<Vec<_>>()
+    };
+    let after_error = segments(false);
+    assert!(after_error == segments(true), "a panic left other bytes in the segment than an error does");
+}
