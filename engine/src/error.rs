@@ -137,8 +137,10 @@ impl Error {
     }
 
     /// True for an I/O error saying the file system is full or the quota is used up (ENOSPC,
-    /// EDQUOT). The log stays writable after one: deleting or forgetting data frees space, and the
-    /// same write can then succeed.
+    /// EDQUOT). From a write (or from creating a segment) it fails only that call: the log stays
+    /// writable, and once deleting or forgetting data frees space the same write can succeed. From
+    /// an fdatasync or a directory fsync it poisons the log like any other sync failure (the kernel
+    /// may have dropped the dirty pages): later writes fail with [`Error::Poisoned`].
     pub fn is_no_space(&self) -> bool {
         matches!(self, Error::Io { source, .. } if io_no_space(source))
     }

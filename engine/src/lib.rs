@@ -7,9 +7,9 @@
 //! This crate is layered:
 //!
 //! * [`format`](mod@format): the byte layout of segment files (records, footers, trailers), and nothing else.
-//! * [`backend`]: the I/O backends the log runs on: io_uring (`backend::uring`), [`PortableBackend`]
-//!   (`pread`/`pwrite`), [`SimBackend`] (in memory, with fault injection and power cuts), and
-//!   [`AutoBackend`], which picks io_uring and falls back to portable where it is unavailable.
+//! * [`backend`]: the I/O backends the log runs on: io_uring ([`UringBackend`](backend::UringBackend)),
+//!   [`PortableBackend`] (`pread`/`pwrite`), [`SimBackend`] (in memory, with fault injection and power
+//!   cuts), and [`AutoBackend`], which picks io_uring and falls back to portable where it is unavailable.
 //! * [`log`]: the [`SegmentLog`], an append-only, checksummed key-value log with crash recovery,
 //!   tombstones, garbage collection and compaction.
 //! * [`slot`] and [`store`]: the three-tier [`Store`] (objects, serialized frames, records on disk)
@@ -18,8 +18,8 @@
 //!   receiving them, straight to disk when memory is short; `docs/wire.md` is the protocol.
 //!
 //! `unsafe` code lives only in [`buf`] (aligned buffers, the buffer pool), [`slot`] (the
-//! materialization slot's cell) and the io_uring backend (`backend::uring`, `backend::pipeline`); see
-//! `docs/safety.md`.
+//! materialization slot's cell), the io_uring backend (`backend/uring.rs`, `backend/pipeline.rs`) and
+//! `sigpipe.rs` (SIGPIPE held back during a splice into a socket); see `docs/safety.md`.
 #![deny(unsafe_code)]
 
 pub mod backend;
@@ -46,3 +46,8 @@ pub use log::{
 };
 pub use store::{Codec, CodecError, MetricsSnapshot, Store, StoreConfig, Tier, SPILL_WRITE_BEHIND_BYTES};
 pub use value::Frames;
+
+/// The README's Rust examples, compiled by `cargo test` (as doctests) so they stay true to the API.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+struct ReadmeExamples;

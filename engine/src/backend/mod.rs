@@ -1,12 +1,12 @@
 //! I/O backends: the only place the log touches files.
 //!
-//! The segment log is generic over [`Backend`]. Three implementations exist or are planned:
+//! The segment log is generic over [`Backend`]. Four implementations:
 //!
 //! * [`PortableBackend`]: blocking `pread`/`pwrite`/`fdatasync`, works on every Linux kernel and in
 //!   containers that block io_uring.
 //! * [`SimBackend`]: in-memory files with a durable/volatile split, crash simulation and deterministic
 //!   fault injection, for tests and fuzzing.
-//! * [`UringBackend`] (Linux): a driver thread that owns an io_uring, a registered buffer pool and a
+//! * [`UringBackend`]: a driver thread that owns an io_uring, a registered buffer pool and a
 //!   registered file table; blocking and async APIs over the same driver.
 //! * [`AutoBackend`]: io_uring where it works, otherwise portable, with one log line saying why.
 //!
