@@ -96,6 +96,13 @@ pub enum Error {
     /// A peer broke the transfer protocol (bad magic, unknown version, a length over its bound, a
     /// malformed frame) or reported an error of its own.
     Protocol(String),
+    /// A persistent store's `flush` could not write some values held only in memory (`max_spill`
+    /// reached, a full disk, a serialize failure): they stay in memory, readable, but would not
+    /// survive a restart. Everything else was written and synced.
+    NotPersisted {
+        /// How many values are held only in memory.
+        keys: usize,
+    },
     /// The codec failed to serialize or deserialize a value.
     Codec {
         /// `"serialize"` or `"deserialize"`.
@@ -186,6 +193,9 @@ impl fmt::Display for Error {
             Error::NotAStore { path, reason } => write!(f, "{} is not a spillway store: {reason}", path.display()),
             Error::InvalidConfig(msg) => write!(f, "invalid configuration: {msg}"),
             Error::Protocol(msg) => write!(f, "transfer protocol: {msg}"),
+            Error::NotPersisted { keys } => {
+                write!(f, "{keys} value(s) could not be written to disk and are held only in memory")
+            }
             Error::Codec { op, key, source } => write!(f, "failed to {op} {key:?}: {source}"),
         }
     }

@@ -84,8 +84,10 @@ pub struct StoreConfig {
     /// [`SPILL_WRITE_BEHIND_BYTES`] of small spill batches ([`LogOptions::write_behind_bytes`]);
     /// a persistent store never defers writes.
     pub log: LogOptions,
-    /// Keep the contents across reopen. When false (a worker's spill store, whose data dies with it),
-    /// records left by an earlier process are discarded at open and removals write no tombstones.
+    /// Keep the contents across reopen: what was spilled, and after [`Store::flush`] everything
+    /// (values held only in memory are not written until they are evicted or flushed). When false
+    /// (a worker's spill store, whose data dies with it), records left by an earlier process are
+    /// discarded at open and removals write no tombstones.
     pub persistent: bool,
 }
 
@@ -1853,14 +1855,48 @@ impl<C: Codec, B: Backend> Store<C, B> {
 
     /// Make everything spilled so far durable (fdatasync of the log), spill writes in flight
     /// included (they are waited for; writes that start meanwhile are not).
+    ///
+    /// A persistent store first spills every value it holds in memory (those that still have their
+    /// disk copy are dropped from memory, for free), so that once `flush` returns its whole contents
+    /// survive a crash and reopen; without a flush, only what was spilled does. Values that cannot
+    /// be written (`max_spill` reached, a full disk, a serialize failure) stay in memory, readable,
+    /// and `flush` then fails with [`Error::NotPersisted`] after syncing the rest.
     pub fn flush(&self) -> Result<()> {
         let mut inner = self.lock();
+        if self.cfg.persistent {
+            inner = self.spill_everything(inner);
+        }
         let now = inner.next_write;
         while inner.writing.values().any(|&w| w < now) {
             inner = self.written.wait(inner).unwrap_or_else(|p| p.into_inner());
         }
+        let only_in_memory =
+            if self.cfg.persistent { inner.map.values().filter(|e| e.stuck && e.disk_bytes == 0).count() } else { 0 };
         drop(inner);
-        self.log.sync()
+        self.log.sync()?;
+        match only_in_memory {
+            0 => Ok(()),
+            keys => Err(Error::NotPersisted { keys }),
+        }
+    }
+
+    /// Evict every value in memory, for a persistent store's `flush`. Entries being written by
+    /// other threads are left to them (`flush` waits for those writes); stuck entries stay.
+    fn spill_everything<'a>(&'a self, mut inner: MutexGuard<'a, Inner<C::Value>>) -> MutexGuard<'a, Inner<C::Value>> {
+        // Bounded (puts on other threads may keep adding): a round frees or plans at least one
+        // entry, an object takes two rounds (serialize, then write).
+        let rounds = 2 * inner.map.len() + 2;
+        for _ in 0..rounds {
+            let Ok((freed, plan)) = self.evict_round(&mut inner, u64::MAX, None) else { break };
+            if plan.is_empty() {
+                if freed == 0 {
+                    break;
+                }
+                continue;
+            }
+            inner = self.spill(inner, plan, None).0;
+        }
+        inner
     }
 
     /// A snapshot of the metrics and the current accounting. The accounting is read under the store's
