@@ -9,10 +9,10 @@
 //! The `unsafe` here is the buffer protocol in both directions; each site names its invariant.
 #![allow(unsafe_code)]
 
-use std::cell::Cell;
-use std::collections::HashMap;
+use std::cell::RefCell;
+use std::collections::{HashMap, HashSet};
 use std::ffi::{c_int, c_void};
-use std::sync::{mpsc, Arc, Mutex, PoisonError, RwLock};
+use std::sync::{mpsc, Arc, Condvar, Mutex, PoisonError, RwLock};
 
 use bytes::Bytes;
 use pyo3::buffer::PyBuffer;
@@ -55,6 +55,9 @@ struct Borrowed(PyBuffer<u8>);
 
 impl AsRef<[u8]> for Borrowed {
     fn as_ref(&self) -> &[u8] {
+        if self.0.len_bytes() == 0 {
+            return &[]; // an exporter may hand out a null pointer for an empty buffer
+        }
         // SAFETY: `PyBuffer::get` succeeded and was checked C-contiguous, so `buf_ptr()` points to
         // `len_bytes()` readable bytes that the exporter keeps alive (and in place: a buffer export
         // forbids resizing) until the PyBuffer is released, which happens when `self` drops.
@@ -130,11 +133,15 @@ struct Sizes {
     total: u64,
     /// Bytes of puts in flight (counted against `max_disk_bytes`).
     reserved: u64,
+    /// Keys a put or delete is working on: another put or delete of the same key waits (on
+    /// `Inner::settled`), so the sizes follow the log's order of operations on each key.
+    busy: HashSet<Vec<u8>>,
 }
 
 struct Inner {
     log: SegmentLog<AutoBackend>,
     sizes: Mutex<Sizes>,
+    settled: Condvar,
     max_disk: Option<u64>,
     durable: bool,
     /// Dropped with the log (after it: fields drop in order), which tells `Log.close` that the
@@ -145,6 +152,22 @@ struct Inner {
 impl Inner {
     fn sizes(&self) -> std::sync::MutexGuard<'_, Sizes> {
         self.sizes.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The sizes, once no other put or delete of `key` is running; `key` is then busy until
+    /// [`Inner::settle`].
+    fn claim(&self, key: &[u8]) -> std::sync::MutexGuard<'_, Sizes> {
+        let mut s = self.sizes();
+        while s.busy.contains(key) {
+            s = self.settled.wait(s).unwrap_or_else(PoisonError::into_inner);
+        }
+        s.busy.insert(key.to_vec());
+        s
+    }
+
+    fn settle(&self, s: &mut Sizes, key: &[u8]) {
+        s.busy.remove(key);
+        self.settled.notify_all();
     }
 }
 
@@ -162,8 +185,10 @@ const DEFAULT_WRITE_BEHIND: u64 = 2 << 20;
 /// are kept in memory, encoded, and written together once that many bytes are pending, so that a
 /// stream of small spills costs one write per 2 MiB instead of one per value, and the page cache
 /// holds them in large folios, which later reads copy out faster. Pending values read
-/// back at once; closing the log writes them. A full disk fails only the put that met it; deleting
-/// keys frees space.
+/// back at once; closing the log writes them. `durable=True` writes tombstones for deletes and
+/// never writes behind; `sync()` makes what was put so far durable. A full disk met by a write fails
+/// only the put that met it, and deleting keys frees space; a failed fdatasync (of any kind, a
+/// full disk included) makes the log read-only, since the kernel may have dropped the pages.
 #[pyclass(frozen, module = "spillway._core")]
 struct Log {
     inner: RwLock<Option<Arc<Inner>>>,
@@ -171,12 +196,19 @@ struct Log {
     /// running on other threads (each holds the log until it returns).
     closed: Mutex<mpsc::Receiver<()>>,
     backend: &'static str,
+    /// The log's identity in `RUNNING` (its `Inner`'s address, unique while it is alive).
+    id: usize,
 }
 
 thread_local! {
-    /// Log operations running on this thread: a `close` called from inside one (from a frame
-    /// iterator, or a signal handler) must not wait for it, which would never end.
-    static RUNNING: Cell<usize> = const { Cell::new(0) };
+    /// Log operations running on this thread, by log (`Arc::as_ptr`): a `close` of a log called
+    /// from inside an operation on it (from a frame iterator, or a signal handler) must not wait for
+    /// that operation, which would never end. A close of another log waits as usual.
+    static RUNNING: RefCell<HashMap<usize, usize>> = RefCell::new(HashMap::new());
+}
+
+fn log_id(inner: &Arc<Inner>) -> usize {
+    Arc::as_ptr(inner) as usize
 }
 
 /// A running operation's hold on the log. The last hold, after `close`, drops the log without the
@@ -192,7 +224,15 @@ impl std::ops::Deref for Held {
 
 impl Drop for Held {
     fn drop(&mut self) {
-        RUNNING.with(|r| r.set(r.get() - 1));
+        let id = log_id(self.0.as_ref().expect("held until dropped"));
+        RUNNING.with(|r| {
+            let mut r = r.borrow_mut();
+            let n = r.get_mut(&id).expect("counted when taken");
+            *n -= 1;
+            if *n == 0 {
+                r.remove(&id);
+            }
+        });
         if let Some(last) = self.0.take().and_then(Arc::into_inner) {
             Python::with_gil(|py| py.allow_threads(move || drop(last)));
         }
@@ -207,7 +247,7 @@ impl Log {
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
             .ok_or_else(|| PyValueError::new_err("the log is closed"))?;
-        RUNNING.with(|r| r.set(r.get() + 1));
+        RUNNING.with(|r| *r.borrow_mut().entry(log_id(&inner)).or_insert(0) += 1);
         Ok(Held(Some(inner)))
     }
 }
@@ -265,9 +305,11 @@ impl Log {
                 map.insert(k, n);
             }
             let (tx, rx) = mpsc::channel();
-            let sizes = Mutex::new(Sizes { map, total, reserved: 0 });
-            let inner = Inner { log, sizes, max_disk: max_disk_bytes, durable, _closed: tx };
-            Ok(Log { inner: RwLock::new(Some(Arc::new(inner))), closed: Mutex::new(rx), backend: name })
+            let sizes = Mutex::new(Sizes { map, total, reserved: 0, busy: HashSet::new() });
+            let inner = Inner { log, sizes, settled: Condvar::new(), max_disk: max_disk_bytes, durable, _closed: tx };
+            let inner = Arc::new(inner);
+            let id = log_id(&inner);
+            Ok(Log { inner: RwLock::new(Some(inner)), closed: Mutex::new(rx), backend: name, id })
         })
     }
 
@@ -289,10 +331,11 @@ impl Log {
         let n = frames.total_len();
         let key = key.to_vec();
         let result = py.allow_threads(|| {
+            let mut s = inner.claim(&key);
             if let Some(max) = inner.max_disk {
-                let mut s = inner.sizes();
                 let old = s.map.get(&key).copied().unwrap_or(0);
                 if s.total - old + s.reserved + n > max {
+                    inner.settle(&mut s, &key);
                     return Err(DiskFull::new_err(format!(
                         "storing {n} bytes would exceed max_disk_bytes {max} ({} stored)",
                         s.total
@@ -300,15 +343,17 @@ impl Log {
                 }
                 s.reserved += n;
             }
+            drop(s);
             let r = inner.log.put(&key, &frames).map_err(to_py);
             let mut s = inner.sizes();
             if inner.max_disk.is_some() {
                 s.reserved -= n;
             }
             if r.is_ok() {
-                let old = s.map.insert(key, n).unwrap_or(0);
+                let old = s.map.insert(key.clone(), n).unwrap_or(0);
                 s.total = s.total - old + n;
             }
+            inner.settle(&mut s, &key);
             r
         });
         // The borrowed buffers are released here, with the GIL held.
@@ -339,13 +384,16 @@ impl Log {
     fn delete(&self, py: Python<'_>, key: &[u8]) -> PyResult<bool> {
         let inner = self.inner()?;
         py.allow_threads(|| {
+            drop(inner.claim(key));
             let r = if inner.durable { inner.log.delete(key) } else { inner.log.forget(key) };
-            let existed = r.map_err(to_py)?;
             let mut s = inner.sizes();
-            if let Some(n) = s.map.remove(key) {
-                s.total -= n;
+            if r.is_ok() {
+                if let Some(n) = s.map.remove(key) {
+                    s.total -= n;
+                }
             }
-            Ok(existed)
+            inner.settle(&mut s, key);
+            r.map_err(to_py)
         })
     }
 
@@ -386,6 +434,14 @@ impl Log {
         Ok(py.allow_threads(|| inner.log.stats().disk_bytes))
     }
 
+    /// Make every value put so far durable (fdatasync of the active segment; the values written
+    /// behind are written first). For a log opened with `durable=True`; on one that is not, the
+    /// data is synced but deletes are not (they write no tombstones).
+    fn sync(&self, py: Python<'_>) -> PyResult<()> {
+        let inner = self.inner()?;
+        py.allow_threads(|| inner.log.sync()).map_err(to_py)
+    }
+
     /// The backend in use: "uring" or "portable".
     #[getter]
     fn backend(&self) -> &'static str {
@@ -397,9 +453,9 @@ impl Log {
     /// written, its files closed), so the caller may then remove its directory.
     fn close(&self, py: Python<'_>) {
         let taken = self.inner.write().unwrap_or_else(PoisonError::into_inner).take();
-        // Called from inside an operation on this thread, which cannot end while this waits: the
-        // log closes when that operation returns.
-        let wait = RUNNING.with(|r| r.get()) == 0;
+        // Called from inside an operation on this log on this thread, which cannot end while this
+        // waits: the log closes when that operation returns.
+        let wait = RUNNING.with(|r| !r.borrow().contains_key(&self.id));
         // Dropping the log joins the io_uring driver, and running operations may take a while:
         // wait without the GIL. The last of them to return drops the log.
         py.allow_threads(|| {
