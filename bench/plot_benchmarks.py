@@ -1,7 +1,8 @@
 """Draw docs/benchmarks.png from the ratios recorded in docs/benchmarks.md.
 
 The numbers are copied from that file's tables (each measured with the command shown there; where a
-table gives a range over runs, the lower end); update both together. Usage: python3 bench/plot_benchmarks.py  (needs matplotlib).
+table gives a range over runs, the lower end; for bench/compare-fio.sh, the latest median); update
+both together. Usage: python3 bench/plot_benchmarks.py  (needs matplotlib).
 """
 
 import matplotlib
@@ -11,11 +12,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 # (label, measured ratio, target ratio)
 RESULTS = [
-    ("seq write 1M QD16\nvs fio", 0.83, 0.9),
-    ("randread 64K QD16\nvs fio", 0.99, 0.9),
-    ("randread 4K QD32\nvs fio", 0.75, 0.8),
-    ("uring QD32 vs\nportable 1 thread", 3.1, 1.5),
-    ("uring QD32 vs\nportable 32 threads", 0.98, 1.5),
+    ("seq write 1M QD16\nvs fio", 0.97, 0.9),
+    ("randread 64K QD16\nvs fio", 0.87, 0.9),
+    ("randread 4K QD32\nvs fio", 0.79, 0.8),
+    ("uring QD32 vs\nportable 1 thread", 4.35, 1.5),
+    ("uring QD32 vs\nportable 32 threads", 1.10, 1.5),
     ("store spill 4K\nvs file-per-key", 14.8, 10),
     ("store unspill 4K\nvs file-per-key", 5.73, 10),
     ("store unspill 4K\nwritten back", 25.0, 10),
