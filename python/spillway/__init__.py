@@ -4,16 +4,18 @@
 engine's append-only segment log (the Rust extension ``spillway._core``).
 """
 
-from spillway._core import DiskFull, Log, SpillwayError
+from spillway._core import Corrupt, DiskFull, Log, ReadOnly, SpillwayError
 from spillway.buffer import PickleError, SpillBuffer, SpilledSize, encode_key
 from spillway.worker import worker_data
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Corrupt",
     "DiskFull",
     "Log",
     "PickleError",
+    "ReadOnly",
     "SpillBuffer",
     "SpilledSize",
     "SpillwayError",

@@ -36,6 +36,20 @@ create_exception!(
     SpillwayError,
     "Writing would exceed the log's max_disk_bytes; nothing was written."
 );
+create_exception!(
+    _core,
+    Corrupt,
+    SpillwayError,
+    "Bytes on disk failed their checksum or are not a valid record (or were written by an unknown \
+     version of the format). The message names the segment and offset; other keys are unaffected."
+);
+create_exception!(
+    _core,
+    ReadOnly,
+    SpillwayError,
+    "An earlier write or fdatasync failed, so the log refuses writes (reads go on). Reopen the \
+     directory to recover what was acknowledged."
+);
 
 fn to_py(e: Error) -> PyErr {
     match &e {
@@ -46,6 +60,10 @@ fn to_py(e: Error) -> PyErr {
         Error::InvalidConfig(_) | Error::KeyTooLarge { .. } | Error::ValueTooLarge { .. } => {
             PyValueError::new_err(e.to_string())
         }
+        Error::ChecksumMismatch { .. } | Error::Corrupt { .. } | Error::UnsupportedVersion { .. } => {
+            Corrupt::new_err(e.to_string())
+        }
+        Error::Poisoned { .. } => ReadOnly::new_err(e.to_string()),
         _ => SpillwayError::new_err(e.to_string()),
     }
 }
@@ -484,5 +502,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Frame>()?;
     m.add("SpillwayError", m.py().get_type::<SpillwayError>())?;
     m.add("DiskFull", m.py().get_type::<DiskFull>())?;
+    m.add("Corrupt", m.py().get_type::<Corrupt>())?;
+    m.add("ReadOnly", m.py().get_type::<ReadOnly>())?;
     Ok(())
 }

@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from spillway import DiskFull, Log, SpillwayError
+from spillway import Corrupt, DiskFull, Log, ReadOnly, SpillwayError
 
 
 def uring_required() -> bool:
@@ -149,8 +149,9 @@ def test_a_damaged_record_fails_its_own_get_not_the_reopen(tmp_path):
     log = Log(path, durable=True)  # reads heads only: the damage does not stop the open
     assert len(log) == len(values)
     assert log.stored_bytes(b"k3") == 5001
-    with pytest.raises(SpillwayError, match="segment 1 at offset"):
+    with pytest.raises(Corrupt, match="segment 1 at offset"):
         log.get(b"k7")
+    assert issubclass(Corrupt, SpillwayError) and issubclass(ReadOnly, SpillwayError)
     for key, frames in values.items():
         if key != b"k7":
             assert [bytes(f) for f in log.get(key)] == frames
