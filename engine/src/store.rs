@@ -9,9 +9,11 @@
 //! * **disk**: a record in the segment log, weight 0.
 //!
 //! Above `target_bytes`, least-recently-used entries are demoted object -> serialized (-> compressed)
-//! -> disk, on the calling thread, before `put` returns: memory never grows without bound because a
-//! producer pays for the eviction it causes (dask measured that spilling asynchronously without
-//! back-pressure made workers reach their pause threshold sooner). A value heavier than the target goes
+//! -> disk, on the calling thread, before `put` returns: a producer pays for the eviction it causes
+//! (dask measured that spilling asynchronously without back-pressure made workers reach their pause
+//! threshold sooner). Only values the disk refuses (`max_spill` reached, a full or failed disk, a
+//! serialize failure) stay above the target; they are retried when this store frees disk space
+//! (a removed or replaced spilled value) or when one of them is read. A value heavier than the target goes
 //! straight to disk and is served from there without being promoted.
 //!
 //! ## Failures
@@ -546,7 +548,10 @@ fn decompress(c: &Compressed) -> Result<Frames> {
 }
 
 impl<C: Codec, B: Backend> Store<C, B> {
-    /// Open a store in `dir`. Records already in the log become disk-tier entries.
+    /// Open a store in `dir`. A persistent store (`cfg.persistent`) finds the records already in
+    /// the log as disk-tier entries; a spill store (the default) discards them and starts empty. A
+    /// spill store's log never fsyncs (`cfg.log.durable` is ignored), and releases a removed value's
+    /// blocks at once.
     pub fn open(codec: C, backend: B, dir: impl AsRef<Path>, cfg: StoreConfig) -> Result<Self> {
         // A spill store's data dies with the process: the log need not fsync on its own.
         // It also starts empty (`discard_existing`) and releases a removed value's blocks at once
