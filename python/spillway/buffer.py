@@ -14,7 +14,9 @@ Each key is in exactly one tier:
   same keys as dask's ``SpillBuffer`` (with ``max_spill`` set, see below);
 * ``"frames"``: pickled frames held in memory (from :meth:`SpillBuffer.set_serialized`), weighed by
   their exact byte length and spilled in the same LRU order as objects;
-  :meth:`~SpillBuffer.__getitem__` unpickles them once and keeps the object;
+  :meth:`~SpillBuffer.__getitem__` unpickles them once and keeps the object (an object heavier than
+  ``target`` is not kept: it is built on copies of the frames' writeable buffers, since the frames
+  are written to disk while it is in use);
 * ``"disk"``: a record in the :class:`spillway.Log`.
 
 ``fast`` (alias ``memory``) views the first two tiers, ``slow`` (alias ``disk``) the third.
@@ -25,6 +27,9 @@ Policy (as dask's)
   head is spilled. A value heavier than ``target`` is spilled first, at once, and is served from
   disk without being brought back into memory. Reading a spilled key that is not heavier than
   ``target`` moves it back into memory (and may spill others).
+* A key not heavier than ``target`` is never spilled by its own set: when the older keys in memory
+  are all being written or read by other threads, the in-memory weight stays above ``target`` until
+  a later eviction round.
 * ``max_spill``: a spill that would take the bytes on disk above it is refused; the key stays in
   memory and "Spill file on disk reached capacity; keeping data in memory" is logged (at most every
   10 s). The bytes counted are the pickle frames spillway stores; dask counts its own framing, a
@@ -33,9 +38,10 @@ Policy (as dask's)
   value the log refuses (``ValueError``: more than 65535 out-of-band buffers, or larger than the
   log's value limit), keeps the key in memory and logs "Spill to disk failed; keeping data in memory" with the traceback (at most
   every 10 s).
-* A value that fails to pickle: if it is the one being set, ``__setitem__`` raises
-  ``TypeError("Failed to pickle 'key'")`` (the pickling error chained as ``__cause__``) and the key
-  is forgotten; otherwise it stays in memory and "Failed to pickle 'key'" is logged once per key.
+* A value that fails to pickle: if it is the one being set and is heavier than ``target`` (the only
+  case in which its own set spills it), ``__setitem__`` raises ``TypeError("Failed to pickle
+  'key'")`` (the pickling error chained as ``__cause__``) and the key is forgotten; otherwise it
+  stays in memory and "Failed to pickle 'key'" is logged once per key.
 * A failed spill stops the eviction round that hit it (as in dask); the key that failed keeps its
   place in the LRU. If the key being set is heavier than ``target`` and cannot be spilled, the other
   keys in memory are spilled instead (dask's rule).
@@ -98,7 +104,8 @@ subdirectory of ``spill_directory`` and removes that subdirectory in :meth:`~Spi
 Threads
 -------
 All methods may be called from several threads. One lock guards the bookkeeping; pickling,
-unpickling and disk I/O run outside it (the log releases the GIL while it reads or writes).
+unpickling and disk I/O (deleting records included) run outside it (the log releases the GIL while
+it reads, writes or deletes).
 Concurrent ``__getitem__`` of the same key that is not in memory as an object unpickles it once: the
 first thread reads and unpickles, the others wait on an event (GIL released) and receive the same
 object, or the same exception, in which case the data stays where it was.
@@ -371,6 +378,18 @@ def _loads(frames: list, writeable: bool) -> object:
     return pickle.loads(frames[0], buffers=buffers)
 
 
+def _shares_writeable_memory(frames: list) -> bool:
+    """Whether ``_loads(frames, ...)`` may build an object on (and so able to mutate) the memory of
+    ``frames``: it uses writeable out-of-band buffers as they are."""
+    return any(not memoryview(b).readonly for b in frames[1:])
+
+
+def _private_copies(frames: list) -> list:
+    """``frames`` with every writeable out-of-band buffer copied: what ``_loads`` builds on them
+    shares no memory that can be mutated with ``frames``."""
+    return [frames[0], *(b if memoryview(b).readonly else bytearray(b) for b in frames[1:])]
+
+
 def _array_from_spec(buffer: object, spec: tuple) -> object:
     dtype, shape, order = spec
     a = sys.modules["numpy"].frombuffer(buffer, dtype=dtype)
@@ -460,7 +479,16 @@ class _Load:
 class _Entry:
     """One key. ``value`` is the object (tier OBJECT), the frames (FRAMES) or None (DISK)."""
 
-    __slots__ = ("tier", "value", "weight", "log_key", "disk_bytes", "loading", "evicting")
+    __slots__ = (
+        "tier",
+        "value",
+        "weight",
+        "log_key",
+        "disk_bytes",
+        "loading",
+        "evicting",
+        "evicting_weight",
+    )
 
     def __init__(self, tier: Tier, value: object, weight: int):
         self.tier = tier
@@ -470,6 +498,10 @@ class _Entry:
         self.disk_bytes = 0
         self.loading: _Load | None = None  # a thread is reading/unpickling this key
         self.evicting = False  # a thread is writing this key to disk
+        # The part of the buffer's _evicting_weight that this key's write accounts for: its weight,
+        # until the write returns, or until a del or an unpickle makes that write moot (the weight
+        # has then left memory, or is counted anew, at once).
+        self.evicting_weight = 0
 
 
 class _WeakCache:
@@ -676,9 +708,10 @@ class SpillBuffer(MutableMapping):
         """Store ``value`` in memory, then spill least-recently-used keys while above ``target``.
         A value heavier than ``target`` is written to disk at once.
 
-        Raises PickleError (a TypeError) if the value being set had to be spilled and could not be
-        pickled; the key is then forgotten. Every other failure (another key failed to pickle, disk
-        error, ``max_spill``) is logged and the key that caused it stays in memory.
+        Raises PickleError (a TypeError) if the value being set is heavier than ``target`` (so it is
+        spilled at once) and cannot be pickled; the key is then forgotten. Every other failure
+        (a lighter value or another key failed to pickle, disk error, ``max_spill``) is logged and
+        the key that caused it stays in memory.
         """
         weight = _sizeof(value)
         self._insert(key, _Entry(_OBJECT, value, weight), heavy=weight > self.target)
@@ -686,12 +719,16 @@ class SpillBuffer(MutableMapping):
     def __getitem__(self, key: Hashable) -> object:
         """The object of ``key``. An object in memory moves to the tail of the LRU. A key held as
         frames or on disk is unpickled (once, whatever the number of concurrent readers) and, unless
-        heavier than ``target``, kept in memory as an object."""
+        heavier than ``target``, kept in memory as an object. Raises SpillwayError if the key's
+        record is missing from the log."""
         while True:
             try:
                 return self._get_once(key)
             except _RecordGone:
-                continue  # read again from what the key is now (KeyError if it is gone)
+                # Another thread deleted, replaced or promoted the key (a record that is lost while
+                # the key still points to it raises SpillwayError instead): read again from what
+                # the key is now (KeyError if it is gone).
+                continue
 
     def _get_once(self, key: Hashable) -> object:
         with self._lock:
@@ -714,13 +751,14 @@ class SpillBuffer(MutableMapping):
         if not owner:
             return load.wait()
         read = None  # (bytes, seconds) of the disk read, digested with the promotion (one lock)
+        weight = None  # sizeof(obj), when known already
         try:
             if tier is _DISK:
                 t0 = perf_counter()
                 try:
                     frames = self._log.get(log_key)
                 except KeyError:
-                    raise _RecordGone() from None  # its waiters start over too
+                    raise self._record_gone(key, log_key) from None  # for its waiters too
                 t1 = perf_counter()
                 read = (sum(map(len, frames)), t1 - t0)  # 1-D byte memoryviews: len is nbytes
                 # The log's memoryviews are writeable already: nothing to copy.
@@ -728,6 +766,13 @@ class SpillBuffer(MutableMapping):
             else:
                 t1 = perf_counter()
                 obj = _loads(frames, self.writeable)
+                weight = _sizeof(obj)
+                if weight > self.target and _shares_writeable_memory(frames):
+                    # Too heavy to keep: these frames stay (and are written to disk) while the
+                    # object is handed out, and may be being written already. Built on them, a task
+                    # mutating the object in place would change, or tear, the record. Build it
+                    # again on copies (heavy values only; a light object replaces its frames).
+                    obj = _loads(_private_copies(frames), self.writeable)
             seconds = perf_counter() - t1
         except BaseException as error:
             with self._lock:
@@ -736,14 +781,15 @@ class SpillBuffer(MutableMapping):
                     self._digest_io("disk-read", *read)
             load.set_exception(error)
             raise
-        self._promote(key, e, obj, load, read, seconds)
+        self._promote(key, e, obj, load, read, seconds, weight)
         return obj
 
     def __delitem__(self, key: Hashable) -> None:
         with self._lock:
             if key not in self._entries:
                 raise KeyError(key)
-            self._drop(key)
+            log_key = self._drop(key)
+        self._delete_record(key, log_key)  # outside the lock: it may punch holes, unlink files
 
     def pop(self, key: Hashable, default: object = None) -> object:
         raise NotImplementedError(
@@ -754,8 +800,9 @@ class SpillBuffer(MutableMapping):
     def clear(self) -> None:
         """Forget every key without reading anything back."""
         with self._lock:
-            for key in list(self._entries):
-                self._drop(key)
+            records = [(key, self._drop(key)) for key in list(self._entries)]
+        for key, log_key in records:  # outside the lock (see _delete_record)
+            self._delete_record(key, log_key)
 
     def items(self) -> ItemsView:
         """Items; reading them neither changes tiers nor the LRU order."""
@@ -775,6 +822,14 @@ class SpillBuffer(MutableMapping):
         Never raises."""
         try:
             weight = self._evict_one(force=True)
+            if weight == 0:
+                # The write was thrown away: its key was deleted, replaced or unpickled meanwhile.
+                # Sets and reads made during the write may have counted on it to make room: spill
+                # what they did not.
+                try:
+                    self._evict_until_below_target()
+                except _SpillFailure as failure:
+                    self._log_failure(failure)
         except _SpillFailure as failure:
             self._log_failure(failure)
             return -1
@@ -804,7 +859,7 @@ class SpillBuffer(MutableMapping):
         if tier is _DISK:
             try:
                 return self._read(key, log_key)
-            except _RecordGone:
+            except _RecordGone:  # (SpillwayError instead if the key has not moved: no endless loop)
                 return self.get_serialized(key)  # moved meanwhile: from where it is now
         return self._pickle(key, value)
 
@@ -839,14 +894,20 @@ class SpillBuffer(MutableMapping):
 
     def _insert(self, key: Hashable, e: _Entry, heavy: bool) -> None:
         with self._lock:
-            self._drop(key)
+            old_log_key = self._drop(key)
             self._entries[key] = e
             self._lru[key] = None
             self._memory_weight += e.weight
             if heavy:
                 self._heavy[key] = None
+        self._delete_record(key, old_log_key)  # outside the lock (see _delete_record)
         try:
-            self._evict_until_below_target()
+            # dask (zict.LRU) spills from the LRU head, so a key not heavier than target is never
+            # spilled by its own set: the older keys go first, and with them gone it fits alone.
+            # Older keys that other threads are writing or reading cannot go now; spilling the new
+            # key instead would still be wrong (and raise PickleError for a light value, which dask
+            # never does): it waits for a later round, as in dask.
+            self._evict_until_below_target(exclude=_NO_KEY if heavy else key)
         except _SpillFailure as failure:
             with self._lock:
                 current = self._entries.get(key) is e
@@ -855,15 +916,17 @@ class SpillBuffer(MutableMapping):
                 heavy_failed = current and e.weight > self.target and key not in self._heavy
             if heavy_failed:
                 self._evict_all_but(key)
-            if failure.kind == "pickle" and failure.key == key:
+            if failure.kind == "pickle" and failure.key == key and heavy:
+                # dask raises only for the value being set, and only when it is heavier than
+                # target (the only case in which its own set spills it); the key is forgotten.
                 with self._lock:
-                    if self._entries.get(key) is e:
-                        self._drop(key)
+                    log_key = self._drop(key) if self._entries.get(key) is e else b""
+                self._delete_record(key, log_key)
                 raise failure.error from failure.error.__cause__
             self._log_failure(failure)
 
-    def _evict_until_below_target(self) -> None:
-        while self._evict_one(force=False) is not None:
+    def _evict_until_below_target(self, exclude: object = _NO_KEY) -> None:
+        while self._evict_one(force=False, exclude=exclude) is not None:
             # Nothing left to do (read without the lock, as an early exit: a thread that changes
             # these afterwards runs its own eviction).
             if not self._heavy and self._memory_weight - self._evicting_weight <= self.target:
@@ -901,6 +964,7 @@ class SpillBuffer(MutableMapping):
             e = self._entries[key]
             e.evicting = True
             self._heavy.pop(key, None)  # a heavy key whose spill fails stays at the LRU tail
+            e.evicting_weight = e.weight
             self._evicting_weight += e.weight
             tier, value, weight = e.tier, e.value, e.weight
             self._writes += 1
@@ -910,7 +974,7 @@ class SpillBuffer(MutableMapping):
         except BaseException as error:
             with self._lock:
                 e.evicting = False
-                self._evicting_weight -= weight
+                self._stop_evicting(e)
             if isinstance(error, PickleError):
                 raise _SpillFailure("pickle", key, error) from None
             if isinstance(error, DiskFull):
@@ -923,26 +987,29 @@ class SpillBuffer(MutableMapping):
 
         with self._lock:
             e.evicting = False
-            self._evicting_weight -= weight
+            self._stop_evicting(e)  # (nothing left to release if a del or an unpickle did)
             self._digest_io("disk-write", stored, seconds)
-            if self._entries.get(key) is not e or e.tier is not tier:
-                # Deleted, replaced or unpickled by another thread while we were writing.
-                self._delete_record(key, log_key)
-                return 0
-            del self._lru[key]
-            self._heavy.pop(key, None)
-            self._memory_weight -= weight
-            e.tier = _DISK
-            e.value = None
-            e.log_key = log_key
-            e.disk_bytes = stored
-            self._spilled_memory += weight
-            self._spilled_disk += stored
-            if tier is _OBJECT:
-                try:
-                    self._weak[key] = value
-                except TypeError:  # no weak references to this type
-                    pass
+            lost = self._entries.get(key) is not e or e.tier is not tier
+            if not lost:
+                del self._lru[key]
+                self._heavy.pop(key, None)
+                self._memory_weight -= weight
+                e.tier = _DISK
+                e.value = None
+                e.log_key = log_key
+                e.disk_bytes = stored
+                self._spilled_memory += weight
+                self._spilled_disk += stored
+                if tier is _OBJECT:
+                    try:
+                        self._weak[key] = value
+                    except TypeError:  # no weak references to this type
+                        pass
+        if lost:
+            # Deleted, replaced or unpickled by another thread while we were writing. The record
+            # is no one's (its log key is new): delete it outside the lock (see _delete_record).
+            self._delete_record(key, log_key)
+            return 0
         return weight
 
     def _write(self, key: Hashable, tier: Tier, value: object, write_number: int):
@@ -976,14 +1043,17 @@ class SpillBuffer(MutableMapping):
         load: _Load | None = None,
         read: tuple | None = None,
         deserialize_seconds: float | None = None,
+        weight: int | None = None,
     ) -> None:
         """After ``obj`` was unpickled (or found in the weak cache) for a key held as frames or on
         disk: keep it in memory unless it is heavier than target, wake the waiters, then spill
         others if above target (failures logged, not raised). ``read`` (bytes, seconds) and
         ``deserialize_seconds`` are the metrics of how ``obj`` was obtained, digested here under the
-        same lock."""
-        weight = _sizeof(obj)
+        same lock; ``weight`` is ``sizeof(obj)`` if the caller knows it already."""
+        if weight is None:
+            weight = _sizeof(obj)
         memory_changed = False
+        old_log_key = b""  # the record to delete once the lock is released
         try:
             with self._lock:
                 if load is not None:
@@ -999,12 +1069,16 @@ class SpillBuffer(MutableMapping):
                         if e.tier is _DISK:
                             self._spilled_memory -= e.weight
                             self._spilled_disk -= e.disk_bytes
-                            self._delete_record(key, e.log_key)
+                            old_log_key = e.log_key
                             self._lru[key] = None
                         else:
                             self._memory_weight -= e.weight
                             self._heavy.pop(key, None)
                             self._lru.move_to_end(key)
+                            # Frames being written: that write will be thrown away (the tier
+                            # changes), so their weight stops counting as leaving memory now (see
+                            # _drop); the object's weight counts in full.
+                            self._stop_evicting(e)
                         self._weak.pop(key, None)
                         e.tier = _OBJECT
                         e.value = obj
@@ -1027,29 +1101,51 @@ class SpillBuffer(MutableMapping):
         finally:
             if load is not None:
                 load.set_result(obj)  # the waiters have their object whatever happened above
+        self._delete_record(key, old_log_key)  # outside the lock (see _delete_record)
         if memory_changed:
             try:
                 self._evict_until_below_target()
             except _SpillFailure as failure:
                 self._log_failure(failure)
 
-    def _drop(self, key: Hashable) -> None:
-        """Under the lock: forget ``key`` if present, with its disk record."""
+    def _drop(self, key: Hashable) -> bytes:
+        """Under the lock: forget ``key`` if present. Returns the log key of its disk record (b""
+        if none), for the caller to delete with :meth:`_delete_record` once the lock is
+        released."""
         e = self._entries.pop(key, None)
         if e is None:
-            return
+            return b""
         self._heavy.pop(key, None)
+        log_key = b""
         if e.tier is _DISK:
             self._spilled_memory -= e.weight
             self._spilled_disk -= e.disk_bytes
-            self._delete_record(key, e.log_key)
+            log_key = e.log_key
         else:
             del self._lru[key]
             self._memory_weight -= e.weight
+            # Being written: its weight has left memory now, not when the write returns (which
+            # then throws the record away). Still counted as leaving until then, it would make the
+            # eviction rounds of the sets made meanwhile stop early, and no one would spill what
+            # they did not.
+            self._stop_evicting(e)
         self._weak.pop(key, None)
         self.logged_pickle_errors.discard(key)
+        return log_key
+
+    def _stop_evicting(self, e: _Entry) -> None:
+        """Under the lock: ``e``'s weight no longer counts as leaving memory (idempotent)."""
+        self._evicting_weight -= e.evicting_weight
+        e.evicting_weight = 0
 
     def _delete_record(self, key: Hashable, log_key: bytes) -> None:
+        """Delete a record from the log; b"" is none. Called without the lock: the log may punch
+        holes and unlink segment files, which the other threads' gets and sets must not wait for.
+        The bookkeeping was updated under the lock already, and log keys are never reused, so
+        nothing can take the record for a live one meanwhile (a reader racing the delete finds it
+        gone and starts over)."""
+        if not log_key:
+            return
         try:
             self._log.delete(log_key)
         except ValueError:
@@ -1071,12 +1167,24 @@ class SpillBuffer(MutableMapping):
         try:
             frames = self._log.get(log_key)
         except KeyError:
-            raise _RecordGone() from None
+            raise self._record_gone(key, log_key) from None
         seconds = perf_counter() - t0
         nbytes = sum(map(len, frames))  # the log returns 1-D byte memoryviews: len is nbytes
         with self._lock:
             self._digest_io("disk-read", nbytes, seconds)
         return frames
+
+    def _record_gone(self, key: Hashable, log_key: bytes) -> Exception:
+        """The exception for a read of ``log_key`` that the log did not find. _RecordGone (start
+        over) if the key has moved: another thread deleted, replaced or promoted it (the
+        bookkeeping changes under the lock before the record is deleted). If the key still points
+        to that record, the log lost it: starting over would read it again forever."""
+        with self._lock:
+            e = self._entries.get(key)
+            lost = e is not None and e.tier is _DISK and e.log_key == log_key
+        if lost:
+            return SpillwayError(f"the spilled record of {key!r} is missing from the log")
+        return _RecordGone()
 
     def _log_failure(self, failure: _SpillFailure) -> None:
         if failure.kind == "max_spill":

@@ -20,6 +20,7 @@ class Gate:
         self.count = 0
         self.lock = threading.Lock()
         self.release = threading.Event()
+        self.entered = threading.Event()  # set by the first unpickle, before it blocks
         self.fail = False
 
 
@@ -30,6 +31,7 @@ def _rebuild(gate_id: int, payload: bytes) -> Counted:
     gate = GATES[gate_id]
     with gate.lock:
         gate.count += 1
+    gate.entered.set()
     assert gate.release.wait(60), "test never released the unpickle"
     if gate.fail:
         raise ValueError("unpickle failed")
@@ -391,4 +393,199 @@ def test_a_get_racing_a_set_of_the_same_key_returns_a_value(make_buffer):
     t.join(60)
     assert not t.is_alive()
     assert out.get("value") == ("new", b""), out
+    assert_consistent(buf)
+
+
+class _Refuses:
+    """A light value that cannot be pickled."""
+
+    def __init__(self, payload: bytes):
+        self.payload = payload
+
+    def __reduce__(self):
+        raise TypeError("this object refuses to be pickled")
+
+    def __sizeof__(self):
+        return object.__sizeof__(self) + len(self.payload)
+
+
+@pytest.mark.parametrize("picklable", [True, False], ids=["picklable", "unpicklable"])
+def test_a_light_key_set_while_the_older_keys_are_busy_is_not_spilled_by_its_own_set(
+    make_buffer, gate, caplog_spillway, picklable
+):
+    """The only older key in memory is being unpickled (it cannot be spilled meanwhile) when a
+    light key pushes memory above target. As in dask (zict.LRU spills the LRU head, never the key
+    just set unless it is heavier than target), the new key stays in memory: it used to be spilled
+    by its own set, and, if it could not be pickled, forgotten with a PickleError that dask raises
+    only for values heavier than target."""
+    from spillway import buffer
+
+    buf = make_buffer(target=1000)
+    buf.set_serialized("a", buffer._dumps(Counted(id(gate), b"p" * 700)))
+    assert buf.tier("a") == "frames" and 700 < buf.fast.total_weight < 1000
+    t, out = _in_thread(lambda: buf["a"])
+    assert gate.entered.wait(60)  # "a" is being unpickled
+    value = bytes(400) if picklable else _Refuses(b"y" * 400)
+    weight = buffer._sizeof(value)
+    assert weight < buf.target < buf.fast.total_weight + weight
+    buf["c"] = value
+    assert buf.tier("c") == "object" and buf["c"] is value
+    assert not buf.slow and len(buf.log) == 0
+    gate.release.set()
+    t.join(60)
+    assert not t.is_alive()
+    assert out["value"].payload == b"p" * 700
+    assert buf["c"] is value
+    assert [r.getMessage() for r in caplog_spillway.records if r.name == "spillway"] == []
+    assert_consistent(buf)
+
+
+@pytest.mark.parametrize("how", ["del", "get"])
+def test_a_key_dropped_or_read_while_being_spilled_stops_counting_as_leaving_memory(
+    make_buffer, how
+):
+    """While a key is being written to disk its weight counts as leaving memory. If it is deleted,
+    or unpickled back into an object, meanwhile, it no longer is (the write is thrown away): its
+    weight used to keep counting until the write returned, so the sets made meanwhile spilled too
+    little, and nothing spilled the rest afterwards."""
+    from spillway import buffer
+
+    buf = make_buffer(target=1000)
+    if how == "del":
+        buf["a"] = bytes(600)
+    else:
+        buf.set_serialized("a", buffer._dumps(bytes(600)))
+    log = BlockingPut(buf._log)
+    buf._log = log
+    t, out = _in_thread(buf.evict)
+    assert log.entered.wait(60)  # "a" is being written
+    if how == "del":
+        del buf["a"]
+    else:
+        assert buf["a"] == bytes(600) and buf.tier("a") == "object"
+    buf["b"] = bytes(600)
+    buf["c"] = bytes(600)
+    if how == "del":
+        # At once, not only when the write returns (which can take long). (An unpickled key is
+        # still being written, so it cannot be spilled anew until then.)
+        assert buf.fast.total_weight <= buf.target, (buf.fast.total_weight, list(buf.fast))
+    log.release.set()
+    t.join(60)
+    assert not t.is_alive() and "error" not in out, out
+    assert buf.fast.total_weight <= buf.target, (buf.fast.total_weight, list(buf.fast))
+    assert_consistent(buf)
+
+
+class BlockingDelete:
+    """Wraps a SpillBuffer's Log: the first ``delete`` signals ``entered``, waits for ``release``."""
+
+    def __init__(self, log):
+        self.inner = log
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.blocked = False
+
+    def delete(self, key):
+        if not self.blocked:
+            self.blocked = True
+            self.entered.set()
+            assert self.release.wait(60), "test never released the delete"
+        return self.inner.delete(key)
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("how", ["del", "set", "clear", "get", "lost-race"])
+def test_deleting_a_record_does_not_block_other_keys(make_buffer, how):
+    """Deleting a record from the log (which may punch holes and unlink segment files) runs outside
+    the buffer's lock: a read of another key in memory does not wait for it. It used to run under
+    the lock, from ``del``, a set replacing a spilled key, ``clear()``, a read bringing a key back
+    into memory and an eviction whose write lost a race with a ``del``."""
+    buf = make_buffer(target=1 << 20)
+    buf["x"] = ("x", bytes(1000))
+    if how != "lost-race":
+        assert buf.evict() > 0 and buf.tier("x") == "disk"
+    buf["y"] = ("y", b"")
+    log = BlockingDelete(BlockingPut(buf._log))
+    buf._log = log
+    if how == "lost-race":
+        log.inner.blocked = False  # the eviction of "x" blocks in put, then in delete
+        buf._lru.move_to_end("y")
+        t, out = _in_thread(buf.evict)
+        assert log.inner.entered.wait(60)
+        del buf["x"]  # while it is being written: the write is thrown away
+        log.inner.release.set()
+    else:
+        log.inner.blocked = True  # puts do not block
+        op = {
+            "del": lambda: buf.__delitem__("x"),
+            "set": lambda: buf.__setitem__("x", ("x2", b"")),
+            "clear": buf.clear,
+            "get": lambda: buf["x"],
+        }[how]
+        t, out = _in_thread(op)
+    try:
+        assert log.entered.wait(60)  # the delete of the record of "x" is under way
+        reader, got = _in_thread(lambda: buf["y"])
+        reader.join(10)
+        assert not reader.is_alive(), "a read of a key in memory waited for a disk delete"
+        if how == "clear":
+            assert isinstance(got.get("error"), KeyError), got
+        else:
+            assert got.get("value") == ("y", b""), got
+    finally:
+        log.release.set()
+        log.inner.release.set()
+        t.join(60)
+    assert not t.is_alive() and "error" not in out, out
+    assert_consistent(buf)
+
+
+class Weighs:
+    """Holds ``data``; ``sizeof`` says it weighs ``weight`` bytes."""
+
+    def __init__(self, data, weight: int):
+        self.data = data
+        self.weight = weight
+
+    def __sizeof__(self):
+        return self.weight
+
+
+def test_a_heavy_object_read_from_held_frames_does_not_share_their_memory(make_buffer):
+    """Frames held in memory that unpickle to an object heavier than target are spilled, and the
+    object is handed out. It used to be built on the writeable frames themselves, handed out (to
+    the other readers, through the weak cache) before or while those frames were written: a task
+    mutating its input in place changed (or tore) the record being written."""
+    import gc
+
+    np = pytest.importorskip("numpy")
+    from spillway import buffer
+
+    original = np.arange(1000, dtype="u8")
+    frames = buffer._dumps(Weighs(original.copy(), 100_000))
+    assert len(frames) == 2  # the array is out of band
+    frames = [frames[0], bytearray(frames[1])]  # writeable, and the buffer's own
+    buf = make_buffer(target=50_000)  # the frames fit, the object does not
+    buf.set_serialized("k", frames)
+    assert buf.tier("k") == "frames"
+    log = BlockingPut(buf._log)
+    buf._log = log
+    t, out = _in_thread(lambda: buf["k"])
+    assert log.entered.wait(60)  # the first reader found the object too heavy: writing its frames
+    seen = buf["k"]
+    seen.data[:] = 7  # a task mutating its input in place
+    log.release.set()
+    t.join(60)
+    assert not t.is_alive() and "error" not in out, out
+    assert buf.tier("k") == "disk" and len(buf.log) == 1
+    del seen
+    out.clear()
+    gc.collect()
+    assert buf._weak.get("k") is None  # what is read next comes from disk
+    assert (buf["k"].data == original).all()
     assert_consistent(buf)

@@ -386,3 +386,52 @@ def test_keys_can_be_deleted_after_close(make_buffer):
     buf.clear()
     assert len(buf) == 0
     assert buf.spilled_total == (0, 0)
+
+
+class CountingGets:
+    """Wraps a SpillBuffer's Log, counting ``get``; gives up after ``limit`` (a reader that retries
+    forever would otherwise never return)."""
+
+    def __init__(self, log, limit=100):
+        self.inner = log
+        self.gets = 0
+        self.limit = limit
+
+    def get(self, key):
+        self.gets += 1
+        if self.gets > self.limit:
+            raise RuntimeError(f"read {self.gets} times")
+        return self.inner.get(key)
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("how", ["getitem", "get_serialized", "peek"])
+def test_a_record_missing_from_the_log_is_an_error_not_an_endless_retry(make_buffer, how):
+    """A key on disk whose record the log no longer has (and no other thread moved): reading it
+    raises SpillwayError. Readers start over when a record vanishes because another thread deleted,
+    replaced or promoted the key; when nothing changed they used to start over forever
+    (``__getitem__``) or until RecursionError (``get_serialized``, ``items()``)."""
+    buf = make_buffer(target=1 << 20)
+    buf["k"] = ("k", bytes(1000))  # tuples take no weak references: reads go to the log
+    buf["other"] = ("other", bytes(1000))
+    assert buf.evict() > 0 and buf.evict() > 0 and set(buf.slow) == {"k", "other"}
+    assert buf.log.delete(buf._entries["k"].log_key)  # white box: the log lost it
+    log = CountingGets(buf._log)
+    buf._log = log
+    read = {
+        "getitem": lambda: buf["k"],
+        "get_serialized": lambda: buf.get_serialized("k"),
+        "peek": lambda: buf.slow["k"],
+    }[how]
+    with pytest.raises(spillway.SpillwayError, match="'k'"):
+        read()
+    assert log.gets <= 2
+    assert buf.tier("k") == "disk"  # still known: deleting it works
+    assert buf["other"] == ("other", bytes(1000))
+    del buf["k"]
+    assert "k" not in buf and buf.spilled_total.disk == buf.log.disk_bytes
