@@ -348,6 +348,12 @@ pub fn peek_record_header(b: &[u8]) -> Result<RecordHeader, DecodeError> {
     if h.is_sync_mark() && (h.key_len != 0 || h.flags != FLAG_SYNC_MARK) {
         return Err(DecodeError::Invalid("sync mark with a key or other flags"));
     }
+    if h.is_tombstone() && h.aux > h.segment {
+        // A tombstone shadows older segments only: the oldest segment that may hold an older version
+        // of its key is at most its own (a compaction copy keeps the original's, which is older
+        // still). The log looks up the segments in `aux..segment`.
+        return Err(DecodeError::Invalid("tombstone shadows a segment after its own"));
+    }
     if h.is_lz4() && !lz4_can_expand_to(h.stored_len, h.raw_len) {
         // A reader allocates `raw_len` bytes to decompress into: a header with valid checksums (a
         // crafted one) must not make it ask for terabytes.
@@ -737,6 +743,30 @@ mod tests {
         let zeros = vec![0u8; 16 << 20];
         let c = lz4_flex::block::compress(&zeros);
         assert!(zeros.len() as u64 <= c.len() as u64 * LZ4_MAX_RATIO, "{} -> {}", zeros.len(), c.len());
+    }
+
+    #[test]
+    fn a_tombstone_shadowing_a_later_segment_is_invalid() {
+        let tombstone = |aux: u32| {
+            let h = RecordHeader {
+                flags: FLAG_TOMBSTONE,
+                frame_count: 0,
+                key_len: 1,
+                segment: 7,
+                epoch: 3,
+                payload_crc: payload_crc(&[]),
+                seq: 1,
+                raw_len: 0,
+                stored_len: 0,
+                aux,
+            };
+            let mut b = vec![0u8; h.record_len() as usize];
+            write_record_head(&mut b, &h, &[], b"k");
+            b
+        };
+        assert_eq!(decode_record(&tombstone(7)).unwrap().header.aux, 7);
+        let e = decode_record(&tombstone(8)).unwrap_err();
+        assert!(matches!(e, DecodeError::Invalid(m) if m.contains("after its own")), "{e:?}");
     }
 
     #[test]

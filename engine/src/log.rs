@@ -257,6 +257,15 @@ pub const MAX_SEGMENT_BYTES: u64 = (4 << 30) - (1 << 20);
 pub const MAX_VALUE_BYTES: u64 = (4 << 30) - (1 << 20);
 /// Largest record (value, frame table, key and gaps): the index holds lengths in 32 bits.
 const MAX_RECORD_BYTES: u64 = u32::MAX as u64;
+/// Largest segment file the writer makes: a jumbo segment (see `rotate`) for the largest record with
+/// the longest key, at the largest alignment. A segment header claiming more is damage.
+const MAX_SEGMENT_FILE_BYTES: u64 = {
+    const ALIGN: u64 = 65536;
+    let data = align_up(align_up(ALIGN + MAX_RECORD_BYTES, RECORD_ALIGN), ALIGN);
+    let footer_entry = align_up((format::FOOTER_ENTRY_FIXED_LEN + format::MAX_KEY_BYTES) as u64, format::FOOTER_ALIGN);
+    data + align_up(footer_entry + format::TRAILER_LEN as u64, ALIGN)
+};
+const _: () = assert!(MAX_SEGMENT_FILE_BYTES >= MAX_SEGMENT_BYTES);
 
 /// What recovery found when the log was opened.
 #[derive(Debug, Clone, Default)]
@@ -345,10 +354,11 @@ struct SegMeta {
     /// Some record of this segment was superseded by a record still pending in memory
     /// (write-behind): deleting the segment must wait until that record is written.
     superseded_by_pending: bool,
-    /// A needed tombstone here could not be relocated (its bytes are damaged): compaction leaves
-    /// the segment alone (it would copy the other tombstones again every time), and garbage
-    /// collection keeps it while that tombstone is needed.
-    damaged_tombstones: bool,
+    /// A record compaction had to move (a live value, or a needed tombstone) could not be moved,
+    /// its bytes being damaged, so the segment stays: compaction leaves it alone from then on (it
+    /// would find it sparse and copy its needed tombstones again every time). A damaged live value
+    /// keeps the segment by being live; a damaged tombstone by staying counted, while it is needed.
+    unmovable: bool,
 }
 
 impl SegMeta {
@@ -366,7 +376,7 @@ impl SegMeta {
             min_shadow: u32::MAX,
             punched: 0,
             superseded_by_pending: false,
-            damaged_tombstones: false,
+            unmovable: false,
         }
     }
 }
@@ -398,7 +408,11 @@ struct WriterState<F> {
     next_segment: u32,
     next_seq: u64,
     epoch: u32,
+    /// Segments were created or deleted since the segments directory was last fsync'ed.
     dir_dirty: bool,
+    /// Segments were created since then (a subset of `dir_dirty`): a segment must not be unlinked
+    /// before their entries are durable (see `delete_segment`).
+    dir_new_segments: bool,
     /// A seal made compaction worthwhile; run it at the end of the current append.
     compact_pending: bool,
     /// Compaction is running (its own appends must not start another).
@@ -528,6 +542,9 @@ struct SegmentScan {
     cut: Option<u64>,
     /// The last record kept is a sync mark (a `sync` then needs no new one, only an fdatasync).
     ends_with_mark: bool,
+    /// Damaged records that no sync mark follows were dropped (see `scan_segment`), not cut: they
+    /// lie before `data_end`.
+    dropped_unsynced: bool,
 }
 
 impl<B: Backend> SegmentLog<B> {
@@ -613,6 +630,7 @@ impl<B: Backend> SegmentLog<B> {
                 next_seq: 1,
                 epoch: 1,
                 dir_dirty: false,
+                dir_new_segments: false,
                 compact_pending: false,
                 compacting: false,
                 unsynced_sealed: Vec::new(),
@@ -682,14 +700,12 @@ impl<B: Backend> SegmentLog<B> {
         let mut files = HashMap::new();
         for &id in &ids {
             let path = self.seg_path(id);
-            let file = match self.backend.open(&path, false) {
-                Ok(f) => f,
-                Err(e) => {
-                    log::warn!("cannot open segment {}: {e}; skipping it", path.display());
-                    report.corrupt.push((id, 0, format!("cannot open: {e}")));
-                    continue;
-                }
-            };
+            // A segment that cannot be opened fails the open. Skipping it would be worse than not
+            // opening: its records would not count towards the next sequence number (so new records
+            // could reuse its seqs, and lose to its older ones once it is readable again), its
+            // tombstones would not delete (their keys' older values come back), and its keys would
+            // read as absent or as older values.
+            let file = self.backend.open(&path, false).map_err(|e| Error::io("open segment", path.clone(), e))?;
             let scan = self.load_segment(id, &file, &mut report)?;
             max_epoch = max_epoch.max(scan.max_epoch);
             files.insert(id, Arc::new(file));
@@ -764,9 +780,38 @@ impl<B: Backend> SegmentLog<B> {
 
         // The newest segment continues as the active one if it is unsealed.
         let mut active = None;
+        let mut unsynced_closed = Vec::new();
         if let Some((&last, scan)) = scans.iter_mut().next_back() {
             let meta = segs.get(&last).expect("scanned");
-            if !meta.sealed {
+            let footer_len: u64 = scan.entries.iter().map(|e| FooterEntry::encoded_len(e.key.len())).sum();
+            // Sealing needs room for the footer and the trailer after the records (`seal_active`).
+            // The writer keeps that room at every record (`fits`), but records with valid checksums
+            // from elsewhere (a crafted file) need not have left it.
+            let footer_fits = align_up(meta.data_end, self.align)
+                .checked_add(footer_len + format::TRAILER_LEN as u64)
+                .is_some_and(|end| end <= meta.size);
+            if !meta.sealed && (scan.dropped_unsynced || !footer_fits) {
+                // Writing goes on in a new segment. After a dropped record, so that this one's bytes,
+                // and with them what the scan decided, stay as they are: a sync mark written after a
+                // dropped record would make the next scan take it for synced damage, and it would
+                // hide its key's value again. Without room for the footer, because it cannot be
+                // sealed. The segment stays unsealed behind the active one (as after a crash during
+                // sealing): readable, compacted and deleted like any other.
+                log::warn!(
+                    "segment {last} of {}: {}; new records go to a new segment",
+                    self.dir.display(),
+                    if footer_fits {
+                        "a damaged record no sync followed was dropped"
+                    } else {
+                        "no room for its footer"
+                    }
+                );
+                if self.opts.durable {
+                    // What was recovered from it may be in the page cache only: the next `sync`
+                    // fdatasyncs it, as it would the active segment.
+                    unsynced_closed.push(files.get(&last).expect("opened").clone());
+                }
+            } else if !meta.sealed {
                 let file = files.get(&last).expect("opened").clone();
                 if let (Some(cut_end), true) = (scan.cut, self.opts.durable) {
                     let end = align_up(cut_end, self.align).min(meta.size);
@@ -802,9 +847,11 @@ impl<B: Backend> SegmentLog<B> {
         st.epoch = max_epoch.checked_add(1).ok_or_else(|| Error::InvalidConfig("epoch counter exhausted".into()))?;
         st.segs = segs;
         st.active = active;
+        st.unsynced_sealed = unsynced_closed;
         // The directory entries of the segments found may be unsynced too (a crash before the first
         // `sync`): a durable log's first sync fsyncs the directory once.
         st.dir_dirty = self.opts.durable && !ids.is_empty();
+        st.dir_new_segments = st.dir_dirty;
         if !report.corrupt.is_empty() {
             log::warn!("recovery of {} found {} damaged region(s)", self.dir.display(), report.corrupt.len());
         }
@@ -841,15 +888,30 @@ impl<B: Backend> SegmentLog<B> {
         } else {
             None
         };
+        let fallback = (align_up(file_len, self.align).max(self.align * 2), self.align);
         let (size, data_start) = match header {
             Some(h)
                 if h.segment_bytes % self.align == 0
                     && h.data_start % RECORD_ALIGN == 0
-                    && h.data_start < h.segment_bytes =>
+                    && h.data_start < h.segment_bytes
+                    // Bounded by what the writer makes: the file is extended to this size below,
+                    // and a crc-valid header (a crafted one) must not have that ask for exabytes.
+                    && h.segment_bytes <= MAX_SEGMENT_FILE_BYTES =>
             {
                 (h.segment_bytes, h.data_start)
             }
-            _ => (align_up(file_len, self.align).max(self.align * 2), self.align),
+            Some(h) => {
+                report.corrupt.push((
+                    id,
+                    0,
+                    format!(
+                        "segment header: impossible geometry (segment_bytes {}, data_start {}, alignment {})",
+                        h.segment_bytes, h.data_start, self.align
+                    ),
+                ));
+                fallback
+            }
+            None => fallback,
         };
         let sealed_candidate = file_len >= size;
         if file_len < size {
@@ -876,6 +938,7 @@ impl<B: Backend> SegmentLog<B> {
                         tail: Vec::new(),
                         cut: None,
                         ends_with_mark: false,
+                        dropped_unsynced: false,
                     });
                 }
                 report.corrupt.push((id, t.footer_offset, "footer checksum mismatch; scanning records".into()));
@@ -901,6 +964,12 @@ impl<B: Backend> SegmentLog<B> {
             return Ok(None);
         }
         match format::decode_footer(fb, t.entry_count, size) {
+            // A tombstone's `aux` is at most its own segment (see `format::peek_record_header`); a
+            // footer saying otherwise is not trusted (the scan checks each record on its own).
+            Ok(e) if e.iter().any(|e| e.flags & format::FLAG_TOMBSTONE != 0 && e.aux > id) => {
+                log::warn!("segment {id}: footer lists a tombstone shadowing a later segment; scanning");
+                Ok(None)
+            }
             Ok(e) => Ok(Some(e)),
             Err(err) => {
                 log::warn!("segment {id}: footer passes its checksum but does not decode ({err:?}); scanning");
@@ -970,14 +1039,31 @@ impl<B: Backend> SegmentLog<B> {
                         // They are cut, and their epochs counted, so that the next life's epoch is
                         // higher and a later scan never takes them for records of its own (with an
                         // equal epoch and higher sequence numbers they would win over newer values).
+                        //
+                        // Unless a sync mark lies beyond: then the zeros are damage to records that
+                        // were written and synced (a zeroed range of the file), not an end. A sync
+                        // mark is only ever written at the end of the published records, and a
+                        // failed batch's orphans never have one after them: `sync` refuses to run on
+                        // a poisoned log, and after a failed write that left the log writable the
+                        // next records (and marks) go to the published end, in front of the orphans,
+                        // with a higher epoch. So the gap is reported and the scan goes on with the
+                        // first acceptable record after it.
                         let clean = align_up(pos + 1, self.align).min(win.limit);
-                        // With no acceptable epoch, every record found counts as stale: the search
-                        // goes to the end, and `end` covers every non-zero block on the way.
-                        let beyond = self.resync(&mut win, id, pos, u32::MAX, &mut max_epoch_any)?;
-                        if let Resync::Garbage { end } = beyond {
-                            if end > clean {
-                                report.truncated_bytes += end - pos;
-                                cut_end = cut_end.max(end);
+                        match self.search_past_clean_end(&mut win, id, pos, prev_epoch, &mut max_epoch_any)? {
+                            PastEnd::Synced { next } => {
+                                corrupt.push((
+                                    id,
+                                    pos,
+                                    format!("zeroed bytes up to offset {next}, before synced records"),
+                                ));
+                                pos = next;
+                                continue;
+                            }
+                            PastEnd::Orphans { end } => {
+                                if end > clean {
+                                    report.truncated_bytes += end - pos;
+                                    cut_end = cut_end.max(end);
+                                }
                             }
                         }
                         break;
@@ -1007,6 +1093,43 @@ impl<B: Backend> SegmentLog<B> {
             pos = e.offset;
             corrupt.retain(|c| c.1 != e.offset);
         }
+        // A damaged record with valid records after it, but no sync mark, was never synced either,
+        // and is dropped (the torn record of a batch whose later group of writes landed, or that a
+        // power cut or a SIGKILL with io_uring writes in flight cut short). Kept, it had the highest
+        // seq of its key and hid the key's synced value behind a checksum error.
+        //
+        // The rule: a record is acknowledged as durable only by a `sync` that returned, and `sync`
+        // writes a sync mark after the records it covers (before its fdatasync). So a damaged record
+        // that a mark follows was synced, and its damage is decay of stored data: it stays, and
+        // reading its key reports the damage (an older value would be silently stale). One that no
+        // mark follows was never synced: its damage is what a write that did not complete leaves,
+        // and its key falls back to its previous version, as if that write had never started
+        // (intact records after it stay: each key reads as its old or its new value). This holds for
+        // non-durable logs too: they fdatasync only in `sync`, which writes its mark all the same.
+        // Sealing also fdatasyncs (in a durable log), without a mark, but a sealed segment is read
+        // through its footer; only if its footer and trailer are lost as well is a damaged record
+        // of its last, unmarked part taken for an unsynced one.
+        //
+        // Not covered: the mark is written before the fdatasync, so a power cut during it (or the
+        // kernel's own writeback before it) can keep the mark's block and lose an earlier one. The
+        // records there were not acknowledged, yet their damage counts as synced: their keys read as
+        // checksum errors (not as other bytes) until they are written again.
+        let last_mark = entries.iter().rposition(|e| e.flags & format::FLAG_SYNC_MARK != 0);
+        let unsynced_from = last_mark.map_or(0, |i| i + 1);
+        let dropped: Vec<u64> = entries[unsynced_from..]
+            .iter()
+            .zip(&intact_flags[unsynced_from..])
+            .filter(|(_, &intact)| !intact)
+            .map(|(e, _)| e.offset)
+            .collect();
+        if !dropped.is_empty() {
+            entries.retain(|e| !dropped.contains(&e.offset));
+            for c in corrupt.iter_mut().filter(|c| dropped.contains(&c.1)) {
+                c.2 = "record payload checksum mismatch in a record no sync followed; dropped (its key keeps \
+                       its previous value)"
+                    .to_string();
+            }
+        }
         report.corrupt.extend(corrupt);
         let ends_with_mark = entries.last().is_some_and(|e| e.flags & format::FLAG_SYNC_MARK != 0);
         entries.retain(|e| e.flags & format::FLAG_SYNC_MARK == 0);
@@ -1016,7 +1139,8 @@ impl<B: Backend> SegmentLog<B> {
         let tail_start = align_down(pos, self.align);
         let tail = if pos > tail_start { win.bytes(tail_start, pos - tail_start)?.to_vec() } else { Vec::new() };
         let cut = (cut_end > pos).then_some(cut_end);
-        Ok(SegmentScan { meta, entries, max_epoch: max_epoch_any, tail, cut, ends_with_mark })
+        let dropped_unsynced = !dropped.is_empty();
+        Ok(SegmentScan { meta, entries, max_epoch: max_epoch_any, tail, cut, ends_with_mark, dropped_unsynced })
     }
 
     fn try_record_at(&self, win: &mut ScanWindow<'_, B>, id: u32, pos: u64, prev_epoch: u32) -> Result<Probe> {
@@ -1081,6 +1205,47 @@ impl<B: Backend> SegmentLog<B> {
             pos += RECORD_ALIGN;
         }
         Ok(Resync::Garbage { end: garbage_end })
+    }
+
+    /// Search the rest of the segment after a clean end at `from` (zeros to the end of the next
+    /// whole block). If an acceptable sync mark (this segment, epoch at least `prev_epoch`) lies
+    /// beyond, the zeros were damage: returns the first acceptable record after them. Otherwise
+    /// everything beyond is an orphan of a batch that never completed: returns the end of the last
+    /// block that is not all zero (what is cut). The epochs of all records seen are counted.
+    fn search_past_clean_end(
+        &self,
+        win: &mut ScanWindow<'_, B>,
+        id: u32,
+        from: u64,
+        prev_epoch: u32,
+        max_epoch_any: &mut u32,
+    ) -> Result<PastEnd> {
+        let mut garbage_end = align_up(from + 1, self.align).min(win.limit);
+        let mut first = None;
+        let mut pos = from + RECORD_ALIGN;
+        while pos + format::RECORD_HEADER_LEN as u64 <= win.limit {
+            if pos % self.align == 0 {
+                if win.is_zero_block(pos)? {
+                    pos += self.align;
+                    continue;
+                }
+                garbage_end = garbage_end.max((pos + self.align).min(win.limit));
+            }
+            if win.bytes(pos, 4)? == b"SPRC" {
+                match self.try_record_at(win, id, pos, prev_epoch)? {
+                    Probe::Record(_, h, _) => {
+                        *max_epoch_any = (*max_epoch_any).max(h.epoch);
+                        let next = *first.get_or_insert(pos);
+                        if h.is_sync_mark() {
+                            return Ok(PastEnd::Synced { next });
+                        }
+                    }
+                    Probe::Invalid { stale_epoch } => *max_epoch_any = (*max_epoch_any).max(stale_epoch),
+                }
+            }
+            pos += RECORD_ALIGN;
+        }
+        Ok(PastEnd::Orphans { end: garbage_end })
     }
 
     fn read_aligned(&self, file: &B::File, offset: u64, len: usize, path: &Path) -> Result<AlignedBuf> {
@@ -1542,7 +1707,8 @@ impl<B: Backend> SegmentLog<B> {
                     let at = buf.len();
                     let want = ((fill - at) as u64).min(left) as usize;
                     buf.set_len(at + want);
-                    let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| src.read(&mut buf[at..at + want])));
+                    let read =
+                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| src.read(&mut buf[at..at + want])));
                     let n = match read {
                         Ok(Ok(n)) => n,
                         Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => {
@@ -2609,7 +2775,9 @@ impl<B: Backend> SegmentLog<B> {
     /// Whether some tombstone of segment `id` may still shadow an older record.
     fn tombstones_needed(st: &WriterState<B::File>, id: u32) -> bool {
         let m = &st.segs[&id];
-        m.tombstones > 0 && st.segs.range(m.min_shadow..id).next().is_some()
+        // `min_shadow <= id` always (recovery refuses a tombstone that shadows a later segment than
+        // its own); checked anyway, since `range` panics on a reversed range.
+        m.tombstones > 0 && m.min_shadow < id && st.segs.range(m.min_shadow..id).next().is_some()
     }
 
     /// Delete every non-active segment with nothing live and no tombstone still needed. Deleting one
@@ -2621,6 +2789,15 @@ impl<B: Backend> SegmentLog<B> {
         let mut failed: Vec<u32> = Vec::new();
         let mut first_error = None;
         loop {
+            // A log made read-only by a failed write or fdatasync changes nothing on disk any more.
+            // Above all, it deletes no segment: deleting one needs the records that replaced its
+            // contents to be durable, and after a failed fdatasync nothing says they are (a retry can
+            // report success for pages the kernel dropped after reporting the first failure). One
+            // failed deletion here may be the fdatasync that poisoned the log.
+            if let Err(e) = self.check_writable() {
+                first_error.get_or_insert(e);
+                break;
+            }
             let active = st.active.as_ref().map(|a| a.id);
             let victim = st
                 .segs
@@ -2644,6 +2821,9 @@ impl<B: Backend> SegmentLog<B> {
     }
 
     fn delete_segment(&self, st: &mut WriterState<B::File>, id: u32) -> Result<()> {
+        // Never after a failed write or fdatasync: the fdatasync below must not be a retry of one
+        // that failed, and without it the segment may hold the only durable copy of its records.
+        self.check_writable()?;
         // The records that made this segment dead may still be pending in memory (write-behind:
         // overwrites, or compaction's copies of its live records): write them before the old copies
         // disappear, so a process crash cannot lose both. With `durable`, also make them durable,
@@ -2666,6 +2846,13 @@ impl<B: Backend> SegmentLog<B> {
                     return Err(self.poison(Error::io("fdatasync", self.seg_path(a.id), e)));
                 }
             }
+        }
+        if self.opts.durable && st.dir_new_segments {
+            // The records that replaced this segment's may live in a segment created since the
+            // directory's last fsync: its entry must be durable before this unlink can be, or a
+            // power cut could keep the unlink and lose the new file. (File systems that journal
+            // directory operations in order do not need this; nothing promises it.)
+            self.sync_dir_if_dirty(st)?;
         }
         let path = self.seg_path(id);
         match self.backend.remove_file(&path) {
@@ -2708,6 +2895,7 @@ impl<B: Backend> SegmentLog<B> {
                 return Err(self.poison(Error::io("fsync directory", self.seg_dir.clone(), e)));
             }
             st.dir_dirty = false;
+            st.dir_new_segments = false;
         }
         Ok(())
     }
@@ -2747,6 +2935,7 @@ impl<B: Backend> SegmentLog<B> {
         let (r, _) = self.backend.write_at(&file, 0, hb);
         r.map_err(|e| cleanup(Error::io("write segment header", path.clone(), e)))?;
         st.dir_dirty = true;
+        st.dir_new_segments = true;
         let file = Arc::new(file);
         self.files.write().unwrap_or_else(|p| p.into_inner()).insert(id, file.clone());
         st.segs.insert(id, SegMeta::new(size, data_start));
@@ -2772,6 +2961,16 @@ impl<B: Backend> SegmentLog<B> {
         if self.opts.durable {
             self.sync_active(st)?;
             self.sync_dir_if_dirty(st)?;
+        }
+        let a = st.active.as_ref().expect("active segment to seal");
+        if align_up(a.data_end, self.align) + a.footer.len() as u64 + format::TRAILER_LEN as u64 > a.size {
+            // Never for segments this log wrote (`fits` keeps the room) nor recovered (`recover`
+            // does not continue one without it); an error, not a panic, all the same.
+            return Err(Error::Corrupt {
+                segment: a.id,
+                offset: a.data_end,
+                reason: "no room for the segment's footer and trailer after its records".into(),
+            });
         }
         let a = st.active.take().expect("active segment to seal");
         let footer_offset = align_up(a.data_end, self.align);
@@ -2853,7 +3052,7 @@ impl<B: Backend> SegmentLog<B> {
     }
 
     fn is_sparse(&self, st: &WriterState<B::File>, id: u32, m: &SegMeta) -> bool {
-        if m.damaged_tombstones {
+        if m.unmovable {
             return false;
         }
         let tomb = if Self::tombstones_needed(st, id) { m.tombstone_bytes } else { 0 };
@@ -2924,7 +3123,8 @@ impl<B: Backend> SegmentLog<B> {
                         // deleted and then put again gets a `first_segment` after this tombstone's
                         // `aux`: dropping the tombstone then let an old copy come back once the new
                         // record was deleted too (found by the `log_model` fuzz target).
-                        st.segs.range(e.aux..id).next().is_some()
+                        e.aux < id
+                            && st.segs.range(e.aux..id).next().is_some()
                             && index.get(e.key.as_slice()).is_none_or(|l| l.first_segment > e.aux)
                     } else {
                         index.get(e.key.as_slice()).is_some_and(|l| l.segment == id && l.offset as u64 == e.offset)
@@ -2956,8 +3156,9 @@ impl<B: Backend> SegmentLog<B> {
             Ok(())
         };
         // Tombstones to keep that could not be moved (damaged): the segment must keep them. Their
-        // count, bytes and oldest shadowed segment.
+        // count, bytes and oldest shadowed segment. And whether any record to keep could not be.
         let (mut stuck_tombstones, mut stuck_bytes, mut stuck_shadow) = (0u64, 0u64, u32::MAX);
+        let mut stuck = false;
         for (e, keep) in index_snapshot {
             if !keep {
                 continue;
@@ -2968,6 +3169,7 @@ impl<B: Backend> SegmentLog<B> {
                 // A damaged record stays where it is (its segment is kept) and is reported. A live
                 // value keeps its segment by being live; a tombstone does by its count, below.
                 log::warn!("compaction leaves damaged record in place: {}", err.at(id, e.offset));
+                stuck = true;
                 if e.flags & format::FLAG_TOMBSTONE != 0 {
                     stuck_tombstones += 1;
                     stuck_bytes += padded(e.record_len);
@@ -2998,7 +3200,7 @@ impl<B: Backend> SegmentLog<B> {
             m.tombstones = stuck_tombstones;
             m.tombstone_bytes = stuck_bytes;
             m.min_shadow = stuck_shadow;
-            m.damaged_tombstones |= stuck_tombstones > 0;
+            m.unmovable |= stuck;
         }
         Ok((moved, bytes))
     }
@@ -3114,6 +3316,16 @@ enum Resync {
     Record(u64),
     /// Nothing acceptable follows: the unparseable bytes end here.
     Garbage { end: u64 },
+}
+
+/// What lies past a clean end (zeros to the end of the next whole block) of a segment's records.
+enum PastEnd {
+    /// A sync mark lies beyond, so the zeros are damage; the scan goes on at `next`, the first
+    /// acceptable record after them.
+    Synced { next: u64 },
+    /// Nothing synced lies beyond: records there are orphans of a batch that never completed, and
+    /// everything up to `end` is cut.
+    Orphans { end: u64 },
 }
 
 /// A sliding read window over a segment file, for scanning.
