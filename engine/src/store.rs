@@ -51,6 +51,9 @@ use crate::value::Frames;
 const EVICT_SCAN: usize = 256;
 /// Eviction rounds (each with its spill write) one call to `enforce` runs at most.
 const ENFORCE_ROUNDS: usize = 16;
+/// Passes of a persistent store's `flush` (spill everything, wait for the writes) while values are
+/// left in memory without their disk copy.
+const FLUSH_PASSES: usize = 4;
 /// At most this much below the target is evicted at once (batches spill writes).
 const EVICT_SLACK_BYTES: u64 = 4 << 20;
 
@@ -222,6 +225,9 @@ struct Inner<V> {
     /// Each write has a ticket (from `next_write`): `flush` waits for the writes older than itself.
     writing: HashMap<Arc<[u8]>, u64>,
     next_write: u64,
+    /// Keys whose new value is arriving from a peer into memory (`receive_serialized`): a direct
+    /// write of the key, or a second transfer, waits as for `writing`; `flush` does not.
+    receiving: HashSet<Arc<[u8]>>,
     /// Memory weight and serialized bytes of the entries in those writes, as planned. The weight
     /// still counts in `mem_bytes` (the bytes are still in memory) until the write lands.
     writing_weight: u64,
@@ -579,6 +585,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             stuck: HashSet::new(),
             writing: HashMap::new(),
             next_write: 0,
+            receiving: HashSet::new(),
             writing_weight: 0,
             writing_raw: 0,
             streams: HashMap::new(),
@@ -653,10 +660,13 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// Remove `key`'s entry from memory and disk; returns whether it existed. If the log cannot drop
     /// the record (a persistent store's tombstone write failed), the entry stays as it was.
     fn drop_entry(&self, inner: &mut Inner<C::Value>, key: &[u8]) -> Result<bool> {
-        // Every put and remove comes here. The old value a transfer set aside counts as existing.
-        let set_aside =
-            inner.streams.get_mut(key).is_some_and(|s| !std::mem::replace(&mut s.superseded, true) && s.has_old);
-        let Some(disk_bytes) = inner.map.get(key).map(|e| e.disk_bytes) else { return Ok(set_aside) };
+        // Every put and remove comes here. A transfer of the key in progress loses to it (once the
+        // old record, if any, is dropped: a remove that fails changes nothing); the old value a
+        // transfer set aside counts as existing.
+        let supersede = |inner: &mut Inner<C::Value>| {
+            inner.streams.get_mut(key).is_some_and(|s| !std::mem::replace(&mut s.superseded, true) && s.has_old)
+        };
+        let Some(disk_bytes) = inner.map.get(key).map(|e| e.disk_bytes) else { return Ok(supersede(inner)) };
         if disk_bytes > 0 {
             if self.cfg.persistent {
                 self.log.delete(key)?;
@@ -664,6 +674,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 self.log.forget(key)?;
             }
         }
+        supersede(inner);
         Self::take_entry(inner, key);
         if disk_bytes > 0 {
             Self::unstick(inner);
@@ -767,7 +778,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         mut inner: MutexGuard<'a, Inner<C::Value>>,
         key: &[u8],
     ) -> MutexGuard<'a, Inner<C::Value>> {
-        while inner.writing.contains_key(key) {
+        while inner.writing.contains_key(key) || inner.receiving.contains(key) {
             inner = self.written.wait(inner).unwrap_or_else(|p| p.into_inner());
         }
         inner
@@ -947,7 +958,10 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// (serialized). The bytes arrive without the store's lock held (other operations go on); nothing
     /// of the value is visible until it arrived whole and verified. The old value of `key`, if any,
     /// is out of sight during the transfer (the key reads as absent, as a key being fetched does)
-    /// and is back as it was if the transfer fails. If a `put` of the same key lands during the
+    /// and is back as it was if the transfer fails. (A value `max_spill` refuses is received into
+    /// memory instead, as [`Client::get_into_store`](crate::transfer::Client::get_into_store)
+    /// receives one under the target: then the old value stays readable until the new one
+    /// replaces it.) If a `put` of the same key lands during the
     /// transfer, or a `remove`, the newer operation wins: the streamed record (or, on failure, the
     /// old value) is dropped. In a persistent store that drop (a tombstone over the old record)
     /// is written when the transfer ends, since the transfer holds the log's writer lock: a crash
@@ -1032,8 +1046,8 @@ impl<C: Codec, B: Backend> Store<C, B> {
 
     /// Receive a value in stored form into memory, serialized, and store it as `put_serialized`
     /// would (for `Client::get_into_store`). The bytes arrive without the store's lock, with the key
-    /// held as being written (a second transfer of it waits); its old value stays readable
-    /// meanwhile. A `put` or `remove` of the key while the bytes arrive wins: the received value is
+    /// held as being received (a second transfer of it, or a direct write, waits; `flush` does not);
+    /// its old value stays readable meanwhile. A `put` or `remove` of the key while the bytes arrive wins: the received value is
     /// dropped.
     pub(crate) fn put_received(&self, key: &[u8], meta: &StreamedValue, src: &mut dyn std::io::Read) -> Result<()> {
         self.receive_serialized(self.lock(), key, meta, src, false)
@@ -1053,14 +1067,14 @@ impl<C: Codec, B: Backend> Store<C, B> {
         let mut inner = self.wait_unwritten(inner, key);
         let k: Arc<[u8]> = Arc::from(key);
         inner.streams.insert(k.clone(), Stream { superseded: false, has_old: false, aside_weight: 0, aside_raw: 0 });
-        Self::begin_write(&mut inner, k.clone());
+        inner.receiving.insert(k.clone());
         drop(inner);
         let max = self.log.options().max_value_bytes;
         let got = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             crate::transfer::read_stored_form(meta, src, max)
         }));
         let mut inner = self.lock();
-        inner.writing.remove(&k);
+        inner.receiving.remove(&k);
         self.written.notify_all();
         let superseded = inner.streams.remove(&k).expect("registered above").superseded;
         let frames = match got {
@@ -1869,11 +1883,24 @@ impl<C: Codec, B: Backend> Store<C, B> {
     pub fn flush(&self) -> Result<()> {
         let mut inner = self.lock();
         if self.cfg.persistent {
-            inner = self.spill_everything(inner);
+            // An explicit request to persist: values refused before are tried again.
+            Self::unstick(&mut inner);
         }
-        let now = inner.next_write;
-        while inner.writing.values().any(|&w| w < now) {
-            inner = self.written.wait(inner).unwrap_or_else(|p| p.into_inner());
+        // A spill store: one pass (wait for the writes in flight). A persistent store: spill, wait,
+        // and again while values are left in memory without their disk copy: another thread's
+        // eviction may have been demoting one (object -> frames) when this pass ran, or a get may
+        // have kept one from being demoted. Bounded, since other threads may keep putting.
+        for _ in 0..if self.cfg.persistent { FLUSH_PASSES } else { 1 } {
+            if self.cfg.persistent {
+                inner = self.spill_everything(inner);
+            }
+            let now = inner.next_write;
+            while inner.writing.values().any(|&w| w < now) {
+                inner = self.written.wait(inner).unwrap_or_else(|p| p.into_inner());
+            }
+            if !inner.map.values().any(|e| e.tier != Tier::Disk && e.disk_bytes == 0 && !e.stuck) {
+                break;
+            }
         }
         let only_in_memory =
             if self.cfg.persistent { inner.map.values().filter(|e| e.stuck && e.disk_bytes == 0).count() } else { 0 };

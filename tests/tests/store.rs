@@ -1843,3 +1843,102 @@ fn a_persistent_flush_reports_values_it_could_not_write() {
     }
     s.check_accounting().unwrap();
 }
+
+/// A persistent store's `flush` that runs while another thread's eviction is demoting a value
+/// (object -> compressed frames, no disk write) still writes that value before it returns: its
+/// first pass had to skip it, being demoted.
+#[test]
+fn a_persistent_flush_writes_a_value_another_thread_was_demoting() {
+    let be = SimBackend::new();
+    let c = StoreConfig { compress_in_memory: true, ..persistent(4_000) };
+    let s = Arc::new(Store::open(GatedCodec::default(), be.clone(), "/store", c.clone()).unwrap());
+    let mut slow = b"slow".to_vec();
+    slow.resize(3000, b's');
+    s.put(b"slow", slow.clone()).unwrap();
+    s.codec().gate.arm();
+    let putter = {
+        let s = s.clone();
+        std::thread::spawn(move || s.put(b"x", val(b'x', 1500)))
+    };
+    assert!(s.codec().gate.wait_parked(), "the demotion never started");
+    let flusher = {
+        let s = s.clone();
+        std::thread::spawn(move || s.flush())
+    };
+    // The flush has made its first pass once it has spilled `x`; `slow` it had to skip.
+    let mut spins = 0u64;
+    while s.tier(b"x") != Some(Tier::Disk) {
+        spins += 1;
+        assert!(spins < 50_000_000, "the flush never spilled x");
+        std::thread::yield_now();
+    }
+    s.codec().gate.release();
+    putter.join().unwrap().unwrap();
+    flusher.join().unwrap().unwrap();
+    drop(s);
+    let s = Store::open(GatedCodec::default(), be.crash(None), "/store", c).unwrap();
+    assert_eq!(*s.get(b"slow").unwrap().unwrap(), slow, "flushed before the power cut");
+    assert_eq!(*s.get(b"x").unwrap().unwrap(), val(b'x', 1500));
+}
+
+/// A value arriving from a peer into memory writes nothing to disk: a `flush` meanwhile does not
+/// wait for the peer.
+#[test]
+fn a_flush_does_not_wait_for_a_value_received_into_memory() {
+    struct FlushesFirst<'a> {
+        store: &'a Arc<Store<TestCodec, SimBackend>>,
+        payload: &'a [u8],
+        flushed: bool,
+    }
+    impl std::io::Read for FlushesFirst<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            if !std::mem::replace(&mut self.flushed, true) {
+                let s = self.store.clone();
+                without_waiting(move || s.flush().unwrap());
+            }
+            let n = buf.len().min(self.payload.len());
+            buf[..n].copy_from_slice(&self.payload[..n]);
+            self.payload = &self.payload[n..];
+            Ok(n)
+        }
+    }
+    let s = Arc::new(open_max_spill(0, 10_000));
+    let (payload, meta) = spillway_tests::streamed(&ser(&val(b'n', 6_000)));
+    s.put_stream(b"k", &meta, &mut FlushesFirst { store: &s, payload: &payload, flushed: false }).unwrap();
+    assert_eq!(*s.get(b"k").unwrap().unwrap(), val(b'n', 6_000));
+    s.check_accounting().unwrap();
+}
+
+/// A `remove` that fails (its tombstone cannot be written) changes nothing: a value arriving for
+/// the key meanwhile is not dropped as if the remove had won.
+#[test]
+fn a_failed_remove_during_a_transfer_does_not_drop_the_received_value() {
+    struct RemovesFirst<'a> {
+        store: &'a Store<TestCodec, SimBackend>,
+        be: &'a SimBackend,
+        payload: &'a [u8],
+        removed: bool,
+    }
+    impl std::io::Read for RemovesFirst<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            if !std::mem::replace(&mut self.removed, true) {
+                self.be.inject(Fault { op: FaultOp::Write, after: 0, kind: FaultKind::Enospc, sticky: false });
+                assert!(self.store.remove(b"k").is_err(), "the tombstone cannot be written");
+            }
+            let n = buf.len().min(self.payload.len());
+            buf[..n].copy_from_slice(&self.payload[..n]);
+            self.payload = &self.payload[n..];
+            Ok(n)
+        }
+    }
+    let be = SimBackend::new();
+    let c = StoreConfig { max_spill_bytes: Some(5_000), ..persistent(3_000) };
+    let s = Store::open(TestCodec::default(), be.clone(), "/store", c).unwrap();
+    s.put_serialized(b"k", ser(&val(b'o', 4_000))).unwrap();
+    assert_eq!(s.tier(b"k"), Some(Tier::Disk));
+    let (payload, meta) = spillway_tests::streamed(&ser(&val(b'n', 6_000)));
+    s.put_stream(b"k", &meta, &mut RemovesFirst { store: &s, be: &be, payload: &payload, removed: false }).unwrap();
+    assert_eq!(s.metrics().max_spill_refusals, 1, "received into memory");
+    assert_eq!(*s.get(b"k").unwrap().unwrap(), val(b'n', 6_000), "the failed remove did not win");
+    s.check_accounting().unwrap();
+}
