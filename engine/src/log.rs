@@ -669,6 +669,13 @@ impl<B: Backend> SegmentLog<B> {
         &self.opts
     }
 
+    /// Why the log refuses writes, if an earlier write or fdatasync failed (every write then fails
+    /// with [`Error::Poisoned`]; reads go on, and reopening recovers what was acknowledged). `None`
+    /// while it is writable.
+    pub fn poisoned(&self) -> Option<&str> {
+        self.poisoned.get().map(String::as_str)
+    }
+
     /// What recovery found at open.
     pub fn recovery_report(&self) -> &RecoveryReport {
         &self.recovery

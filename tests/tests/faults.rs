@@ -352,9 +352,11 @@ fn an_eio_during_a_stream_makes_the_log_read_only(payload: &[u8], meta: &spillwa
     let o = || LogOptions { segment_bytes: 8 << 20, ..opts() };
     let log = SegmentLog::open(be.clone(), "/s", o()).unwrap();
     log.put(b"before", &frames_for(b"before", 1000)).unwrap();
+    assert_eq!(log.poisoned(), None);
     be.inject(Fault { op: FaultOp::Write, after: 1, kind: FaultKind::Eio, sticky: false });
     let e = log.put_stream(b"big", meta, &mut &payload[..]).unwrap_err();
     assert!(!e.is_no_space(), "{e}");
+    assert!(log.poisoned().is_some_and(|why| why.contains("write segment")), "{:?}", log.poisoned());
     let e = log.put(b"after", &frames_for(b"after", 10)).unwrap_err();
     assert!(matches!(e, spillway::Error::Poisoned { .. }), "{e}");
     assert_eq!(log.get(b"before").unwrap(), Some(frames_for(b"before", 1000)));
