@@ -822,10 +822,10 @@ class SpillBuffer(MutableMapping):
         Never raises."""
         try:
             weight = self._evict_one(force=True)
-            if weight == 0:
-                # The write was thrown away: its key was deleted, replaced or unpickled meanwhile.
-                # Sets and reads made during the write may have counted on it to make room: spill
-                # what they did not.
+            if weight is not None:
+                # Sets and reads made during the write counted on it to make room, and a light set
+                # never spills itself: spill what they did not (if the write was thrown away, its
+                # key deleted, replaced or unpickled meanwhile, it made no room at all).
                 try:
                     self._evict_until_below_target()
                 except _SpillFailure as failure:
@@ -1229,6 +1229,10 @@ class SpillBuffer(MutableMapping):
         if tier is _OBJECT:
             return value
         if tier is _FRAMES:
+            # The frames stay (and may be spilled later): an object built on their writeable memory
+            # would let a caller's in-place change reach the stored value and its record.
+            if _shares_writeable_memory(value):
+                value = _private_copies(value)
             return _loads(value, self.writeable)
         if value is not None:  # still alive elsewhere
             return value

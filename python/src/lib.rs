@@ -172,20 +172,28 @@ impl Inner {
         self.sizes.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The sizes, once no other put or delete of `key` is running; `key` is then busy until
-    /// [`Inner::settle`].
-    fn claim(&self, key: &[u8]) -> std::sync::MutexGuard<'_, Sizes> {
+    /// Wait until no other put or delete of `key` is running; `key` is then busy until the
+    /// returned claim drops (on every path, a panic included).
+    fn claim<'a>(&'a self, key: &'a [u8]) -> Claim<'a> {
         let mut s = self.sizes();
         while s.busy.contains(key) {
             s = self.settled.wait(s).unwrap_or_else(PoisonError::into_inner);
         }
         s.busy.insert(key.to_vec());
-        s
+        Claim { inner: self, key }
     }
+}
 
-    fn settle(&self, s: &mut Sizes, key: &[u8]) {
-        s.busy.remove(key);
-        self.settled.notify_all();
+/// A put's or delete's turn on its key (see [`Inner::claim`]).
+struct Claim<'a> {
+    inner: &'a Inner,
+    key: &'a [u8],
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        self.inner.sizes().busy.remove(self.key);
+        self.inner.settled.notify_all();
     }
 }
 
@@ -349,11 +357,11 @@ impl Log {
         let n = frames.total_len();
         let key = key.to_vec();
         let result = py.allow_threads(|| {
-            let mut s = inner.claim(&key);
+            let _turn = inner.claim(&key);
             if let Some(max) = inner.max_disk {
+                let mut s = inner.sizes();
                 let old = s.map.get(&key).copied().unwrap_or(0);
                 if s.total - old + s.reserved + n > max {
-                    inner.settle(&mut s, &key);
                     return Err(DiskFull::new_err(format!(
                         "storing {n} bytes would exceed max_disk_bytes {max} ({} stored)",
                         s.total
@@ -361,7 +369,6 @@ impl Log {
                 }
                 s.reserved += n;
             }
-            drop(s);
             let r = inner.log.put(&key, &frames).map_err(to_py);
             let mut s = inner.sizes();
             if inner.max_disk.is_some() {
@@ -371,7 +378,6 @@ impl Log {
                 let old = s.map.insert(key.clone(), n).unwrap_or(0);
                 s.total = s.total - old + n;
             }
-            inner.settle(&mut s, &key);
             r
         });
         // The borrowed buffers are released here, with the GIL held.
@@ -402,7 +408,7 @@ impl Log {
     fn delete(&self, py: Python<'_>, key: &[u8]) -> PyResult<bool> {
         let inner = self.inner()?;
         py.allow_threads(|| {
-            drop(inner.claim(key));
+            let _turn = inner.claim(key);
             let r = if inner.durable { inner.log.delete(key) } else { inner.log.forget(key) };
             let mut s = inner.sizes();
             if r.is_ok() {
@@ -410,7 +416,6 @@ impl Log {
                     s.total -= n;
                 }
             }
-            inner.settle(&mut s, key);
             r.map_err(to_py)
         })
     }
@@ -460,6 +465,13 @@ impl Log {
         py.allow_threads(|| inner.log.sync()).map_err(to_py)
     }
 
+    /// Why the log refuses writes (an earlier write or fdatasync failed: puts and deletes raise
+    /// ReadOnly, reads go on), or None while it is writable.
+    #[getter]
+    fn read_only(&self) -> PyResult<Option<String>> {
+        Ok(self.inner()?.log.poisoned().map(str::to_owned))
+    }
+
     /// The backend in use: "uring" or "portable".
     #[getter]
     fn backend(&self) -> &'static str {
@@ -468,8 +480,9 @@ impl Log {
 
     /// Close the log (idempotent). Later calls raise ValueError. Operations already running on
     /// other threads finish first, and `close` returns once the log is closed (its pending values
-    /// written, its files closed), so the caller may then remove its directory.
-    fn close(&self, py: Python<'_>) {
+    /// written, its files closed), so the caller may then remove its directory. A durable log is
+    /// synced first; if that fails the log is closed all the same and the error is raised.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
         let taken = self.inner.write().unwrap_or_else(PoisonError::into_inner).take();
         // Called from inside an operation on this log on this thread, which cannot end while this
         // waits: the log closes when that operation returns.
@@ -477,21 +490,29 @@ impl Log {
         // Dropping the log joins the io_uring driver, and running operations may take a while:
         // wait without the GIL. The last of them to return drops the log.
         py.allow_threads(|| {
+            // A durable log is synced as it closes: what was put is then acknowledged as durable
+            // (and a record damaged later reads as damage, not as its key's previous value).
+            let synced = match &taken {
+                Some(t) if t.durable => t.log.sync(),
+                _ => Ok(()),
+            };
             drop(taken);
             if wait {
                 // Disconnected (an error) when the log is dropped: nothing is ever sent. A second
                 // `close` waits here after the first, then returns at once.
                 let _ = self.closed.lock().unwrap_or_else(PoisonError::into_inner).recv();
             }
-        });
+            synced
+        })
+        .map_err(to_py)
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
         slf
     }
 
-    fn __exit__(&self, py: Python<'_>, _t: PyObject, _v: PyObject, _tb: PyObject) {
-        self.close(py);
+    fn __exit__(&self, py: Python<'_>, _t: PyObject, _v: PyObject, _tb: PyObject) -> PyResult<()> {
+        self.close(py)
     }
 }
 

@@ -589,3 +589,23 @@ def test_a_heavy_object_read_from_held_frames_does_not_share_their_memory(make_b
     assert buf._weak.get("k") is None  # what is read next comes from disk
     assert (buf["k"].data == original).all()
     assert_consistent(buf)
+
+
+def test_a_peeked_object_does_not_share_the_memory_of_frames_held_in_memory(make_buffer):
+    """``fast[k]`` (and ``items()``, ``values()``) build the object of frames held in memory
+    without moving them. Built on the frames' writeable memory, an in-place change by the caller
+    reached the stored value, and later its record."""
+    np = pytest.importorskip("numpy")
+    from spillway import buffer
+
+    original = np.arange(1000, dtype="u8")
+    frames = buffer._dumps(original.copy())
+    assert len(frames) == 2  # the array is out of band
+    buf = make_buffer(target=1 << 20)
+    buf.set_serialized("k", [frames[0], bytearray(frames[1])])  # writeable, and the buffer's own
+    assert buf.tier("k") == "frames"
+    peeked = buf.fast["k"]
+    peeked[:] = 7
+    assert buf.tier("k") == "frames"
+    assert (buf["k"] == original).all()
+    assert_consistent(buf)

@@ -269,6 +269,7 @@ def test_sync_makes_puts_durable_and_fails_after_close(tmp_path):
     log = Log(str(tmp_path / "log"), durable=True)
     log.put(b"k", [b"v" * 100])
     log.sync()
+    assert log.read_only is None  # writable (a failed write or fdatasync would give the reason)
     log.close()
     with pytest.raises(ValueError, match="closed"):
         log.sync()
