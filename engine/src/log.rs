@@ -707,11 +707,18 @@ impl<B: Backend> SegmentLog<B> {
         let mut files = HashMap::new();
         for &id in &ids {
             let path = self.seg_path(id);
-            // A segment that cannot be opened fails the open. Skipping it would be worse than not
-            // opening: its records would not count towards the next sequence number (so new records
-            // could reuse its seqs, and lose to its older ones once it is readable again), its
-            // tombstones would not delete (their keys' older values come back), and its keys would
-            // read as absent or as older values.
+            if self.backend.is_dir(&path) {
+                // Named like a segment, but the log never makes directories: not one of its files,
+                // left alone like any other stray name.
+                log::warn!("{} is a directory, not a segment; leaving it alone", path.display());
+                report.corrupt.push((id, 0, "a directory named like a segment; left alone".into()));
+                continue;
+            }
+            // A segment file that cannot be opened fails the open. Skipping it would be worse than
+            // not opening: its records would not count towards the next sequence number (so new
+            // records could reuse its seqs, and lose to its older ones once it is readable again),
+            // its tombstones would not delete (their keys' older values come back), and its keys
+            // would read as absent or as older values.
             let file = self.backend.open(&path, false).map_err(|e| Error::io("open segment", path.clone(), e))?;
             let scan = self.load_segment(id, &file, &mut report)?;
             max_epoch = max_epoch.max(scan.max_epoch);

@@ -30,6 +30,9 @@ pub enum FaultOp {
     Allocate,
     /// `open` with create.
     Create,
+    /// `open` without create (an existing file). Not counted by `Any` (nor by
+    /// [`SimBackend::op_count`]), so adding it changed no existing fault schedule.
+    Open,
     /// `remove_file`.
     Remove,
     /// `punch_hole`. Not counted by `Any` (nor by [`SimBackend::op_count`]): the log treats most
@@ -73,6 +76,7 @@ enum OpKind {
     Sync,
     Allocate,
     Create,
+    Open,
     Remove,
     Punch,
 }
@@ -90,6 +94,7 @@ impl FaultOp {
                 | (FaultOp::Sync, OpKind::Sync)
                 | (FaultOp::Allocate, OpKind::Allocate)
                 | (FaultOp::Create, OpKind::Create)
+                | (FaultOp::Open, OpKind::Open)
                 | (FaultOp::Remove, OpKind::Remove)
         )
     }
@@ -226,7 +231,7 @@ impl SimBackend {
 
     fn check(&self, op: OpKind) -> Option<FaultKind> {
         let mut st = self.lock();
-        if op != OpKind::Punch {
+        if op != OpKind::Punch && op != OpKind::Open {
             st.ops += 1;
         }
         if op == OpKind::Write {
@@ -412,10 +417,8 @@ impl Backend for SimBackend {
     }
 
     fn open(&self, path: &Path, create: bool) -> io::Result<SimFile> {
-        if create {
-            if let Some(kind) = self.check(OpKind::Create) {
-                return Err(Self::fault_error(kind));
-            }
+        if let Some(kind) = self.check(if create { OpKind::Create } else { OpKind::Open }) {
+            return Err(Self::fault_error(kind));
         }
         let mut st = self.lock();
         if st.dirs.contains(path) {
