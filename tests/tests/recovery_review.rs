@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use spillway::backend::{Fault, FaultKind, FaultOp};
 use spillway::format::{self, RecordHeader};
 use spillway::{Backend, Error, Frames, LogOptions, SegmentLog, SimBackend};
-use spillway_tests::{frames_for, value_for};
+use spillway_tests::value_for;
 
 fn opts() -> LogOptions {
     LogOptions { segment_bytes: 64 * 1024, auto_compact: false, ..Default::default() }
@@ -305,67 +305,6 @@ fn damage_to_a_synced_record_of_the_unsealed_segment_is_an_error_not_an_older_va
     let e = log.get(b"k").unwrap_err();
     assert_eq!(e.location(), Some((loc.segment, loc.offset)), "{e}");
     assert_eq!(log.get(b"after").unwrap(), Some(one(b"after", 100)));
-}
-
-/// E: a live value that compaction cannot move (its bytes are damaged) keeps its segment, as a
-/// damaged tombstone does. The segment's other records, its needed tombstones included, are moved
-/// once; later compactions leave the segment alone. They used to find it sparse again every time
-/// and copy its tombstones again (the tombstones are still needed, and the damaged value still
-/// keeps the segment).
-#[test]
-fn a_damaged_live_value_does_not_make_every_compaction_copy_its_tombstones() {
-    let be = SimBackend::new();
-    let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
-    log.put(b"gone-key", &Frames::from(b"v1".to_vec())).unwrap();
-    log.put(b"pinned", &Frames::from(b"p".to_vec())).unwrap();
-    for i in 0..5 {
-        log.put(format!("other-{i}").as_bytes(), &Frames::from(b"o".to_vec())).unwrap();
-    }
-    let first = log.location(b"pinned").unwrap().segment;
-    let mut fillers = Vec::new();
-    // Fill the first segment, so that the deletes land in the second.
-    while fillers.last().is_none_or(|k: &Vec<u8>| log.location(k).unwrap().segment == first) {
-        let k = format!("filler-{}", fillers.len()).into_bytes();
-        log.put(&k, &frames_for(&k, 1000)).unwrap();
-        fillers.push(k);
-    }
-    assert!(log.delete(b"gone-key").unwrap());
-    for i in 0..5 {
-        assert!(log.delete(format!("other-{i}").as_bytes()).unwrap());
-    }
-    log.put(b"hurt", &one(b"hurt", 500)).unwrap();
-    let second = first + 1;
-    assert_eq!(log.location(b"hurt").unwrap().segment, second);
-    // Seal the second segment, then make it sparse: the tombstones and `hurt` stay.
-    while fillers.last().is_none_or(|k: &Vec<u8>| log.location(k).unwrap().segment == second) {
-        let k = format!("filler-{}", fillers.len()).into_bytes();
-        log.put(&k, &frames_for(&k, 1000)).unwrap();
-        fillers.push(k);
-    }
-    for k in &fillers {
-        if log.location(k).unwrap().segment == second {
-            log.forget(k).unwrap();
-        }
-    }
-    log.sync().unwrap();
-    let hurt = log.location(b"hurt").unwrap();
-    be.poke(&seg_path(second), hurt.offset + hurt.len - 1, &[0xee]).unwrap();
-    let moved = log.compact().unwrap().records_moved;
-    assert!(moved >= 6, "the tombstones move ({moved})");
-    let tombstones = log.stats().tombstones;
-    for round in 2..4 {
-        assert_eq!(log.compact().unwrap().records_moved, 0, "compaction {round} copies nothing again");
-    }
-    assert_eq!(log.stats().tombstones, tombstones);
-    assert_eq!(log.get(b"hurt").unwrap_err().location(), Some((second, hurt.offset)));
-    drop(log);
-    let log = SegmentLog::open(be, "/s", opts()).unwrap();
-    assert_eq!(log.get(b"gone-key").unwrap(), None, "a deleted key came back");
-    for i in 0..5 {
-        assert_eq!(log.get(format!("other-{i}").as_bytes()).unwrap(), None);
-    }
-    assert_eq!(log.get(b"pinned").unwrap(), Some(Frames::from(b"p".to_vec())));
-    assert_eq!(log.get(b"hurt").unwrap_err().location(), Some((second, hurt.offset)));
 }
 
 /// F2: a segment header with a valid crc and an absurd `segment_bytes` was believed: the file was

@@ -289,6 +289,59 @@ fn a_segment_deleted_after_a_reopen_loses_nothing_once_synced() {
     }
 }
 
+/// A log whose second segment holds the tombstones of `gone-key` and five `other-N` (all put in the
+/// first segment, next to `pinned`) and `extra` if given, then is sealed and made sparse (its
+/// fillers forgotten) and synced, so compaction wants to empty it. Returns the second segment's id.
+fn a_sparse_segment_of_tombstones(log: &SegmentLog<SimBackend>, extra: Option<(&[u8], &Frames)>) -> u32 {
+    log.put(b"gone-key", &Frames::from(b"v1".to_vec())).unwrap();
+    log.put(b"pinned", &Frames::from(b"p".to_vec())).unwrap();
+    for i in 0..5 {
+        log.put(format!("other-{i}").as_bytes(), &Frames::from(b"o".to_vec())).unwrap();
+    }
+    let first = log.location(b"pinned").unwrap().segment;
+    let mut fillers = Vec::new();
+    let mut fill_past = |segment: u32| {
+        while fillers.last().is_none_or(|k: &Vec<u8>| log.location(k).unwrap().segment == segment) {
+            let k = format!("filler-{}", fillers.len()).into_bytes();
+            log.put(&k, &frames_for(&k, 1000)).unwrap();
+            fillers.push(k);
+        }
+    };
+    fill_past(first); // so that the deletes land in the second segment
+    assert!(log.delete(b"gone-key").unwrap());
+    for i in 0..5 {
+        assert!(log.delete(format!("other-{i}").as_bytes()).unwrap());
+    }
+    if let Some((k, v)) = extra {
+        log.put(k, v).unwrap();
+    }
+    let second = first + 1;
+    assert_eq!(log.location(b"pinned").unwrap().segment, first);
+    fill_past(second); // seals it
+    for k in &fillers {
+        if log.location(k).unwrap().segment == second {
+            log.forget(k).unwrap();
+        }
+    }
+    log.sync().unwrap();
+    second
+}
+
+fn seg_path(id: u32) -> std::path::PathBuf {
+    std::path::PathBuf::from(format!("/s/segments/{id:08x}.seg"))
+}
+
+/// After the damaged-record tests below: a reopen finds every deleted key still deleted.
+fn deletes_survive_a_reopen(be: SimBackend) -> SegmentLog<SimBackend> {
+    let log = SegmentLog::open(be, "/s", opts()).unwrap();
+    assert_eq!(log.get(b"gone-key").unwrap(), None, "a deleted key came back");
+    for i in 0..5 {
+        assert_eq!(log.get(format!("other-{i}").as_bytes()).unwrap(), None);
+    }
+    assert_eq!(log.get(b"pinned").unwrap(), Some(Frames::from(b"p".to_vec())));
+    log
+}
+
 /// A tombstone that compaction cannot move (its bytes are damaged) keeps its segment: compaction
 /// used to skip it with a warning, count the segment's tombstones as moved and delete the segment,
 /// and the deleted key's older value came back at the next open. The footer still lists the
@@ -298,40 +351,10 @@ fn a_segment_deleted_after_a_reopen_loses_nothing_once_synced() {
 fn a_damaged_tombstone_keeps_its_segment_through_compaction() {
     let be = SimBackend::new();
     let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
-    log.put(b"gone-key", &Frames::from(b"v1".to_vec())).unwrap();
-    log.put(b"pinned", &Frames::from(b"p".to_vec())).unwrap();
-    for i in 0..5 {
-        log.put(format!("other-{i}").as_bytes(), &Frames::from(b"o".to_vec())).unwrap();
-    }
-    let first = log.location(b"pinned").unwrap().segment;
-    let mut fillers = Vec::new();
-    // Fill the first segment, so the delete lands in the second.
-    while fillers.last().is_none_or(|k: &Vec<u8>| log.location(k).unwrap().segment == first) {
-        let k = format!("filler-{}", fillers.len()).into_bytes();
-        log.put(&k, &frames_for(&k, 1000)).unwrap();
-        fillers.push(k);
-    }
-    assert!(log.delete(b"gone-key").unwrap());
-    for i in 0..5 {
-        assert!(log.delete(format!("other-{i}").as_bytes()).unwrap());
-    }
-    let second = first + 1;
-    // Seal the second segment, then make it sparse: only the tombstone stays needed there.
-    while fillers.last().is_none_or(|k: &Vec<u8>| log.location(k).unwrap().segment == second) {
-        let k = format!("filler-{}", fillers.len()).into_bytes();
-        log.put(&k, &frames_for(&k, 1000)).unwrap();
-        fillers.push(k);
-    }
-    for k in &fillers {
-        if log.location(k).unwrap().segment == second {
-            log.forget(k).unwrap();
-        }
-    }
-    log.sync().unwrap();
-    let path = std::path::PathBuf::from(format!("/s/segments/{second:08x}.seg"));
-    let bytes = be.file_contents(&path).expect("the second segment");
+    let second = a_sparse_segment_of_tombstones(&log, None);
+    let bytes = be.file_contents(&seg_path(second)).expect("the second segment");
     let at = bytes.windows(8).position(|w| w == b"gone-key").expect("the tombstone's key") as u64;
-    be.poke(&path, at, b"G").unwrap();
+    be.poke(&seg_path(second), at, b"G").unwrap();
     let moved = log.compact().unwrap().records_moved;
     assert!(moved >= 5, "the other tombstones move ({moved})");
     let tombstones = log.stats().tombstones;
@@ -340,10 +363,32 @@ fn a_damaged_tombstone_keeps_its_segment_through_compaction() {
     }
     assert_eq!(log.stats().tombstones, tombstones);
     drop(log);
-    let log = SegmentLog::open(be, "/s", opts()).unwrap();
-    assert_eq!(log.get(b"gone-key").unwrap(), None, "a deleted key came back");
-    for i in 0..5 {
-        assert_eq!(log.get(format!("other-{i}").as_bytes()).unwrap(), None);
+    deletes_survive_a_reopen(be);
+}
+
+/// A live value that compaction cannot move (its bytes are damaged) keeps its segment, as a
+/// damaged tombstone does. The segment's other records, its needed tombstones included, are moved
+/// once; later compactions leave the segment alone. They used to find it sparse again every time
+/// and copy its tombstones again (the tombstones are still needed, and the damaged value still
+/// keeps the segment).
+#[test]
+fn a_damaged_live_value_does_not_make_every_compaction_copy_its_tombstones() {
+    let be = SimBackend::new();
+    let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
+    let hurt_value = frames_for(b"hurt", 500);
+    let second = a_sparse_segment_of_tombstones(&log, Some((b"hurt", &hurt_value)));
+    let hurt = log.location(b"hurt").unwrap();
+    assert_eq!(hurt.segment, second);
+    be.poke(&seg_path(second), hurt.offset + hurt.len - 1, &[0xee]).unwrap();
+    let moved = log.compact().unwrap().records_moved;
+    assert!(moved >= 6, "the tombstones move ({moved})");
+    let tombstones = log.stats().tombstones;
+    for round in 2..4 {
+        assert_eq!(log.compact().unwrap().records_moved, 0, "compaction {round} copies nothing again");
     }
-    assert_eq!(log.get(b"pinned").unwrap(), Some(Frames::from(b"p".to_vec())));
+    assert_eq!(log.stats().tombstones, tombstones);
+    assert_eq!(log.get(b"hurt").unwrap_err().location(), Some((second, hurt.offset)));
+    drop(log);
+    let log = deletes_survive_a_reopen(be);
+    assert_eq!(log.get(b"hurt").unwrap_err().location(), Some((second, hurt.offset)));
 }
