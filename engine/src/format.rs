@@ -21,7 +21,7 @@
 //! record (56 B header)
 //!  off size field
 //!    0   4  magic        "SPRC"
-//!    4   1  version      2
+//!    4   1  version      3
 //!    5   1  flags        bit0 LZ4 payload, bit1 TOMBSTONE, bit2 SYNC_MARK; other bits zero
 //!    6   2  frame_count  number of frames in the value
 //!    8   4  key_len
@@ -32,11 +32,15 @@
 //!                        its original's (so along a segment seq is not monotonic)
 //!   32   8  raw_len      length of the laid-out frames (uncompressed payload, see below)
 //!   40   8  stored_len   payload bytes that follow the key and its padding
-//!   48   4  aux          tombstone: oldest segment that may hold an older version of the key; else 0
+//!   48   4  aux          tombstone: oldest segment that may hold an older version of the key;
+//!                        value: payload padding, a multiple of 64 below 512 (PAYLOAD_PAD_LIMIT);
+//!                        sync mark: 0
 //!   52   4  header_crc   crc32 of bytes 0..52 and 56..payload start (frame table, key, padding)
 //!   56  8*n frame table  frame lengths (u64 each)
 //!    .      key
-//!    .      zero padding to the next multiple of 64 (FRAME_ALIGN) from the record start
+//!    .      zero padding to the next multiple of 64 (FRAME_ALIGN) from the record start, then
+//!           `aux` more zero bytes for a value (the writer puts a large single-frame payload at a
+//!           multiple of 512 in the file, so that it can be read without its head)
 //!    .      payload      stored_len bytes: the frames laid out with each one starting at a multiple of
 //!                        64 from the payload start, zeros between (or an lz4 block of that layout)
 //!    .      zero padding to the next multiple of 64 (records start at multiples of 64)
@@ -47,8 +51,8 @@
 //! depend on it, so unaligned frames made results differ in the last bit from dask's own store).
 //!
 //! footer entry (40 B + key, padded to 8 = FOOTER_ALIGN)
-//!    0   4  key_len     4  1 flags   5  3 reserved
-//!    8   8  offset      16 8 record_len (unpadded)   24 8 seq   32 4 aux   36 4 reserved
+//!    0   4  key_len     4  1 flags (LZ4, TOMBSTONE)   5  1 reserved   6  2 frame_count
+//!    8   8  offset      16 8 record_len (unpadded)   24 8 seq   32 4 aux   36 4 payload_crc
 //!   40   .  key
 //!
 //! trailer (last 64 B of a sealed segment)
@@ -62,7 +66,7 @@
 //! ```
 
 /// Format version written by this build (records, footers, trailers, segment headers).
-pub const FORMAT_VERSION: u8 = 2;
+pub const FORMAT_VERSION: u8 = 3;
 /// Longest key accepted, in bytes.
 pub const MAX_KEY_BYTES: usize = 64 * 1024;
 /// Most frames a value may have.
@@ -82,6 +86,10 @@ pub const RECORD_ALIGN: u64 = 64;
 pub const FRAME_ALIGN: u64 = 64;
 /// Footer entries are padded to multiples of this.
 pub const FOOTER_ALIGN: u64 = 8;
+/// A value record's payload padding (`aux`) is below this; the writer uses it to start a large
+/// single-frame payload at a multiple of this in the file, so that a read of the value alone is a
+/// read of whole sectors (4096 bytes for a 4 KiB value instead of 4608 with its head).
+pub const PAYLOAD_PAD_LIMIT: u64 = 512;
 
 const RECORD_MAGIC: [u8; 4] = *b"SPRC";
 const TRAILER_MAGIC: [u8; 4] = *b"SPTR";
@@ -212,7 +220,9 @@ pub struct RecordHeader {
     pub raw_len: u64,
     /// Payload bytes on disk.
     pub stored_len: u64,
-    /// Tombstones: oldest segment that may hold an older version of the key.
+    /// Tombstones: oldest segment that may hold an older version of the key. Values: zero bytes
+    /// between the key's padding and the payload (a multiple of 64 below [`PAYLOAD_PAD_LIMIT`]).
+    /// Sync marks: 0.
     pub aux: u32,
 }
 
@@ -233,9 +243,11 @@ impl RecordHeader {
     pub fn key_offset(&self) -> usize {
         RECORD_HEADER_LEN + 8 * self.frame_count as usize
     }
-    /// Offset of the payload from the record start (after the key, padded to [`FRAME_ALIGN`]).
+    /// Offset of the payload from the record start: after the key, padded to [`FRAME_ALIGN`], and
+    /// after a value's payload padding (`aux`).
     pub fn payload_offset(&self) -> u64 {
-        align_up(self.key_offset() as u64 + self.key_len as u64, FRAME_ALIGN)
+        let pad = if self.is_tombstone() { 0 } else { self.aux as u64 };
+        align_up(self.key_offset() as u64 + self.key_len as u64, FRAME_ALIGN) + pad
     }
     /// Unpadded record length.
     pub fn record_len(&self) -> u64 {
@@ -243,9 +255,22 @@ impl RecordHeader {
     }
 }
 
-/// Unpadded length of a record with these parts.
+/// Unpadded length of a record with these parts, without payload padding.
 pub fn record_len(frame_count: usize, key_len: usize, stored_len: u64) -> u64 {
-    align_up((RECORD_HEADER_LEN + 8 * frame_count + key_len) as u64, FRAME_ALIGN) + stored_len
+    head_len(frame_count, key_len) + stored_len
+}
+
+/// Offset of the payload from the record start without payload padding: header, frame table and
+/// key, padded to [`FRAME_ALIGN`].
+pub fn head_len(frame_count: usize, key_len: usize) -> u64 {
+    align_up((RECORD_HEADER_LEN + 8 * frame_count + key_len) as u64, FRAME_ALIGN)
+}
+
+/// The payload padding that starts the payload of a record at `offset` in the file, whose head
+/// (without padding) is `head_len` bytes, at a multiple of [`PAYLOAD_PAD_LIMIT`].
+pub fn payload_pad(offset: u64, head_len: u64) -> u64 {
+    let at = offset + head_len;
+    align_up(at, PAYLOAD_PAD_LIMIT) - at
 }
 
 /// Where each frame starts in the laid-out payload, and the layout's total length: frame `i` starts at
@@ -345,8 +370,11 @@ pub fn peek_record_header(b: &[u8]) -> Result<RecordHeader, DecodeError> {
     if (h.is_tombstone() || h.is_sync_mark()) && (h.frame_count != 0 || h.stored_len != 0 || h.raw_len != 0) {
         return Err(DecodeError::Invalid("tombstone or sync mark with a payload"));
     }
-    if h.is_sync_mark() && (h.key_len != 0 || h.flags != FLAG_SYNC_MARK) {
-        return Err(DecodeError::Invalid("sync mark with a key or other flags"));
+    if h.is_sync_mark() && (h.key_len != 0 || h.flags != FLAG_SYNC_MARK || h.aux != 0) {
+        return Err(DecodeError::Invalid("sync mark with a key, other flags or aux"));
+    }
+    if !h.is_tombstone() && (h.aux as u64 % FRAME_ALIGN != 0 || h.aux as u64 >= PAYLOAD_PAD_LIMIT) {
+        return Err(DecodeError::Invalid("payload padding not a multiple of 64 below 512"));
     }
     if h.is_tombstone() && h.aux > h.segment {
         // A tombstone shadows older segments only: the oldest segment that may hold an older version
@@ -438,8 +466,13 @@ pub fn relocate_record(b: &mut [u8], h: &RecordHeader, segment: u32, epoch: u32)
 pub struct FooterEntry {
     /// The record's key.
     pub key: Vec<u8>,
-    /// Record flags (tombstone matters here).
+    /// Record flags: TOMBSTONE and LZ4 (never SYNC_MARK: sync marks have no entry).
     pub flags: u8,
+    /// The record's frame count (0 for a tombstone).
+    pub frame_count: u16,
+    /// The record's payload crc (0 for a tombstone): the index keeps it, so that a value can be
+    /// read and checked without its head.
+    pub payload_crc: u32,
     /// Record offset in the segment.
     pub offset: u64,
     /// Unpadded record length.
@@ -464,10 +497,12 @@ pub fn encode_footer_entry(out: &mut Vec<u8>, e: &FooterEntry) {
     let b = &mut out[start..];
     put_u32(b, 0, e.key.len() as u32);
     b[4] = e.flags;
+    put_u16(b, 6, e.frame_count);
     put_u64(b, 8, e.offset);
     put_u64(b, 16, e.record_len);
     put_u64(b, 24, e.seq);
     put_u32(b, 32, e.aux);
+    put_u32(b, 36, e.payload_crc);
     b[FOOTER_ENTRY_FIXED_LEN..FOOTER_ENTRY_FIXED_LEN + e.key.len()].copy_from_slice(&e.key);
 }
 
@@ -495,13 +530,23 @@ pub fn decode_footer(b: &[u8], count: u64, segment_bytes: u64) -> Result<Vec<Foo
         let entry = FooterEntry {
             key: e[FOOTER_ENTRY_FIXED_LEN..FOOTER_ENTRY_FIXED_LEN + key_len].to_vec(),
             flags: e[4],
+            frame_count: u16_at(e, 6),
+            payload_crc: u32_at(e, 36),
             offset: u64_at(e, 8),
             record_len: u64_at(e, 16),
             seq: u64_at(e, 24),
             aux: u32_at(e, 32),
         };
-        if entry.flags & !KNOWN_FLAGS != 0 {
+        if entry.flags & !(FLAG_LZ4 | FLAG_TOMBSTONE) != 0 {
             return Err(DecodeError::Invalid("unknown flags in footer entry"));
+        }
+        if entry.flags & FLAG_TOMBSTONE != 0 && (entry.flags != FLAG_TOMBSTONE || entry.frame_count != 0) {
+            return Err(DecodeError::Invalid("footer entry of a tombstone with a payload"));
+        }
+        if entry.flags & FLAG_TOMBSTONE == 0
+            && (entry.aux as u64 % FRAME_ALIGN != 0 || entry.aux as u64 >= PAYLOAD_PAD_LIMIT)
+        {
+            return Err(DecodeError::Invalid("footer entry with a bad payload padding"));
         }
         let end = entry.offset.checked_add(entry.record_len);
         if entry.offset % RECORD_ALIGN != 0 || end.is_none_or(|end| end > segment_bytes) {
@@ -669,6 +714,10 @@ mod tests {
     use super::*;
 
     fn build(key: &[u8], frames: &[&[u8]], flags: u8) -> Vec<u8> {
+        build_padded(key, frames, flags, 0)
+    }
+
+    fn build_padded(key: &[u8], frames: &[&[u8]], flags: u8, aux: u32) -> Vec<u8> {
         let lens: Vec<u64> = frames.iter().map(|f| f.len() as u64).collect();
         let (_, total) = frame_layout(lens.iter().copied()).unwrap();
         let mut payload = vec![0xAAu8; total as usize];
@@ -683,7 +732,7 @@ mod tests {
             seq: 42,
             raw_len: payload.len() as u64,
             stored_len: payload.len() as u64,
-            aux: 0,
+            aux,
         };
         let mut b = vec![0u8; h.record_len() as usize];
         let po = h.payload_offset() as usize;
@@ -770,6 +819,26 @@ mod tests {
     }
 
     #[test]
+    fn a_value_payload_starts_after_its_padding() {
+        let b = build_padded(b"key", &[b"hello"], 0, 192);
+        let r = decode_record(&b).unwrap();
+        assert_eq!(r.header.payload_offset(), 128 + 192);
+        assert_eq!(r.payload, b"hello");
+        assert_eq!(b.len(), 128 + 192 + 5);
+        // The padding is covered by the header crc and must be zeros.
+        let mut bad = b.clone();
+        bad[100] = 1;
+        assert!(decode_record(&bad).is_err());
+        for aux in [32, 512, 4096] {
+            let e = decode_record(&build_padded(b"key", &[b"hello"], 0, aux)).unwrap_err();
+            assert!(matches!(e, DecodeError::Invalid(m) if m.contains("padding")), "{aux}: {e:?}");
+        }
+        assert_eq!(payload_pad(0, 128), 384);
+        assert_eq!(payload_pad(384, 128), 0);
+        assert_eq!(payload_pad(4608, 128), 384);
+    }
+
+    #[test]
     fn truncation_is_an_error_not_a_panic() {
         let b = build(b"k", &[b"abcdefgh"], 0);
         for n in 0..b.len() {
@@ -789,8 +858,26 @@ mod tests {
     #[test]
     fn footer_and_trailer_round_trip() {
         let entries = vec![
-            FooterEntry { key: b"a".to_vec(), flags: 0, offset: 4096, record_len: 100, seq: 1, aux: 0 },
-            FooterEntry { key: vec![], flags: FLAG_TOMBSTONE, offset: 4224, record_len: 64, seq: 2, aux: 3 },
+            FooterEntry {
+                key: b"a".to_vec(),
+                flags: 0,
+                frame_count: 2,
+                payload_crc: 0xdead_beef,
+                offset: 4096,
+                record_len: 100,
+                seq: 1,
+                aux: 0,
+            },
+            FooterEntry {
+                key: vec![],
+                flags: FLAG_TOMBSTONE,
+                frame_count: 0,
+                payload_crc: 0,
+                offset: 4224,
+                record_len: 64,
+                seq: 2,
+                aux: 3,
+            },
         ];
         let mut out = Vec::new();
         for e in &entries {

@@ -56,6 +56,12 @@ const GATHER_MIN_BYTES: u64 = 256 << 10;
 const PUNCH_MIN_BYTES: u64 = 256 << 10;
 /// Default `LogOptions::parallel_crc_min_bytes`.
 const PARALLEL_CRC_MIN_BYTES: u64 = 4 << 20;
+/// A single-frame, uncompressed value at least this large gets its payload padded to start at a
+/// multiple of 512 in the file ([`format::PAYLOAD_PAD_LIMIT`]): reading it without its head is then
+/// a read of whole sectors, 4096 bytes for a 4 KiB value instead of 4608 (its head in a sector of
+/// its own). On this machine's disk a 4 KiB random read runs at 1.2x the IOPS of a 4608-byte one
+/// (`docs/benchmarks.md`). The padding (at most 448 bytes) costs a 4 KiB value 9 % more disk.
+const ALIGN_PAYLOAD_MIN: u64 = 4096;
 /// Zeros for padding in gathered writes.
 static ZEROS: [u8; 4096] = [0; 4096];
 /// Largest `LogOptions::write_behind_bytes`.
@@ -213,35 +219,101 @@ impl Drop for SendPin {
 pub struct Location {
     /// Segment id.
     pub segment: u32,
-    /// Oldest segment that may still hold an older record of the same key (for tombstones).
-    pub first_segment: u32,
     /// Byte offset of the record in the segment.
     pub offset: u64,
     /// Unpadded record length.
     pub len: u64,
 }
 
-/// A [`Location`] as the index stores it: 16 bytes instead of 24 (1 M keys: 16 MB less). Offsets fit
-/// because a segment is at most [`MAX_SEGMENT_BYTES`] (a jumbo segment holds one record, at its
-/// start), lengths because values are at most [`MAX_VALUE_BYTES`].
+/// What the index knows of a record beyond where it is: enough to read a single-frame,
+/// uncompressed value without its head (its payload's crc and padding), and whether the key's
+/// oldest segment is another one (see [`SegMeta::firsts`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct RecordFacts {
+    /// The payload crc, for a value read without its head: single frame, not lz4, not empty.
+    direct_crc: Option<u32>,
+    /// The payload padding (`aux` of a value record), a multiple of 64 below 512.
+    pad: u32,
+}
+
+impl RecordFacts {
+    /// The facts of the record a footer entry describes.
+    fn of_entry(e: &FooterEntry) -> Self {
+        let pad = if e.flags & format::FLAG_TOMBSTONE != 0 { 0 } else { e.aux as u64 };
+        let stored = e.record_len.saturating_sub(format::head_len(e.frame_count as usize, e.key.len()) + pad);
+        Self::of(e.flags, e.frame_count, e.payload_crc, e.aux, stored)
+    }
+
+    /// The facts of a record with these header fields.
+    fn of(flags: u8, frame_count: u16, payload_crc: u32, aux: u32, stored_len: u64) -> Self {
+        let value = flags & (format::FLAG_TOMBSTONE | format::FLAG_SYNC_MARK) == 0;
+        let direct = value && flags & format::FLAG_LZ4 == 0 && frame_count == 1 && stored_len > 0;
+        RecordFacts { direct_crc: direct.then_some(payload_crc), pad: if value { aux } else { 0 } }
+    }
+}
+
+/// A [`Location`] and its [`RecordFacts`] as the index stores them, in 16 bytes (1 M keys: the
+/// hash table's entries stay 40 bytes). Offsets fit 32 bits because a segment is at most
+/// [`MAX_SEGMENT_BYTES`] (a jumbo segment holds one record, at its start), and their low 6 bits are
+/// free for flags because records start at multiples of 64; lengths fit because values are at most
+/// [`MAX_VALUE_BYTES`].
 #[derive(Debug, Clone, Copy)]
 struct PackedLoc {
     segment: u32,
-    first_segment: u32,
-    offset: u32,
+    /// The offset, with `LOC_*` flags and the payload padding / 64 in its low 6 bits.
+    offset_bits: u32,
     len: u32,
+    /// The payload crc when `LOC_DIRECT` is set.
+    crc: u32,
 }
 
-impl From<Location> for PackedLoc {
-    fn from(l: Location) -> Self {
+/// `PackedLoc` flag: the value can be read without its head (`crc` is its payload crc).
+const LOC_DIRECT: u32 = 1;
+/// `PackedLoc` flag: the key's oldest segment is an older one, listed in the segment's `firsts`.
+const LOC_FIRST: u32 = 2;
+/// `PackedLoc`: the payload padding / 64 is in these bits.
+const LOC_PAD_SHIFT: u32 = 2;
+const LOC_PAD_MASK: u32 = 7;
+const _: () = assert!(format::PAYLOAD_PAD_LIMIT / 64 <= LOC_PAD_MASK as u64 + 1);
+const _: () = assert!(RECORD_ALIGN >= 64);
+
+impl PackedLoc {
+    fn new(l: Location, facts: RecordFacts, first_elsewhere: bool) -> Self {
         debug_assert!(l.offset <= u32::MAX as u64 && l.len <= u32::MAX as u64, "{l:?} does not pack");
-        PackedLoc { segment: l.segment, first_segment: l.first_segment, offset: l.offset as u32, len: l.len as u32 }
+        debug_assert!(l.offset % RECORD_ALIGN == 0 && facts.pad % 64 == 0 && facts.pad / 64 <= LOC_PAD_MASK);
+        let mut bits = l.offset as u32 | (facts.pad / 64) << LOC_PAD_SHIFT;
+        if facts.direct_crc.is_some() {
+            bits |= LOC_DIRECT;
+        }
+        if first_elsewhere {
+            bits |= LOC_FIRST;
+        }
+        PackedLoc { segment: l.segment, offset_bits: bits, len: l.len as u32, crc: facts.direct_crc.unwrap_or(0) }
+    }
+
+    fn offset(&self) -> u64 {
+        (self.offset_bits & !63) as u64
+    }
+
+    fn loc(&self) -> Location {
+        Location { segment: self.segment, offset: self.offset(), len: self.len as u64 }
+    }
+
+    fn facts(&self) -> RecordFacts {
+        RecordFacts {
+            direct_crc: (self.offset_bits & LOC_DIRECT != 0).then_some(self.crc),
+            pad: (self.offset_bits >> LOC_PAD_SHIFT & LOC_PAD_MASK) * 64,
+        }
+    }
+
+    fn first_elsewhere(&self) -> bool {
+        self.offset_bits & LOC_FIRST != 0
     }
 }
 
 impl From<PackedLoc> for Location {
     fn from(p: PackedLoc) -> Self {
-        Location { segment: p.segment, first_segment: p.first_segment, offset: p.offset as u64, len: p.len as u64 }
+        p.loc()
     }
 }
 
@@ -354,6 +426,13 @@ struct SegMeta {
     /// Some record of this segment was superseded by a record still pending in memory
     /// (write-behind): deleting the segment must wait until that record is written.
     superseded_by_pending: bool,
+    /// The oldest segment of live keys of this segment whose oldest segment is an older one (a key
+    /// overwritten while an older copy of it exists, or a record relocated by compaction), as
+    /// (offset, oldest segment), by offset. Their index entries carry `LOC_FIRST`; any other key's
+    /// oldest segment is its record's own. (Kept here, not in every index entry: 4 more bytes per
+    /// entry would make the index's hash table entries 48 bytes instead of 40.) Entries of records
+    /// that died stay until the segment goes.
+    firsts: Vec<(u32, u32)>,
     /// A record compaction had to move (a live value, or a needed tombstone) could not be moved,
     /// its bytes being damaged, so the segment stays: compaction leaves it alone from then on (it
     /// would find it sparse and copy its needed tombstones again every time). A damaged live value
@@ -376,9 +455,50 @@ impl SegMeta {
             min_shadow: u32::MAX,
             punched: 0,
             superseded_by_pending: false,
+            firsts: Vec::new(),
             unmovable: false,
         }
     }
+}
+
+/// The oldest segment that may hold a record of the key whose live record `p` is (see
+/// [`SegMeta::firsts`]): the tombstone that deletes the key must shadow back to it.
+fn first_segment(segs: &BTreeMap<u32, SegMeta>, p: &PackedLoc) -> u32 {
+    if !p.first_elsewhere() {
+        return p.segment;
+    }
+    let at = p.offset() as u32;
+    let found = segs.get(&p.segment).and_then(|m| {
+        let i = m.firsts.binary_search_by_key(&at, |&(o, _)| o).ok()?;
+        Some(m.firsts[i].1)
+    });
+    debug_assert!(found.is_some(), "a LOC_FIRST entry without its segment's note");
+    // Without its note (a bug), the oldest segment there can be: a tombstone then shadows too far
+    // back, which keeps it longer but never lets an old copy come back.
+    found.unwrap_or(0)
+}
+
+/// Note that the live record at `offset` of segment `segment` belongs to a key whose oldest
+/// segment is `first`; returns whether that is another segment (the index entry's `LOC_FIRST`).
+fn note_first_segment(segs: &mut BTreeMap<u32, SegMeta>, segment: u32, offset: u64, first: u32) -> bool {
+    if first == segment {
+        return false;
+    }
+    let m = segs.get_mut(&segment).expect("a record's segment has metadata");
+    let at = offset as u32;
+    match m.firsts.last() {
+        Some(&(o, _)) if o >= at => {
+            // Not in offset order (never by the writer, which appends): keep the list sorted.
+            let i = m.firsts.partition_point(|&(o, _)| o < at);
+            if m.firsts.get(i).is_some_and(|&(o, _)| o == at) {
+                m.firsts[i].1 = first;
+            } else {
+                m.firsts.insert(i, (at, first));
+            }
+        }
+        _ => m.firsts.push((at, first)),
+    }
+    true
 }
 
 struct Active<F> {
@@ -465,10 +585,63 @@ enum Payload<'a> {
     Empty,
 }
 
+/// Where a record of a chunk was placed, and the header fields its footer entry and index entry
+/// keep.
+#[derive(Debug, Clone, Copy)]
+struct Placed {
+    offset: u64,
+    len: u64,
+    seq: u64,
+    flags: u8,
+    frame_count: u16,
+    payload_crc: u32,
+    stored_len: u64,
+    aux: u32,
+}
+
+impl Placed {
+    fn new(offset: u64, h: &RecordHeader) -> Self {
+        Placed {
+            offset,
+            len: h.record_len(),
+            seq: h.seq,
+            flags: h.flags,
+            frame_count: h.frame_count,
+            payload_crc: h.payload_crc,
+            stored_len: h.stored_len,
+            aux: h.aux,
+        }
+    }
+}
+
 struct Prepared<'a> {
     rec: NewRecord<'a>,
     payload: Payload<'a>,
+    /// Record length where the record was last placed ([`Prepared::place`]), padding included.
     len: u64,
+    /// Payload padding where the record was last placed.
+    pad: u64,
+    /// The head length (without padding) of a value whose payload the writer aligns (see
+    /// [`ALIGN_PAYLOAD_MIN`]); 0 for any other record.
+    align_head: u64,
+}
+
+impl Prepared<'_> {
+    /// The most the record can take, wherever it is placed.
+    fn max_len(&self) -> u64 {
+        let most = if self.align_head > 0 { format::PAYLOAD_PAD_LIMIT - format::FRAME_ALIGN } else { 0 };
+        self.len - self.pad + most
+    }
+
+    /// Place the record at `pos`: a value whose payload is aligned gets the padding that starts its
+    /// payload at a multiple of [`format::PAYLOAD_PAD_LIMIT`].
+    fn place(&mut self, pos: u64) {
+        if self.align_head > 0 {
+            let bare = self.len - self.pad;
+            self.pad = format::payload_pad(pos, self.align_head);
+            self.len = bare + self.pad;
+        }
+    }
 }
 
 /// The segment log. All methods take `&self` and are safe to call from many threads: writes are
@@ -733,6 +906,7 @@ impl<B: Backend> SegmentLog<B> {
             offset: u64,
             len: u64,
             tombstone: bool,
+            facts: RecordFacts,
             first_segment: u32,
         }
         let mut winners: HashMap<&[u8], Winner> = HashMap::new();
@@ -747,6 +921,7 @@ impl<B: Backend> SegmentLog<B> {
                     offset: e.offset,
                     len: e.record_len,
                     tombstone: e.flags & format::FLAG_TOMBSTONE != 0,
+                    facts: RecordFacts::of_entry(e),
                     first_segment: id,
                 };
                 match winners.get_mut(e.key.as_slice()) {
@@ -773,15 +948,15 @@ impl<B: Backend> SegmentLog<B> {
             let m = segs.get_mut(&w.segment).expect("winner segment was scanned");
             m.live_records += 1;
             m.live_bytes += padded(w.len);
-            index.insert(
-                IndexKey::from(key),
-                PackedLoc::from(Location {
-                    segment: w.segment,
-                    first_segment: w.first_segment,
-                    offset: w.offset,
-                    len: w.len,
-                }),
-            );
+            let elsewhere = w.first_segment != w.segment;
+            if elsewhere {
+                m.firsts.push((w.offset as u32, w.first_segment));
+            }
+            let loc = Location { segment: w.segment, offset: w.offset, len: w.len };
+            index.insert(IndexKey::from(key), PackedLoc::new(loc, w.facts, elsewhere));
+        }
+        for m in segs.values_mut() {
+            m.firsts.sort_unstable();
         }
         for (&id, scan) in &scans {
             let m = segs.get_mut(&id).expect("scanned");
@@ -1183,7 +1358,16 @@ impl<B: Backend> SegmentLog<B> {
             return Ok(Probe::Invalid { stale_epoch: h.epoch });
         }
         let intact = win.crc_of(pos + head_len, h.stored_len)? == h.payload_crc;
-        let e = FooterEntry { key, flags: h.flags, offset: pos, record_len: len, seq: h.seq, aux: h.aux };
+        let e = FooterEntry {
+            key,
+            flags: h.flags,
+            frame_count: h.frame_count,
+            payload_crc: h.payload_crc,
+            offset: pos,
+            record_len: len,
+            seq: h.seq,
+            aux: h.aux,
+        };
         Ok(Probe::Record(e, h, intact))
     }
 
@@ -1279,12 +1463,13 @@ impl<B: Backend> SegmentLog<B> {
     pub fn get(&self, key: &[u8]) -> Result<Option<Frames>> {
         let mut tries = 0;
         loop {
-            let Some((loc, file)) = self.lookup(key) else {
+            let Some((p, file)) = self.lookup(key) else {
                 return Ok(None);
             };
+            let loc = p.loc();
             let got = match self.pending_record(loc)? {
                 Some(raw) => decode_read(raw, loc, key),
-                None => self.read_record(&file, loc, key),
+                None => self.read_planned(&file, self.plan_read(&p, key.len()), key),
             };
             match got {
                 Err(e) if tries < 8 && self.moved_under_read(&e, key, loc) => tries += 1,
@@ -1307,13 +1492,38 @@ impl<B: Backend> SegmentLog<B> {
         self.index.read().unwrap_or_else(|p| p.into_inner()).get(key).map(|&p| Location::from(p))
     }
 
-    fn lookup(&self, key: &[u8]) -> Option<(Location, Arc<B::File>)> {
+    fn lookup(&self, key: &[u8]) -> Option<(PackedLoc, Arc<B::File>)> {
         // Hold the index lock while taking the file handle: a segment is only deleted after the index
         // stopped pointing at it, so the pair is consistent (and an unlinked file stays readable).
         let index = self.index.read().unwrap_or_else(|p| p.into_inner());
-        let loc = Location::from(*index.get(key)?);
-        let file = self.files.read().unwrap_or_else(|p| p.into_inner()).get(&loc.segment)?.clone();
-        Some((loc, file))
+        let p = *index.get(key)?;
+        let file = self.files.read().unwrap_or_else(|p| p.into_inner()).get(&p.segment)?.clone();
+        Some((p, file))
+    }
+
+    /// What to read for the record `p` of a key of `key_len` bytes: a value the index can check
+    /// (single frame, not compressed) is read without its head, only its payload, which the writer
+    /// put at a sector boundary when it is large (see [`ALIGN_PAYLOAD_MIN`]); any other record whole.
+    fn plan_read(&self, p: &PackedLoc, key_len: usize) -> ReadPlan {
+        let loc = p.loc();
+        let facts = p.facts();
+        let head = format::head_len(1, key_len) + facts.pad as u64;
+        let (from, len, crc) = match facts.direct_crc {
+            Some(crc) if head < loc.len => (loc.offset + head, loc.len - head, Some(crc)),
+            _ => (loc.offset, loc.len, None),
+        };
+        let start = align_down(from, self.read_align);
+        let end = align_up(from + len, self.read_align);
+        ReadPlan { loc, start, end, from, len, crc }
+    }
+
+    /// Read what `plan` says and decode it.
+    fn read_planned(&self, file: &B::File, plan: ReadPlan, key: &[u8]) -> Result<Frames> {
+        let buf = self
+            .backend
+            .read_new(file, plan.start, (plan.end - plan.start) as usize, self.read_align as usize)
+            .map_err(|e| Error::io("read segment", self.seg_path(plan.loc.segment), e))?;
+        plan.finish(buf.freeze(), key)
     }
 
     /// Read the raw bytes of the record at `loc` (aligned read, zero-copy slice).
@@ -1329,11 +1539,6 @@ impl<B: Backend> SegmentLog<B> {
         Ok(b.slice((loc.offset - start) as usize..(loc.offset - start + loc.len) as usize))
     }
 
-    fn read_record(&self, file: &B::File, loc: Location, key: &[u8]) -> Result<Frames> {
-        let raw = self.read_record_bytes(file, loc)?;
-        decode_read(raw, loc, key)
-    }
-
     /// As [`SegmentLog::get`], but the read runs as a future: with the io_uring backend many reads
     /// from one thread are in flight at once (the index lookup happens before the first poll). The
     /// future owns everything it needs, so it may outlive borrows of the log; dropping it early is
@@ -1342,31 +1547,28 @@ impl<B: Backend> SegmentLog<B> {
     /// the punched record as damaged. ([`Store::get_async`](crate::Store::get_async) checks whether
     /// the key is still there before it reports an error.)
     pub fn get_async(&self, key: &[u8]) -> impl Future<Output = Result<Option<Frames>>> + Send + 'static {
-        let started = self.lookup(key).map(|(loc, file)| {
+        let started = self.lookup(key).map(|(p, file)| {
             // A pending record (write-behind) is served from memory.
-            let from_memory = self.pending_record(loc)?;
-            let start = align_down(loc.offset, self.read_align);
+            let plan = self.plan_read(&p, key.len());
+            let from_memory = self.pending_record(plan.loc)?;
             let read = from_memory.is_none().then(|| {
-                let end = align_up(loc.offset + loc.len, self.read_align);
-                let buf = self.backend.alloc_buf((end - start) as usize, self.read_align as usize);
-                self.backend.read_at_async(&file, start, buf)
+                let buf = self.backend.alloc_buf((plan.end - plan.start) as usize, self.read_align as usize);
+                self.backend.read_at_async(&file, plan.start, buf)
             });
-            Ok((loc, start, from_memory, read, self.seg_path(loc.segment)))
+            Ok((plan, from_memory, read, self.seg_path(plan.loc.segment)))
         });
         let key = key.to_vec();
         async move {
             let Some(started) = started else {
                 return Ok(None);
             };
-            let (loc, start, from_memory, read, path) = started?;
+            let (plan, from_memory, read, path) = started?;
             let Some(read) = read else {
-                return decode_read(from_memory.expect("a pending record"), loc, &key).map(Some);
+                return decode_read(from_memory.expect("a pending record"), plan.loc, &key).map(Some);
             };
             let (r, buf) = read.await;
             r.map_err(|e| Error::io("read segment", path, e))?;
-            let from = (loc.offset - start) as usize;
-            let raw = buf.freeze().slice(from..from + loc.len as usize);
-            decode_read(raw, loc, &key).map(Some)
+            plan.finish(buf.freeze(), &key).map(Some)
         }
     }
 
@@ -1382,42 +1584,39 @@ impl<B: Backend> SegmentLog<B> {
         keys: &mut dyn Iterator<Item = Vec<u8>>,
         on_value: &mut dyn FnMut(Vec<u8>, Result<Option<Frames>>),
     ) -> Result<()> {
-        let pending: RefCell<slab::Slab<(Vec<u8>, Location, u64)>> = RefCell::new(slab::Slab::new());
+        let pending: RefCell<slab::Slab<(Vec<u8>, ReadPlan)>> = RefCell::new(slab::Slab::new());
         let on_value = RefCell::new(on_value);
         let mut next = || loop {
             let key = keys.next()?;
             match self.lookup(&key) {
                 None => (on_value.borrow_mut())(key, Ok(None)),
                 // A pending record (write-behind): served from memory.
-                Some((loc, _)) if self.may_be_pending(loc) => {
-                    let res = match self.pending_record(loc) {
-                        Ok(Some(raw)) => decode_read(raw, loc, &key).map(Some),
+                Some((p, _)) if self.may_be_pending(p.loc()) => {
+                    let res = match self.pending_record(p.loc()) {
+                        Ok(Some(raw)) => decode_read(raw, p.loc(), &key).map(Some),
                         Ok(None) => self.get(&key), // written meanwhile: read as usual
                         Err(e) => Err(e),
                     };
                     (on_value.borrow_mut())(key, res)
                 }
-                Some((loc, file)) => {
-                    let start = align_down(loc.offset, self.read_align);
-                    let end = align_up(loc.offset + loc.len, self.read_align);
-                    let buf = self.backend.alloc_buf((end - start) as usize, self.read_align as usize);
-                    let tag = pending.borrow_mut().insert((key, loc, start)) as u64;
-                    return Some(PipelinedRead { file, offset: start, buf, tag });
+                Some((p, file)) => {
+                    let plan = self.plan_read(&p, key.len());
+                    let buf = self.backend.alloc_buf((plan.end - plan.start) as usize, self.read_align as usize);
+                    let offset = plan.start;
+                    let tag = pending.borrow_mut().insert((key, plan)) as u64;
+                    return Some(PipelinedRead { file, offset, buf, tag });
                 }
             }
         };
         let mut done = |tag: u64, (r, buf): BufResult| {
-            let (key, loc, start) = pending.borrow_mut().remove(tag as usize);
+            let (key, plan) = pending.borrow_mut().remove(tag as usize);
             let res = match r {
-                Err(e) => Err(Error::io("read segment", self.seg_path(loc.segment), e)),
-                Ok(()) => {
-                    let from = (loc.offset - start) as usize;
-                    match decode_read(buf.freeze().slice(from..from + loc.len as usize), loc, &key) {
-                        // Forgotten or moved while being read: as a fresh `get` finds it now.
-                        Err(e) if self.moved_under_read(&e, &key, loc) => self.get(&key),
-                        got => got.map(Some),
-                    }
-                }
+                Err(e) => Err(Error::io("read segment", self.seg_path(plan.loc.segment), e)),
+                Ok(()) => match plan.finish(buf.freeze(), &key) {
+                    // Forgotten or moved while being read: as a fresh `get` finds it now.
+                    Err(e) if self.moved_under_read(&e, &key, plan.loc) => self.get(&key),
+                    got => got.map(Some),
+                },
             };
             (on_value.borrow_mut())(key, res);
         };
@@ -1430,7 +1629,7 @@ impl<B: Backend> SegmentLog<B> {
     pub fn stored_value(&self, key: &[u8]) -> Result<Option<StoredValue<B::File>>> {
         let mut tries = 0;
         let (loc, file, pin) = loop {
-            let Some((loc, file)) = self.lookup(key) else { return Ok(None) };
+            let Some((loc, file)) = self.lookup(key).map(|(p, f)| (p.loc(), f)) else { return Ok(None) };
             // Pinned before the index is checked again: a forget that removed the key before the
             // check makes it absent; one after it finds the pin and does not punch what is being
             // sent.
@@ -1597,7 +1796,9 @@ impl<B: Backend> SegmentLog<B> {
         }
         // The record around the value (header, frame table, key, 64-byte frame gaps) must fit the
         // index's 32-bit length too: near the value limit, many frames can push it over.
-        let len = format::record_len(frames.len(), key.len(), laid_out_len(frames));
+        // (With the largest payload padding the writer may add.)
+        let len = format::record_len(frames.len(), key.len(), laid_out_len(frames)) + format::PAYLOAD_PAD_LIMIT
+            - format::FRAME_ALIGN;
         if len > MAX_RECORD_BYTES {
             return Err(Error::ValueTooLarge { len, max: MAX_RECORD_BYTES, unit: "record bytes" });
         }
@@ -1818,8 +2019,9 @@ impl<B: Backend> SegmentLog<B> {
         let tail_start = align_down(pend, self.align);
         let tail = buf[(tail_start - buf_base) as usize..(pend - buf_base) as usize].to_vec();
         let empty = Frames::default();
-        let chunk = [Prepared { rec: NewRecord::Value { key, frames: &empty }, payload: Payload::Empty, len }];
-        self.publish_chunk(st, &chunk, &[(start, len, seq)], pend, tail, epoch, false)?;
+        let rec = NewRecord::Value { key, frames: &empty };
+        let chunk = [Prepared { rec, payload: Payload::Empty, len, pad: 0, align_head: 0 }];
+        self.publish_chunk(st, &chunk, &[Placed::new(start, &h)], pend, tail, epoch, false)?;
         self.compact_if_pending(st);
         Ok(())
     }
@@ -1863,10 +2065,11 @@ impl<B: Backend> SegmentLog<B> {
             return Err(Error::KeyTooLarge { len: key.len(), max: format::MAX_KEY_BYTES });
         }
         let mut st = self.writer();
-        let Some(loc) = self.location(key) else {
+        let Some(packed) = self.index.read().unwrap_or_else(|p| p.into_inner()).get(key).copied() else {
             return Ok(false);
         };
-        self.append(&mut st, vec![NewRecord::Tombstone { key, aux: loc.first_segment }])?;
+        let first = first_segment(&st.segs, &packed);
+        self.append(&mut st, vec![NewRecord::Tombstone { key, aux: first }])?;
         Ok(true)
     }
 
@@ -2000,7 +2203,13 @@ impl<B: Backend> SegmentLog<B> {
             NewRecord::Tombstone { .. } | NewRecord::SyncMark => (Payload::Empty, 0, 0),
             NewRecord::Relocated { bytes, .. } => {
                 let bytes: &'a [u8] = bytes;
-                return Prepared { len: bytes.len() as u64, payload: Payload::Relocated(bytes), rec };
+                return Prepared {
+                    len: bytes.len() as u64,
+                    payload: Payload::Relocated(bytes),
+                    rec,
+                    pad: 0,
+                    align_head: 0,
+                };
             }
             NewRecord::Value { frames, .. } => {
                 let raw = laid_out_len(frames);
@@ -2020,7 +2229,9 @@ impl<B: Backend> SegmentLog<B> {
                 }
             }
         };
-        Prepared { len: format::record_len(frame_count, key_len, stored), payload, rec }
+        let aligned = matches!(payload, Payload::Frames(f) if f.len() == 1) && stored >= ALIGN_PAYLOAD_MIN;
+        let align_head = if aligned { format::head_len(frame_count, key_len) } else { 0 };
+        Prepared { len: format::record_len(frame_count, key_len, stored), payload, rec, pad: 0, align_head }
     }
 
     /// Room the footer will need for one more entry with this key.
@@ -2052,17 +2263,17 @@ impl<B: Backend> SegmentLog<B> {
 
     fn append(&self, st: &mut WriterState<B::File>, recs: Vec<NewRecord<'_>>) -> Result<Vec<Location>> {
         self.check_writable()?;
-        let prepared: Vec<Prepared<'_>> = recs.into_iter().map(|r| self.prepare(r)).collect();
+        let mut prepared: Vec<Prepared<'_>> = recs.into_iter().map(|r| self.prepare(r)).collect();
         let mut out = Vec::with_capacity(prepared.len());
         let mut i = 0;
         while i < prepared.len() {
             // Make sure the active segment can take at least the next record.
             let need_new = match &st.active {
-                Some(a) => !self.fits(a, prepared[i].len, prepared[i].rec.key().len()),
+                Some(a) => !self.fits(a, prepared[i].max_len(), prepared[i].rec.key().len()),
                 None => true,
             };
             if need_new {
-                self.rotate(st, prepared[i].len, prepared[i].rec.key().len())?;
+                self.rotate(st, prepared[i].max_len(), prepared[i].rec.key().len())?;
             }
             // Take as many records as fit into this segment.
             let a = st.active.as_ref().expect("active after rotate");
@@ -2070,7 +2281,8 @@ impl<B: Backend> SegmentLog<B> {
             let mut end = a.data_end;
             let mut footer = a.footer.len() as u64;
             while j < prepared.len() {
-                let p = &prepared[j];
+                let p = &mut prepared[j];
+                p.place(end);
                 let new_end = padded(end + p.len);
                 let new_footer = footer + Self::footer_entry_len(p.rec.key().len());
                 if end > u32::MAX as u64
@@ -2127,7 +2339,7 @@ impl<B: Backend> SegmentLog<B> {
         // The partial block the next group rewrites: the active segment's own tail until a group is
         // encoded (which stays in place, so that a failed write leaves the segment as it was).
         let mut tail: Option<Vec<u8>> = None;
-        let mut placed: Vec<(u64, u64, u64)> = Vec::with_capacity(chunk.len()); // (offset, len, seq)
+        let mut placed: Vec<Placed> = Vec::with_capacity(chunk.len());
         let mut in_flight: std::collections::VecDeque<crate::backend::IoFuture> = std::collections::VecDeque::new();
         let mut failure: Option<io::Error> = None;
         // Without a submission queue, one write per chunk (several would only add syscalls).
@@ -2155,8 +2367,8 @@ impl<B: Backend> SegmentLog<B> {
             for p in group {
                 let seq = Self::seq_for(st, &p.rec);
                 let at = (pos - base) as usize;
-                Self::encode_record(p, &mut buf[at..at + p.len as usize], id, epoch, seq);
-                placed.push((pos, p.len, seq));
+                let h = Self::encode_record(p, &mut buf[at..at + p.len as usize], id, epoch, seq);
+                placed.push(Placed::new(pos, &h));
                 let rec_end = (pos + p.len - base) as usize;
                 pos = padded(pos + p.len);
                 buf[rec_end..(pos - base) as usize].fill(0); // padding between records
@@ -2216,15 +2428,15 @@ impl<B: Backend> SegmentLog<B> {
             let a = st.active.as_mut().expect("active segment");
             (a.id, a.data_end, a.written_end, std::mem::take(&mut a.tail))
         };
-        let mut placed: Vec<(u64, u64, u64)> = Vec::with_capacity(chunk.len());
+        let mut placed: Vec<Placed> = Vec::with_capacity(chunk.len());
         let mut pos = data_end;
         for p in chunk {
             let seq = Self::seq_for(st, &p.rec);
             let at = tail.len();
             // Zeros: the padding after the record; encode_record writes every byte of the record.
             tail.resize(at + padded(p.len) as usize, 0);
-            Self::encode_record(p, &mut tail[at..at + p.len as usize], id, epoch, seq);
-            placed.push((pos, p.len, seq));
+            let h = Self::encode_record(p, &mut tail[at..at + p.len as usize], id, epoch, seq);
+            placed.push(Placed::new(pos, &h));
             pos = padded(pos + p.len);
         }
         if written_end == data_end {
@@ -2338,6 +2550,8 @@ impl<B: Backend> SegmentLog<B> {
             key: &'a [u8],
             frames: &'a Frames,
             offsets: Vec<u64>,
+            /// Its entry in `placed`, whose crc is filled in with the head's.
+            placed: usize,
         }
         let epoch = st.epoch;
         let align = self.align;
@@ -2353,7 +2567,7 @@ impl<B: Backend> SegmentLog<B> {
         // Whether each part belongs to a large record's payload.
         let mut payload: Vec<bool> = vec![false];
         let mut large: Vec<Large<'_>> = Vec::new();
-        let mut placed: Vec<(u64, u64, u64)> = Vec::with_capacity(chunk.len());
+        let mut placed: Vec<Placed> = Vec::with_capacity(chunk.len());
         let mut pos = data_end;
         for p in chunk {
             let seq = Self::seq_for(st, &p.rec);
@@ -2363,8 +2577,7 @@ impl<B: Backend> SegmentLog<B> {
                 {
                     let frame_lens: Vec<u64> = frames.iter().map(|f| f.len() as u64).collect();
                     let (offsets, raw_len) = format::frame_layout(frame_lens.iter().copied()).expect("prepared");
-                    let head = format::RECORD_HEADER_LEN + 8 * frame_lens.len() + key.len();
-                    let po = align_up(head as u64, format::FRAME_ALIGN) as usize;
+                    let po = (format::head_len(frame_lens.len(), key.len()) + p.pad) as usize;
                     let header = RecordHeader {
                         flags: 0,
                         frame_count: frame_lens.len() as u16,
@@ -2375,7 +2588,7 @@ impl<B: Backend> SegmentLog<B> {
                         seq,
                         raw_len,
                         stored_len: raw_len,
-                        aux: 0,
+                        aux: p.pad as u32,
                     };
                     debug_assert_eq!(p.len, po as u64 + raw_len);
                     let start = arena.len();
@@ -2387,7 +2600,9 @@ impl<B: Backend> SegmentLog<B> {
                         key,
                         frames,
                         offsets: offsets.clone(),
+                        placed: placed.len(),
                     });
+                    placed.push(Placed::new(pos, &header));
                     parts.push(Part::Arena(start..start + po));
                     payload.push(false);
                     // The payload: each frame and the zeros before it.
@@ -2405,12 +2620,12 @@ impl<B: Backend> SegmentLog<B> {
                 _ => {
                     let start = arena.len();
                     arena.resize(start + p.len as usize, 0);
-                    Self::encode_record(p, &mut arena[start..], id, epoch, seq);
+                    let h = Self::encode_record(p, &mut arena[start..], id, epoch, seq);
                     parts.push(Part::Arena(start..start + p.len as usize));
                     payload.push(false);
+                    placed.push(Placed::new(pos, &h));
                 }
             }
-            placed.push((pos, p.len, seq));
             let next = padded(pos + p.len);
             parts.push(Part::Zeros((next - pos - p.len) as usize)); // padding between records
             payload.push(false);
@@ -2500,6 +2715,7 @@ impl<B: Backend> SegmentLog<B> {
         for (l, crc) in large.iter().zip(crcs) {
             let h = RecordHeader { payload_crc: crc, ..l.header };
             format::write_record_head(&mut arena[l.head.clone()], &h, &l.frame_lens, l.key);
+            placed[l.placed].payload_crc = crc;
         }
         if written.is_ok() {
             written = write(&arena, deferred.then_some(false));
@@ -2541,29 +2757,32 @@ impl<B: Backend> SegmentLog<B> {
 
     /// Encode one prepared record into `dst` (exactly `p.len` bytes): header, frame table, key and
     /// payload, with both checksums.
-    fn encode_record(p: &Prepared<'_>, dst: &mut [u8], segment: u32, epoch: u32, seq: u64) {
+    fn encode_record(p: &Prepared<'_>, dst: &mut [u8], segment: u32, epoch: u32, seq: u64) -> RecordHeader {
         match (&p.rec, &p.payload) {
             (NewRecord::Relocated { header, .. }, Payload::Relocated(bytes)) => {
                 dst.copy_from_slice(bytes);
                 format::relocate_record(dst, header, segment, epoch);
+                RecordHeader { segment, epoch, ..*header }
             }
             (rec, payload) => {
                 let key = rec.key();
                 let (flags, aux, frame_lens, raw_len): (u8, u32, Vec<u64>, u64) = match (rec, payload) {
                     (NewRecord::Tombstone { aux, .. }, _) => (format::FLAG_TOMBSTONE, *aux, Vec::new(), 0),
                     (NewRecord::SyncMark, _) => (format::FLAG_SYNC_MARK, 0, Vec::new(), 0),
-                    (NewRecord::Value { frames, .. }, Payload::Compressed(_)) => {
-                        (format::FLAG_LZ4, 0, frames.iter().map(|f| f.len() as u64).collect(), laid_out_len(frames))
-                    }
+                    (NewRecord::Value { frames, .. }, Payload::Compressed(_)) => (
+                        format::FLAG_LZ4,
+                        p.pad as u32,
+                        frames.iter().map(|f| f.len() as u64).collect(),
+                        laid_out_len(frames),
+                    ),
                     (NewRecord::Value { frames, .. }, _) => {
-                        (0, 0, frames.iter().map(|f| f.len() as u64).collect(), laid_out_len(frames))
+                        (0, p.pad as u32, frames.iter().map(|f| f.len() as u64).collect(), laid_out_len(frames))
                     }
                     (NewRecord::Relocated { .. }, _) => {
                         unreachable!("relocated records carry their bytes")
                     }
                 };
-                let head = format::RECORD_HEADER_LEN + 8 * frame_lens.len() + key.len();
-                let po = align_up(head as u64, format::FRAME_ALIGN) as usize;
+                let po = (format::head_len(frame_lens.len(), key.len()) + p.pad) as usize;
                 let stored_len = p.len - po as u64;
                 let w = po;
                 match payload {
@@ -2587,6 +2806,7 @@ impl<B: Backend> SegmentLog<B> {
                     aux,
                 };
                 format::write_record_head(dst, &h, &frame_lens, key);
+                h
             }
         }
     }
@@ -2660,7 +2880,7 @@ impl<B: Backend> SegmentLog<B> {
         &self,
         st: &mut WriterState<B::File>,
         chunk: &[Prepared<'_>],
-        placed: &[(u64, u64, u64)],
+        placed: &[Placed],
         end: u64,
         tail: Vec<u8>,
         epoch: u32,
@@ -2678,18 +2898,22 @@ impl<B: Backend> SegmentLog<B> {
         }
         a.max_epoch = a.max_epoch.max(epoch);
         let id = a.id;
-        for (p, &(offset, len, seq)) in chunk.iter().zip(placed) {
-            let key = p.rec.key();
-            let (flags, aux) = match &p.rec {
-                NewRecord::Tombstone { aux, .. } => (format::FLAG_TOMBSTONE, *aux),
-                NewRecord::Relocated { header, .. } => (header.flags & format::FLAG_TOMBSTONE, header.aux),
-                NewRecord::Value { .. } => (0, 0),
-                NewRecord::SyncMark => continue, // not in the footer: it indexes nothing
+        for (p, pl) in chunk.iter().zip(placed) {
+            if matches!(p.rec, NewRecord::SyncMark) {
+                continue; // not in the footer: it indexes nothing
+            }
+            let tombstone = pl.flags & format::FLAG_TOMBSTONE != 0;
+            let e = FooterEntry {
+                key: p.rec.key().to_vec(),
+                flags: pl.flags & (format::FLAG_TOMBSTONE | format::FLAG_LZ4),
+                frame_count: pl.frame_count,
+                payload_crc: if tombstone { 0 } else { pl.payload_crc },
+                offset: pl.offset,
+                record_len: pl.len,
+                seq: pl.seq,
+                aux: pl.aux,
             };
-            format::encode_footer_entry(
-                &mut a.footer,
-                &FooterEntry { key: key.to_vec(), flags, offset, record_len: len, seq, aux },
-            );
+            format::encode_footer_entry(&mut a.footer, &e);
             a.footer_entries += 1;
         }
         {
@@ -2703,8 +2927,10 @@ impl<B: Backend> SegmentLog<B> {
         let mut emptied = Vec::new();
         {
             let mut index = self.index.write().unwrap_or_else(|p| p.into_inner());
-            for (p, &(offset, len, _seq)) in chunk.iter().zip(placed) {
+            for (p, pl) in chunk.iter().zip(placed) {
                 let key = p.rec.key();
+                let (offset, len) = (pl.offset, pl.len);
+                let loc = Location { segment: id, offset, len };
                 match &p.rec {
                     NewRecord::Tombstone { aux, .. } => {
                         if let Some(old) = index.remove(key) {
@@ -2717,26 +2943,27 @@ impl<B: Backend> SegmentLog<B> {
                         m.tombstones += 1;
                         m.tombstone_bytes += padded(len);
                         m.min_shadow = m.min_shadow.min(*aux);
-                        locs.push(Location { segment: id, first_segment: *aux, offset, len });
+                        locs.push(loc);
                     }
-                    NewRecord::SyncMark => locs.push(Location { segment: id, first_segment: id, offset, len }),
+                    NewRecord::SyncMark => locs.push(loc),
                     NewRecord::Relocated { header, .. } if header.is_tombstone() => {
                         let m = st.segs.get_mut(&id).expect("active");
                         m.tombstones += 1;
                         m.tombstone_bytes += padded(len);
                         m.min_shadow = m.min_shadow.min(header.aux);
-                        locs.push(Location { segment: id, first_segment: header.aux, offset, len });
+                        locs.push(loc);
                     }
                     NewRecord::Relocated { from, .. }
-                        if index.get(key).is_none_or(|l| (l.segment, l.offset as u64) != *from) =>
+                        if index.get(key).is_none_or(|l| (l.segment, l.offset()) != *from) =>
                     {
                         // Forgotten while compaction copied it: the copy is dead on arrival.
-                        locs.push(Location { segment: id, first_segment: id, offset, len });
+                        locs.push(loc);
                     }
                     _ => {
-                        let first_segment = index.get(key).map_or(id, |o| o.first_segment.min(id));
-                        let loc = Location { segment: id, first_segment, offset, len };
-                        if let Some(old) = index.insert(IndexKey::from(key), loc.into()) {
+                        let first = index.get(key).map_or(id, |o| first_segment(&st.segs, o).min(id));
+                        let elsewhere = note_first_segment(&mut st.segs, id, offset, first);
+                        let facts = RecordFacts::of(pl.flags, pl.frame_count, pl.payload_crc, pl.aux, pl.stored_len);
+                        if let Some(old) = index.insert(IndexKey::from(key), PackedLoc::new(loc, facts, elsewhere)) {
                             Self::release(st, old.into(), &mut emptied);
                             if deferred {
                                 Self::superseded_by_pending(st, old.into());
@@ -3139,9 +3366,9 @@ impl<B: Backend> SegmentLog<B> {
                         // record was deleted too (found by the `log_model` fuzz target).
                         e.aux < id
                             && st.segs.range(e.aux..id).next().is_some()
-                            && index.get(e.key.as_slice()).is_none_or(|l| l.first_segment > e.aux)
+                            && index.get(e.key.as_slice()).is_none_or(|l| first_segment(&st.segs, l) > e.aux)
                     } else {
-                        index.get(e.key.as_slice()).is_some_and(|l| l.segment == id && l.offset as u64 == e.offset)
+                        index.get(e.key.as_slice()).is_some_and(|l| l.segment == id && l.offset() == e.offset)
                     };
                     (e, keep)
                 })
@@ -3177,7 +3404,7 @@ impl<B: Backend> SegmentLog<B> {
             if !keep {
                 continue;
             }
-            let loc = Location { segment: id, first_segment: id, offset: e.offset, len: e.record_len };
+            let loc = Location { segment: id, offset: e.offset, len: e.record_len };
             let raw = self.read_record_bytes(&file, loc)?;
             if let Err(err) = format::decode_record(&raw) {
                 // A damaged record stays where it is (its segment is kept) and is reported. A live
@@ -3272,7 +3499,7 @@ impl<B: Backend> SegmentLog<B> {
                 }
             };
             for e in scan.entries {
-                let loc = Location { segment: id, first_segment: id, offset: e.offset, len: e.record_len };
+                let loc = Location { segment: id, offset: e.offset, len: e.record_len };
                 // A dead large record: forgetting it may have punched its payload out, so only its
                 // head (which a punch keeps) is checked.
                 let head_only = self.opts.punch_forgotten
@@ -3419,6 +3646,39 @@ impl<B: Backend> Drop for SegmentLog<B> {
 }
 
 /// Check the record bytes read for `key` at `loc` and cut them into frames (decompressing if needed).
+/// A read of a record, planned by [`SegmentLog::plan_read`].
+#[derive(Debug, Clone, Copy)]
+struct ReadPlan {
+    loc: Location,
+    /// The aligned file range to read.
+    start: u64,
+    end: u64,
+    /// The bytes wanted in it: the record, or its payload.
+    from: u64,
+    len: u64,
+    /// With only the payload read: its crc, from the index.
+    crc: Option<u32>,
+}
+
+impl ReadPlan {
+    /// Decode what was read (`buf` holds the file range `start..end`) into the key's value. A
+    /// payload read without its head is checked against the crc the index keeps; it is the one
+    /// frame of the value.
+    fn finish(&self, buf: Bytes, key: &[u8]) -> Result<Frames> {
+        let at = (self.from - self.start) as usize;
+        let raw = buf.slice(at..at + self.len as usize);
+        let Some(expected) = self.crc else {
+            return decode_read(raw, self.loc, key);
+        };
+        let actual = format::payload_crc(&raw);
+        if actual != expected {
+            let e = format::DecodeError::Checksum { what: "record payload", expected, actual };
+            return Err(e.at(self.loc.segment, self.loc.offset));
+        }
+        Ok(Frames(std::iter::once(raw).collect()))
+    }
+}
+
 fn decode_read(raw: Bytes, loc: Location, key: &[u8]) -> Result<Frames> {
     let r = format::decode_record(&raw).map_err(|e| e.at(loc.segment, loc.offset))?;
     if r.key != key || r.header.segment != loc.segment || r.header.is_tombstone() {

@@ -178,6 +178,51 @@ fn a_reput_key_deleted_again_stays_deleted_after_compaction() {
     assert!(log.get(b"keep-1").unwrap().is_some());
 }
 
+/// A key overwritten in a later segment than its first copy: its tombstone must shadow back to the
+/// first copy's segment (which the log keeps per segment, not in the key's index entry), whether
+/// the overwrite was indexed by the write or, after a reopen, by recovery.
+#[test]
+fn the_tombstone_of_an_overwritten_key_shadows_its_first_copy() {
+    for reopen_before_delete in [false, true] {
+        let be = SimBackend::new();
+        let opts = || LogOptions { segment_bytes: 64 << 10, auto_compact: false, ..Default::default() };
+        let mut log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
+        let v = |n: usize| Frames::from(vec![7u8; n]);
+        log.put(b"k", &v(10_000)).unwrap(); // first copy, segment A
+        log.put(b"keep", &v(40_000)).unwrap(); // keeps A alive
+        let a = log.location(b"k").unwrap().segment;
+        let mut i = 0;
+        while log.location(b"k").unwrap().segment == a {
+            log.put(format!("fill{i}").as_bytes(), &v(20_000)).unwrap();
+            log.put(b"k", &v(3_000)).unwrap(); // the overwrite ends up in a later segment B
+            i += 1;
+        }
+        let b = log.location(b"k").unwrap().segment;
+        if reopen_before_delete {
+            log.sync().unwrap();
+            drop(log);
+            log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
+        }
+        log.delete(b"k").unwrap(); // tombstone in B or later, which must shadow A
+        for j in 0..i {
+            log.delete(format!("fill{j}").as_bytes()).unwrap();
+        }
+        // Seal the tombstone's segment, then compact: every segment from B on is sparse or empty,
+        // so a tombstone shadowing only from B would be dropped while A still holds the old copy.
+        for j in 0..4 {
+            log.put(format!("later{j}").as_bytes(), &v(20_000)).unwrap();
+        }
+        log.compact().unwrap();
+        log.sync().unwrap();
+        assert!(log.stats().segments >= 2 && log.location(b"keep").unwrap().segment == a);
+        assert!(b > a && log.get(b"k").unwrap().is_none());
+        drop(log);
+        let log = SegmentLog::open(be, "/s", opts()).unwrap();
+        assert!(log.get(b"k").unwrap().is_none(), "reopen {reopen_before_delete}: the first copy came back");
+        assert!(log.get(b"keep").unwrap().is_some());
+    }
+}
+
 /// Open descriptors of deleted files under `dir`, from `/proc/self/fd`.
 fn deleted_files_held_open(dir: &std::path::Path) -> usize {
     std::fs::read_dir("/proc/self/fd")

@@ -141,6 +141,8 @@ struct SimState {
     /// Report `queues_writes`, so the log uses its grouped write path (writes still run in order).
     queue_writes: bool,
     gather_writes: bool,
+    /// Reads (offset, length) since `record_reads(true)`, when recording.
+    reads: Option<Vec<(u64, usize)>>,
 }
 
 /// An open simulated file.
@@ -183,6 +185,7 @@ impl SimBackend {
                 align,
                 queue_writes: false,
                 gather_writes: false,
+                reads: None,
             })),
         }
     }
@@ -202,6 +205,17 @@ impl SimBackend {
     /// itself still copies (and faults) like any other write.
     pub fn set_gather_writes(&self, on: bool) {
         self.lock().gather_writes = on;
+    }
+
+    /// Start (or stop) recording the offset and length of every read, for tests of what the log
+    /// reads; starting clears what was recorded.
+    pub fn record_reads(&self, on: bool) {
+        self.lock().reads = on.then(Vec::new);
+    }
+
+    /// The reads recorded since the last call (or since recording started), as (offset, length).
+    pub fn take_reads(&self) -> Vec<(u64, usize)> {
+        self.lock().reads.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
     /// Schedule a fault.
@@ -323,6 +337,7 @@ impl SimBackend {
                 align: st.align,
                 queue_writes: st.queue_writes,
                 gather_writes: st.gather_writes,
+                reads: None,
             })),
         }
     }
@@ -485,6 +500,9 @@ impl Backend for SimBackend {
     fn read_at(&self, file: &SimFile, offset: u64, mut buf: AlignedBuf) -> BufResult {
         if let Some(kind) = self.check(OpKind::Read) {
             return (Err(Self::fault_error(kind)), buf);
+        }
+        if let Some(r) = self.lock().reads.as_mut() {
+            r.push((offset, buf.len()));
         }
         let d = file.inode.lock();
         let end = offset as usize + buf.len();
