@@ -540,7 +540,7 @@ pub fn decode_footer(b: &[u8], count: u64, segment_bytes: u64) -> Result<Vec<Foo
         if entry.flags & !(FLAG_LZ4 | FLAG_TOMBSTONE) != 0 {
             return Err(DecodeError::Invalid("unknown flags in footer entry"));
         }
-        if entry.flags & FLAG_TOMBSTONE != 0 && (entry.flags != FLAG_TOMBSTONE || entry.frame_count != 0) {
+        if entry.flags & FLAG_TOMBSTONE != 0 && entry.frame_count != 0 {
             return Err(DecodeError::Invalid("footer entry of a tombstone with a payload"));
         }
         if entry.flags & FLAG_TOMBSTONE == 0
