@@ -552,6 +552,11 @@ pub fn decode_footer(b: &[u8], count: u64, segment_bytes: u64) -> Result<Vec<Foo
         if entry.offset % RECORD_ALIGN != 0 || end.is_none_or(|end| end > segment_bytes) {
             return Err(DecodeError::Invalid("footer entry points outside the segment"));
         }
+        // Records are listed in file order and do not overlap (the writer appends; recovery keeps
+        // per-offset notes that two entries at one offset would confuse).
+        if out.last().is_some_and(|p: &FooterEntry| entry.offset < p.offset + p.record_len.max(1)) {
+            return Err(DecodeError::Invalid("footer entries overlap or are out of order"));
+        }
         out.push(entry);
         pos += len;
     }
@@ -836,6 +841,32 @@ mod tests {
         assert_eq!(payload_pad(0, 128), 384);
         assert_eq!(payload_pad(384, 128), 0);
         assert_eq!(payload_pad(4608, 128), 384);
+    }
+
+    #[test]
+    fn overlapping_footer_entries_are_invalid() {
+        let entry = |offset, record_len| FooterEntry {
+            key: b"k".to_vec(),
+            flags: 0,
+            frame_count: 1,
+            payload_crc: 0,
+            offset,
+            record_len,
+            seq: 1,
+            aux: 0,
+        };
+        let footer = |entries: &[FooterEntry]| {
+            let mut out = Vec::new();
+            for e in entries {
+                encode_footer_entry(&mut out, e);
+            }
+            decode_footer(&out, entries.len() as u64, 1 << 20)
+        };
+        assert!(footer(&[entry(4096, 128), entry(4224, 100)]).is_ok());
+        for second in [4096, 4160, 0] {
+            let e = footer(&[entry(4096, 128), entry(second, 100)]).unwrap_err();
+            assert!(matches!(e, DecodeError::Invalid(m) if m.contains("overlap")), "{second}: {e:?}");
+        }
     }
 
     #[test]

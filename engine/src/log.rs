@@ -3426,7 +3426,12 @@ impl<B: Backend> SegmentLog<B> {
             }
             let loc = Location { segment: id, offset: e.offset, len: e.record_len };
             let raw = self.read_record_bytes(&file, loc)?;
-            if let Err(err) = format::decode_record(&raw) {
+            let checked = format::decode_record(&raw).and_then(|r| {
+                // The index entry of the copy comes from the header, its place from the footer
+                // entry: they must agree (only a crafted footer with a valid crc can differ).
+                entry_matches(&e, &r.header).then_some(()).ok_or(format::DecodeError::Invalid(FOOTER_MISMATCH))
+            });
+            if let Err(err) = checked {
                 // A damaged record stays where it is (its segment is kept) and is reported. A live
                 // value keeps its segment by being live; a tombstone does by its count, below.
                 log::warn!("compaction leaves damaged record in place: {}", err.at(id, e.offset));
@@ -3530,21 +3535,13 @@ impl<B: Backend> SegmentLog<B> {
                     Ok(raw) if head_only => match format::peek_record_header(&raw)
                         .and_then(|h| format::verify_record_head(&raw, &h).map(|_| h))
                     {
-                        Ok(h) if h.seq == e.seq => None,
-                        Ok(_) => Some(Error::Corrupt {
-                            segment: id,
-                            offset: e.offset,
-                            reason: "record differs from its footer entry".into(),
-                        }),
+                        Ok(h) if entry_matches(&e, &h) => None,
+                        Ok(_) => Some(Error::Corrupt { segment: id, offset: e.offset, reason: FOOTER_MISMATCH.into() }),
                         Err(d) => Some(d.at(id, e.offset)),
                     },
                     Ok(raw) => match format::decode_record(&raw) {
-                        Ok(r) if r.key == e.key.as_slice() && r.header.seq == e.seq => None,
-                        Ok(_) => Some(Error::Corrupt {
-                            segment: id,
-                            offset: e.offset,
-                            reason: "record differs from its footer entry".into(),
-                        }),
+                        Ok(r) if r.key == e.key.as_slice() && entry_matches(&e, &r.header) => None,
+                        Ok(_) => Some(Error::Corrupt { segment: id, offset: e.offset, reason: FOOTER_MISMATCH.into() }),
                         Err(d) => Some(d.at(id, e.offset)),
                     },
                     Err(err) => Some(err),
@@ -3564,6 +3561,25 @@ impl<B: Backend> SegmentLog<B> {
         problems.dedup_by_key(|p| (p.segment, p.offset));
         Ok(problems)
     }
+}
+
+const FOOTER_MISMATCH: &str = "record differs from its footer entry";
+
+/// Whether footer entry `e` says what record header `h` says: recovery builds index entries (the
+/// payload crc, frame count and padding that reads without the head trust) from footer entries.
+fn entry_matches(e: &FooterEntry, h: &RecordHeader) -> bool {
+    let kind = format::FLAG_TOMBSTONE | format::FLAG_LZ4;
+    let crc_ok = if h.is_tombstone() {
+        e.payload_crc == 0 || e.payload_crc == h.payload_crc
+    } else {
+        e.payload_crc == h.payload_crc
+    };
+    e.seq == h.seq
+        && e.record_len == h.record_len()
+        && e.flags & kind == h.flags & kind
+        && e.frame_count == h.frame_count
+        && e.aux == h.aux
+        && crc_ok
 }
 
 enum Probe {

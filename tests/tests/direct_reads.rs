@@ -5,7 +5,7 @@
 //! this machine's disk serves at 0.8x the IOPS). Any other value is read whole, head included.
 
 use bytes::Bytes;
-use spillway::{Compression, Frames, LogOptions, SegmentLog, SimBackend};
+use spillway::{format, Compression, Frames, LogOptions, SegmentLog, SimBackend};
 
 fn opts() -> LogOptions {
     LogOptions { segment_bytes: 256 * 1024, auto_compact: false, ..Default::default() }
@@ -171,4 +171,72 @@ fn values_moved_by_compaction_read_back_exactly() {
     for (i, (k, v)) in big.iter().enumerate() {
         assert_eq!(log.get(k).unwrap().as_ref(), (i % 4 == 0).then_some(v), "{k:?}");
     }
+}
+
+/// Rewrite the footer of sealed segment `id` (keeping its crcs valid): what a crafted footer can do.
+fn rewrite_footer(be: &SimBackend, id: u32, edit: impl FnOnce(&mut Vec<format::FooterEntry>)) {
+    let path = std::path::PathBuf::from(format!("/s/segments/{id:08x}.seg"));
+    let file = be.file_contents(&path).unwrap();
+    let size = file.len() as u64;
+    let mut t = format::decode_trailer(&file[file.len() - format::TRAILER_LEN..], id, size).unwrap();
+    let (from, len) = (t.footer_offset as usize, t.footer_len as usize);
+    let mut entries = format::decode_footer(&file[from..from + len], t.entry_count, size).unwrap();
+    edit(&mut entries);
+    let mut footer = Vec::new();
+    for e in &entries {
+        format::encode_footer_entry(&mut footer, e);
+    }
+    assert_eq!(footer.len(), len, "the edit keeps the footer's length");
+    t.footer_crc = format::footer_crc(&footer);
+    be.poke(&path, from as u64, &footer).unwrap();
+    be.poke(&path, size - format::TRAILER_LEN as u64, &format::encode_trailer(&t)).unwrap();
+}
+
+/// Recovery trusts a sealed segment's footer (its crc is valid) for what a read without the head
+/// needs: a footer that disagrees with its records is reported by `verify`, a wrong payload crc
+/// makes the read fail instead of returning anything, and compaction does not move a record whose
+/// footer entry gives it another length.
+#[test]
+fn a_footer_that_disagrees_with_its_records_is_reported_and_never_trusted_into_wrong_data() {
+    let be = SimBackend::with_alignment(512);
+    let (crc_key, id) = {
+        let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
+        let big = write_mixed(&log);
+        let id = log.location(&big[0].0).unwrap().segment;
+        assert!(log.stats().sealed_segments >= 2);
+        (big[0].0.clone(), id)
+    };
+    // The last entry's record has nothing after it, so a longer length still lists records in
+    // order (an entry overlapping the next one makes the whole footer invalid, and the segment is
+    // scanned instead).
+    let mut len_key = Vec::new();
+    rewrite_footer(&be, id, |entries| {
+        for e in entries.iter_mut() {
+            if e.key == crc_key {
+                e.payload_crc ^= 1;
+            }
+        }
+        let last = entries.last_mut().unwrap();
+        last.record_len += 64;
+        len_key = last.key.clone();
+    });
+    let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
+    assert!(log.get(&crc_key).is_err(), "a payload checked against a wrong crc is an error");
+    let problems = log.verify().unwrap();
+    for k in [&crc_key, &len_key] {
+        let loc = log.location(k).unwrap();
+        assert!(
+            problems.iter().any(|p| (p.segment, p.offset) == (loc.segment, loc.offset) && p.error.contains("footer")),
+            "{k:?}: {problems:?}"
+        );
+    }
+    // Make the segment sparse, then compact: the mismatched record stays where it is.
+    let before = log.location(&len_key).unwrap();
+    let keys = (0..150).flat_map(|i| [format!("small-{i}").into_bytes(), format!("value-{i}").into_bytes()]);
+    for k in keys.filter(|k| *k != len_key && *k != crc_key) {
+        log.delete(&k).unwrap();
+    }
+    let stats = log.compact().unwrap();
+    assert!(stats.segments_compacted > 0, "{stats:?}");
+    assert_eq!(log.location(&len_key), Some(before));
 }
