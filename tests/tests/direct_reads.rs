@@ -16,6 +16,16 @@ fn one_frame(seed: u64, n: usize) -> Frames {
     Frames(vec![Bytes::from(bytes)])
 }
 
+fn seg_path(id: u32) -> std::path::PathBuf {
+    std::path::PathBuf::from(format!("/s/segments/{id:08x}.seg"))
+}
+
+/// Flip the bits of `mask` in the byte at `at` of segment `id`.
+fn flip_bits(be: &SimBackend, id: u32, at: u64, mask: u8) {
+    let byte = be.file_contents(&seg_path(id)).unwrap()[at as usize];
+    be.poke(&seg_path(id), at, &[byte ^ mask]).unwrap();
+}
+
 /// What `get(key)` returns, and the reads (offset, length) it made.
 fn get_with_reads(be: &SimBackend, log: &SegmentLog<SimBackend>, key: &[u8]) -> (Option<Frames>, Vec<(u64, usize)>) {
     be.record_reads(true);
@@ -111,10 +121,7 @@ fn a_damaged_payload_read_without_its_head_is_an_error_at_its_record() {
     let big = write_mixed(&log);
     let (k, _) = &big[3];
     let loc = log.location(k).unwrap();
-    let path = std::path::Path::new("/s/segments").join(format!("{:08x}.seg", loc.segment));
-    let at = loc.offset + loc.len - 100; // in the payload
-    let byte = be.file_contents(&path).unwrap()[at as usize];
-    be.poke(&path, at, &[byte ^ 0x10]).unwrap();
+    flip_bits(&be, loc.segment, loc.offset + loc.len - 100, 0x10); // in the payload
     let e = log.get(k).unwrap_err();
     assert_eq!(e.location(), Some((loc.segment, loc.offset)), "{e}");
     assert!(e.to_string().contains("checksum"), "{e}");
@@ -131,11 +138,8 @@ fn damage_to_the_head_of_a_value_read_without_it_is_found_by_verify() {
     let big = write_mixed(&log);
     let (k, v) = &big[5];
     let loc = log.location(k).unwrap();
-    let path = std::path::Path::new("/s/segments").join(format!("{:08x}.seg", loc.segment));
-    let at = loc.offset + 60; // the frame table
-    let byte = be.file_contents(&path).unwrap()[at as usize];
-    be.poke(&path, at, &[byte ^ 1]).unwrap();
-    // The value itself is intact, and its payload is all that is read.
+    flip_bits(&be, loc.segment, loc.offset + 60, 1); // the frame table
+                                                     // The value itself is intact, and its payload is all that is read.
     assert_eq!(log.get(k).unwrap().as_ref(), Some(v));
     let problems = log.verify().unwrap();
     assert!(problems.iter().any(|p| (p.segment, p.offset) == (loc.segment, loc.offset)), "{problems:?}");
@@ -175,7 +179,7 @@ fn values_moved_by_compaction_read_back_exactly() {
 
 /// Rewrite the footer of sealed segment `id` (keeping its crcs valid): what a crafted footer can do.
 fn rewrite_footer(be: &SimBackend, id: u32, edit: impl FnOnce(&mut Vec<format::FooterEntry>)) {
-    let path = std::path::PathBuf::from(format!("/s/segments/{id:08x}.seg"));
+    let path = seg_path(id);
     let file = be.file_contents(&path).unwrap();
     let size = file.len() as u64;
     let mut t = format::decode_trailer(&file[file.len() - format::TRAILER_LEN..], id, size).unwrap();
