@@ -228,8 +228,7 @@ pub struct Location {
 }
 
 /// What the index knows of a record beyond where it is: enough to read a single-frame,
-/// uncompressed value without its head (its payload's crc and padding), and whether the key's
-/// oldest segment is another one (see [`SegMeta::firsts`]).
+/// uncompressed value without its head (its payload's crc and padding).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct RecordFacts {
     /// The payload crc, for a value read without its head: single frame, not lz4, not empty.
@@ -255,7 +254,8 @@ impl RecordFacts {
 }
 
 /// A [`Location`] and its [`RecordFacts`] as the index stores them, in 16 bytes (1 M keys: the
-/// hash table's entries stay 40 bytes). Offsets fit 32 bits because a segment is at most
+/// hash table's entries stay 40 bytes), with a flag saying whether the key's oldest segment is
+/// another one (see [`SegMeta::firsts`]). Offsets fit 32 bits because a segment is at most
 /// [`MAX_SEGMENT_BYTES`] (a jumbo segment holds one record, at its start), and their low 6 bits are
 /// free for flags because records start at multiples of 64; lengths fit because values are at most
 /// [`MAX_VALUE_BYTES`].
@@ -1521,7 +1521,7 @@ impl<B: Backend> SegmentLog<B> {
 
     /// Alignment of a buffer for a read of `len` bytes. O_DIRECT reads (`read_align` of 512 or
     /// more) of a page or more get page-aligned buffers: into a buffer that is only 512-aligned, a
-    /// 4 KiB read spans two pages, and on this machine 4 KiB random reads (QD32) ran at 0.87-0.92x
+    /// 4 KiB read spans two pages, and on this machine 4 KiB random reads (QD32) ran at 0.87-0.91x
     /// the IOPS and 64 KiB ones (QD16) at 0.87-0.91x the bandwidth of the same reads into
     /// page-aligned buffers (`docs/benchmarks.md`). Buffered reads keep 64-byte alignment.
     fn buf_align(&self, len: u64) -> usize {
@@ -3681,7 +3681,6 @@ impl<B: Backend> Drop for SegmentLog<B> {
     }
 }
 
-/// Check the record bytes read for `key` at `loc` and cut them into frames (decompressing if needed).
 /// A read of a record, planned by [`SegmentLog::plan_read`].
 #[derive(Debug, Clone, Copy)]
 struct ReadPlan {
@@ -3715,6 +3714,7 @@ impl ReadPlan {
     }
 }
 
+/// Check the record bytes read for `key` at `loc` and cut them into frames (decompressing if needed).
 fn decode_read(raw: Bytes, loc: Location, key: &[u8]) -> Result<Frames> {
     let r = format::decode_record(&raw).map_err(|e| e.at(loc.segment, loc.offset))?;
     if r.key != key || r.header.segment != loc.segment || r.header.is_tombstone() {
