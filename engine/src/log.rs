@@ -592,27 +592,13 @@ enum Payload<'a> {
 #[derive(Debug, Clone, Copy)]
 struct Placed {
     offset: u64,
-    len: u64,
-    seq: u64,
-    flags: u8,
-    frame_count: u16,
-    payload_crc: u32,
-    stored_len: u64,
-    aux: u32,
+    /// The header written there.
+    h: RecordHeader,
 }
 
 impl Placed {
     fn new(offset: u64, h: &RecordHeader) -> Self {
-        Placed {
-            offset,
-            len: h.record_len(),
-            seq: h.seq,
-            flags: h.flags,
-            frame_count: h.frame_count,
-            payload_crc: h.payload_crc,
-            stored_len: h.stored_len,
-            aux: h.aux,
-        }
+        Placed { offset, h: *h }
     }
 }
 
@@ -2735,7 +2721,7 @@ impl<B: Backend> SegmentLog<B> {
         for (l, crc) in large.iter().zip(crcs) {
             let h = RecordHeader { payload_crc: crc, ..l.header };
             format::write_record_head(&mut arena[l.head.clone()], &h, &l.frame_lens, l.key);
-            placed[l.placed].payload_crc = crc;
+            placed[l.placed].h.payload_crc = crc;
         }
         if written.is_ok() {
             written = write(&arena, deferred.then_some(false));
@@ -2922,16 +2908,16 @@ impl<B: Backend> SegmentLog<B> {
             if matches!(p.rec, NewRecord::SyncMark) {
                 continue; // not in the footer: it indexes nothing
             }
-            let tombstone = pl.flags & format::FLAG_TOMBSTONE != 0;
+            let h = &pl.h;
             let e = FooterEntry {
                 key: p.rec.key().to_vec(),
-                flags: pl.flags & (format::FLAG_TOMBSTONE | format::FLAG_LZ4),
-                frame_count: pl.frame_count,
-                payload_crc: if tombstone { 0 } else { pl.payload_crc },
+                flags: h.flags & (format::FLAG_TOMBSTONE | format::FLAG_LZ4),
+                frame_count: h.frame_count,
+                payload_crc: if h.is_tombstone() { 0 } else { h.payload_crc },
                 offset: pl.offset,
-                record_len: pl.len,
-                seq: pl.seq,
-                aux: pl.aux,
+                record_len: h.record_len(),
+                seq: h.seq,
+                aux: h.aux,
             };
             format::encode_footer_entry(&mut a.footer, &e);
             a.footer_entries += 1;
@@ -2949,7 +2935,7 @@ impl<B: Backend> SegmentLog<B> {
             let mut index = self.index.write().unwrap_or_else(|p| p.into_inner());
             for (p, pl) in chunk.iter().zip(placed) {
                 let key = p.rec.key();
-                let (offset, len) = (pl.offset, pl.len);
+                let (offset, len, h) = (pl.offset, pl.h.record_len(), &pl.h);
                 let loc = Location { segment: id, offset, len };
                 match &p.rec {
                     NewRecord::Tombstone { aux, .. } => {
@@ -2982,7 +2968,7 @@ impl<B: Backend> SegmentLog<B> {
                     _ => {
                         let first = index.get(key).map_or(id, |o| first_segment(&st.segs, o).min(id));
                         let elsewhere = note_first_segment(&mut st.segs, id, offset, first);
-                        let facts = RecordFacts::of(pl.flags, pl.frame_count, pl.payload_crc, pl.aux, pl.stored_len);
+                        let facts = RecordFacts::of(h.flags, h.frame_count, h.payload_crc, h.aux, h.stored_len);
                         if let Some(old) = index.insert(IndexKey::from(key), PackedLoc::new(loc, facts, elsewhere)) {
                             Self::release(st, old.into(), &mut emptied);
                             if deferred {
