@@ -1,7 +1,20 @@
 //! [`IndexKey`]: how the index holds a key, without a heap allocation for short keys.
 
 use std::borrow::Borrow;
+use std::collections::{HashMap, HashSet};
 use std::hash::{Hash, Hasher};
+
+/// The hasher of every map keyed by a key or a segment id: foldhash, seeded per map. Keys come from
+/// the worker's own task graph and its peers, not from an adversary, so SipHash's DoS resistance
+/// buys nothing here, while it cost 5-8% of a spilled 4 KiB get + remove (its hashing of short keys
+/// showed at the top of the profile; see docs/benchmarks.md, session 14).
+pub(crate) type KeyHasher = foldhash::fast::RandomState;
+
+/// A map with [`KeyHasher`].
+pub(crate) type KeyMap<K, V> = HashMap<K, V, KeyHasher>;
+
+/// A set with [`KeyHasher`].
+pub(crate) type KeySet<K> = HashSet<K, KeyHasher>;
 
 /// Longest key stored inline.
 pub const INLINE_KEY_BYTES: usize = 22;

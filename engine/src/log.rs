@@ -31,7 +31,7 @@ use crate::backend::{Backend, BufResult, DirLock, PipelinedRead, PortableBackend
 use crate::buf::AlignedBuf;
 use crate::error::{Error, Result};
 use crate::format::{self, align_down, align_up, FooterEntry, RecordHeader, RECORD_ALIGN};
-use crate::key::IndexKey;
+use crate::key::{IndexKey, KeyHasher, KeyMap};
 use crate::value::Frames;
 
 /// Name of the sub-directory holding segment files.
@@ -642,8 +642,8 @@ pub struct SegmentLog<B: Backend = PortableBackend> {
     align: u64,
     /// Alignment of single-record reads (the O_DIRECT minimum; divides `align`).
     read_align: u64,
-    index: RwLock<HashMap<IndexKey, PackedLoc>>,
-    files: RwLock<HashMap<u32, Arc<B::File>>>,
+    index: RwLock<KeyMap<IndexKey, PackedLoc>>,
+    files: RwLock<KeyMap<u32, Arc<B::File>>>,
     state: Mutex<WriterState<B::File>>,
     /// Records forgotten while the writer lock was busy (a long write, or a value streaming in from
     /// a peer, which holds it for as long as the peer takes): their index entries are gone at once;
@@ -782,8 +782,8 @@ impl<B: Backend> SegmentLog<B> {
             opts,
             align,
             read_align,
-            index: RwLock::new(HashMap::new()),
-            files: RwLock::new(HashMap::new()),
+            index: RwLock::new(KeyMap::default()),
+            files: RwLock::new(KeyMap::default()),
             state: Mutex::new(WriterState {
                 active: None,
                 segs: BTreeMap::new(),
@@ -865,7 +865,7 @@ impl<B: Backend> SegmentLog<B> {
         let mut report = RecoveryReport::default();
         let mut scans: BTreeMap<u32, SegmentScan> = BTreeMap::new();
         let mut max_epoch = 0u32;
-        let mut files = HashMap::new();
+        let mut files = KeyMap::default();
         for &id in &ids {
             let path = self.seg_path(id);
             if self.backend.is_dir(&path) {
@@ -928,7 +928,7 @@ impl<B: Backend> SegmentLog<B> {
         }
 
         let mut segs: BTreeMap<u32, SegMeta> = scans.iter().map(|(&id, s)| (id, s.meta.clone())).collect();
-        let mut index = HashMap::with_capacity(winners.len());
+        let mut index = KeyMap::with_capacity_and_hasher(winners.len(), KeyHasher::default());
         for (key, w) in winners {
             if w.tombstone {
                 continue;

@@ -29,7 +29,7 @@
 //! it (objects serialized, values written, see `Store::spill`), and settled under it again.
 //! Materialization happens in the per-key [`Slot`], whose ready path is lock-free.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
@@ -40,6 +40,7 @@ use crate::backend::{Backend, PortableBackend};
 use crate::buf::AlignedBuf;
 use crate::error::{Error, Result};
 use crate::format;
+use crate::key::{KeyMap, KeySet};
 use crate::log::{LogOptions, SegmentLog, StreamedValue};
 use crate::slot::Slot;
 // Locks, counters and the values' `Arc` come from the sync shim, so the loom models in `loom-tests/`
@@ -204,7 +205,7 @@ impl<V> Entry<V> {
 }
 
 struct Inner<V> {
-    map: HashMap<Arc<[u8]>, Entry<V>>,
+    map: KeyMap<Arc<[u8]>, Entry<V>>,
     lru: BTreeMap<u64, Arc<[u8]>>,
     next_tick: u64,
     mem_bytes: u64,
@@ -219,21 +220,21 @@ struct Inner<V> {
     /// Keys marked stuck since the last `unstick` (some may have been unstuck since; removed keys
     /// leave it). A stuck entry is out of the LRU order, so eviction does not walk past it again
     /// and again.
-    stuck: HashSet<Arc<[u8]>>,
+    stuck: KeySet<Arc<[u8]>>,
     /// Keys whose spill write runs right now, outside the lock. A key is in at most one write at a
     /// time: eviction skips these keys, and a direct write of one (`put_large`, `put_stream`) waits.
     /// Each write has a ticket (from `next_write`): `flush` waits for the writes older than itself.
-    writing: HashMap<Arc<[u8]>, u64>,
+    writing: KeyMap<Arc<[u8]>, u64>,
     next_write: u64,
     /// Keys whose new value is arriving from a peer into memory (`receive_serialized`): a direct
     /// write of the key, or a second transfer, waits as for `writing`; `flush` does not.
-    receiving: HashSet<Arc<[u8]>>,
+    receiving: KeySet<Arc<[u8]>>,
     /// Memory weight and serialized bytes of the entries in those writes, as planned. The weight
     /// still counts in `mem_bytes` (the bytes are still in memory) until the write lands.
     writing_weight: u64,
     writing_raw: u64,
     /// Keys a `put_stream` is receiving right now (absent from `map` meanwhile).
-    streams: HashMap<Arc<[u8]>, Stream>,
+    streams: KeyMap<Arc<[u8]>, Stream>,
 }
 
 /// A `put_stream` in progress.
@@ -572,7 +573,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         };
         let log = SegmentLog::open(backend, dir, log_opts)?;
         let mut inner = Inner {
-            map: HashMap::new(),
+            map: KeyMap::default(),
             lru: BTreeMap::new(),
             next_tick: 0,
             mem_bytes: 0,
@@ -582,13 +583,13 @@ impl<C: Codec, B: Backend> Store<C, B> {
             disk_raw: 0,
             logged_full: None,
             logged_disk: None,
-            stuck: HashSet::new(),
-            writing: HashMap::new(),
+            stuck: KeySet::default(),
+            writing: KeyMap::default(),
             next_write: 0,
-            receiving: HashSet::new(),
+            receiving: KeySet::default(),
             writing_weight: 0,
             writing_raw: 0,
-            streams: HashMap::new(),
+            streams: KeyMap::default(),
         };
         for k in log.keys() {
             let len = log.location(&k).map_or(0, |l| l.len);
