@@ -850,7 +850,19 @@ impl<C: Codec, B: Backend> Store<C, B> {
             .collect();
         let items: Vec<(&[u8], &Frames)> =
             batch.iter().zip(&data).filter_map(|(p, d)| d.as_ref().ok().map(|f| (&*p.key, f))).collect();
-        let result = if items.is_empty() { Ok(()) } else { self.write_disk(&items) };
+        // A panic in the write (a bug in a backend) must not leave the keys marked as being written:
+        // their puts and `flush` would wait for them forever. The batch settles as a failed write
+        // (what did not land stays in memory, stuck and reported), then the panic goes on.
+        let mut panicked = None;
+        let result = if items.is_empty() {
+            Ok(())
+        } else {
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.write_disk(&items))).unwrap_or_else(|p| {
+                let msg = format!("the spill write panicked: {}", panic_message(&*p));
+                panicked = Some(p);
+                Err(Error::io("spill write", None, std::io::Error::other(msg)))
+            })
+        };
         let mut inner = self.lock();
         let mut protect_failed = None;
         // Keys this round failed to spill: marked stuck at the end, after any unsticking.
@@ -950,6 +962,10 @@ impl<C: Codec, B: Backend> Store<C, B> {
             Self::set_stuck(&mut inner, &k);
         }
         self.written.notify_all();
+        if let Some(p) = panicked {
+            drop(inner);
+            std::panic::resume_unwind(p);
+        }
         (inner, protect_failed)
     }
 

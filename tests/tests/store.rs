@@ -370,6 +370,52 @@ fn disk_failure_keeps_data_in_memory() {
     }
 }
 
+/// A panic in the backend's write (a bug in a backend) reaches the put whose eviction ran the write,
+/// but only after the store has settled the batch as a failed write: no key is left marked as being
+/// written (a `flush`, or a put of the key, would wait for it forever), nothing is lost, and once
+/// the backend behaves the store spills again.
+#[test]
+fn a_backend_panic_while_spilling_leaves_no_key_waiting_for_its_write() {
+    for write_behind in [0, 64 << 10] {
+        let be = SimBackend::new();
+        let mut c = cfg(5_000);
+        c.log.write_behind_bytes = write_behind;
+        let s = Arc::new(Store::open(TestCodec::default(), be.clone(), "/store", c).unwrap());
+        be.inject(Fault { op: FaultOp::Write, after: 0, kind: FaultKind::Panic, sticky: false });
+        let mut panics = 0;
+        for i in 0..40u8 {
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| s.put(&[i], val(i, 2000)))) {
+                Ok(r) => r.unwrap(),
+                Err(_) => panics += 1,
+            }
+        }
+        assert!(be.fault_fired(), "write_behind={write_behind}: the write was attempted");
+        assert_eq!(panics, 1, "write_behind={write_behind}: the panic reached one caller");
+        assert!(s.metrics().spill_failures >= 1, "write_behind={write_behind}: reported as a failed spill");
+        for i in 0..40u8 {
+            assert_eq!(*s.get(&[i]).unwrap().unwrap(), val(i, 2000), "write_behind={write_behind}: key {i}");
+        }
+        // A flush waits for every spill write older than itself: with a key still marked as being
+        // written it would never return. Bounded here, so that the bug fails the test instead of
+        // hanging it.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let flusher = s.clone();
+        std::thread::spawn(move || tx.send(flusher.flush().is_ok()).unwrap());
+        let flushed = rx.recv_timeout(std::time::Duration::from_secs(30));
+        assert!(flushed.is_ok(), "write_behind={write_behind}: flush still waiting for the panicked write");
+        s.check_accounting().unwrap();
+        s.put(b"next", val(99, 2000)).unwrap();
+        assert!(
+            s.memory_bytes() <= 5_000,
+            "write_behind={write_behind}: spilling resumed ({} bytes)",
+            s.memory_bytes()
+        );
+        for i in 0..40u8 {
+            assert_eq!(*s.get(&[i]).unwrap().unwrap(), val(i, 2000), "write_behind={write_behind}: key {i} after");
+        }
+    }
+}
+
 /// A full file system is not a broken disk: spills fail and keep their values in memory while it
 /// lasts, and once there is room again (here: the fault cleared; in life: spilled keys removed) the
 /// store spills again and memory goes back under the target. Nothing is lost on the way.

@@ -54,6 +54,8 @@ pub enum FaultKind {
     /// Write the first half of the buffer (rounded down to 512 bytes), then fail with ENOSPC: a file
     /// system that filled up in the middle of a write.
     TornEnospc,
+    /// Panic, changing nothing: a bug in a backend, for the code that must survive one.
+    Panic,
 }
 
 /// A scripted failure: the operation matching `op` after `after` successful matching operations fails.
@@ -272,13 +274,17 @@ impl SimBackend {
             true
         });
         st.fired += fired;
+        drop(st);
+        if hit == Some(FaultKind::Panic) {
+            panic!("injected backend panic ({op:?})");
+        }
         hit
     }
 
     fn fault_error(kind: FaultKind) -> io::Error {
         match kind {
             FaultKind::Enospc | FaultKind::TornEnospc => io::Error::from_raw_os_error(28),
-            FaultKind::Eio | FaultKind::TornWrite => io::Error::from_raw_os_error(5),
+            FaultKind::Eio | FaultKind::TornWrite | FaultKind::Panic => io::Error::from_raw_os_error(5),
         }
     }
 
