@@ -52,8 +52,8 @@ use crate::value::Frames;
 const EVICT_SCAN: usize = 256;
 /// Eviction rounds (each with its spill write) one call to `enforce` runs at most.
 const ENFORCE_ROUNDS: usize = 16;
-/// Passes of a persistent store's `flush` (spill everything, wait for the writes) while values are
-/// left in memory without their disk copy.
+/// Passes of a persistent store's `flush` (write a disk copy of everything, wait for the writes)
+/// while values are left in memory without their disk copy.
 const FLUSH_PASSES: usize = 4;
 /// At most this much below the target is evicted at once (batches spill writes).
 const EVICT_SLACK_BYTES: u64 = 4 << 20;
@@ -1892,24 +1892,32 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// Make everything spilled so far durable (fdatasync of the log), spill writes in flight
     /// included (they are waited for; writes that start meanwhile are not).
     ///
-    /// A persistent store first spills every value it holds in memory (those that still have their
-    /// disk copy are dropped from memory, for free), so that once `flush` returns its whole contents
-    /// survive a crash and reopen; without a flush, only what was spilled does. Values that cannot
-    /// be written (`max_spill` reached, a full disk, a serialize failure) stay in memory, readable,
-    /// and `flush` then fails with [`Error::NotPersisted`] after syncing the rest.
+    /// A persistent store first writes a disk copy of every value it holds only in memory, and keeps
+    /// the value in memory (its later eviction then costs no write), so that once `flush` returns its
+    /// whole contents survive a crash and reopen; without a flush, only what was spilled does. Values
+    /// that cannot be written (`max_spill` reached, a full disk, a serialize failure) stay in memory,
+    /// readable, and `flush` then fails with [`Error::NotPersisted`] after syncing the rest.
     pub fn flush(&self) -> Result<()> {
         let mut inner = self.lock();
         if self.cfg.persistent {
             // An explicit request to persist: values refused before are tried again.
             Self::unstick(&mut inner);
         }
-        // A spill store: one pass (wait for the writes in flight). A persistent store: spill, wait,
+        // A spill store: one pass (wait for the writes in flight). A persistent store: copy, wait,
         // and again while values are left in memory without their disk copy: another thread's
-        // eviction may have been demoting one (object -> frames) when this pass ran, or a get may
-        // have kept one from being demoted. Bounded, since other threads may keep putting.
+        // eviction may have been demoting one (object -> frames) when this pass ran. Bounded, since
+        // other threads may keep putting.
         for _ in 0..if self.cfg.persistent { FLUSH_PASSES } else { 1 } {
             if self.cfg.persistent {
-                inner = self.spill_everything(inner);
+                // Entries from before this pass only: the walk ends even while other threads put.
+                let (mut cursor, end) = (0u64, inner.next_tick);
+                loop {
+                    let (g, wrote) = self.persist_round(inner, &mut cursor, end);
+                    inner = g;
+                    if !wrote {
+                        break;
+                    }
+                }
             }
             let now = inner.next_write;
             while inner.writing.values().any(|&w| w < now) {
@@ -1929,23 +1937,161 @@ impl<C: Codec, B: Backend> Store<C, B> {
         }
     }
 
-    /// Evict every value in memory, for a persistent store's `flush`. Entries being written by
-    /// other threads are left to them (`flush` waits for those writes); stuck entries stay.
-    fn spill_everything<'a>(&'a self, mut inner: MutexGuard<'a, Inner<C::Value>>) -> MutexGuard<'a, Inner<C::Value>> {
-        // Bounded (puts on other threads may keep adding): a round frees or plans at least one
-        // entry, an object takes two rounds (serialize, then write).
-        let rounds = 2 * inner.map.len() + 2;
-        for _ in 0..rounds {
-            let Ok((freed, plan)) = self.evict_round(&mut inner, u64::MAX, None) else { break };
-            if plan.is_empty() {
-                if freed == 0 {
-                    break;
-                }
+    /// For a persistent store's `flush`: write a disk copy of up to [`EVICT_SCAN`] values held only
+    /// in memory, in LRU order from tick `cursor` (moved past what was visited) up to `end`, leaving
+    /// them in memory. Serialization and the write run without the store's lock, the keys marked as
+    /// being written (eviction skips them, a direct write of one waits). Returns whether it planned
+    /// anything; then there may be more.
+    ///
+    /// Settled as a spill batch is: a value removed or replaced meanwhile leaves a record nobody wants,
+    /// which is dropped; one whose record did not land (max_spill, a full disk, a serialize failure)
+    /// stays as it was, stuck and reported.
+    fn persist_round<'a>(
+        &'a self,
+        mut inner: MutexGuard<'a, Inner<C::Value>>,
+        cursor: &mut u64,
+        end: u64,
+    ) -> (MutexGuard<'a, Inner<C::Value>>, bool) {
+        enum Copy<V> {
+            Object(sync::Arc<V>),
+            Frames(Frames),
+            Compressed(Box<Compressed>),
+        }
+        struct Job<V> {
+            key: Arc<[u8]>,
+            /// Identifies the entry, as in [`Planned`].
+            slot: Arc<Slot<V, Error>>,
+            copy: Copy<V>,
+        }
+        let mut todo: Vec<Job<C::Value>> = Vec::new();
+        while todo.len() < EVICT_SCAN {
+            let Some((&tick, key)) = inner.lru.range(*cursor..end).next() else { break };
+            *cursor = tick + 1;
+            let key = key.clone();
+            let Some(e) = inner.map.get(&key) else { continue };
+            if e.stuck || e.disk_bytes > 0 || inner.writing.contains_key(&key) {
                 continue;
             }
-            inner = self.spill(inner, plan, None).0;
+            let copy = match (e.tier, &e.frames, &e.compressed) {
+                (Tier::Materialized, ..) => match e.slot.try_get() {
+                    Some(v) => Copy::Object(v),
+                    None => continue,
+                },
+                (Tier::Disk, ..) => continue,
+                (_, Some(f), _) => Copy::Frames(f.clone()),
+                (_, None, Some(c)) => Copy::Compressed(c.clone()),
+                (_, None, None) => continue,
+            };
+            let slot = e.slot.clone();
+            Self::begin_write(&mut inner, key.clone());
+            todo.push(Job { key, slot, copy });
         }
-        inner
+        if todo.is_empty() {
+            return (inner, false);
+        }
+        drop(inner);
+        let data: Vec<Result<Frames>> = todo
+            .iter()
+            .map(|Job { key: k, copy, .. }| {
+                let f = match copy {
+                    Copy::Object(v) => self.serialize(k, v)?,
+                    Copy::Frames(f) => f.clone(),
+                    Copy::Compressed(c) => {
+                        let t = Instant::now();
+                        let f = decompress(c)?;
+                        self.metrics.acts[DECOMPRESS].add(f.total_len(), t);
+                        f
+                    }
+                };
+                self.log.validate(k, &f).map(|()| f)
+            })
+            .collect();
+        // max_spill: reserve what is written, as an eviction's batch does.
+        let mut inner = self.lock();
+        let mut reserved = 0u64;
+        let allowed: Vec<bool> = data
+            .iter()
+            .map(|d| match d {
+                Ok(f) if self.spill_allowed(&mut inner, reserved + f.total_len()) => {
+                    reserved += f.total_len();
+                    true
+                }
+                _ => false,
+            })
+            .collect();
+        inner.writing_raw += reserved;
+        drop(inner);
+        let items: Vec<(&[u8], &Frames)> = todo
+            .iter()
+            .zip(&data)
+            .zip(&allowed)
+            .filter_map(|((j, d), &ok)| d.as_ref().ok().filter(|_| ok).map(|f| (&*j.key, f)))
+            .collect();
+        // As in `spill`: a panicking backend settles the batch as failed, then the panic goes on.
+        let mut panicked = None;
+        let result = if items.is_empty() {
+            Ok(())
+        } else {
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.write_disk(&items))).unwrap_or_else(|p| {
+                let msg = format!("the flush write panicked: {}", panic_message(&*p));
+                panicked = Some(p);
+                Err(Error::io("flush write", None, std::io::Error::other(msg)))
+            })
+        };
+        let mut inner = self.lock();
+        inner.writing_raw -= reserved;
+        let mut stuck: Vec<Arc<[u8]>> = Vec::new();
+        let mut freed = false;
+        for ((Job { key, slot, .. }, d), &ok) in todo.iter().zip(&data).zip(&allowed) {
+            inner.writing.remove(key);
+            let ours = inner.map.get(key).is_some_and(|e| Arc::ptr_eq(&e.slot, slot));
+            let landed = if ok { self.log.location(key) } else { None };
+            match (ours, landed) {
+                (true, Some(loc)) => {
+                    let raw = d.as_ref().map_or(0, |f| f.total_len());
+                    Self::modify_entry(&mut inner, key, |ne| {
+                        ne.disk_raw = raw;
+                        ne.disk_bytes = loc.len;
+                    });
+                }
+                (true, None) => {
+                    match d {
+                        Err(err @ Error::Codec { .. }) => {
+                            self.metrics.spill_failures.fetch_add(1, Ordering::Relaxed);
+                            let e = inner.map.get_mut(key).expect("present");
+                            if !std::mem::replace(&mut e.logged_serialize, true) {
+                                log::error!("Failed to serialize {:?}; keeping it in memory: {err}", key_str(key));
+                            }
+                        }
+                        Err(err) => self.spill_failed(&mut inner, key, err),
+                        // Refused by max_spill (counted and logged there), or the write failed.
+                        Ok(_) if !ok => {}
+                        Ok(_) => {
+                            let err = result.clone().err().unwrap_or_else(|| vanished(key));
+                            self.spill_failed(&mut inner, key, &err);
+                        }
+                    }
+                    stuck.push(key.clone());
+                }
+                (false, Some(_)) => {
+                    self.drop_stale_record(key);
+                    freed = true;
+                }
+                (false, None) => freed |= ok && result.is_ok(),
+            }
+        }
+        if freed {
+            Self::unstick(&mut inner);
+        }
+        for k in stuck {
+            Self::set_stuck(&mut inner, &k);
+        }
+        self.written.notify_all();
+        if let Some(p) = panicked {
+            drop(inner);
+            std::panic::resume_unwind(p);
+        }
+        (inner, true)
     }
 
     /// A snapshot of the metrics and the current accounting. The accounting is read under the store's
