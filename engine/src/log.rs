@@ -671,6 +671,43 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// The writer lock, held (see [`SegmentLog::writer`]). A panic that unwinds while it is held (a bug
+/// in a backend or in the log, part-way through a write) leaves the active segment in a state the
+/// log cannot account for: bytes of an unpublished chunk may be in the file, or still in flight,
+/// and nothing fenced them off as a failed write is fenced. So the log turns read-only, as after a
+/// failed write (`Error::Poisoned` from then on); what it had published stays readable. A panic
+/// caught inside the lock (`put_stream`'s reader) is not this: it is settled, and the lock dropped,
+/// before the panic goes on.
+struct Writer<'a, B: Backend> {
+    st: MutexGuard<'a, WriterState<B::File>>,
+    log: &'a SegmentLog<B>,
+    /// Whether the thread was already unwinding when it took the lock (a drop during a panic):
+    /// then a panic seen at the end is not one of this lock's.
+    panicking: bool,
+}
+
+impl<B: Backend> std::ops::Deref for Writer<'_, B> {
+    type Target = WriterState<B::File>;
+    fn deref(&self) -> &Self::Target {
+        &self.st
+    }
+}
+
+impl<B: Backend> std::ops::DerefMut for Writer<'_, B> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.st
+    }
+}
+
+impl<B: Backend> Drop for Writer<'_, B> {
+    fn drop(&mut self) {
+        if !self.panicking && std::thread::panicking() {
+            let e = io::Error::other("it panicked part-way (a bug in the backend or the log)");
+            self.log.poison(Error::io("write", None, e));
+        }
+    }
+}
+
 fn seg_file_name(id: u32) -> String {
     format!("{id:08x}.seg")
 }
@@ -2107,10 +2144,10 @@ impl<B: Backend> SegmentLog<B> {
     }
 
     /// The writer lock, after settling what `forget` left for it while it was busy.
-    fn writer(&self) -> MutexGuard<'_, WriterState<B::File>> {
+    fn writer(&self) -> Writer<'_, B> {
         let mut st = lock(&self.state);
         self.settle_forgotten(&mut st);
-        st
+        Writer { st, log: self, panicking: std::thread::panicking() }
     }
 
     fn settle_forgotten(&self, st: &mut WriterState<B::File>) {

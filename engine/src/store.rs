@@ -496,6 +496,9 @@ impl<V> Plan<V> {
     }
 }
 
+/// A key, with the slot that identifies its entry at the time (a `remove` or a new `put` replaces it).
+type KeyedSlot<V> = (Arc<[u8]>, Arc<Slot<V, Error>>);
+
 /// One value of a spill batch, planned under the store's lock and written without it.
 struct Planned<V> {
     key: Arc<[u8]>,
@@ -913,6 +916,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         }
         let mut freed = false;
         let mut landed = false;
+        let mut stale: Vec<Arc<[u8]>> = Vec::new();
         for (p, d) in batch.iter().zip(&data) {
             let raw = p.raw;
             inner.writing.remove(&p.key);
@@ -942,7 +946,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                     stuck.push(p.key.clone());
                 }
                 (false, Some(_)) => {
-                    self.drop_stale_record(&p.key);
+                    stale.push(p.key.clone());
                     freed = true;
                 }
                 (false, None) => freed |= result.is_ok(),
@@ -962,6 +966,12 @@ impl<C: Codec, B: Backend> Store<C, B> {
             Self::set_stuck(&mut inner, &k);
         }
         self.written.notify_all();
+        // Last, with every key of the batch settled: dropping a record writes a tombstone in a
+        // persistent store, a backend write that may fail (or panic) on its own. Still under the
+        // lock, so that no new record of the key can be written before the drop.
+        for k in stale {
+            self.drop_stale_record(&k);
+        }
         if let Some(p) = panicked {
             drop(inner);
             std::panic::resume_unwind(p);
@@ -1899,59 +1909,79 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// readable, and `flush` then fails with [`Error::NotPersisted`] after syncing the rest.
     pub fn flush(&self) -> Result<()> {
         let mut inner = self.lock();
-        if self.cfg.persistent {
-            // An explicit request to persist: values refused before are tried again.
-            Self::unstick(&mut inner);
+        if !self.cfg.persistent {
+            inner = self.wait_for_writes(inner);
+            drop(inner);
+            return self.log.sync();
         }
-        // A spill store: one pass (wait for the writes in flight). A persistent store: copy, wait,
-        // and again while values are left in memory without their disk copy: another thread's
-        // eviction may have been demoting one (object -> frames) when this pass ran. Bounded, since
-        // other threads may keep putting.
-        for _ in 0..if self.cfg.persistent { FLUSH_PASSES } else { 1 } {
-            if self.cfg.persistent {
-                // Entries from before this pass only: the walk ends even while other threads put.
-                let (mut cursor, end) = (0u64, inner.next_tick);
-                loop {
-                    let (g, wrote) = self.persist_round(inner, &mut cursor, end);
-                    inner = g;
-                    if !wrote {
-                        break;
-                    }
-                }
+        // An explicit request to persist: values refused before are tried again.
+        Self::unstick(&mut inner);
+        // What this flush must write: the values held only in memory when it began (values put
+        // meanwhile are the next flush's). Each is written by this flush, or by another thread's
+        // eviction while this flush waits for it.
+        let mut pending: Vec<KeyedSlot<C::Value>> = inner
+            .map
+            .iter()
+            .filter(|(_, e)| e.tier != Tier::Disk && e.disk_bytes == 0)
+            .map(|(k, e)| (k.clone(), e.slot.clone()))
+            .collect();
+        // Several passes: a key another thread was writing (or demoting, object -> frames, which
+        // leaves it in memory) is skipped, waited for, and tried again. Bounded, in case other
+        // threads' evictions keep demoting the same keys.
+        for _ in 0..FLUSH_PASSES {
+            for chunk in pending.chunks(EVICT_SCAN) {
+                inner = self.persist_round(inner, chunk);
+                // Let other threads in between rounds.
+                drop(inner);
+                inner = self.lock();
             }
-            let now = inner.next_write;
-            while inner.writing.values().any(|&w| w < now) {
-                inner = self.written.wait(inner).unwrap_or_else(|p| p.into_inner());
-            }
-            if !inner.map.values().any(|e| e.tier != Tier::Disk && e.disk_bytes == 0 && !e.stuck) {
+            inner = self.wait_for_writes(inner);
+            pending.retain(|(k, slot)| {
+                inner
+                    .map
+                    .get(k)
+                    .is_some_and(|e| Arc::ptr_eq(&e.slot, slot) && e.tier != Tier::Disk && e.disk_bytes == 0)
+            });
+            if pending.iter().all(|(k, _)| inner.map.get(k).is_some_and(|e| e.stuck)) {
                 break;
             }
         }
-        let only_in_memory =
-            if self.cfg.persistent { inner.map.values().filter(|e| e.stuck && e.disk_bytes == 0).count() } else { 0 };
-        drop(inner);
+        let only_in_memory = pending.len();
+        // A value the flush wrote may have been kept in memory above the target (refused by
+        // max_spill until now): it can be dropped for free now.
+        let enforced = self.enforce(inner, None);
         self.log.sync()?;
+        enforced?;
         match only_in_memory {
             0 => Ok(()),
             keys => Err(Error::NotPersisted { keys }),
         }
     }
 
-    /// For a persistent store's `flush`: write a disk copy of up to [`EVICT_SCAN`] values held only
-    /// in memory, in LRU order from tick `cursor` (moved past what was visited) up to `end`, leaving
-    /// them in memory. Serialization and the write run without the store's lock, the keys marked as
-    /// being written (eviction skips them, a direct write of one waits). Returns whether it planned
-    /// anything; then there may be more.
+    /// Wait for the spill writes that started before this call.
+    fn wait_for_writes<'a>(&'a self, mut inner: MutexGuard<'a, Inner<C::Value>>) -> MutexGuard<'a, Inner<C::Value>> {
+        let now = inner.next_write;
+        while inner.writing.values().any(|&w| w < now) {
+            inner = self.written.wait(inner).unwrap_or_else(|p| p.into_inner());
+        }
+        inner
+    }
+
+    /// For a persistent store's `flush`: write a disk copy of each value of `keys` (each with the
+    /// slot that identifies its entry) that is still held only in memory, leaving it in memory. A
+    /// key removed or replaced since, stuck, or being written by another thread is skipped.
+    /// Serialization and the write run without the store's lock, the keys marked as being written
+    /// (eviction skips them, a direct write of one waits).
     ///
     /// Settled as a spill batch is: a value removed or replaced meanwhile leaves a record nobody wants,
     /// which is dropped; one whose record did not land (max_spill, a full disk, a serialize failure)
-    /// stays as it was, stuck and reported.
+    /// stays as it was, stuck and reported. A value heavier than the target goes to the disk tier,
+    /// where it lives.
     fn persist_round<'a>(
         &'a self,
         mut inner: MutexGuard<'a, Inner<C::Value>>,
-        cursor: &mut u64,
-        end: u64,
-    ) -> (MutexGuard<'a, Inner<C::Value>>, bool) {
+        keys: &[KeyedSlot<C::Value>],
+    ) -> MutexGuard<'a, Inner<C::Value>> {
         enum Copy<V> {
             Object(sync::Arc<V>),
             Frames(Frames),
@@ -1964,12 +1994,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
             copy: Copy<V>,
         }
         let mut todo: Vec<Job<C::Value>> = Vec::new();
-        while todo.len() < EVICT_SCAN {
-            let Some((&tick, key)) = inner.lru.range(*cursor..end).next() else { break };
-            *cursor = tick + 1;
-            let key = key.clone();
-            let Some(e) = inner.map.get(&key) else { continue };
-            if e.stuck || e.disk_bytes > 0 || inner.writing.contains_key(&key) {
+        for (key, slot) in keys {
+            let Some(e) = inner.map.get(key).filter(|e| Arc::ptr_eq(&e.slot, slot)) else { continue };
+            if e.stuck || e.disk_bytes > 0 || inner.writing.contains_key(key) {
                 continue;
             }
             let copy = match (e.tier, &e.frames, &e.compressed) {
@@ -1982,12 +2009,11 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 (_, None, Some(c)) => Copy::Compressed(c.clone()),
                 (_, None, None) => continue,
             };
-            let slot = e.slot.clone();
             Self::begin_write(&mut inner, key.clone());
-            todo.push(Job { key, slot, copy });
+            todo.push(Job { key: key.clone(), slot: slot.clone(), copy });
         }
         if todo.is_empty() {
-            return (inner, false);
+            return inner;
         }
         drop(inner);
         let data: Vec<Result<Frames>> = todo
@@ -2041,18 +2067,27 @@ impl<C: Codec, B: Backend> Store<C, B> {
         let mut inner = self.lock();
         inner.writing_raw -= reserved;
         let mut stuck: Vec<Arc<[u8]>> = Vec::new();
+        let mut stale: Vec<Arc<[u8]>> = Vec::new();
         let mut freed = false;
+        let mut landed = false;
         for ((Job { key, slot, .. }, d), &ok) in todo.iter().zip(&data).zip(&allowed) {
             inner.writing.remove(key);
             let ours = inner.map.get(key).is_some_and(|e| Arc::ptr_eq(&e.slot, slot));
-            let landed = if ok { self.log.location(key) } else { None };
-            match (ours, landed) {
+            let loc = if ok { self.log.location(key) } else { None };
+            match (ours, loc) {
                 (true, Some(loc)) => {
                     let raw = d.as_ref().map_or(0, |f| f.total_len());
                     Self::modify_entry(&mut inner, key, |ne| {
+                        if ne.large && matches!(ne.tier, Tier::Serialized | Tier::Compressed) {
+                            ne.tier = Tier::Disk;
+                            ne.frames = None;
+                            ne.compressed = None;
+                            ne.weight = 0;
+                        }
                         ne.disk_raw = raw;
                         ne.disk_bytes = loc.len;
                     });
+                    landed = true;
                 }
                 (true, None) => {
                     match d {
@@ -2064,7 +2099,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                             }
                         }
                         Err(err) => self.spill_failed(&mut inner, key, err),
-                        // Refused by max_spill (counted and logged there), or the write failed.
+                        // Refused by max_spill (counted and logged there).
                         Ok(_) if !ok => {}
                         Ok(_) => {
                             let err = result.clone().err().unwrap_or_else(|| vanished(key));
@@ -2074,11 +2109,16 @@ impl<C: Codec, B: Backend> Store<C, B> {
                     stuck.push(key.clone());
                 }
                 (false, Some(_)) => {
-                    self.drop_stale_record(key);
+                    stale.push(key.clone());
                     freed = true;
                 }
                 (false, None) => freed |= ok && result.is_ok(),
             }
+        }
+        if let (Err(e), true) = (&result, landed) {
+            // Written (and readable), but the sync of `sync_spills` failed: reported as in `spill`.
+            let key = todo.first().map(|j| j.key.clone()).expect("a batch was written");
+            self.spill_failed(&mut inner, &key, e);
         }
         if freed {
             Self::unstick(&mut inner);
@@ -2087,11 +2127,17 @@ impl<C: Codec, B: Backend> Store<C, B> {
             Self::set_stuck(&mut inner, &k);
         }
         self.written.notify_all();
+        // Last, with every key of the round settled: dropping a record writes a tombstone, a backend
+        // write that may fail (or panic) on its own. Still under the lock, so that no new record of
+        // the key can be written before the drop.
+        for k in stale {
+            self.drop_stale_record(&k);
+        }
         if let Some(p) = panicked {
             drop(inner);
             std::panic::resume_unwind(p);
         }
-        (inner, true)
+        inner
     }
 
     /// A snapshot of the metrics and the current accounting. The accounting is read under the store's
