@@ -2125,7 +2125,7 @@ impl<B: Backend> SegmentLog<B> {
     pub fn forget(&self, key: &[u8]) -> Result<bool> {
         let old = self.index.write().unwrap_or_else(|p| p.into_inner()).remove(key);
         let Some(old) = old.map(Location::from) else { return Ok(false) };
-        let mut st = match self.state.try_lock() {
+        let st = match self.state.try_lock() {
             Ok(st) => st,
             Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
             Err(std::sync::TryLockError::WouldBlock) => {
@@ -2138,6 +2138,9 @@ impl<B: Backend> SegmentLog<B> {
                 return Ok(true);
             }
         };
+        // Guarded like `writer`: releasing a record can delete a segment (a punch, an unlink, an
+        // fsync, and a write of what is pending).
+        let mut st = Writer { st, log: self, panicking: std::thread::panicking() };
         self.settle_forgotten(&mut st);
         self.release_forgotten(&mut st, old);
         Ok(true)
@@ -2145,9 +2148,9 @@ impl<B: Backend> SegmentLog<B> {
 
     /// The writer lock, after settling what `forget` left for it while it was busy.
     fn writer(&self) -> Writer<'_, B> {
-        let mut st = lock(&self.state);
+        let mut st = Writer { st: lock(&self.state), log: self, panicking: std::thread::panicking() };
         self.settle_forgotten(&mut st);
-        Writer { st, log: self, panicking: std::thread::panicking() }
+        st
     }
 
     fn settle_forgotten(&self, st: &mut WriterState<B::File>) {

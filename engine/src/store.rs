@@ -496,8 +496,10 @@ impl<V> Plan<V> {
     }
 }
 
-/// A key, with the slot that identifies its entry at the time (a `remove` or a new `put` replaces it).
-type KeyedSlot<V> = (Arc<[u8]>, Arc<Slot<V, Error>>);
+/// A key a persistent store's `flush` is to write: the key, the slot that identifies its entry (a
+/// `remove` or a new `put` replaces it), and whether that is still the entry the flush listed when
+/// it began (what it promises to make durable).
+type Listed<V> = (Arc<[u8]>, Arc<Slot<V, Error>>, bool);
 
 /// One value of a spill batch, planned under the store's lock and written without it.
 struct Planned<V> {
@@ -1902,11 +1904,13 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// Make everything spilled so far durable (fdatasync of the log), spill writes in flight
     /// included (they are waited for; writes that start meanwhile are not).
     ///
-    /// A persistent store first writes a disk copy of every value it holds only in memory, and keeps
-    /// the value in memory (its later eviction then costs no write), so that once `flush` returns its
-    /// whole contents survive a crash and reopen; without a flush, only what was spilled does. Values
+    /// A persistent store first writes a disk copy of every value it holds only in memory when the
+    /// call begins, and keeps the value in memory (its later eviction then costs no write; a value
+    /// heavier than the target goes to the disk tier), so that once `flush` returns its contents as
+    /// of the call survive a crash and reopen; without a flush, only what was spilled does. Values
     /// that cannot be written (`max_spill` reached, a full disk, a serialize failure) stay in memory,
-    /// readable, and `flush` then fails with [`Error::NotPersisted`] after syncing the rest.
+    /// readable, and `flush` then fails with [`Error::NotPersisted`] after syncing the rest. It ends
+    /// by enforcing the memory target (values kept above it can now be dropped for free).
     pub fn flush(&self) -> Result<()> {
         let mut inner = self.lock();
         if !self.cfg.persistent {
@@ -1919,11 +1923,11 @@ impl<C: Codec, B: Backend> Store<C, B> {
         // What this flush must write: the values held only in memory when it began (values put
         // meanwhile are the next flush's). Each is written by this flush, or by another thread's
         // eviction while this flush waits for it.
-        let mut pending: Vec<KeyedSlot<C::Value>> = inner
+        let mut pending: Vec<Listed<C::Value>> = inner
             .map
             .iter()
             .filter(|(_, e)| e.tier != Tier::Disk && e.disk_bytes == 0)
-            .map(|(k, e)| (k.clone(), e.slot.clone()))
+            .map(|(k, e)| (k.clone(), e.slot.clone(), true))
             .collect();
         // Several passes: a key another thread was writing (or demoting, object -> frames, which
         // leaves it in memory) is skipped, waited for, and tried again. Bounded, in case other
@@ -1936,17 +1940,31 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 inner = self.lock();
             }
             inner = self.wait_for_writes(inner);
-            pending.retain(|(k, slot)| {
-                inner
-                    .map
-                    .get(k)
-                    .is_some_and(|e| Arc::ptr_eq(&e.slot, slot) && e.tier != Tier::Disk && e.disk_bytes == 0)
+            // Still to write: the listed keys still held only in memory, with whatever value they
+            // hold now (a failed transfer brings an old value back under a new slot; a key replaced
+            // meanwhile is written with its new value), and keys a transfer has set aside right now
+            // (it may bring the old value back).
+            pending.retain_mut(|(k, slot, original)| match inner.map.get(k) {
+                Some(e) if e.tier != Tier::Disk && e.disk_bytes == 0 => {
+                    if !Arc::ptr_eq(slot, &e.slot) {
+                        *slot = e.slot.clone();
+                        *original = false;
+                    }
+                    true
+                }
+                Some(_) => false,
+                None => inner.streams.contains_key(k),
             });
-            if pending.iter().all(|(k, _)| inner.map.get(k).is_some_and(|e| e.stuck)) {
+            if pending.iter().all(|(k, ..)| inner.map.get(k).is_some_and(|e| e.stuck)) {
                 break;
             }
         }
-        let only_in_memory = pending.len();
+        // Values that replaced a listed one meanwhile were written if they could be, but are not
+        // this flush's promise: only the listed values count.
+        let only_in_memory = pending
+            .iter()
+            .filter(|(k, slot, original)| *original && inner.map.get(k).is_some_and(|e| Arc::ptr_eq(&e.slot, slot)))
+            .count();
         // A value the flush wrote may have been kept in memory above the target (refused by
         // max_spill until now): it can be dropped for free now.
         let enforced = self.enforce(inner, None);
@@ -1980,7 +1998,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
     fn persist_round<'a>(
         &'a self,
         mut inner: MutexGuard<'a, Inner<C::Value>>,
-        keys: &[KeyedSlot<C::Value>],
+        keys: &[Listed<C::Value>],
     ) -> MutexGuard<'a, Inner<C::Value>> {
         enum Copy<V> {
             Object(sync::Arc<V>),
@@ -1994,7 +2012,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             copy: Copy<V>,
         }
         let mut todo: Vec<Job<C::Value>> = Vec::new();
-        for (key, slot) in keys {
+        for (key, slot, _) in keys {
             let Some(e) = inner.map.get(key).filter(|e| Arc::ptr_eq(&e.slot, slot)) else { continue };
             if e.stuck || e.disk_bytes > 0 || inner.writing.contains_key(key) {
                 continue;
