@@ -501,6 +501,24 @@ impl<V> Plan<V> {
 /// it began (what it promises to make durable).
 type Listed<V> = (Arc<[u8]>, Arc<Slot<V, Error>>, bool);
 
+/// What is left to do once each key of a written batch is settled (see `Store::end_settle`).
+struct Settled<'r> {
+    /// The write's result.
+    result: &'r Result<()>,
+    /// The batch's first key, to report a failure that followed a write that landed.
+    first: Option<&'r Arc<[u8]>>,
+    /// Some record landed.
+    landed: bool,
+    /// Space reserved against max_spill was given back.
+    freed: bool,
+    /// Keys to mark stuck.
+    stuck: Vec<Arc<[u8]>>,
+    /// Keys whose new record nobody wants (removed or replaced meanwhile).
+    stale: Vec<Arc<[u8]>>,
+    /// The write's panic, to go on with.
+    panicked: Option<Box<dyn std::any::Any + Send>>,
+}
+
 /// One value of a spill batch, planned under the store's lock and written without it.
 struct Planned<V> {
     key: Arc<[u8]>,
@@ -855,19 +873,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             .collect();
         let items: Vec<(&[u8], &Frames)> =
             batch.iter().zip(&data).filter_map(|(p, d)| d.as_ref().ok().map(|f| (&*p.key, f))).collect();
-        // A panic in the write (a bug in a backend) must not leave the keys marked as being written:
-        // their puts and `flush` would wait for them forever. The batch settles as a failed write
-        // (what did not land stays in memory, stuck and reported), then the panic goes on.
-        let mut panicked = None;
-        let result = if items.is_empty() {
-            Ok(())
-        } else {
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.write_disk(&items))).unwrap_or_else(|p| {
-                let msg = format!("the spill write panicked: {}", panic_message(&*p));
-                panicked = Some(p);
-                Err(Error::io("spill write", None, std::io::Error::other(msg)))
-            })
-        };
+        let (result, panicked) = self.write_batch(&items);
         let mut inner = self.lock();
         let mut protect_failed = None;
         // Keys this round failed to spill: marked stuck at the end, after any unsticking.
@@ -927,16 +933,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             let ours = inner.map.get(&p.key).is_some_and(|e| Arc::ptr_eq(&e.slot, &p.slot));
             match (ours, self.log.location(&p.key)) {
                 (true, Some(loc)) => {
-                    Self::modify_entry(&mut inner, &p.key, |ne| {
-                        if matches!(ne.tier, Tier::Serialized | Tier::Compressed) {
-                            ne.tier = Tier::Disk;
-                            ne.frames = None;
-                            ne.compressed = None;
-                            ne.weight = 0;
-                        }
-                        ne.disk_raw = raw;
-                        ne.disk_bytes = loc.len;
-                    });
+                    Self::note_landed(&mut inner, &p.key, raw, loc.len, false);
                     landed = true;
                 }
                 (true, None) => {
@@ -954,31 +951,74 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 (false, None) => freed |= result.is_ok(),
             }
         }
-        if let (Err(e), true) = (&result, landed) {
+        let first = batch.first().map(|p| &p.key);
+        let inner = self.end_settle(inner, Settled { result: &result, first, landed, freed, stuck, stale, panicked });
+        (inner, protect_failed)
+    }
+
+    /// A record of `key` (`raw` serialized bytes, `len` in the log) landed: the entry gets its disk
+    /// copy, and a serialized or compressed entry moves to the disk tier: every such entry for a
+    /// spill, only one heavier than the target (which lives on disk) with `only_large`, for a flush.
+    fn note_landed(inner: &mut Inner<C::Value>, key: &Arc<[u8]>, raw: u64, len: u64, only_large: bool) {
+        Self::modify_entry(inner, key, |ne| {
+            if (ne.large || !only_large) && matches!(ne.tier, Tier::Serialized | Tier::Compressed) {
+                ne.tier = Tier::Disk;
+                ne.frames = None;
+                ne.compressed = None;
+                ne.weight = 0;
+            }
+            ne.disk_raw = raw;
+            ne.disk_bytes = len;
+        });
+    }
+
+    /// Write a batch (spill or flush) with the store's lock released. A panic in the write (a bug in
+    /// a backend) must not leave the batch's keys marked as being written: their puts and `flush`
+    /// would wait for them forever. So it becomes an I/O error for the batch, which then settles as
+    /// a failed write, and the panic is handed back to go on after that ([`Self::end_settle`]).
+    fn write_batch(&self, items: &[(&[u8], &Frames)]) -> (Result<()>, Option<Box<dyn std::any::Any + Send>>) {
+        if items.is_empty() {
+            return (Ok(()), None);
+        }
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.write_disk(items))) {
+            Ok(r) => (r, None),
+            Err(p) => {
+                let msg = format!("the write panicked: {}", panic_message(&*p));
+                (Err(Error::io("spill write", None, std::io::Error::other(msg))), Some(p))
+            }
+        }
+    }
+
+    /// The end of settling a written batch, once each key is settled (`spill`, `persist_round`).
+    fn end_settle<'a>(
+        &'a self,
+        mut inner: MutexGuard<'a, Inner<C::Value>>,
+        s: Settled<'_>,
+    ) -> MutexGuard<'a, Inner<C::Value>> {
+        if let (Err(e), true, Some(key)) = (s.result, s.landed, s.first) {
             // The records were written (and stay readable), but what followed failed: the sync of
             // `sync_spills`. Reported like any failed spill.
-            let key = batch.first().map(|p| p.key.clone()).expect("a batch was written");
-            self.spill_failed(&mut inner, &key, e);
+            self.spill_failed(&mut inner, key, e);
         }
-        if freed {
+        if s.freed {
             // Space reserved against max_spill for a record nobody wants any more is free again.
             Self::unstick(&mut inner);
         }
-        for k in stuck {
+        for k in s.stuck {
             Self::set_stuck(&mut inner, &k);
         }
         self.written.notify_all();
-        // Last, with every key of the batch settled: dropping a record writes a tombstone in a
-        // persistent store, a backend write that may fail (or panic) on its own. Still under the
-        // lock, so that no new record of the key can be written before the drop.
-        for k in stale {
+        // Last, with every key of the batch settled and its waiters woken: dropping a record writes
+        // a tombstone in a persistent store, a backend write that may fail (or panic) on its own.
+        // Still under the lock, so that no new record of the key can be written before the drop.
+        for k in s.stale {
             self.drop_stale_record(&k);
         }
-        if let Some(p) = panicked {
+        if let Some(p) = s.panicked {
             drop(inner);
             std::panic::resume_unwind(p);
         }
-        (inner, protect_failed)
+        inner
     }
 
     /// Store a value arriving from a peer (`src`, in the stored form `meta` announces) straight into
@@ -2071,17 +2111,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             .zip(&allowed)
             .filter_map(|((j, d), &ok)| d.as_ref().ok().filter(|_| ok).map(|f| (&*j.key, f)))
             .collect();
-        // As in `spill`: a panicking backend settles the batch as failed, then the panic goes on.
-        let mut panicked = None;
-        let result = if items.is_empty() {
-            Ok(())
-        } else {
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.write_disk(&items))).unwrap_or_else(|p| {
-                let msg = format!("the flush write panicked: {}", panic_message(&*p));
-                panicked = Some(p);
-                Err(Error::io("flush write", None, std::io::Error::other(msg)))
-            })
-        };
+        let (result, panicked) = self.write_batch(&items);
         let mut inner = self.lock();
         inner.writing_raw -= reserved;
         let mut stuck: Vec<Arc<[u8]>> = Vec::new();
@@ -2095,16 +2125,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             match (ours, loc) {
                 (true, Some(loc)) => {
                     let raw = d.as_ref().map_or(0, |f| f.total_len());
-                    Self::modify_entry(&mut inner, key, |ne| {
-                        if ne.large && matches!(ne.tier, Tier::Serialized | Tier::Compressed) {
-                            ne.tier = Tier::Disk;
-                            ne.frames = None;
-                            ne.compressed = None;
-                            ne.weight = 0;
-                        }
-                        ne.disk_raw = raw;
-                        ne.disk_bytes = loc.len;
-                    });
+                    Self::note_landed(&mut inner, key, raw, loc.len, true);
                     landed = true;
                 }
                 (true, None) => {
@@ -2133,29 +2154,8 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 (false, None) => freed |= ok && result.is_ok(),
             }
         }
-        if let (Err(e), true) = (&result, landed) {
-            // Written (and readable), but the sync of `sync_spills` failed: reported as in `spill`.
-            let key = todo.first().map(|j| j.key.clone()).expect("a batch was written");
-            self.spill_failed(&mut inner, &key, e);
-        }
-        if freed {
-            Self::unstick(&mut inner);
-        }
-        for k in stuck {
-            Self::set_stuck(&mut inner, &k);
-        }
-        self.written.notify_all();
-        // Last, with every key of the round settled: dropping a record writes a tombstone, a backend
-        // write that may fail (or panic) on its own. Still under the lock, so that no new record of
-        // the key can be written before the drop.
-        for k in stale {
-            self.drop_stale_record(&k);
-        }
-        if let Some(p) = panicked {
-            drop(inner);
-            std::panic::resume_unwind(p);
-        }
-        inner
+        let first = todo.first().map(|j| &j.key);
+        self.end_settle(inner, Settled { result: &result, first, landed, freed, stuck, stale, panicked })
     }
 
     /// A snapshot of the metrics and the current accounting. The accounting is read under the store's
