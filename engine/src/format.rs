@@ -299,6 +299,21 @@ pub fn lay_out_frames<'a>(dst: &mut [u8], frames: impl IntoIterator<Item = &'a [
     debug_assert_eq!(at, dst.len(), "destination is the layout's length");
 }
 
+/// crc32 of `frames` laid out as [`lay_out_frames`] lays them out (zero gaps included), without
+/// copying them: the `payload_crc` of an uncompressed record holding these frames.
+pub fn laid_out_crc<'a>(frames: impl IntoIterator<Item = &'a [u8]>) -> u32 {
+    const GAP: [u8; FRAME_ALIGN as usize] = [0; FRAME_ALIGN as usize];
+    let mut h = crc32fast::Hasher::new();
+    let mut at = 0u64;
+    for f in frames {
+        let start = align_up(at, FRAME_ALIGN);
+        h.update(&GAP[..(start - at) as usize]);
+        h.update(f);
+        at = start + f.len() as u64;
+    }
+    h.finalize()
+}
+
 /// Write header, frame table and key of a record into `dst[..payload_offset]` and compute the header
 /// crc. The payload must already be at `dst[payload_offset..]` and `h.payload_crc` must be its crc.
 pub fn write_record_head(dst: &mut [u8], h: &RecordHeader, frame_lens: &[u64], key: &[u8]) {
@@ -717,6 +732,19 @@ pub fn lz4_can_expand_to(stored: u64, raw: u64) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn laid_out_crc_is_the_crc_of_the_laid_out_payload() {
+        let cases: [&[&[u8]]; 5] = [&[], &[b""], &[b"abcde", b"", b"fghijk"], &[b"x", b""], &[&[7u8; 200], &[1u8; 64]]];
+        for frames in cases {
+            let (_, total) = frame_layout(frames.iter().map(|f| f.len() as u64)).unwrap();
+            let mut payload = vec![0xAAu8; total as usize];
+            lay_out_frames(&mut payload, frames.iter().copied());
+            assert_eq!(laid_out_crc(frames.iter().copied()), payload_crc(&payload), "{frames:?}");
+        }
+        // Frame boundaries count: the same bytes cut differently lay out differently.
+        assert_ne!(laid_out_crc([&b"ab"[..], b"c"]), laid_out_crc([&b"a"[..], b"bc"]));
+    }
 
     fn build(key: &[u8], frames: &[&[u8]], flags: u8) -> Vec<u8> {
         build_padded(key, frames, flags, 0)

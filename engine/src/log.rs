@@ -1486,6 +1486,14 @@ impl<B: Backend> SegmentLog<B> {
     /// The value stored under `key`, or `None`. A damaged record is an error naming its segment and
     /// offset; other records are unaffected.
     pub fn get(&self, key: &[u8]) -> Result<Option<Frames>> {
+        Ok(self.get_with_crc(key)?.map(|(frames, _)| frames))
+    }
+
+    /// As [`SegmentLog::get`], with the crc this read checked the value against when the record is
+    /// not compressed: [`format::laid_out_crc`] of the frames returned (`None` for an lz4 record,
+    /// whose crc covers the compressed bytes). A caller that needs to know later whether a value
+    /// still serializes to these bytes gets it without another pass over them.
+    pub fn get_with_crc(&self, key: &[u8]) -> Result<Option<(Frames, Option<u32>)>> {
         let mut tries = 0;
         loop {
             let Some((p, file)) = self.lookup(key) else {
@@ -1493,7 +1501,7 @@ impl<B: Backend> SegmentLog<B> {
             };
             let loc = p.loc();
             let got = match self.pending_record(loc)? {
-                Some(raw) => decode_read(raw, loc, key),
+                Some(raw) => decode_read_with_crc(raw, loc, key),
                 None => self.read_planned(&file, self.plan_read(&p, key.len()), key),
             };
             match got {
@@ -1556,12 +1564,12 @@ impl<B: Backend> SegmentLog<B> {
     }
 
     /// Read what `plan` says and decode it.
-    fn read_planned(&self, file: &B::File, plan: ReadPlan, key: &[u8]) -> Result<Frames> {
+    fn read_planned(&self, file: &B::File, plan: ReadPlan, key: &[u8]) -> Result<(Frames, Option<u32>)> {
         let buf = self
             .backend
             .read_new(file, plan.start, (plan.end - plan.start) as usize, self.buf_align(plan.end - plan.start))
             .map_err(|e| Error::io("read segment", self.seg_path(plan.loc.segment), e))?;
-        plan.finish(buf.freeze(), key)
+        plan.finish_with_crc(buf.freeze(), key)
     }
 
     /// Read the raw bytes of the record at `loc` (aligned read, zero-copy slice).
@@ -2595,7 +2603,6 @@ impl<B: Backend> SegmentLog<B> {
             frame_lens: Vec<u64>,
             key: &'a [u8],
             frames: &'a Frames,
-            offsets: Vec<u64>,
             /// Its entry in `placed`, whose crc is filled in with the head's.
             placed: usize,
         }
@@ -2645,7 +2652,6 @@ impl<B: Backend> SegmentLog<B> {
                         frame_lens,
                         key,
                         frames,
-                        offsets: offsets.clone(),
                         placed: placed.len(),
                     });
                     placed.push(Placed::new(pos, &header));
@@ -2728,18 +2734,7 @@ impl<B: Backend> SegmentLog<B> {
             }
             Ok(())
         };
-        let crc_of = |l: &Large<'_>| -> u32 {
-            let mut crc = crc32fast::Hasher::new();
-            let mut at = 0u64;
-            for (f, &off) in l.frames.iter().zip(&l.offsets) {
-                if off > at {
-                    crc.update(&ZEROS[..(off - at) as usize]);
-                }
-                crc.update(f);
-                at = off + f.len() as u64;
-            }
-            crc.finalize()
-        };
+        let crc_of = |l: &Large<'_>| -> u32 { format::laid_out_crc(l.frames.iter().map(|f| &f[..])) };
         let mut written = Ok(());
         let mut crcs: Option<Vec<u32>> = None;
         if payload_bytes >= self.opts.parallel_crc_min_bytes {
@@ -3726,22 +3721,35 @@ impl ReadPlan {
     /// payload read without its head is checked against the crc the index keeps; it is the one
     /// frame of the value.
     fn finish(&self, buf: Bytes, key: &[u8]) -> Result<Frames> {
+        self.finish_with_crc(buf, key).map(|(frames, _)| frames)
+    }
+
+    /// [`ReadPlan::finish`], with the crc the value was checked against (see
+    /// [`SegmentLog::get_with_crc`]).
+    fn finish_with_crc(&self, buf: Bytes, key: &[u8]) -> Result<(Frames, Option<u32>)> {
         let at = (self.from - self.start) as usize;
         let raw = buf.slice(at..at + self.len as usize);
         let Some(expected) = self.crc else {
-            return decode_read(raw, self.loc, key);
+            return decode_read_with_crc(raw, self.loc, key);
         };
         let actual = format::payload_crc(&raw);
         if actual != expected {
             let e = format::DecodeError::Checksum { what: "record payload", expected, actual };
             return Err(e.at(self.loc.segment, self.loc.offset));
         }
-        Ok(Frames(std::iter::once(raw).collect()))
+        // One frame, no gaps: its crc is the laid-out crc.
+        Ok((Frames(std::iter::once(raw).collect()), Some(actual)))
     }
 }
 
 /// Check the record bytes read for `key` at `loc` and cut them into frames (decompressing if needed).
 fn decode_read(raw: Bytes, loc: Location, key: &[u8]) -> Result<Frames> {
+    decode_read_with_crc(raw, loc, key).map(|(frames, _)| frames)
+}
+
+/// [`decode_read`], with the payload crc when the record is not compressed (the laid-out crc of the
+/// frames, which `decode_record` checked).
+fn decode_read_with_crc(raw: Bytes, loc: Location, key: &[u8]) -> Result<(Frames, Option<u32>)> {
     let r = format::decode_record(&raw).map_err(|e| e.at(loc.segment, loc.offset))?;
     if r.key != key || r.header.segment != loc.segment || r.header.is_tombstone() {
         return Err(Error::Corrupt {
@@ -3769,7 +3777,7 @@ fn decode_read(raw: Bytes, loc: Location, key: &[u8]) -> Result<Frames> {
     };
     let (offsets, _) = format::frame_layout(r.frame_lens.iter().copied()).expect("checked when decoding");
     let frames = r.frame_lens.iter().zip(offsets).map(|(&l, at)| data.slice(at as usize..(at + l) as usize)).collect();
-    Ok(Frames(frames))
+    Ok((Frames(frames), (!h.is_lz4()).then_some(h.payload_crc)))
 }
 
 #[cfg(test)]
@@ -3797,6 +3805,33 @@ mod tests {
         assert_eq!(log.get(b"a").unwrap().unwrap().concat(), &b"two"[..]);
         assert!(log.get(b"b").unwrap().is_none());
         assert_eq!(log.keys(), vec![b"a".to_vec()]);
+    }
+
+    #[test]
+    fn get_with_crc_gives_the_laid_out_crc_it_checked() {
+        let values: Vec<Frames> = vec![
+            Frames(vec![Bytes::from_static(b"x"), Bytes::from_static(b"yz"), Bytes::new()]),
+            Frames::from(vec![5u8; 5000]), // one frame of 4 KiB or more: read without its head
+            Frames::from(Vec::<u8>::new()),
+        ];
+        for write_behind_bytes in [0, 1 << 20] {
+            let log = SegmentLog::open(SimBackend::new(), "/s", LogOptions { write_behind_bytes, ..opts() }).unwrap();
+            for (i, v) in values.iter().enumerate() {
+                log.put(format!("k{i}").as_bytes(), v).unwrap();
+            }
+            for (i, v) in values.iter().enumerate() {
+                let (frames, crc) = log.get_with_crc(format!("k{i}").as_bytes()).unwrap().unwrap();
+                assert_eq!(frames.0, v.0);
+                assert_eq!(crc, Some(format::laid_out_crc(v.iter().map(|b| &b[..]))), "value {i}");
+            }
+        }
+        // An lz4 record's crc covers its compressed bytes: none is given.
+        let log =
+            SegmentLog::open(SimBackend::new(), "/z", LogOptions { compression: Compression::Lz4, ..opts() }).unwrap();
+        log.put(b"z", &Frames::from(vec![0u8; 4096])).unwrap();
+        let (frames, crc) = log.get_with_crc(b"z").unwrap().unwrap();
+        assert_eq!(frames.concat(), vec![0u8; 4096]);
+        assert_eq!(crc, None);
     }
 
     #[test]
