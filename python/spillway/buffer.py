@@ -48,6 +48,28 @@ Policy (as dask's)
 * A spilled object that is still referenced elsewhere is kept in a weak-reference cache: reading it
   returns that same object without touching the disk (for types that allow weak references).
 
+Beyond dask's policy (memory under pressure)
+--------------------------------------------
+These change when memory is freed and what is written, never which keys are in which tier:
+
+* **Copies.** A value read back from disk keeps its record as a *copy* (unless ``max_spill`` is set:
+  the copy's bytes would count against it). Evicting it again pickles it and compares the
+  ``frames_crc`` of the result with the copy's: if they agree (the object was not changed in place)
+  nothing is written and the object is dropped at once; otherwise it is written anew. Such skipped
+  writes are counted in ``("disk-write-saved", "count"|"bytes")``.
+* **Writing ahead.** A background thread per buffer (``spillway-writer``) writes copies of the
+  oldest in-memory values, ``CLEAN_FRACTION`` of ``target`` of them, while memory is within that
+  much of ``target`` or of ``process_target``: the evictions that follow (a set above target, dask's
+  memory monitor calling :meth:`~SpillBuffer.evict`) drop them instead of writing them on the
+  calling thread, which in a dask worker is its event loop. An eviction that reaches a value whose
+  copy is being written waits for it. The same thread deletes the records the buffer gives up
+  (``del``, replaced or re-read values), so no caller waits for a hole punch.
+* **Process memory.** With ``process_target`` (by default, inside a dask worker: its memory limit
+  times ``distributed.worker.memory.target``), a set or a read back that finds the process's RSS
+  above it also spills least-recently-used keys, until their weight covers the excess: what dask's
+  memory monitor does every 100 ms from the event loop, done as memory grows, before the nanny's
+  95% limit can be reached. The RSS is read once per ``RSS_CHECK_BYTES`` of weight brought in.
+
 Metrics
 -------
 ``cumulative_metrics`` maps ``(label, unit)`` to an ever-increasing total, with dask's labels:
@@ -104,8 +126,8 @@ subdirectory of ``spill_directory`` and removes that subdirectory in :meth:`~Spi
 Threads
 -------
 All methods may be called from several threads. One lock guards the bookkeeping; pickling,
-unpickling and disk I/O (deleting records included) run outside it (the log releases the GIL while
-it reads, writes or deletes).
+unpickling and disk I/O run outside it (the log releases the GIL while it reads, writes or
+deletes); deletes run on the background writer.
 Concurrent ``__getitem__`` of the same key that is not in memory as an object unpickles it once: the
 first thread reads and unpickles, the others wait on an event (GIL released) and receive the same
 object, or the same exception, in which case the data stays where it was.
@@ -130,7 +152,7 @@ from collections.abc import Hashable, ItemsView, Iterator, Mapping, MutableMappi
 from time import monotonic, perf_counter
 from typing import Any, Literal, NamedTuple
 
-from spillway._core import DiskFull, Log, SpillwayError
+from spillway._core import DiskFull, Log, SpillwayError, frames_crc
 
 try:
     from dask.sizeof import sizeof as _dask_sizeof
@@ -155,6 +177,22 @@ SIZEOF_FALLBACK_BYTES = 1_000_000
 
 #: Encoded keys longer than this are shortened to a prefix and a digest (log keys are bounded).
 MAX_ENCODED_KEY_BYTES = 512
+
+#: The background writer keeps the oldest in-memory values written to disk (as copies, see
+#: ``_Entry.log_key``), so that evicting them drops them without a write: the oldest values adding
+#: up to this fraction of ``target`` (and at most ``CLEAN_SCAN`` of them). It works only while
+#: memory is within that much of ``target`` or of ``process_target``: where nothing will be
+#: evicted soon, a write ahead would be wasted on values deleted first.
+CLEAN_FRACTION = 0.25
+CLEAN_SCAN = 256
+#: Values the writer takes per round (it lets go of the lock between rounds).
+CLEAN_BATCH = 8
+#: After a failed write ahead (disk error, pickling error), the writer rests this long (s).
+CLEAN_BACKOFF_SECONDS = 5.0
+
+#: Bytes of weight brought into memory (sets, reads back) between two reads of the process's RSS
+#: (see ``process_target``). A read costs about 2 µs.
+RSS_CHECK_BYTES = 1 << 20
 
 
 # --------------------------------------------------------------------------------------------------
@@ -188,6 +226,21 @@ def reset_log_rate_limits() -> None:
     """Let the next rate-limited message through at once (for tests)."""
     for f in _RATE_LIMITS:
         f.last = -math.inf
+
+
+# --------------------------------------------------------------------------------------------------
+# Process memory
+
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+_statm_fd: int | None = None
+
+
+def _rss() -> int:
+    """This process's resident set size in bytes (what dask's memory monitor and nanny watch)."""
+    global _statm_fd
+    if _statm_fd is None:
+        _statm_fd = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
+    return int(os.pread(_statm_fd, 128, 0).split()[1]) * _PAGE_BYTES
 
 
 # --------------------------------------------------------------------------------------------------
@@ -485,23 +538,31 @@ class _Entry:
         "weight",
         "log_key",
         "disk_bytes",
+        "crc",
         "loading",
         "evicting",
         "evicting_weight",
+        "cleaning",
     )
 
     def __init__(self, tier: Tier, value: object, weight: int):
         self.tier = tier
         self.value = value
         self.weight = weight  # sizeof (objects) or byte length (frames); kept while on disk
+        # The key's record in the log (b"" if none): its value on disk (tier DISK), or a copy of an
+        # object read back from disk (tier OBJECT), kept so that evicting it again costs no write.
         self.log_key = b""
         self.disk_bytes = 0
+        # ``frames_crc`` of the record's frames, when known (a copy's, always): an object whose
+        # frames have this crc still is what the record holds.
+        self.crc: int | None = None
         self.loading: _Load | None = None  # a thread is reading/unpickling this key
         self.evicting = False  # a thread is writing this key to disk
         # The part of the buffer's _evicting_weight that this key's write accounts for: its weight,
         # until the write returns, or until a del or an unpickle makes that write moot (the weight
         # has then left memory, or is counted anew, at once).
         self.evicting_weight = 0
+        self.cleaning = False  # the background writer is writing a copy of it
 
 
 class _WeakCache:
@@ -556,8 +617,88 @@ class _SpillFailure(Exception):
         self.error = error
 
 
-def _close_log(log: Log, directory: str) -> None:
+class _Writer:
+    """The background writer of one buffer: a thread that writes copies of the oldest in-memory
+    values ahead of their eviction (``SpillBuffer._clean_round``) and deletes records that the
+    buffer gave up (``SpillBuffer._delete_record``), so that neither runs on the threads that set,
+    get or evict (in a dask worker, its event loop). It holds the buffer through a weak reference:
+    the buffer can be garbage-collected, and its finalizer stops the thread."""
+
+    def __init__(self, buffer: SpillBuffer):
+        self.cond = threading.Condition(threading.Lock())
+        self.deletes: list = []  # (key, log key) to delete
+        self.wanted = False  # a round of writes ahead is wanted
+        self.busy = False  # the thread is deleting or writing ahead
+        self.stopping = False
+        self.ref = weakref.ref(buffer)
+        self.thread = threading.Thread(target=self._run, name="spillway-writer", daemon=True)
+        self.thread.start()
+
+    def wake(self) -> None:
+        with self.cond:
+            if not self.wanted:
+                self.wanted = True
+                self.cond.notify_all()
+
+    def delete(self, key: Hashable, log_key: bytes) -> None:
+        with self.cond:
+            self.deletes.append((key, log_key))
+            self.cond.notify_all()
+
+    def drain(self) -> None:
+        """Wait until the thread is idle: every delete handed over so far done, no round wanted or
+        running. (For tests.)"""
+        with self.cond:
+            while (self.deletes or self.wanted or self.busy) and not self.stopping:
+                self.cond.wait()
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+        if threading.current_thread() is not self.thread:
+            self.thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not (self.deletes or self.wanted or self.stopping):
+                    self.cond.wait()
+                if self.stopping:
+                    return  # the log is closed next: its records go with its directory
+                deletes, self.deletes = self.deletes, []
+                wanted, self.wanted = self.wanted, False
+                self.busy = True
+            buffer = self.ref()
+            if buffer is None:
+                return
+            for key, log_key in deletes:
+                _delete_from_log(buffer._log, key, log_key)
+            more = False
+            if wanted:
+                try:
+                    more = buffer._clean_round()
+                except Exception:  # never let the thread die: evictions write instead
+                    logger.exception("Unexpected error while writing ahead")
+            del buffer
+            with self.cond:
+                self.wanted = self.wanted or more
+                self.busy = False
+                self.cond.notify_all()
+
+
+def _delete_from_log(log: Log, key: Hashable, log_key: bytes) -> None:
     try:
+        log.delete(log_key)
+    except ValueError:
+        pass  # the buffer was closed: the log and its directory are gone already
+    except (OSError, SpillwayError):
+        logger.error("Failed to delete the spilled data of %r from disk", key, exc_info=True)
+
+
+def _close_log(log: Log, directory: str, writer: _Writer) -> None:
+    try:
+        writer.stop()
         log.close()
     finally:
         shutil.rmtree(directory, ignore_errors=True)
@@ -590,6 +731,11 @@ class SpillBuffer(MutableMapping):
     writeable:
         Whether objects read back from the log get writeable buffers (see the module docstring). If
         False, buffers are never copied and may be read-only.
+    process_target:
+        Bytes of process memory (RSS) above which a set or a read back also spills
+        least-recently-used keys, until their weight covers the excess. ``"auto"`` (the default):
+        inside a dask worker whose ``data`` this buffer is, the worker's memory limit times
+        ``distributed.worker.memory.target`` (or ``.spill``); elsewhere, off. ``None``: off.
     """
 
     #: keys whose pickling error was logged (dask's attribute of the same name)
@@ -608,6 +754,7 @@ class SpillBuffer(MutableMapping):
         segment_bytes: int = 64 << 20,
         serialized_in_memory: bool = True,
         writeable: bool = True,
+        process_target: int | Literal["auto"] | None = "auto",
     ):
         self.target = target
         self.max_spill = False if max_spill is None else max_spill
@@ -630,9 +777,12 @@ class SpillBuffer(MutableMapping):
         except BaseException:
             shutil.rmtree(self.directory, ignore_errors=True)
             raise
-        self._finalizer = weakref.finalize(self, _close_log, self._log, self.directory)
+        self._writer = _Writer(self)
+        self._finalizer = weakref.finalize(self, _close_log, self._log, self.directory, self._writer)
+        self._clean_backoff_until = 0.0
 
         self._lock = threading.RLock()
+        self._cleaned = threading.Condition(self._lock)  # the writer settled a copy
         self._entries: dict[Hashable, _Entry] = {}
         self._lru: OrderedDict[Hashable, None] = OrderedDict()  # in-memory keys, least recent first
         self._heavy: OrderedDict[Hashable, None] = OrderedDict()  # in-memory keys to spill first
@@ -642,6 +792,9 @@ class SpillBuffer(MutableMapping):
         self._spilled_disk = 0  # sum of payload bytes of keys on disk
         self._reserved_disk = 0  # payload bytes of writes in flight (max_spill)
         self._writes = 0  # makes every log key unique
+        self._process_target = process_target
+        self._added_since_rss = 0  # weight brought into memory since the RSS was last read
+        self._last_rss = 0
         self._weak = _WeakCache()
         # Inside a dask worker, also report metrics to distributed's context meter (as dask's
         # SpillBuffer does), so that they appear in the worker's fine performance metrics.
@@ -745,6 +898,9 @@ class SpillBuffer(MutableMapping):
                 if owner:
                     load = e.loading = _Load()
                 tier, frames, log_key = e.tier, e.value, e.log_key
+                # An object read back is kept in memory with its record as a copy, unless it is too
+                # heavy to keep, or max_spill counts the bytes on disk.
+                keep_copy = self.max_spill is False and e.weight <= self.target
         if obj is not None:
             self._promote(key, e, obj)
             return obj
@@ -752,15 +908,20 @@ class SpillBuffer(MutableMapping):
             return load.wait()
         read = None  # (bytes, seconds) of the disk read, digested with the promotion (one lock)
         weight = None  # sizeof(obj), when known already
+        crc = None  # frames_crc of the frames read, for keeping the record as a copy
         try:
             if tier is _DISK:
                 t0 = perf_counter()
                 try:
-                    frames = self._log.get(log_key)
+                    frames, crc = self._log.get_with_crc(log_key)
                 except KeyError:
                     raise self._record_gone(key, log_key) from None  # for its waiters too
                 t1 = perf_counter()
                 read = (sum(map(len, frames)), t1 - t0)  # 1-D byte memoryviews: len is nbytes
+                if not keep_copy:
+                    crc = None
+                elif crc is None:  # (lz4) before anything is built on the frames, which it may change
+                    crc = frames_crc(frames)
                 # The log's memoryviews are writeable already: nothing to copy.
                 obj = _loads(frames, False)
             else:
@@ -781,7 +942,7 @@ class SpillBuffer(MutableMapping):
                     self._digest_io("disk-read", *read)
             load.set_exception(error)
             raise
-        self._promote(key, e, obj, load, read, seconds, weight)
+        self._promote(key, e, obj, load, read, seconds, weight, crc)
         return obj
 
     def __delitem__(self, key: Hashable) -> None:
@@ -836,6 +997,7 @@ class SpillBuffer(MutableMapping):
         except Exception:
             logger.exception("Unexpected error while spilling")
             return -1
+        self._wake_writer()
         return -1 if weight is None else weight
 
     # ---------------------------------------------------------------------------------------------
@@ -908,6 +1070,8 @@ class SpillBuffer(MutableMapping):
             # key instead would still be wrong (and raise PickleError for a light value, which dask
             # never does): it waits for a later round, as in dask.
             self._evict_until_below_target(exclude=_NO_KEY if heavy else key)
+            self._relieve_process_memory(e.weight, exclude=key)
+            self._wake_writer()
         except _SpillFailure as failure:
             with self._lock:
                 current = self._entries.get(key) is e
@@ -932,6 +1096,123 @@ class SpillBuffer(MutableMapping):
             if not self._heavy and self._memory_weight - self._evicting_weight <= self.target:
                 return
 
+    def _clean_reserve(self) -> int:
+        return int(self.target * CLEAN_FRACTION) if self.max_spill is False else 0
+
+    def _writing_ahead_wanted(self) -> bool:
+        """Whether memory is within the reserve of ``target`` or of ``process_target`` (read
+        without the lock: a hint)."""
+        reserve = self._clean_reserve()
+        if reserve <= 0:
+            return False
+        if self._memory_weight > self.target - reserve:
+            return True
+        goal = self._process_target
+        return isinstance(goal, int) and self._last_rss > goal - reserve
+
+    def _wake_writer(self) -> None:
+        if self._writing_ahead_wanted():
+            self._writer.wake()
+
+    def _clean_round(self) -> bool:
+        """One round of the background writer: write a copy of up to ``CLEAN_BATCH`` of the oldest
+        in-memory values that have none, among the oldest adding up to the reserve. Returns whether
+        it stopped for the batch limit (another round is wanted)."""
+        if monotonic() < self._clean_backoff_until or not self._writing_ahead_wanted():
+            return False
+        picks = []
+        with self._lock:
+            reserve = self._clean_reserve()
+            seen = 0
+            for n, key in enumerate(self._lru):
+                if n >= CLEAN_SCAN or seen >= reserve or len(picks) >= CLEAN_BATCH:
+                    break
+                e = self._entries[key]
+                seen += e.weight
+                if (
+                    e.log_key
+                    or e.evicting
+                    or e.cleaning
+                    or e.loading is not None
+                    or key in self._heavy
+                    or key in self.logged_pickle_errors
+                ):
+                    continue
+                e.cleaning = True
+                self._writes += 1
+                picks.append((key, e, e.tier, e.value, self._writes))
+        for i, (key, e, tier, value, number) in enumerate(picks):
+            try:
+                frames = value if tier is _FRAMES else self._pickle(key, value)
+                crc = frames_crc(frames)
+                log_key = encode_key(key) + number.to_bytes(8, "big")
+                t0 = perf_counter()
+                stored = self._log.put(log_key, frames)
+                seconds = perf_counter() - t0
+            except BaseException as error:
+                # The value stays without a copy; an eviction writes it (and logs what fails).
+                with self._lock:
+                    for _, other, *_ in picks[i:]:
+                        other.cleaning = False
+                    self._cleaned.notify_all()
+                self._clean_backoff_until = monotonic() + CLEAN_BACKOFF_SECONDS
+                if isinstance(error, Exception):
+                    return False
+                raise
+            with self._lock:
+                e.cleaning = False
+                self._cleaned.notify_all()
+                self._digest_io("disk-write", stored, seconds)
+                # Still this value, in memory, without a copy: the record is its copy. (Frames
+                # unpickled meanwhile: the record holds the frames the object was built on.)
+                keep = self._entries.get(key) is e and e.tier is not _DISK and not e.log_key
+                if keep:
+                    e.log_key, e.disk_bytes, e.crc = log_key, stored, crc
+            if not keep:
+                self._delete_record(key, log_key)
+        return len(picks) >= CLEAN_BATCH
+
+    def _drain(self) -> None:
+        """Wait for the background writer to be idle (its deletes done). For tests."""
+        self._writer.drain()
+
+    def _relieve_process_memory(self, added: int, exclude: object) -> None:
+        """After ``added`` bytes of weight came into memory: if the process's RSS is above
+        ``process_target``, spill least-recently-used keys (never ``exclude``, the key just set or
+        read) until their weight covers the excess. The RSS is read once per ``RSS_CHECK_BYTES``
+        of weight added. Raises _SpillFailure."""
+        self._added_since_rss += added  # (a race loses a count: this only paces the checks)
+        if self._added_since_rss < RSS_CHECK_BYTES:
+            return
+        self._added_since_rss = 0
+        goal = self._resolve_process_target()
+        if goal is None:
+            return
+        self._last_rss = rss = _rss()
+        excess = rss - goal
+        freed = 0
+        while freed < excess:
+            weight = self._evict_one(force=True, exclude=exclude)
+            if weight is None:
+                return
+            freed += weight
+
+    def _resolve_process_target(self) -> int | None:
+        """``process_target`` in bytes; for "auto", that of the dask worker whose data this buffer
+        is (memory_limit x the target fraction, or the spill fraction), looked up until found."""
+        target = self._process_target
+        if target != "auto":
+            return target
+        worker_module = sys.modules.get("distributed.worker")
+        for worker in list(getattr(getattr(worker_module, "Worker", None), "_instances", ())):
+            manager = getattr(worker, "memory_manager", None)
+            if getattr(manager, "data", None) is self:
+                fraction = manager.memory_target_fraction or manager.memory_spill_fraction
+                limit = manager.memory_limit
+                self._process_target = int(limit * fraction) if limit and fraction else None
+                return self._process_target
+        return None
+
     def _evict_all_but(self, key: Hashable) -> None:
         try:
             while self._evict_one(force=True, exclude=key) is not None:
@@ -941,7 +1222,8 @@ class SpillBuffer(MutableMapping):
 
     def _victim(self, force: bool, exclude: object) -> object:
         """Under the lock: the next key to spill (heavy keys first, then LRU order), or _NO_KEY.
-        Keys another thread is writing or reading are skipped."""
+        Keys another thread is evicting or reading are skipped; a key whose copy the background
+        writer is writing is not (the eviction waits for the copy)."""
         for key in self._heavy:
             e = self._entries[key]
             if not e.evicting and e.loading is None and (exclude is _NO_KEY or key != exclude):
@@ -958,19 +1240,25 @@ class SpillBuffer(MutableMapping):
         None if there was nothing to spill, raises _SpillFailure if the spill failed (the key stays
         in memory, in its place in the LRU)."""
         with self._lock:
-            key = self._victim(force, exclude)
-            if key is _NO_KEY:
-                return None
-            e = self._entries[key]
+            while True:
+                key = self._victim(force, exclude)
+                if key is _NO_KEY:
+                    return None
+                e = self._entries[key]
+                if not e.cleaning:
+                    break
+                # Its copy is being written: once it lands, evicting the value writes nothing.
+                self._cleaned.wait()
             e.evicting = True
             self._heavy.pop(key, None)  # a heavy key whose spill fails stays at the LRU tail
             e.evicting_weight = e.weight
             self._evicting_weight += e.weight
             tier, value, weight = e.tier, e.value, e.weight
+            copy = (e.log_key, e.disk_bytes, e.crc) if e.log_key else None
             self._writes += 1
             write_number = self._writes
         try:
-            log_key, stored, seconds = self._write(key, tier, value, write_number)
+            log_key, stored, seconds = self._write(key, tier, value, write_number, copy)
         except BaseException as error:
             with self._lock:
                 e.evicting = False
@@ -985,12 +1273,20 @@ class SpillBuffer(MutableMapping):
                 raise _SpillFailure("disk", key, error) from None
             raise
 
+        reused = copy is not None and log_key == copy[0]
+        stale = b""  # a copy that no longer matches the object: deleted once the write landed
         with self._lock:
             e.evicting = False
             self._stop_evicting(e)  # (nothing left to release if a del or an unpickle did)
-            self._digest_io("disk-write", stored, seconds)
+            if reused:
+                self._digest("disk-write-saved", 1, "count")
+                self._digest("disk-write-saved", stored, "bytes")
+            else:
+                self._digest_io("disk-write", stored, seconds)
             lost = self._entries.get(key) is not e or e.tier is not tier
             if not lost:
+                if copy is not None and not reused:
+                    stale = e.log_key
                 del self._lru[key]
                 self._heavy.pop(key, None)
                 self._memory_weight -= weight
@@ -998,6 +1294,8 @@ class SpillBuffer(MutableMapping):
                 e.value = None
                 e.log_key = log_key
                 e.disk_bytes = stored
+                if not reused:
+                    e.crc = None
                 self._spilled_memory += weight
                 self._spilled_disk += stored
                 if tier is _OBJECT:
@@ -1006,17 +1304,24 @@ class SpillBuffer(MutableMapping):
                     except TypeError:  # no weak references to this type
                         pass
         if lost:
-            # Deleted, replaced or unpickled by another thread while we were writing. The record
-            # is no one's (its log key is new): delete it outside the lock (see _delete_record).
-            self._delete_record(key, log_key)
+            # Deleted, replaced or unpickled by another thread while we were writing. A new record
+            # is no one's (its log key is new): delete it outside the lock (see _delete_record). A
+            # reused copy was deleted with the key by whoever dropped it.
+            if not reused:
+                self._delete_record(key, log_key)
             return 0
+        self._delete_record(key, stale)
         return weight
 
-    def _write(self, key: Hashable, tier: Tier, value: object, write_number: int):
+    def _write(self, key: Hashable, tier: Tier, value: object, write_number: int, copy=None):
         """Pickle (objects) and write one value to the log, within ``max_spill``. Returns (log
-        key, payload bytes, seconds). Raises PickleError, DiskFull (max_spill), OSError,
-        SpillwayError, ValueError (a value the log refuses)."""
+        key, payload bytes, seconds). ``copy`` is the (log key, payload bytes, crc) of a record
+        the value was read back from: if the value still pickles to frames of that crc, nothing is
+        written and the copy's log key is returned. Raises PickleError, DiskFull (max_spill),
+        OSError, SpillwayError, ValueError (a value the log refuses)."""
         frames = value if tier is _FRAMES else self._pickle(key, value)
+        if copy is not None and copy[2] is not None and frames_crc(frames) == copy[2]:
+            return copy[0], copy[1], 0.0
         log_key = encode_key(key) + write_number.to_bytes(8, "big")
         if self.max_spill is False:
             t0 = perf_counter()
@@ -1044,12 +1349,15 @@ class SpillBuffer(MutableMapping):
         read: tuple | None = None,
         deserialize_seconds: float | None = None,
         weight: int | None = None,
+        crc: int | None = None,
     ) -> None:
         """After ``obj`` was unpickled (or found in the weak cache) for a key held as frames or on
         disk: keep it in memory unless it is heavier than target, wake the waiters, then spill
         others if above target (failures logged, not raised). ``read`` (bytes, seconds) and
         ``deserialize_seconds`` are the metrics of how ``obj`` was obtained, digested here under the
-        same lock; ``weight`` is ``sizeof(obj)`` if the caller knows it already."""
+        same lock; ``weight`` is ``sizeof(obj)`` if the caller knows it already; ``crc`` is the
+        ``frames_crc`` of the frames ``obj`` was read from (the key then keeps its record as a
+        copy)."""
         if weight is None:
             weight = _sizeof(obj)
         memory_changed = False
@@ -1069,7 +1377,8 @@ class SpillBuffer(MutableMapping):
                         if e.tier is _DISK:
                             self._spilled_memory -= e.weight
                             self._spilled_disk -= e.disk_bytes
-                            old_log_key = e.log_key
+                            if crc is None:  # nothing to tell a changed object by: no copy
+                                old_log_key = e.log_key
                             self._lru[key] = None
                         else:
                             self._memory_weight -= e.weight
@@ -1083,8 +1392,13 @@ class SpillBuffer(MutableMapping):
                         e.tier = _OBJECT
                         e.value = obj
                         e.weight = weight
-                        e.log_key = b""
-                        e.disk_bytes = 0
+                        if old_log_key:
+                            e.log_key = b""
+                            e.disk_bytes = 0
+                            e.crc = None
+                        elif crc is not None:
+                            e.crc = crc
+                        # (Frames with a copy from the writer keep it: it holds those frames.)
                         self._memory_weight += weight
                         memory_changed = True
                     else:
@@ -1105,6 +1419,8 @@ class SpillBuffer(MutableMapping):
         if memory_changed:
             try:
                 self._evict_until_below_target()
+                self._relieve_process_memory(weight, exclude=key)
+                self._wake_writer()
             except _SpillFailure as failure:
                 self._log_failure(failure)
 
@@ -1116,11 +1432,10 @@ class SpillBuffer(MutableMapping):
         if e is None:
             return b""
         self._heavy.pop(key, None)
-        log_key = b""
+        log_key = e.log_key  # its value on disk, or a copy of it
         if e.tier is _DISK:
             self._spilled_memory -= e.weight
             self._spilled_disk -= e.disk_bytes
-            log_key = e.log_key
         else:
             del self._lru[key]
             self._memory_weight -= e.weight
@@ -1144,14 +1459,8 @@ class SpillBuffer(MutableMapping):
         The bookkeeping was updated under the lock already, and log keys are never reused, so
         nothing can take the record for a live one meanwhile (a reader racing the delete finds it
         gone and starts over)."""
-        if not log_key:
-            return
-        try:
-            self._log.delete(log_key)
-        except ValueError:
-            pass  # the buffer was closed: the log and its directory are gone already
-        except (OSError, SpillwayError):
-            logger.error("Failed to delete the spilled data of %r from disk", key, exc_info=True)
+        if log_key:
+            self._writer.delete(key, log_key)
 
     def _pickle(self, key: Hashable, value: object) -> list:
         t0 = perf_counter()

@@ -83,6 +83,33 @@ impl AsRef<[u8]> for Borrowed {
     }
 }
 
+/// Each buffer of the iterable `frames`, borrowed without a copy when it is C-contiguous (copied
+/// otherwise). Drop the result with the GIL held: releasing a buffer calls into its exporter.
+fn borrow_frames(py: Python<'_>, frames: &Bound<'_, PyAny>) -> PyResult<Frames> {
+    let mut parts = Vec::new();
+    for f in frames.try_iter()? {
+        let f = f?;
+        let buf = PyBuffer::<u8>::get(&f)?;
+        if buf.is_c_contiguous() {
+            parts.push(Bytes::from_owner(Borrowed(buf)));
+        } else {
+            parts.push(Bytes::from(buf.to_vec(py)?));
+        }
+    }
+    Ok(Frames(parts))
+}
+
+/// crc32 of `frames` laid out as a record's payload (the `payload_crc` an uncompressed record of them
+/// has), computed without copying them and with the GIL released. `SpillBuffer` compares it to
+/// tell whether a value read back from disk still serializes to the bytes of its record.
+#[pyfunction]
+fn frames_crc(py: Python<'_>, frames: &Bound<'_, PyAny>) -> PyResult<u32> {
+    let frames = borrow_frames(py, frames)?;
+    let crc = py.allow_threads(|| spillway::format::laid_out_crc(frames.iter().map(|b| &b[..])));
+    drop(frames); // the borrowed buffers are released here, with the GIL held
+    Ok(crc)
+}
+
 /// One frame returned by `get`, exported to Python through the buffer protocol.
 #[pyclass(frozen, module = "spillway._core")]
 struct Frame {
@@ -343,17 +370,7 @@ impl Log {
     /// Returns the payload bytes stored (before compression).
     fn put(&self, py: Python<'_>, key: &[u8], frames: &Bound<'_, PyAny>) -> PyResult<u64> {
         let inner = self.inner()?;
-        let mut parts = Vec::new();
-        for f in frames.try_iter()? {
-            let f = f?;
-            let buf = PyBuffer::<u8>::get(&f)?;
-            if buf.is_c_contiguous() {
-                parts.push(Bytes::from_owner(Borrowed(buf)));
-            } else {
-                parts.push(Bytes::from(buf.to_vec(py)?));
-            }
-        }
-        let frames = Frames(parts);
+        let frames = borrow_frames(py, frames)?;
         let n = frames.total_len();
         let key = key.to_vec();
         let result = py.allow_threads(|| {
@@ -388,9 +405,15 @@ impl Log {
     /// The frames of `key` as writable memoryviews over the engine's read buffer (no copy).
     /// KeyError when absent.
     fn get<'py>(&self, py: Python<'py>, key: &[u8]) -> PyResult<Bound<'py, PyList>> {
+        Ok(self.get_with_crc(py, key)?.0)
+    }
+
+    /// `(get(key), crc)`: `crc` is the `frames_crc` of the frames, which the read checked them
+    /// against, or None for an lz4-compressed record (its crc covers the compressed bytes).
+    fn get_with_crc<'py>(&self, py: Python<'py>, key: &[u8]) -> PyResult<(Bound<'py, PyList>, Option<u32>)> {
         let inner = self.inner()?;
-        let frames = py.allow_threads(|| inner.log.get(key)).map_err(to_py)?;
-        let Some(frames) = frames else {
+        let got = py.allow_threads(|| inner.log.get_with_crc(key)).map_err(to_py)?;
+        let Some((frames, crc)) = got else {
             return Err(PyKeyError::new_err(PyBytes::new(py, key).unbind()));
         };
         let views = frames
@@ -401,7 +424,7 @@ impl Log {
                 PyMemoryView::from(f.as_any())
             })
             .collect::<PyResult<Vec<_>>>()?;
-        PyList::new(py, views)
+        Ok((PyList::new(py, views)?, crc))
     }
 
     /// Remove `key`; True if it existed.
@@ -521,6 +544,7 @@ impl Log {
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Log>()?;
     m.add_class::<Frame>()?;
+    m.add_function(wrap_pyfunction!(frames_crc, m)?)?;
     m.add("SpillwayError", m.py().get_type::<SpillwayError>())?;
     m.add("DiskFull", m.py().get_type::<DiskFull>())?;
     m.add("Corrupt", m.py().get_type::<Corrupt>())?;

@@ -40,11 +40,34 @@ def make_buffer(tmp_path):
         buf.close()
 
 
-class RecordingLog:
-    """Wraps a SpillBuffer's Log: records the frames ``get`` returned, can make ``put`` fail."""
+class LogWrapper:
+    """Base of the tests' wrappers of a SpillBuffer's Log: everything goes to ``inner``, and
+    ``get_with_crc`` goes through the wrapper's own ``get`` (the buffer then computes the crc)."""
 
     def __init__(self, log):
         self.inner = log
+
+    def get(self, key):
+        return self.inner.get(key)
+
+    def get_with_crc(self, key):
+        return self.get(key), None
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __contains__(self, key):
+        return key in self.inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class RecordingLog(LogWrapper):
+    """Wraps a SpillBuffer's Log: records the frames ``get`` returned, can make ``put`` fail."""
+
+    def __init__(self, log):
+        super().__init__(log)
         self.got = []
         self.put_error = None
         self.puts = 0
@@ -59,15 +82,6 @@ class RecordingLog:
         frames = self.inner.get(key)
         self.got.append(frames)
         return frames
-
-    def __len__(self):
-        return len(self.inner)
-
-    def __contains__(self, key):
-        return key in self.inner
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
 
 
 @pytest.fixture

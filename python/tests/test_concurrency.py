@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from conftest import LogWrapper
 
 N_THREADS = 8
 
@@ -225,6 +226,7 @@ def test_mixed_operations_from_many_threads(make_buffer):
 
 def assert_consistent(buf):
     """The bookkeeping agrees with the entries and with the log (white box)."""
+    buf._drain()
     with buf._lock:
         entries = buf._entries
         in_memory = {k for k, e in entries.items() if e.tier.value != "disk"}
@@ -236,8 +238,14 @@ def assert_consistent(buf):
         assert not any(e.evicting or e.loading is not None for e in entries.values())
         assert buf.spilled_total.memory == sum(e.weight for e in on_disk.values())
         assert buf.spilled_total.disk == sum(e.disk_bytes for e in on_disk.values())
-        assert buf.spilled_total.disk == buf.log.disk_bytes
-        assert sorted(buf.log.keys()) == sorted(e.log_key for e in on_disk.values())
+        # Records: the values on disk, and the copies of values in memory (read back from disk, or
+        # written ahead by the background writer).
+        copies = {k: e for k, e in entries.items() if e.tier.value != "disk" and e.log_key}
+        assert all(e.crc is not None for e in copies.values())
+        assert not any(e.cleaning for e in entries.values())
+        recorded = [*on_disk.values(), *copies.values()]
+        assert buf.log.disk_bytes == sum(e.disk_bytes for e in recorded)
+        assert sorted(buf.log.keys()) == sorted(e.log_key for e in recorded)
 
 
 class BlockingPut:
@@ -297,6 +305,7 @@ def test_an_object_read_again_while_its_frames_are_spilled_is_spilled_once(make_
     assert not t.is_alive()
     assert first["value"] == obj
     assert buf.tier("k") == "disk"
+    buf._drain()
     assert len(buf.log) == 1, "spilled once"
     assert_consistent(buf)
     assert buf.evict() == -1  # nothing left in memory, and no error
@@ -306,12 +315,12 @@ def test_an_object_read_again_while_its_frames_are_spilled_is_spilled_once(make_
     assert_consistent(buf)
 
 
-class BlockingGet:
+class BlockingGet(LogWrapper):
     """Wraps a SpillBuffer's Log: the first ``get`` signals ``entered`` and waits for ``release``
     before reading."""
 
     def __init__(self, log):
-        self.inner = log
+        super().__init__(log)
         self.entered = threading.Event()
         self.release = threading.Event()
         self.blocked = False
@@ -322,12 +331,6 @@ class BlockingGet:
             self.entered.set()
             assert self.release.wait(60), "test never released the read"
         return self.inner.get(key)
-
-    def __len__(self):
-        return len(self.inner)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
 
 
 def _in_thread(fn):
@@ -389,6 +392,7 @@ def test_a_get_racing_a_set_of_the_same_key_returns_a_value(make_buffer):
     t, out = _in_thread(lambda: buf["k"])
     assert log.entered.wait(60)
     buf["k"] = ("new", b"")
+    buf._drain()  # the background writer deleted the old record
     log.release.set()
     t.join(60)
     assert not t.is_alive()
@@ -430,7 +434,9 @@ def test_a_light_key_set_while_the_older_keys_are_busy_is_not_spilled_by_its_own
     assert weight < buf.target < buf.fast.total_weight + weight
     buf["c"] = value
     assert buf.tier("c") == "object" and buf["c"] is value
-    assert not buf.slow and len(buf.log) == 0
+    buf._drain()
+    # Nothing spilled. (The background writer may have written copies: their values stay in memory.)
+    assert not buf.slow and set(buf.log.keys()) <= {e.log_key for e in buf._entries.values()}
     gate.release.set()
     t.join(60)
     assert not t.is_alive()
@@ -501,11 +507,12 @@ class BlockingDelete:
 
 @pytest.mark.parametrize("how", ["del", "set", "clear", "get", "lost-race"])
 def test_deleting_a_record_does_not_block_other_keys(make_buffer, how):
-    """Deleting a record from the log (which may punch holes and unlink segment files) runs outside
-    the buffer's lock: a read of another key in memory does not wait for it. It used to run under
-    the lock, from ``del``, a set replacing a spilled key, ``clear()``, a read bringing a key back
-    into memory and an eviction whose write lost a race with a ``del``."""
-    buf = make_buffer(target=1 << 20)
+    """Deleting a record from the log (which may punch holes and unlink segment files) runs on the
+    buffer's background writer: neither the caller nor a read of another key in memory waits for
+    it. Deletes come from ``del``, a set replacing a spilled key, ``clear()``, a read bringing a
+    key back into memory and an eviction whose write lost a race with a ``del``. (A read deletes
+    the record only where it keeps no copy of it: with ``max_spill`` set.)"""
+    buf = make_buffer(target=1 << 20, max_spill=(1 << 30) if how == "get" else False)
     buf["x"] = ("x", bytes(1000))
     if how != "lost-race":
         assert buf.evict() > 0 and buf.tier("x") == "disk"
@@ -530,6 +537,8 @@ def test_deleting_a_record_does_not_block_other_keys(make_buffer, how):
         t, out = _in_thread(op)
     try:
         assert log.entered.wait(60)  # the delete of the record of "x" is under way
+        t.join(10)
+        assert not t.is_alive(), "the caller waited for a disk delete"
         reader, got = _in_thread(lambda: buf["y"])
         reader.join(10)
         assert not reader.is_alive(), "a read of a key in memory waited for a disk delete"
@@ -582,6 +591,7 @@ def test_a_heavy_object_read_from_held_frames_does_not_share_their_memory(make_b
     log.release.set()
     t.join(60)
     assert not t.is_alive() and "error" not in out, out
+    buf._drain()
     assert buf.tier("k") == "disk" and len(buf.log) == 1
     del seen
     out.clear()

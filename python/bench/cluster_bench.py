@@ -1,0 +1,700 @@
+#!/usr/bin/env python
+"""A tight-memory dask cluster on spillway against dask's own store, in one invocation.
+
+Each run starts a fresh ``LocalCluster`` of Nanny worker processes (one thread each, a real
+``memory_limit``, dask's default memory thresholds, P2P off so that rechunks and shuffles go through
+``Worker.data``), runs the workload's phases, and closes it. The stores alternate: run 1 is dask then
+spillway, run 2 spillway then dask, and so on. Reported per store and run:
+
+* completed or not (the exception of the first phase that failed, e.g. ``KilledWorker``);
+* worker restarts (new worker processes under a nanny, and the nanny's "exceeded 95% memory budget"
+  lines);
+* peak RSS of each worker process (sampled every 50 ms from this process, so a worker that was killed
+  counts too), and inside each worker: peak RSS, the store's in-memory weight against its target,
+  managed memory, and the "Unmanaged memory use is high" warnings;
+* the scheduler's unmanaged-memory samples (from the workers' heartbeats);
+* wall time of each phase, and whether every phase's result is identical across all runs of all
+  stores.
+
+Phases: ``persist`` (a random float64 array, most of it spilled), ``transpose-sum``
+(``(x + x.T).sum()``), ``rechunk`` (a task rechunk to tall narrow chunks, ``x.rechunk((n, 128))
+.sum(0)``), ``shuffle`` (a random dataframe shuffled on an int column by tasks, persisted,
+``len()``), ``transfer`` (an array persisted on one worker, every chunk read by tasks on the other)
+and ``retire`` (one worker retired: its spilled data moves to the other, then ``x.sum()``).
+
+    python python/bench/cluster_bench.py                    # the full workload, 5 runs per store
+    python python/bench/cluster_bench.py --size ci --runs 1 --stores spillway
+    python python/bench/cluster_bench.py --json out.json --phases persist,rechunk
+
+``python/tests/test_cluster.py`` runs the ``ci`` size through :func:`run_one`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import hashlib
+import json
+import logging
+import os
+import statistics
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+from distributed import WorkerPlugin
+
+MiB, GiB = 1 << 20, 1 << 30
+
+
+@dataclass(frozen=True)
+class Size:
+    """How big the workload is."""
+
+    workers: int
+    memory_limit: int
+    array_bytes: int
+    chunk_bytes: int
+    frame_bytes: int  # the dataframe
+    transfer_bytes: int  # the array persisted on one worker, then read by tasks on the other
+    array_chunk_size: str  # dask's array.chunk-size: the rechunk's intermediate chunks are this big
+
+
+SIZES = {
+    # The issue's workload, dask's defaults. The rechunk goes through intermediate chunks of 90 MiB.
+    "full": Size(2, 600 * MiB, 2 * GiB, 16 * MiB, 512 * MiB, 256 * MiB, "128MiB"),
+    # Sized for CI. With the default array.chunk-size, a 1 GiB array's rechunk goes through 128 MiB
+    # intermediate chunks: a task holding 256 MiB while a peer sends it one and it sends one, in a
+    # 500 MiB worker, which no store can survive every time (dask's restarted 1 and 6 times in two
+    # runs). 64 MiB keeps the task's share of the worker as in "full".
+    "ci": Size(2, 500 * MiB, 1 * GiB, 16 * MiB, 256 * MiB, 128 * MiB, "64MiB"),
+}
+PHASES = ("persist", "transpose-sum", "rechunk", "shuffle", "transfer", "retire")
+STORES = ("dask", "spillway")
+
+#: Seconds any one phase may take before it counts as failed.
+PHASE_TIMEOUT = 600
+TIMELINE = os.environ.get("CLUSTER_BENCH_TIMELINE")
+
+
+@dataclass
+class RunResult:
+    """One store's run of the workload."""
+
+    store: str
+    run: int
+    completed: bool = False
+    error: str = ""
+    restarts: int = 0
+    nanny_kills: int = 0
+    phase_seconds: dict = field(default_factory=dict)
+    results: dict = field(default_factory=dict)  # phase -> digest of its result
+    values: dict = field(default_factory=dict, repr=False)  # phase -> its result (not in --json)
+    notes: dict = field(default_factory=dict)  # what the phases observed besides their results
+    peak_rss: list = field(default_factory=list)  # per worker slot, across restarts (bytes)
+    worker_stats: dict = field(default_factory=dict)  # phase -> {worker: stats from inside it}
+    unmanaged: list = field(default_factory=list)  # scheduler's samples (bytes), all workers
+    backend: str = ""
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(self.phase_seconds.values())
+
+
+# --------------------------------------------------------------------------------------------------
+# Inside the workers
+
+
+class MemorySampler(WorkerPlugin):
+    """A worker plugin: a thread sampling the worker's RSS, its store's in-memory weight and its
+    managed memory every 50 ms, and a log handler counting "Unmanaged memory use is high". Its
+    ``collect`` (run through ``client.run``) returns the peaks since the last call and resets them."""
+
+    name = "cluster-bench-sampler"
+
+    def setup(self, worker):
+        import psutil
+
+        self.worker = worker
+        self.proc = psutil.Process()
+        self.lock = threading.Lock()
+        self.reset()
+        self.stop = threading.Event()
+        self.warnings = 0
+        self.timeline = []
+        sampler = self
+
+        class Counter(logging.Handler):
+            def emit(self, record):
+                if "Unmanaged memory use is high" in str(record.msg):
+                    sampler.warnings += 1
+
+        self.handler = Counter(level=logging.WARNING)
+        logging.getLogger("distributed.worker.memory").addHandler(self.handler)
+        self.thread = threading.Thread(target=self.loop, name="cluster-bench-sampler", daemon=True)
+        self.thread.start()
+
+    def reset(self):
+        self.peak = {"rss": 0, "store_memory": 0, "managed": 0, "over_target": 0, "at_peak": {}}
+
+    def loop(self):
+        while not self.stop.wait(0.05):
+            try:
+                self.sample()
+            except Exception:  # the worker is closing
+                pass
+
+    def sample(self):
+        data = self.worker.data
+        rss = self.proc.memory_info().rss
+        fast = getattr(data, "fast", None)
+        weight = int(getattr(fast, "total_weight", 0) or 0)
+        target = getattr(data, "target", None) or getattr(fast, "n", None) or 0
+        managed = sum(ts.nbytes for ts in list(self.worker.state.tasks.values()) if ts.state == "memory")
+        if TIMELINE:
+            w = self.worker
+            mi = _malloc_info()
+            self.timeline.append((time.time(), rss, mi.get("mmapped", 0), weight,
+                w.state.transfer_incoming_bytes, w.transfer_outgoing_bytes, len(w.state.executing),
+                str(w.status)[7:], _alive_spilled(data)))
+            if TIMELINE == "file":
+                ex = [str(ts.key)[:40] for ts in w.state.executing]
+                with open(f"/tmp/tl-{os.getpid()}.txt", "a") as f:
+                    f.write(repr(self.timeline[-1] + (ex,)) + "\n")
+        with self.lock:
+            p = self.peak
+            if rss > p["rss"]:
+                # What the memory is at the peak: the store's weight and glibc's view of the heap.
+                p["at_peak"] = dict(_malloc_info(), store_memory=weight)
+            p["rss"] = max(p["rss"], rss)
+            p["store_memory"] = max(p["store_memory"], weight)
+            p["managed"] = max(p["managed"], managed)
+            if target:
+                p["over_target"] = max(p["over_target"], weight - int(target))
+            p["target"] = int(target)
+
+    def collect(self):
+        self.sample()
+        with self.lock:
+            out = dict(self.peak, unmanaged_warnings=self.warnings)
+            m = getattr(self.worker.data, "cumulative_metrics", {})
+            out["metrics"] = {f"{k[0]} {k[1]}": v for k, v in m.items()}
+            if TIMELINE:
+                out["timeline"], self.timeline = self.timeline, []
+            self.reset()
+        self.warnings = 0
+        return out
+
+    def teardown(self, worker):
+        self.stop.set()
+        logging.getLogger("distributed.worker.memory").removeHandler(self.handler)
+
+
+def _malloc_info() -> dict:
+    """glibc's heap: bytes in use in its arenas (``uordblks``), free but kept (``fordblks``), and in
+    use in chunks of their own mapping (``hblkhd``). Empty where glibc lacks ``mallinfo2``."""
+    names = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks")
+    names += ("fordblks", "keepcost")
+
+    class Mallinfo2(ctypes.Structure):  # built here: the plugin is pickled by value
+        _fields_ = [(name, ctypes.c_size_t) for name in names]
+
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallinfo2.restype = Mallinfo2
+        m = libc.mallinfo2()
+    except (AttributeError, OSError):
+        return {}
+    return {"heap_used": m.uordblks, "heap_free": m.fordblks, "mmapped": m.hblkhd}
+
+
+def _alive_spilled(data) -> int:
+    """Bytes (sizeof) of spilled objects still alive elsewhere (the stores' weak caches)."""
+    from dask.sizeof import sizeof
+
+    try:
+        weak = getattr(data, "_weak", None)
+        if weak is not None:
+            objs = [r() for r in list(weak._refs.values())]
+        else:
+            objs = list(data.slow.cache.values())
+        return sum(sizeof(o) for o in objs if o is not None)
+    except Exception:
+        return -1
+
+
+def _bytes_received(keys, dask_worker) -> int:
+    """Bytes of these keys (their ``str``) that the worker received from peers, as its transfer log
+    has them (its latest entries)."""
+    keys = set(keys)
+    log = dask_worker.transfer_incoming_log
+    return sum(n for e in list(log) for k, n in e["keys"].items() if str(k) in keys)
+
+
+def _collect(dask_worker):
+    plugin = dask_worker.plugins.get(MemorySampler.name)
+    return None if plugin is None else plugin.collect()
+
+
+def _backend(dask_worker):
+    log = getattr(dask_worker.data, "log", None)
+    return getattr(log, "backend", "") if log is not None else ""
+
+
+# --------------------------------------------------------------------------------------------------
+# In this process
+
+
+class Watch:
+    """Samples every worker process's RSS (50 ms) and the scheduler's unmanaged-memory figures, and
+    counts worker processes and the nanny's memory kills, while a cluster runs."""
+
+    def __init__(self, cluster):
+        import psutil
+
+        self.psutil = psutil
+        self.cluster = cluster
+        self.pids: dict = {}  # nanny name -> set of worker pids seen
+        self.rss: dict = {}  # nanny name -> peak rss over all its workers
+        self.unmanaged: list = []
+        self.kills = 0
+        self.stop = threading.Event()
+        self.handler = _CountKills(self)
+        logging.getLogger("distributed.nanny").addHandler(self.handler)
+        self.thread = threading.Thread(target=self.loop, name="cluster-bench-watch", daemon=True)
+        self.thread.start()
+
+    def loop(self):
+        procs: dict = {}
+        last_heartbeat = {}
+        while not self.stop.wait(0.05):
+            for name, nanny in list(self.cluster.workers.items()):
+                pid = getattr(getattr(nanny, "process", None), "pid", None)
+                if pid is None:
+                    continue
+                self.pids.setdefault(name, set()).add(pid)
+                try:
+                    proc = procs.get(pid) or procs.setdefault(pid, self.psutil.Process(pid))
+                    rss = proc.memory_info().rss
+                except Exception:  # gone between the two calls
+                    continue
+                self.rss[name] = max(self.rss.get(name, 0), rss)
+            scheduler = self.cluster.scheduler
+            for addr, ws in list(getattr(scheduler, "workers", {}).items()):
+                seen = getattr(ws, "last_seen", None)
+                if seen is not None and last_heartbeat.get(addr) != seen:
+                    last_heartbeat[addr] = seen
+                    with contextlib.suppress(Exception):
+                        self.unmanaged.append(int(ws.memory.unmanaged))
+
+    def close(self):
+        self.stop.set()
+        self.thread.join()
+        logging.getLogger("distributed.nanny").removeHandler(self.handler)
+
+    @property
+    def restarts(self) -> int:
+        return sum(len(p) - 1 for p in self.pids.values())
+
+
+class _CountKills(logging.Handler):
+    def __init__(self, watch):
+        super().__init__(level=logging.WARNING)
+        self.watch = watch
+
+    def emit(self, record):
+        if "memory budget" in str(record.getMessage()):
+            self.watch.kills += 1
+
+
+def _digest(value) -> str:
+    """A digest of a phase's result that two runs share exactly when the results are identical."""
+    import numpy as np
+
+    if isinstance(value, np.ndarray):
+        data = value.dtype.str.encode() + repr(value.shape).encode() + value.tobytes()
+    else:
+        data = repr(value).encode()
+    return hashlib.blake2b(data, digest_size=12).hexdigest()
+
+
+def _cluster(store: str, size: Size, local_directory: str):
+    import dask
+    from distributed import LocalCluster
+
+    import spillway
+
+    kwargs = {}
+    if store == "spillway":
+        # Built as dask builds its own: the worker's directory, target = memory_limit * target
+        # fraction, max_spill from the config (False by default).
+        kwargs["data"] = (spillway.worker_data, {"memory_limit": size.memory_limit})
+    return LocalCluster(
+        n_workers=size.workers,
+        threads_per_worker=1,
+        processes=True,
+        memory_limit=size.memory_limit,
+        dashboard_address=None,
+        local_directory=local_directory,
+        **kwargs,
+    )
+
+
+def _config(size: Size):
+    import dask
+
+    return dask.config.set(
+        {
+            "array.chunk-size": size.array_chunk_size,
+            "array.rechunk.method": "tasks",
+            "dataframe.shuffle.method": "tasks",
+            # The defaults, spelled out: this harness is about them.
+            "distributed.worker.memory.target": 0.6,
+            "distributed.worker.memory.spill": 0.7,
+            "distributed.worker.memory.pause": 0.8,
+            "distributed.worker.memory.terminate": 0.95,
+        }
+    )
+
+
+def _chunk_crcs(array):
+    """A dask array of the crc32 of the bytes of each chunk of ``array``."""
+    import zlib
+
+    import numpy as np
+
+    return array.map_blocks(
+        lambda b: np.full((1,) * b.ndim, zlib.crc32(np.ascontiguousarray(b)), dtype="u4"),
+        dtype="u4",
+        chunks=tuple((1,) * len(c) for c in array.chunks),
+    )
+
+
+class Graphs:
+    """The workload's collections, built the same way for the cluster and for a reference computed
+    without one."""
+
+    def __init__(self, size: Size):
+        self.size = size
+        self.n = int((size.array_bytes // 8) ** 0.5)
+        self.side = int((size.chunk_bytes // 8) ** 0.5)  # square chunks of about chunk_bytes
+
+    def x(self):
+        import dask.array as da
+
+        return da.random.default_rng(0).random((self.n, self.n), chunks=self.side)
+
+    def y(self):
+        import dask.array as da
+
+        m = int((self.size.transfer_bytes // 8) ** 0.5)
+        return da.random.default_rng(2).random((m, m), chunks=self.side // 2)
+
+    def frame(self):
+        import dask.array as da
+        import dask.dataframe as dd
+
+        rows = self.size.frame_bytes // (8 * 4)
+        arr = da.random.default_rng(1).random((rows, 4), chunks=(rows // self.partitions, 4))
+        df = dd.from_dask_array(arr, columns=["a", "b", "c", "d"])
+        df["key"] = (df["a"] * 1000).astype("int64")
+        return df
+
+    @property
+    def partitions(self) -> int:
+        return max(2, self.size.frame_bytes // (16 * MiB))
+
+
+def reference(size: Size, phases=PHASES) -> dict:
+    """Each phase's result computed in this process with dask's threaded scheduler (the shuffle's by
+    what a shuffle keeps: the number of rows and the sum of its key column)."""
+    import dask
+
+    g = Graphs(size)
+    x = g.x()
+    out = {}
+    with _config(size), dask.config.set(scheduler="threads"):
+        table = {
+            "persist": lambda: x.chunks,
+            "transpose-sum": lambda: (x + x.T).sum().compute(),
+            "rechunk": lambda: x.rechunk((g.n, 128)).sum(0).compute(),
+            "shuffle": lambda: (lambda df: (len(df), int(df["key"].sum().compute())))(g.frame()),
+            "transfer": lambda: _chunk_crcs(g.y()).compute(),
+            "retire": lambda: _chunk_crcs(x).compute(),
+        }
+        for name in phases:
+            out[name] = table[name]()
+    return out
+
+
+def _keys_per_worker(client, collection) -> dict:
+    out: dict = {}
+    for key, workers in client.who_has(collection).items():
+        for w in workers:
+            out.setdefault(w, set()).add(key)
+    return out
+
+
+def _moved(before: dict, after: dict) -> int:
+    """Keys held by a worker after that it did not hold before."""
+    return sum(len(keys - before.get(w, set())) for w, keys in after.items())
+
+
+def _phases(client, size: Size, phases, notes: dict):
+    """Yield (phase name, a function running it that returns its result); the functions record
+    what they observe besides their result in ``notes``."""
+    import dask.core
+    from distributed import wait
+
+    g = Graphs(size)
+    state = {}
+
+    def result(collection):
+        return client.compute(collection).result(timeout=PHASE_TIMEOUT)
+
+    def persist():
+        state["x"] = client.persist(g.x())
+        wait(state["x"], timeout=PHASE_TIMEOUT)
+        return state["x"].chunks
+
+    def x():
+        if "x" not in state:
+            persist()
+        return state["x"]
+
+    def transpose_sum():
+        a = x()
+        return result((a + a.T).sum())
+
+    def rechunk():
+        return result(x().rechunk((g.n, 128)).sum(0))
+
+    def shuffle():
+        shuffled = client.persist(g.frame().shuffle("key", npartitions=g.partitions))
+        wait(shuffled, timeout=PHASE_TIMEOUT)
+        out = (len(shuffled), int(result(shuffled["key"].sum())))
+        del shuffled
+        return out
+
+    def transfer():
+        workers = sorted(client.scheduler_info()["workers"])
+        y = client.persist(g.y(), workers=workers[:1])
+        wait(y, timeout=PHASE_TIMEOUT)
+        # Tasks on the other worker need every chunk: each is fetched from the first (a spilled one
+        # read back from its disk first). The result is the bytes of every chunk: a float sum
+        # depends on the alignment of the buffers it adds up (numpy's pairwise sum), and data
+        # received from a peer lands in buffers the comm allocates.
+        crcs = client.compute(_chunk_crcs(y), workers=workers[-1:], allow_other_workers=False)
+        out = crcs.result(timeout=PHASE_TIMEOUT)
+        keys = [str(k) for k in dask.core.flatten(y.__dask_keys__())]
+        got = client.run(_bytes_received, keys, workers=workers[-1:])
+        notes["transfer received bytes"] = sum(got.values())
+        del y, crcs
+        return out
+
+    def retire():
+        a = x()
+        workers = sorted(client.scheduler_info()["workers"])
+        if len(workers) > 1:
+            before = _keys_per_worker(client, a)
+            client.sync(
+                client.scheduler.retire_workers,
+                workers=workers[:1],
+                close_workers=True,
+                callback_timeout=PHASE_TIMEOUT,
+            )
+            notes["retire moved keys"] = _moved(before, _keys_per_worker(client, a))
+        return result(_chunk_crcs(a))  # (see transfer)
+
+    table = {
+        "persist": persist,
+        "transpose-sum": transpose_sum,
+        "rechunk": rechunk,
+        "shuffle": shuffle,
+        "transfer": transfer,
+        "retire": retire,
+    }
+    for name in phases:
+        yield name, table[name]
+
+
+def run_one(store: str, size: Size, run: int = 0, phases=PHASES, directory: str | None = None):
+    """One store's run of the workload on a fresh cluster. Never raises for a failed phase: the
+    result says what failed."""
+    import tempfile
+
+    import cloudpickle
+    from distributed import Client
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    result = RunResult(store=store, run=run)
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="cluster-bench-", dir=directory))
+        stack.enter_context(_config(size))
+        cluster = stack.enter_context(_cluster(store, size, tmp))
+        client = stack.enter_context(Client(cluster))
+        client.register_plugin(MemorySampler(), name=MemorySampler.name)
+        watch = Watch(cluster)
+        stack.callback(watch.close)
+        result.backend = ",".join(sorted({b for b in client.run(_backend).values() if b}))
+        try:
+            for name, phase in _phases(client, size, phases, result.notes):
+                t0 = time.perf_counter()
+                value = phase()
+                result.phase_seconds[name] = time.perf_counter() - t0
+                result.results[name] = _digest(value)
+                result.values[name] = value
+                result.worker_stats[name] = {
+                    w: s for w, s in client.run(_collect).items() if s is not None
+                }
+            result.completed = True
+        except Exception as error:  # a failed phase (KilledWorker, timeout, ...) ends the run
+            result.error = f"{type(error).__name__}: {error}"[:500]
+        watch.close()
+        result.restarts = watch.restarts
+        result.nanny_kills = watch.kills
+        result.peak_rss = [watch.rss[k] for k in sorted(watch.rss)]
+        result.unmanaged = watch.unmanaged
+    return result
+
+
+# --------------------------------------------------------------------------------------------------
+# Report
+
+
+def _mib(n: float) -> str:
+    return f"{n / MiB:.0f}"
+
+
+def summarize(results: list) -> dict:
+    """Per store: runs completed, restarts, peak RSS, over-target peaks, phase medians; and whether
+    every phase's result was identical across all runs."""
+    out = {"stores": {}, "identical": True, "phases": {}}
+    digests: dict = {}
+    for r in results:
+        for phase, d in r.results.items():
+            digests.setdefault(phase, set()).add(d)
+    for phase, ds in digests.items():
+        out["phases"][phase] = len(ds) == 1
+        out["identical"] &= len(ds) == 1
+    for store in dict.fromkeys(r.store for r in results):
+        rs = [r for r in results if r.store == store]
+        done = [r for r in rs if r.completed]
+        over = [
+            s.get("over_target", 0)
+            for r in rs
+            for stats in r.worker_stats.values()
+            for s in stats.values()
+        ]
+        out["stores"][store] = {
+            "runs": len(rs),
+            "completed": len(done),
+            "restarts": [r.restarts for r in rs],
+            "peak_rss_mib": max((max(r.peak_rss, default=0) for r in rs), default=0) / MiB,
+            "max_over_target_mib": max(over, default=0) / MiB,
+            "median_seconds": statistics.median(r.total_seconds for r in done) if done else None,
+            "phase_median_seconds": {
+                p: statistics.median(r.phase_seconds[p] for r in done if p in r.phase_seconds)
+                for p in (done[0].phase_seconds if done else {})
+            },
+        }
+    return out
+
+
+def report(results: list) -> str:
+    lines = []
+    phases = list(dict.fromkeys(p for r in results for p in r.phase_seconds))
+    head = ["store", "run", "ok", "restarts", "kills", "peak RSS MiB (per worker)", "total s"]
+    lines.append(" | ".join(head + [f"{p} s" for p in phases]))
+    for r in results:
+        row = [
+            r.store + (f" ({r.backend})" if r.backend else ""),
+            str(r.run),
+            "yes" if r.completed else "NO",
+            str(r.restarts),
+            str(r.nanny_kills),
+            "/".join(_mib(x) for x in r.peak_rss),
+            f"{r.total_seconds:.1f}",
+        ] + [f"{r.phase_seconds[p]:.1f}" if p in r.phase_seconds else "-" for p in phases]
+        lines.append(" | ".join(row))
+        if r.error:
+            lines.append(f"    failed: {r.error[:200]}")
+        for phase, stats in r.worker_stats.items():
+            inner = ", ".join(
+                f"rss {_mib(s['rss'])} store {_mib(s['store_memory'])}/{_mib(s.get('target', 0))}"
+                f" managed {_mib(s['managed'])} warn {s['unmanaged_warnings']}"
+                + (
+                    " [at peak: " + " ".join(f"{k} {_mib(v)}" for k, v in s["at_peak"].items()) + "]"
+                    if s.get("at_peak")
+                    else ""
+                )
+                for s in stats.values()
+            )
+            lines.append(f"    {phase}: {inner}")
+        if r.unmanaged:
+            lines.append(
+                f"    unmanaged (scheduler, MiB): median {_mib(statistics.median(r.unmanaged))}"
+                f" max {_mib(max(r.unmanaged))} over {len(r.unmanaged)} heartbeats"
+            )
+    s = summarize(results)
+    lines.append("")
+    lines.append(f"results identical across all runs and stores: {s['identical']} {s['phases']}")
+    for store, st in s["stores"].items():
+        lines.append(
+            f"{store}: {st['completed']}/{st['runs']} completed, restarts {st['restarts']}, "
+            f"peak RSS {st['peak_rss_mib']:.0f} MiB, store over target by at most "
+            f"{st['max_over_target_mib']:.0f} MiB, median {st['median_seconds']} s"
+        )
+    stores = s["stores"]
+    if "dask" in stores and "spillway" in stores:
+        a, b = stores["dask"]["median_seconds"], stores["spillway"]["median_seconds"]
+        if a and b:
+            lines.append(f"spillway speed-up (median total time, dask / spillway): {a / b:.2f}x")
+            for p, t in stores["spillway"]["phase_median_seconds"].items():
+                d = stores["dask"]["phase_median_seconds"].get(p)
+                if d:
+                    lines.append(f"    {p}: dask {d:.1f} s, spillway {t:.1f} s, {d / t:.2f}x")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", choices=sorted(SIZES), default="full")
+    p.add_argument("--runs", type=int, default=5, help="runs per store (default 5)")
+    p.add_argument("--stores", default=",".join(STORES), help="comma-separated: dask,spillway")
+    p.add_argument("--phases", default=",".join(PHASES), help="comma-separated subset, in order")
+    p.add_argument("--dir", default=None, help="where the workers' directories go (default: $TMPDIR)")
+    p.add_argument("--json", default=None, help="write every run's raw result here")
+    args = p.parse_args(argv)
+    stores = args.stores.split(",")
+    phases = args.phases.split(",")
+    for x in stores:
+        if x not in STORES:
+            p.error(f"unknown store {x!r}")
+    for x in phases:
+        if x not in PHASES:
+            p.error(f"unknown phase {x!r}")
+    size = SIZES[args.size]
+    print(f"size {args.size}: {size}; phases {phases}; {args.runs} runs per store, alternating", flush=True)
+    results = []
+    for run in range(args.runs):
+        order = stores if run % 2 == 0 else stores[::-1]
+        for store in order:
+            r = run_one(store, size, run, phases, args.dir)
+            results.append(r)
+            print(report([r]).split("\n\n")[0], flush=True)
+    print()
+    print(report(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            runs = [{k: v for k, v in asdict(r).items() if k != "values"} for r in results]
+            json.dump({"size": asdict(size), "runs": runs, "summary": summarize(results)}, f, indent=1)
+    s = summarize(results)
+    return 0 if s["identical"] and all(r.completed for r in results if r.store == "spillway") else 1
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING)
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""A real dask cluster on ``spillway.SpillBuffer`` under memory pressure, as users run it.
+
+A ``LocalCluster`` of Nanny worker processes with real memory limits and dask's default thresholds
+runs the cluster harness's workload (``python/bench/cluster_bench.py``, size ``ci``): an array
+persisted that does not fit in memory, a transposed sum, a task rechunk, a task shuffle of a
+dataframe, tasks on one worker reading an array persisted on the other, and the retirement of a
+worker (the last two move spilled data between workers). No
+worker may be restarted, and every phase's result must be what dask computes without a cluster.
+Speed and the comparison with dask's own store are the harness's business, not this test's.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("distributed")
+pytest.importorskip("pandas")
+np = pytest.importorskip("numpy")
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "bench"))
+import cluster_bench  # noqa: E402
+
+#: Phases whose result is a float sum: the order of the additions is the graph's, but numpy's
+#: pairwise sum also depends on the alignment of the buffers (data received from a peer lands in
+#: buffers aligned as the comm allocates them). Every other result is compared exactly (the crc32 of
+#: every chunk's bytes after the moves).
+FLOAT_SUMS = ("transpose-sum", "rechunk")
+
+
+def test_a_tight_memory_cluster_restarts_no_worker_and_computes_what_dask_computes(tmp_path):
+    size = cluster_bench.SIZES["ci"]
+    run = cluster_bench.run_one("spillway", size, directory=str(tmp_path))
+    assert run.completed, run.error
+    assert run.backend, "the workers' data is not a spillway SpillBuffer"
+    assert run.restarts == 0 and run.nanny_kills == 0, (run.restarts, run.nanny_kills, run.peak_rss)
+
+    # Memory pressure: most of the persisted array went to disk.
+    persisted = run.worker_stats["persist"]
+    written = sum(s["metrics"].get("disk-write bytes", 0) for s in persisted.values())
+    assert written > size.array_bytes / 3, written
+    # The moves moved something.
+    assert run.notes["transfer received bytes"] >= size.transfer_bytes, run.notes
+    assert run.notes["retire moved keys"] > 0, run.notes
+
+    expected = cluster_bench.reference(size)
+    for phase, value in expected.items():
+        got = run.values[phase]
+        if phase in FLOAT_SUMS:
+            np.testing.assert_allclose(got, value, rtol=1e-12, err_msg=phase)
+        else:
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(value), err_msg=phase)
