@@ -76,7 +76,21 @@ STORES = ("dask", "spillway")
 
 #: Seconds any one phase may take before it counts as failed.
 PHASE_TIMEOUT = 600
+#: ``CLUSTER_BENCH_TIMELINE=1`` keeps every 50 ms sample of each worker (``TIMELINE_FIELDS``) and
+#: returns them with the phase's stats (in ``--json``); ``=file`` also appends each one, with the
+#: running tasks, to ``/tmp/tl-<pid>.txt``, which outlives a worker the nanny kills.
 TIMELINE = os.environ.get("CLUSTER_BENCH_TIMELINE")
+TIMELINE_FIELDS = (
+    "time",
+    "rss",
+    "mmapped",
+    "store_memory",
+    "transfer_in",
+    "transfer_out",
+    "executing",
+    "status",
+    "alive_spilled",
+)
 
 
 @dataclass
@@ -152,17 +166,27 @@ class MemorySampler(WorkerPlugin):
         fast = getattr(data, "fast", None)
         weight = int(getattr(fast, "total_weight", 0) or 0)
         target = getattr(data, "target", None) or getattr(fast, "n", None) or 0
-        managed = sum(ts.nbytes for ts in list(self.worker.state.tasks.values()) if ts.state == "memory")
+        managed = sum(
+            ts.nbytes for ts in list(self.worker.state.tasks.values()) if ts.state == "memory"
+        )
         if TIMELINE:
             w = self.worker
-            mi = _malloc_info()
-            self.timeline.append((time.time(), rss, mi.get("mmapped", 0), weight,
-                w.state.transfer_incoming_bytes, w.transfer_outgoing_bytes, len(w.state.executing),
-                str(w.status)[7:], _alive_spilled(data)))
+            row = (
+                time.time(),
+                rss,
+                _malloc_info().get("mmapped", 0),
+                weight,
+                w.state.transfer_incoming_bytes,
+                w.transfer_outgoing_bytes,
+                len(w.state.executing),
+                w.status.name,
+                _alive_spilled(data),
+            )
+            self.timeline.append(row)
             if TIMELINE == "file":
-                ex = [str(ts.key)[:40] for ts in w.state.executing]
+                tasks = [str(ts.key)[:40] for ts in w.state.executing]
                 with open(f"/tmp/tl-{os.getpid()}.txt", "a") as f:
-                    f.write(repr(self.timeline[-1] + (ex,)) + "\n")
+                    f.write(repr(row + (tasks,)) + "\n")
         with self.lock:
             p = self.peak
             if rss > p["rss"]:
@@ -181,6 +205,7 @@ class MemorySampler(WorkerPlugin):
             out = dict(self.peak, unmanaged_warnings=self.warnings)
             m = getattr(self.worker.data, "cumulative_metrics", {})
             out["metrics"] = {f"{k[0]} {k[1]}": v for k, v in m.items()}
+            out["time"] = _fine_seconds(self.worker)
             if TIMELINE:
                 out["timeline"], self.timeline = self.timeline, []
             self.reset()
@@ -208,6 +233,18 @@ def _malloc_info() -> dict:
     except (AttributeError, OSError):
         return {}
     return {"heap_used": m.uordblks, "heap_free": m.fordblks, "mmapped": m.hblkhd}
+
+
+def _fine_seconds(worker) -> dict:
+    """dask's fine performance metrics of this worker so far, in seconds, by "context activity"
+    (e.g. "execute thread-cpu", "get-data disk-read", "memory-monitor disk-write"): where its time
+    went, as dask itself measures it for any store."""
+    out: dict = {}
+    for key, value in list(worker.digests_total.items()):
+        if isinstance(key, tuple) and len(key) >= 3 and key[-1] == "seconds":
+            name = f"{key[0]} {key[-2]}"
+            out[name] = out.get(name, 0.0) + value
+    return out
 
 
 def _alive_spilled(data) -> int:
@@ -321,7 +358,6 @@ def _digest(value) -> str:
 
 
 def _cluster(store: str, size: Size, local_directory: str):
-    import dask
     from distributed import LocalCluster
 
     import spillway
@@ -407,6 +443,11 @@ class Graphs:
         return max(2, self.size.frame_bytes // (16 * MiB))
 
 
+def _rows_and_key_sum(df) -> tuple:
+    """What a shuffle keeps of a dataframe (computed in this process)."""
+    return len(df), int(df["key"].sum().compute())
+
+
 def reference(size: Size, phases=PHASES) -> dict:
     """Each phase's result computed in this process with dask's threaded scheduler (the shuffle's by
     what a shuffle keeps: the number of rows and the sum of its key column)."""
@@ -420,7 +461,7 @@ def reference(size: Size, phases=PHASES) -> dict:
             "persist": lambda: x.chunks,
             "transpose-sum": lambda: (x + x.T).sum().compute(),
             "rechunk": lambda: x.rechunk((g.n, 128)).sum(0).compute(),
-            "shuffle": lambda: (lambda df: (len(df), int(df["key"].sum().compute())))(g.frame()),
+            "shuffle": lambda: _rows_and_key_sum(g.frame()),
             "transfer": lambda: _chunk_crcs(g.y()).compute(),
             "retire": lambda: _chunk_crcs(x).compute(),
         }
@@ -531,7 +572,9 @@ def run_one(store: str, size: Size, run: int = 0, phases=PHASES, directory: str 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     result = RunResult(store=store, run=run)
     with contextlib.ExitStack() as stack:
-        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="cluster-bench-", dir=directory))
+        tmp = stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="cluster-bench-", dir=directory)
+        )
         stack.enter_context(_config(size))
         cluster = stack.enter_context(_cluster(store, size, tmp))
         client = stack.enter_context(Client(cluster))
@@ -603,6 +646,35 @@ def summarize(results: list) -> dict:
     return out
 
 
+def time_by_activity(results: list) -> dict:
+    """phase -> store -> {"context activity": median over completed runs of the seconds summed over
+    the workers} from dask's fine performance metrics, each phase's share (the difference from the
+    previous phase's collection on the same worker)."""
+    out: dict = {}
+    for r in results:
+        if not r.completed:
+            continue
+        before: dict = {}
+        for phase, stats in r.worker_stats.items():
+            total: dict = {}
+            for worker, st in stats.items():
+                prev = before.get(worker, {})
+                for name, sec in st.get("time", {}).items():
+                    total[name] = total.get(name, 0.0) + sec - prev.get(name, 0.0)
+                before[worker] = st.get("time", {})
+            out.setdefault(phase, {}).setdefault(r.store, []).append(total)
+    return {
+        phase: {
+            store: {
+                name: statistics.median(run.get(name, 0.0) for run in runs)
+                for name in {n for run in runs for n in run}
+            }
+            for store, runs in by_store.items()
+        }
+        for phase, by_store in out.items()
+    }
+
+
 def report(results: list) -> str:
     lines = []
     phases = list(dict.fromkeys(p for r in results for p in r.phase_seconds))
@@ -626,7 +698,9 @@ def report(results: list) -> str:
                 f"rss {_mib(s['rss'])} store {_mib(s['store_memory'])}/{_mib(s.get('target', 0))}"
                 f" managed {_mib(s['managed'])} warn {s['unmanaged_warnings']}"
                 + (
-                    " [at peak: " + " ".join(f"{k} {_mib(v)}" for k, v in s["at_peak"].items()) + "]"
+                    " [at peak: "
+                    + " ".join(f"{k} {_mib(v)}" for k, v in s["at_peak"].items())
+                    + "]"
                     if s.get("at_peak")
                     else ""
                 )
@@ -656,16 +730,35 @@ def report(results: list) -> str:
                 d = stores["dask"]["phase_median_seconds"].get(p)
                 if d:
                     lines.append(f"    {p}: dask {d:.1f} s, spillway {t:.1f} s, {d / t:.2f}x")
+    by_activity = time_by_activity(results)
+    if by_activity:
+        lines.append("")
+        lines.append(
+            "where the time goes (dask's fine metrics, s, summed over workers, median of runs):"
+        )
+        for phase, by_store in by_activity.items():
+            names = sorted(
+                {n for t in by_store.values() for n in t},
+                key=lambda n: -max(t.get(n, 0.0) for t in by_store.values()),
+            )[:8]
+            lines.append(f"  {phase}:")
+            for n in names:
+                cells = ", ".join(f"{st} {t.get(n, 0.0):.2f}" for st, t in by_store.items())
+                lines.append(f"    {n:28} {cells}")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--size", choices=sorted(SIZES), default="full")
     p.add_argument("--runs", type=int, default=5, help="runs per store (default 5)")
     p.add_argument("--stores", default=",".join(STORES), help="comma-separated: dask,spillway")
     p.add_argument("--phases", default=",".join(PHASES), help="comma-separated subset, in order")
-    p.add_argument("--dir", default=None, help="where the workers' directories go (default: $TMPDIR)")
+    p.add_argument(
+        "--dir", default=None, help="where the workers' directories go (default: $TMPDIR)"
+    )
     p.add_argument("--json", default=None, help="write every run's raw result here")
     args = p.parse_args(argv)
     stores = args.stores.split(",")
@@ -677,7 +770,10 @@ def main(argv=None) -> int:
         if x not in PHASES:
             p.error(f"unknown phase {x!r}")
     size = SIZES[args.size]
-    print(f"size {args.size}: {size}; phases {phases}; {args.runs} runs per store, alternating", flush=True)
+    print(
+        f"size {args.size}: {size}; phases {phases}; {args.runs} runs per store, alternating",
+        flush=True,
+    )
     results = []
     for run in range(args.runs):
         order = stores if run % 2 == 0 else stores[::-1]
@@ -690,7 +786,9 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             runs = [{k: v for k, v in asdict(r).items() if k != "values"} for r in results]
-            json.dump({"size": asdict(size), "runs": runs, "summary": summarize(results)}, f, indent=1)
+            json.dump(
+                {"size": asdict(size), "runs": runs, "summary": summarize(results)}, f, indent=1
+            )
     s = summarize(results)
     return 0 if s["identical"] and all(r.completed for r in results if r.store == "spillway") else 1
 

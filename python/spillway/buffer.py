@@ -142,6 +142,7 @@ import math
 import numbers
 import os
 import pickle
+import re
 import shutil
 import sys
 import tempfile
@@ -200,7 +201,8 @@ RSS_CHECK_BYTES = 1 << 20
 
 
 class _RateLimit(logging.Filter):
-    """Let through a record whose message starts with ``prefix`` at most once every ``seconds``."""
+    """Where distributed is not installed: let a record whose message starts with ``prefix``
+    through at most once every ``seconds``. (With distributed, its own ``RateLimiterFilter``.)"""
 
     def __init__(self, prefix: str, seconds: float = 10.0):
         super().__init__()
@@ -217,15 +219,38 @@ class _RateLimit(logging.Filter):
         return True
 
 
-_RATE_LIMITS = (_RateLimit(MAX_SPILL_MESSAGE), _RateLimit(DISK_ERROR_MESSAGE))
-for _f in _RATE_LIMITS:
-    logger.addFilter(_f)
+#: The messages rate-limited as dask rate-limits its own (``distributed.spill``): the prefixes dask's
+#: filters match.
+_RATE_LIMITED = ("Spill file on disk reached capacity", "Spill to disk failed")
+_rate_filters: list = []
+
+
+def _install_rate_limits() -> None:
+    """Rate-limit ``_RATE_LIMITED`` on the ``spillway`` logger: with distributed's
+    ``RateLimiterFilter`` once distributed is loaded (so its ``reset_timer("spillway")``, which dask's
+    test suite uses, resets them), else with ``_RateLimit``. Run whenever a buffer is made (in a
+    dask worker, distributed is loaded by then), so that spillway itself never imports distributed."""
+    utils = sys.modules.get("distributed.utils")
+    limiter = getattr(utils, "RateLimiterFilter", None)
+    if _rate_filters and (limiter is None or isinstance(_rate_filters[0], limiter)):
+        return
+    for f in _rate_filters:
+        logger.removeFilter(f)
+    if limiter is None:
+        _rate_filters[:] = [_RateLimit(prefix) for prefix in _RATE_LIMITED]
+    else:
+        _rate_filters[:] = [limiter(re.escape(prefix)) for prefix in _RATE_LIMITED]
+    for f in _rate_filters:
+        logger.addFilter(f)
 
 
 def reset_log_rate_limits() -> None:
     """Let the next rate-limited message through at once (for tests)."""
-    for f in _RATE_LIMITS:
-        f.last = -math.inf
+    for f in _rate_filters:
+        if isinstance(f, _RateLimit):
+            f.last = -math.inf
+        else:
+            type(f).reset_timer(logger)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -762,6 +787,7 @@ class SpillBuffer(MutableMapping):
         self.writeable = writeable
         self.logged_pickle_errors = set()
         self.cumulative_metrics = defaultdict(float)
+        _install_rate_limits()
 
         os.makedirs(spill_directory, exist_ok=True)
         self.directory = tempfile.mkdtemp(
@@ -778,7 +804,9 @@ class SpillBuffer(MutableMapping):
             shutil.rmtree(self.directory, ignore_errors=True)
             raise
         self._writer = _Writer(self)
-        self._finalizer = weakref.finalize(self, _close_log, self._log, self.directory, self._writer)
+        self._finalizer = weakref.finalize(
+            self, _close_log, self._log, self.directory, self._writer
+        )
         self._clean_backoff_until = 0.0
 
         self._lock = threading.RLock()
@@ -920,7 +948,9 @@ class SpillBuffer(MutableMapping):
                 read = (sum(map(len, frames)), t1 - t0)  # 1-D byte memoryviews: len is nbytes
                 if not keep_copy:
                     crc = None
-                elif crc is None:  # (lz4) before anything is built on the frames, which it may change
+                elif (
+                    crc is None
+                ):  # (lz4) before anything is built on the frames, which it may change
                     crc = frames_crc(frames)
                 # The log's memoryviews are writeable already: nothing to copy.
                 obj = _loads(frames, False)

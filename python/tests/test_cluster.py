@@ -21,7 +21,7 @@ pytest.importorskip("pandas")
 np = pytest.importorskip("numpy")
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "bench"))
-import cluster_bench  # noqa: E402
+import cluster_bench
 
 #: Phases whose result is a float sum: the order of the additions is the graph's, but numpy's
 #: pairwise sum also depends on the alignment of the buffers (data received from a peer lands in

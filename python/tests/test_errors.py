@@ -75,6 +75,29 @@ def test_max_spill_keeps_data_in_memory_with_a_rate_limited_warning(make_buffer,
     assert buf["c"] == bytes(3000) and buf["d"] == bytes(3000)
 
 
+def test_the_rate_limits_are_distributeds_own_filters(make_buffer, caplog_spillway):
+    """The two rate-limited messages go through ``distributed.utils.RateLimiterFilter``, so its
+    ``reset_timer`` (which dask's own test suite calls) resets spillway's limits too."""
+    utils = pytest.importorskip("distributed.utils")
+    buf = make_buffer(target=1000, max_spill=3500)
+    patterns = {
+        f.pattern.pattern
+        for f in logging.getLogger("spillway").filters
+        if isinstance(f, utils.RateLimiterFilter)
+    }
+    assert {p.replace("\\", "") for p in patterns} == {
+        "Spill file on disk reached capacity",
+        "Spill to disk failed",
+    }
+    buf["a"] = bytes(3000)  # heavy: to disk
+    buf["b"] = bytes(3000)  # refused: max_spill
+    assert buf.evict() == -1  # refused again, within 10 s: not logged
+    assert messages(caplog_spillway, logging.WARNING) == [MAX_SPILL_MESSAGE]
+    utils.RateLimiterFilter.reset_timer("spillway")
+    assert buf.evict() == -1
+    assert messages(caplog_spillway, logging.WARNING) == [MAX_SPILL_MESSAGE] * 2
+
+
 def test_max_spill_counts_bytes_already_on_disk(make_buffer):
     buf = make_buffer(target=0, max_spill=10_000)
     for i in range(20):
