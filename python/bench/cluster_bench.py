@@ -60,6 +60,9 @@ class Size:
     frame_bytes: int  # the dataframe
     transfer_bytes: int  # the array persisted on one worker, then read by tasks on the other
     array_chunk_size: str  # dask's array.chunk-size: the rechunk's intermediate chunks are this big
+    forward_values: int = 768  # "forward": counted values made on one worker, moved to the other
+    forward_bytes: int = 1 * MiB  # ... each this big
+    object_rows: int = 1 << 17  # "shuffle-objects": rows of a dataframe with a column of them
 
 
 SIZES = {
@@ -69,10 +72,19 @@ SIZES = {
     # intermediate chunks: a task holding 256 MiB while a peer sends it one and it sends one, in a
     # 500 MiB worker, which no store can survive every time (dask's restarted 1 and 6 times in two
     # runs). 64 MiB keeps the task's share of the worker as in "full".
-    "ci": Size(2, 500 * MiB, 1 * GiB, 16 * MiB, 256 * MiB, 128 * MiB, "64MiB"),
+    "ci": Size(
+        2, 500 * MiB, 1 * GiB, 16 * MiB, 256 * MiB, 128 * MiB, "64MiB", 512, 1 * MiB, 1 << 16
+    ),
 }
-PHASES = ("persist", "transpose-sum", "rechunk", "shuffle", "transfer", "retire")
-STORES = ("dask", "spillway")
+#: The memory workload (issue #24) and the forwarding one (values that move between workers still
+#: pickled, with the spillway.dask plugin).
+WORKLOADS = {
+    "memory": ("persist", "transpose-sum", "rechunk", "shuffle", "transfer", "retire"),
+    "forward": ("shuffle-objects", "forward"),  # (forward retires a worker: last)
+}
+PHASES = tuple(p for phases in WORKLOADS.values() for p in phases)
+#: "spillway+plugin": spillway's store and ``client.register_plugin(spillway.dask.SpillwayPlugin())``.
+STORES = ("dask", "spillway", "spillway+plugin")
 
 #: Seconds any one phase may take before it counts as failed.
 PHASE_TIMEOUT = 600
@@ -357,19 +369,19 @@ def _digest(value) -> str:
     return hashlib.blake2b(data, digest_size=12).hexdigest()
 
 
-def _cluster(store: str, size: Size, local_directory: str):
+def _cluster(store: str, size: Size, local_directory: str, threads: int = 1):
     from distributed import LocalCluster
 
     import spillway
 
     kwargs = {}
-    if store == "spillway":
+    if store.startswith("spillway"):
         # Built as dask builds its own: the worker's directory, target = memory_limit * target
         # fraction, max_spill from the config (False by default).
         kwargs["data"] = (spillway.worker_data, {"memory_limit": size.memory_limit})
     return LocalCluster(
         n_workers=size.workers,
-        threads_per_worker=1,
+        threads_per_worker=threads,
         processes=True,
         memory_limit=size.memory_limit,
         dashboard_address=None,
@@ -385,6 +397,8 @@ def _config(size: Size):
         {
             "array.chunk-size": size.array_chunk_size,
             "array.rechunk.method": "tasks",
+            # "shuffle-objects" has a column of Python objects: keep it one (not strings).
+            "dataframe.convert-string": False,
             "dataframe.shuffle.method": "tasks",
             # The defaults, spelled out: this harness is about them.
             "distributed.worker.memory.target": 0.6,
@@ -443,12 +457,29 @@ class Graphs:
         return max(2, self.size.frame_bytes // (16 * MiB))
 
 
+def _forward_reference(size: Size) -> list:
+    import counted
+
+    return [
+        counted.digest(counted.make(i, size.forward_bytes))
+        for i in range(size.forward_values)
+        for _ in range(2)
+    ]
+
+
+def _shuffle_objects_reference(size: Size) -> tuple:
+    import counted
+
+    n = (size.object_rows // 16) * 16
+    return n, sum(counted.digest(counted.make(i, 1024)) for i in range(n))
+
+
 def _rows_and_key_sum(df) -> tuple:
     """What a shuffle keeps of a dataframe (computed in this process)."""
     return len(df), int(df["key"].sum().compute())
 
 
-def reference(size: Size, phases=PHASES) -> dict:
+def reference(size: Size, phases=WORKLOADS["memory"]) -> dict:
     """Each phase's result computed in this process with dask's threaded scheduler (the shuffle's by
     what a shuffle keeps: the number of rows and the sum of its key column)."""
     import dask
@@ -464,6 +495,8 @@ def reference(size: Size, phases=PHASES) -> dict:
             "shuffle": lambda: _rows_and_key_sum(g.frame()),
             "transfer": lambda: _chunk_crcs(g.y()).compute(),
             "retire": lambda: _chunk_crcs(x).compute(),
+            "forward": lambda: _forward_reference(size),
+            "shuffle-objects": lambda: _shuffle_objects_reference(size),
         }
         for name in phases:
             out[name] = table[name]()
@@ -549,6 +582,12 @@ def _phases(client, size: Size, phases, notes: dict):
             notes["retire moved keys"] = _moved(before, _keys_per_worker(client, a))
         return result(_chunk_crcs(a))  # (see transfer)
 
+    def forward():
+        return _forward(client, size, notes)
+
+    def shuffle_objects():
+        return _shuffle_objects(client, size, notes)
+
     table = {
         "persist": persist,
         "transpose-sum": transpose_sum,
@@ -556,14 +595,126 @@ def _phases(client, size: Size, phases, notes: dict):
         "shuffle": shuffle,
         "transfer": transfer,
         "retire": retire,
+        "forward": forward,
+        "shuffle-objects": shuffle_objects,
     }
     for name in phases:
         yield name, table[name]
 
 
-def run_one(store: str, size: Size, run: int = 0, phases=PHASES, directory: str | None = None):
-    """One store's run of the workload on a fresh cluster. Never raises for a failed phase: the
-    result says what failed."""
+def _counts(client, workers) -> dict:
+    import counted
+
+    return client.run(counted.counts, workers=workers)
+
+
+def _rss_now(dask_worker) -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def _forward(client, size: Size, notes: dict):
+    """Values of a Python type that counts its pickles and unpickles (``counted.Counted``, not
+    numpy) are made on one worker, which spills most of them; the worker is retired (its data moves
+    to the other; it stays up, and known, to be asked its counts), then two tasks per value on the
+    other use each value. Notes: per worker and step, the pickles and unpickles; the sender's RSS
+    growth during the move; the move's time. The result is what the tasks computed."""
+    import counted
+    from distributed import wait
+
+    workers = sorted(client.scheduler_info()["workers"])
+    sender, receiver = workers[0], workers[-1]
+    values = [
+        client.submit(counted.make, i, size.forward_bytes, key=f"counted-{i}", workers=[sender])
+        for i in range(size.forward_values)
+    ]
+    wait(values, timeout=PHASE_TIMEOUT)
+    before = _counts(client, workers)
+    rss = client.run(_rss_now, workers=[sender])[sender]
+    client.run(_collect, workers=[sender])  # restart the peak
+    t0 = time.perf_counter()
+    client.sync(
+        client.scheduler.retire_workers,
+        workers=[sender],
+        close_workers=False,
+        remove=False,  # still known to the scheduler: it can be asked its counts
+        callback_timeout=PHASE_TIMEOUT,
+    )
+    notes["forward move seconds"] = time.perf_counter() - t0
+    peak = client.run(_collect, workers=[sender])[sender]
+    notes["forward sender rss growth"] = (peak or {}).get("rss", rss) - rss
+    moved = _counts(client, workers)
+    uses = [
+        client.submit(counted.digest, v, key=f"use-{j}-{i}", workers=[receiver], pure=False)
+        for i, v in enumerate(values)
+        for j in range(2)
+    ]
+    out = client.gather(uses)
+    used = _counts(client, workers)
+    for name, a, b in (("move", before, moved), ("use", moved, used)):
+        for role, w in (("sender", sender), ("receiver", receiver)):
+            notes[f"forward {name} {role} pickles"] = b[w][0] - a[w][0]
+            notes[f"forward {name} {role} unpickles"] = b[w][1] - a[w][1]
+    notes["forward values"] = len(values)
+    del values, uses
+    return out
+
+
+def _shuffle_objects(client, size: Size, notes: dict):
+    """A dataframe with a column of ``counted.Counted`` objects (1 KiB each), shuffled by tasks
+    and persisted: every piece that crosses workers is pickled and unpickled as its objects
+    count. Notes: the pickles and unpickles of all workers. The result: rows and the sum of the
+    objects' crcs."""
+    import dask.dataframe as dd
+    import pandas as pd
+
+    import counted
+    from distributed import wait
+
+    workers = sorted(client.scheduler_info()["workers"])
+    parts = 16
+    rows = size.object_rows // parts
+
+    def part(i):
+        import counted as c
+
+        return pd.DataFrame(
+            {
+                "key": [(i * rows + r) % 997 for r in range(rows)],
+                "payload": [c.make(i * rows + r, 1024) for r in range(rows)],
+            }
+        )
+
+    meta = pd.DataFrame(
+        {"key": pd.Series([], dtype="int64"), "payload": pd.Series([], dtype=object)}
+    )
+    df = dd.from_delayed([client.submit(part, i, pure=False) for i in range(parts)], meta=meta)
+    before = _counts(client, workers)
+    shuffled = client.persist(df.shuffle("key", npartitions=parts))
+    wait(shuffled, timeout=PHASE_TIMEOUT)
+    out = client.compute(
+        shuffled["payload"].map(counted.digest, meta=("payload", "int64")).sum()
+    ).result(timeout=PHASE_TIMEOUT)
+    after = _counts(client, workers)
+    notes["shuffle-objects pickles"] = sum(after[w][0] - before[w][0] for w in workers)
+    notes["shuffle-objects unpickles"] = sum(after[w][1] - before[w][1] for w in workers)
+    notes["shuffle-objects rows"] = parts * rows
+    rows_out = len(shuffled)
+    del shuffled
+    return rows_out, int(out)
+
+
+def run_one(
+    store: str,
+    size: Size,
+    run: int = 0,
+    phases=WORKLOADS["memory"],
+    directory: str | None = None,
+    threads: int = 1,
+):
+    """One store's run of the phases on a fresh cluster of ``size.workers`` workers with ``threads``
+    threads each. Never raises for a failed phase: the result says what failed."""
     import tempfile
 
     import cloudpickle
@@ -576,9 +727,13 @@ def run_one(store: str, size: Size, run: int = 0, phases=PHASES, directory: str 
             tempfile.TemporaryDirectory(prefix="cluster-bench-", dir=directory)
         )
         stack.enter_context(_config(size))
-        cluster = stack.enter_context(_cluster(store, size, tmp))
+        cluster = stack.enter_context(_cluster(store, size, tmp, threads))
         client = stack.enter_context(Client(cluster))
         client.register_plugin(MemorySampler(), name=MemorySampler.name)
+        if store == "spillway+plugin":
+            import spillway.dask
+
+            client.register_plugin(spillway.dask.SpillwayPlugin())
         watch = Watch(cluster)
         stack.callback(watch.close)
         result.backend = ",".join(sorted({b for b in client.run(_backend).values() if b}))
@@ -605,6 +760,14 @@ def run_one(store: str, size: Size, run: int = 0, phases=PHASES, directory: str 
 
 # --------------------------------------------------------------------------------------------------
 # Report
+
+
+def _short(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.2f}"
+    if isinstance(v, int) and abs(v) >= MiB:
+        return f"{v / MiB:.0f}MiB"
+    return str(v)
 
 
 def _mib(n: float) -> str:
@@ -712,6 +875,8 @@ def report(results: list) -> str:
                 f"    unmanaged (scheduler, MiB): median {_mib(statistics.median(r.unmanaged))}"
                 f" max {_mib(max(r.unmanaged))} over {len(r.unmanaged)} heartbeats"
             )
+        if r.notes:
+            lines.append("    notes: " + ", ".join(f"{k} {_short(v)}" for k, v in r.notes.items()))
     s = summarize(results)
     lines.append("")
     lines.append(f"results identical across all runs and stores: {s['identical']} {s['phases']}")
@@ -722,14 +887,14 @@ def report(results: list) -> str:
             f"{st['max_over_target_mib']:.0f} MiB, median {st['median_seconds']} s"
         )
     stores = s["stores"]
-    if "dask" in stores and "spillway" in stores:
-        a, b = stores["dask"]["median_seconds"], stores["spillway"]["median_seconds"]
+    for other in [st for st in stores if st != "dask" and "dask" in stores]:
+        a, b = stores["dask"]["median_seconds"], stores[other]["median_seconds"]
         if a and b:
-            lines.append(f"spillway speed-up (median total time, dask / spillway): {a / b:.2f}x")
-            for p, t in stores["spillway"]["phase_median_seconds"].items():
+            lines.append(f"{other} speed-up (median total time, dask / {other}): {a / b:.2f}x")
+            for p, t in stores[other]["phase_median_seconds"].items():
                 d = stores["dask"]["phase_median_seconds"].get(p)
                 if d:
-                    lines.append(f"    {p}: dask {d:.1f} s, spillway {t:.1f} s, {d / t:.2f}x")
+                    lines.append(f"    {p}: dask {d:.1f} s, {other} {t:.1f} s, {d / t:.2f}x")
     by_activity = time_by_activity(results)
     if by_activity:
         lines.append("")
@@ -754,15 +919,25 @@ def main(argv=None) -> int:
     )
     p.add_argument("--size", choices=sorted(SIZES), default="full")
     p.add_argument("--runs", type=int, default=5, help="runs per store (default 5)")
-    p.add_argument("--stores", default=",".join(STORES), help="comma-separated: dask,spillway")
-    p.add_argument("--phases", default=",".join(PHASES), help="comma-separated subset, in order")
+    p.add_argument(
+        "--workload",
+        choices=sorted(WORKLOADS),
+        default="memory",
+        help="memory: the tight-memory phases, dask's store against spillway's (1 thread per "
+        "worker); forward: values moved between workers, also with the spillway.dask plugin "
+        "(2 threads per worker, so that two tasks can ask for a value at once)",
+    )
+    p.add_argument("--stores", default=None, help=f"comma-separated, of {','.join(STORES)}")
+    p.add_argument("--phases", default=None, help="comma-separated subset, in order")
     p.add_argument(
         "--dir", default=None, help="where the workers' directories go (default: $TMPDIR)"
     )
     p.add_argument("--json", default=None, help="write every run's raw result here")
     args = p.parse_args(argv)
-    stores = args.stores.split(",")
-    phases = args.phases.split(",")
+    default_stores = STORES if args.workload == "forward" else ("dask", "spillway")
+    stores = args.stores.split(",") if args.stores else list(default_stores)
+    phases = args.phases.split(",") if args.phases else list(WORKLOADS[args.workload])
+    threads = 2 if args.workload == "forward" else 1
     for x in stores:
         if x not in STORES:
             p.error(f"unknown store {x!r}")
@@ -778,7 +953,7 @@ def main(argv=None) -> int:
     for run in range(args.runs):
         order = stores if run % 2 == 0 else stores[::-1]
         for store in order:
-            r = run_one(store, size, run, phases, args.dir)
+            r = run_one(store, size, run, phases, args.dir, threads)
             results.append(r)
             print(report([r]).split("\n\n")[0], flush=True)
     print()
@@ -790,7 +965,8 @@ def main(argv=None) -> int:
                 {"size": asdict(size), "runs": runs, "summary": summarize(results)}, f, indent=1
             )
     s = summarize(results)
-    return 0 if s["identical"] and all(r.completed for r in results if r.store == "spillway") else 1
+    spillway_done = all(r.completed for r in results if r.store.startswith("spillway"))
+    return 0 if s["identical"] and spillway_done else 1
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ engine's append-only segment log (the Rust extension ``spillway._core``).
 """
 
 from spillway._core import Corrupt, DiskFull, Log, ReadOnly, SpillwayError
-from spillway.buffer import PickleError, SpillBuffer, SpilledSize, encode_key
+from spillway.buffer import PickledFrames, PickleError, SpillBuffer, SpilledSize, encode_key
 from spillway.worker import worker_data
 
 __version__ = "0.1.0"
@@ -15,6 +15,7 @@ __all__ = [
     "DiskFull",
     "Log",
     "PickleError",
+    "PickledFrames",
     "ReadOnly",
     "SpillBuffer",
     "SpilledSize",

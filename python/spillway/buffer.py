@@ -135,6 +135,8 @@ object, or the same exception, in which case the data stays where it was.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import enum
 import hashlib
 import logging
@@ -165,7 +167,14 @@ try:
 except ImportError:  # pragma: no cover - cloudpickle is optional
     _cloudpickle = None
 
-__all__ = ["SpillBuffer", "SpilledSize", "PickleError", "encode_key", "reset_log_rate_limits"]
+__all__ = [
+    "PickleError",
+    "PickledFrames",
+    "SpillBuffer",
+    "SpilledSize",
+    "encode_key",
+    "reset_log_rate_limits",
+]
 
 logger = logging.getLogger("spillway")
 
@@ -182,12 +191,20 @@ MAX_ENCODED_KEY_BYTES = 512
 #: The background writer keeps the oldest in-memory values written to disk (as copies, see
 #: ``_Entry.log_key``), so that evicting them drops them without a write: the oldest values adding
 #: up to this fraction of ``target`` (and at most ``CLEAN_SCAN`` of them). It works only while
-#: memory is within that much of ``target`` or of ``process_target``: where nothing will be
-#: evicted soon, a write ahead would be wasted on values deleted first.
+#: values are being evicted (one was in the last ``AHEAD_AFTER_EVICTION_SECONDS``) and memory is
+#: within that much of ``target`` or of ``process_target``: where nothing is evicted, a write
+#: ahead is wasted on values deleted first (a task shuffle's pieces: 5x the pickles, measured).
 CLEAN_FRACTION = 0.25
+AHEAD_AFTER_EVICTION_SECONDS = 2.0
 CLEAN_SCAN = 256
 #: Values the writer takes per round (it lets go of the lock between rounds).
 CLEAN_BATCH = 8
+#: An object that pickles slower than this (bytes per second of frames) is not written ahead: checking
+#: its copy at eviction would cost such a pickle again, about what writing it costs. (A numpy array
+#: pickles at many GB/s: a header and a view; a dataframe of Python objects at tens of MB/s.)
+AHEAD_MIN_PICKLE_RATE = 1 << 30
+#: A type found to pickle too slowly is pickled again for a write ahead once in this many times.
+AHEAD_PROBE_EVERY = 64
 #: After a failed write ahead (disk error, pickling error), the writer rests this long (s).
 CLEAN_BACKOFF_SECONDS = 5.0
 
@@ -456,6 +473,15 @@ def _loads(frames: list, writeable: bool) -> object:
     return pickle.loads(frames[0], buffers=buffers)
 
 
+def _spillway_only(frames: list) -> bool:
+    """Whether unpickling ``frames`` needs spillway (a header of the numpy fast path, see
+    ``_dumps_array``): such a header is small and names ``_array_from_buffer``."""
+    header = frames[0] if frames else b""
+    return len(header) < 256 and (
+        bytes(header) in _array_specs or b"_array_from_buffer" in bytes(header)
+    )
+
+
 def _shares_writeable_memory(frames: list) -> bool:
     """Whether ``_loads(frames, ...)`` may build an object on (and so able to mutate) the memory of
     ``frames``: it uses writeable out-of-band buffers as they are."""
@@ -493,6 +519,29 @@ def _frame_bytes(frames: list) -> int:
 
 # --------------------------------------------------------------------------------------------------
 # State
+
+
+class PickledFrames:
+    """A value as pickle protocol 5 frames, ``[header, *out-of-band buffers]``: set into a
+    :class:`SpillBuffer` (``buf[key] = PickledFrames(frames)``), it is stored as
+    :meth:`SpillBuffer.set_serialized` stores frames, without unpickling them. This is how a value
+    received from a peer reaches the store through dask's ``data[key] = value`` (see
+    :mod:`spillway.dask`). ``sys.getsizeof`` (and so dask's ``sizeof``) is the frames' byte length."""
+
+    __slots__ = ("frames",)
+
+    def __init__(self, frames: list):
+        self.frames = frames
+
+    def __sizeof__(self) -> int:
+        return _frame_bytes(self.frames)
+
+    def __repr__(self) -> str:
+        return f"<PickledFrames: {len(self.frames)} frames, {_frame_bytes(self.frames)} bytes>"
+
+
+#: (buffer, {key: value}) while :meth:`SpillBuffer.serving` is in effect in this context.
+_SERVING: contextvars.ContextVar = contextvars.ContextVar("spillway_serving", default=None)
 
 
 class Tier(enum.Enum):
@@ -808,6 +857,8 @@ class SpillBuffer(MutableMapping):
             self, _close_log, self._log, self.directory, self._writer
         )
         self._clean_backoff_until = 0.0
+        self._last_eviction = -math.inf
+        self._pickle_rates: dict = {}  # type -> [average bytes/s of its pickles, candidates seen]
 
         self._lock = threading.RLock()
         self._cleaned = threading.Condition(self._lock)  # the writer settled a copy
@@ -823,6 +874,7 @@ class SpillBuffer(MutableMapping):
         self._process_target = process_target
         self._added_since_rss = 0  # weight brought into memory since the RSS was last read
         self._last_rss = 0
+        self._out_of_reach = 0  # RSS above process_target that spilling did not bring down
         self._weak = _WeakCache()
         # Inside a dask worker, also report metrics to distributed's context meter (as dask's
         # SpillBuffer does), so that they appear in the worker's fine performance metrics.
@@ -894,6 +946,9 @@ class SpillBuffer(MutableMapping):
         (a lighter value or another key failed to pickle, disk error, ``max_spill``) is logged and
         the key that caused it stays in memory.
         """
+        if type(value) is PickledFrames:
+            self.set_serialized(key, value.frames)
+            return
         weight = _sizeof(value)
         self._insert(key, _Entry(_OBJECT, value, weight), heavy=weight > self.target)
 
@@ -901,7 +956,10 @@ class SpillBuffer(MutableMapping):
         """The object of ``key``. An object in memory moves to the tail of the LRU. A key held as
         frames or on disk is unpickled (once, whatever the number of concurrent readers) and, unless
         heavier than ``target``, kept in memory as an object. Raises SpillwayError if the key's
-        record is missing from the log."""
+        record is missing from the log. Inside :meth:`serving`, the values it was given come first."""
+        serving = _SERVING.get()
+        if serving is not None and serving[0] is self and key in serving[1]:
+            return serving[1][key]
         while True:
             try:
                 return self._get_once(key)
@@ -1067,6 +1125,19 @@ class SpillBuffer(MutableMapping):
         heavy = weight > self.target or not self.serialized_in_memory
         self._insert(key, _Entry(_FRAMES, frames, weight), heavy=heavy)
 
+    @contextlib.contextmanager
+    def serving(self, values: Mapping) -> Iterator[None]:
+        """While in effect (in this thread, or this asyncio task and what it awaits),
+        ``buf[key]`` returns ``values[key]`` for the keys ``values`` has, without touching their
+        tiers, the LRU or the metrics. :mod:`spillway.dask` uses it to hand dask's ``get_data`` the
+        frames of values it reads for a peer, so that they are neither unpickled nor brought back
+        into memory."""
+        token = _SERVING.set((self, values))
+        try:
+            yield
+        finally:
+            _SERVING.reset(token)
+
     # ---------------------------------------------------------------------------------------------
     # Lifecycle
 
@@ -1130,10 +1201,11 @@ class SpillBuffer(MutableMapping):
         return int(self.target * CLEAN_FRACTION) if self.max_spill is False else 0
 
     def _writing_ahead_wanted(self) -> bool:
-        """Whether memory is within the reserve of ``target`` or of ``process_target`` (read
-        without the lock: a hint)."""
+        """Whether values were evicted in the last ``AHEAD_AFTER_EVICTION_SECONDS`` and memory is
+        within the reserve of ``target`` or of ``process_target`` (read without the lock: a
+        hint)."""
         reserve = self._clean_reserve()
-        if reserve <= 0:
+        if reserve <= 0 or monotonic() - self._last_eviction > AHEAD_AFTER_EVICTION_SECONDS:
             return False
         if self._memory_weight > self.target - reserve:
             return True
@@ -1166,6 +1238,7 @@ class SpillBuffer(MutableMapping):
                     or e.loading is not None
                     or key in self._heavy
                     or key in self.logged_pickle_errors
+                    or (e.tier is _OBJECT and self._pickles_slowly(type(e.value)))
                 ):
                     continue
                 e.cleaning = True
@@ -1173,7 +1246,17 @@ class SpillBuffer(MutableMapping):
                 picks.append((key, e, e.tier, e.value, self._writes))
         for i, (key, e, tier, value, number) in enumerate(picks):
             try:
+                t0 = perf_counter()
                 frames = value if tier is _FRAMES else self._pickle(key, value)
+                if tier is _OBJECT and self._note_pickle_rate(
+                    type(value), _frame_bytes(frames), perf_counter() - t0
+                ):
+                    # Checking a copy of it would cost a pickle as slow as this one: evicting it
+                    # will write it instead (and nothing is written ahead that may be deleted).
+                    with self._lock:
+                        e.cleaning = False
+                        self._cleaned.notify_all()
+                    continue
                 crc = frames_crc(frames)
                 log_key = encode_key(key) + number.to_bytes(8, "big")
                 t0 = perf_counter()
@@ -1202,6 +1285,28 @@ class SpillBuffer(MutableMapping):
                 self._delete_record(key, log_key)
         return len(picks) >= CLEAN_BATCH
 
+    def _pickles_slowly(self, kind: type) -> bool:
+        """Under the lock: whether objects of this type are left to evictions (see
+        ``AHEAD_MIN_PICKLE_RATE``). One in ``AHEAD_PROBE_EVERY`` is pickled again anyway, to learn
+        whether the type's values became quicker to pickle."""
+        rate = self._pickle_rates.get(kind)
+        if rate is None or rate[0] >= AHEAD_MIN_PICKLE_RATE:
+            return False
+        rate[1] += 1
+        return rate[1] % AHEAD_PROBE_EVERY != 0
+
+    def _note_pickle_rate(self, kind: type, nbytes: int, seconds: float) -> bool:
+        """Record a pickle of an object of type ``kind`` (an average of the rates of its type's
+        pickles); whether it was too slow to write ahead."""
+        rate = nbytes / seconds if seconds > 0 else math.inf
+        with self._lock:
+            known = self._pickle_rates.get(kind)
+            if known is None:
+                self._pickle_rates[kind] = [rate, 0]
+            else:
+                known[0] = (known[0] + rate) / 2
+        return rate < AHEAD_MIN_PICKLE_RATE
+
     def _drain(self) -> None:
         """Wait for the background writer to be idle (its deletes done). For tests."""
         self._writer.drain()
@@ -1210,7 +1315,15 @@ class SpillBuffer(MutableMapping):
         """After ``added`` bytes of weight came into memory: if the process's RSS is above
         ``process_target``, spill least-recently-used keys (never ``exclude``, the key just set or
         read) until their weight covers the excess. The RSS is read once per ``RSS_CHECK_BYTES``
-        of weight added. Raises _SpillFailure."""
+        of weight added.
+
+        Memory that spilling did not give back to the system (freed Python objects that stay in
+        the allocator's arenas, values still referenced elsewhere) is learned as out of reach: a
+        round that spilled W bytes of weight while the RSS fell by less than W/2 adds the
+        difference, and later checks spill only for RSS above it (it shrinks again as the RSS
+        falls, and never exceeds a quarter of ``process_target``). Without this, a worker whose RSS stays
+        high whatever is spilled spills and reads back everything over and over (a task shuffle
+        of Python objects: 10x the pickles, measured). Raises _SpillFailure."""
         self._added_since_rss += added  # (a race loses a count: this only paces the checks)
         if self._added_since_rss < RSS_CHECK_BYTES:
             return
@@ -1219,13 +1332,18 @@ class SpillBuffer(MutableMapping):
         if goal is None:
             return
         self._last_rss = rss = _rss()
-        excess = rss - goal
+        self._out_of_reach = min(self._out_of_reach, max(0, rss - goal))
+        excess = rss - goal - self._out_of_reach
         freed = 0
         while freed < excess:
             weight = self._evict_one(force=True, exclude=exclude)
             if weight is None:
-                return
+                break
             freed += weight
+        if freed:
+            fell = rss - _rss()
+            if fell < freed / 2:
+                self._out_of_reach = min(goal // 4, self._out_of_reach + freed - max(fell, 0))
 
     def _resolve_process_target(self) -> int | None:
         """``process_target`` in bytes; for "auto", that of the dask worker whose data this buffer
@@ -1280,6 +1398,7 @@ class SpillBuffer(MutableMapping):
                 # Its copy is being written: once it lands, evicting the value writes nothing.
                 self._cleaned.wait()
             e.evicting = True
+            self._last_eviction = monotonic()
             self._heavy.pop(key, None)  # a heavy key whose spill fails stays at the LRU tail
             e.evicting_weight = e.weight
             self._evicting_weight += e.weight

@@ -84,6 +84,9 @@ def test_the_writer_writes_copies_of_the_oldest_values_so_that_evicting_them_wri
     target = 950_000
     buf = make_buffer(target=target)
     log = buf._log = PutThreads(buf._log)
+    buf["first"] = array(100_000, 99)
+    assert buf.evict() > 0  # values are being evicted: the writer works
+    log.threads.clear()
     for i in range(9):  # 900 KB: within the writer's reserve of target (each weighs 100_000)
         buf[i] = array(100_000, i)
     buf._drain()
@@ -103,9 +106,15 @@ def test_the_writer_writes_copies_of_the_oldest_values_so_that_evicting_them_wri
         np.testing.assert_array_equal(buf[i], array(100_000, i))
 
 
-def test_the_writer_stays_idle_while_memory_is_far_below_target(make_buffer):
+def test_the_writer_stays_idle_while_memory_is_far_below_target_or_nothing_is_evicted(make_buffer):
     buf = make_buffer(target=10_000_000)
     for i in range(5):
+        buf[i] = array(100_000, i)
+    assert buf.evict() > 0
+    buf._drain()
+    assert len(buf.log) == 1  # the value evicted, and no copy
+    buf = make_buffer(target=950_000)
+    for i in range(9):  # within the reserve of target, but nothing was evicted
         buf[i] = array(100_000, i)
     buf._drain()
     assert len(buf.log) == 0
@@ -157,3 +166,19 @@ def test_a_buffer_nobody_holds_is_collected_with_its_writer(tmp_path):
     gc.collect()
     writer.join(10)
     assert not writer.is_alive() and not os.path.exists(directory)
+
+
+def test_memory_that_spilling_does_not_give_back_is_not_chased(make_buffer, monkeypatch):
+    """An RSS that stays up whatever is spilled (objects freed into the allocator's arenas, values
+    referenced elsewhere) is learned as out of reach: spilling stops once it has covered the
+    excess, instead of spilling every older value at every set."""
+    from spillway import buffer
+
+    monkeypatch.setattr(buffer, "_rss", lambda: 110 << 20)  # never falls
+    buf = make_buffer(target=1 << 30, process_target=100 << 20)
+    for i in range(20):
+        buf[i] = array(1 << 20, i)
+    spilled = len(buf.slow)
+    assert 10 <= spilled <= 12, spilled  # the 10 MiB excess, once; not 19
+    for i in range(20):
+        np.testing.assert_array_equal(buf[i], array(1 << 20, i))

@@ -1,0 +1,327 @@
+"""Deserialize on demand inside dask: values move between spillway workers still pickled.
+
+Turn it on with one step, on workers whose ``data`` is a :class:`spillway.SpillBuffer` (for example
+``data=(spillway.worker_data, {...})``)::
+
+    client.register_plugin(spillway.dask.SpillwayPlugin())     # running and future workers
+    # or: dask worker ... --preload spillway.dask
+    # or: LocalCluster(..., plugins={spillway.dask.SpillwayPlugin()})
+
+What changes on a worker with the plugin (nothing changes for its peers or clients):
+
+* **Sending** (``Worker.get_data``, the handler behind task dependencies, the Active Memory
+  Manager, ``rebalance``, ``replicate`` and ``client.gather``): a value the store holds serialized,
+  in memory or on disk, is sent as the frames the store holds, as dask's ``Serialized`` with the
+  pickle header, without being unpickled and pickled again, and without being brought back into
+  memory. Disk reads run off the event loop, in dask's offload thread. A value in memory as an
+  object goes the stock way, except to a spillway requester, which is sent spillway's pickle of it.
+  Frames that only spillway can unpickle (its numpy fast path) go to a requester that does not run
+  spillway as the array they stand for, which dask then serializes as it serializes any array.
+* **Receiving** (``distributed.worker.get_data_from_worker``, through which task dependencies, AMM
+  replicas, ``rebalance``, ``replicate`` and ``scatter(broadcast=True)`` all acquire data): a
+  request from this worker names a marker among its deserializers (:data:`MARKER`) so that the
+  sender knows it runs spillway, and reads the reply without deserializing it. Plain pickle frames
+  go into the store's frames tier (or to disk, under pressure) as :class:`~spillway.PickledFrames`,
+  weighed by their byte length; a task that needs one unpickles it once (exactly once, however many
+  threads ask at once). Only frames a spillway sender marked as sent as stored (``SENT_BY`` in
+  their header, which stock receivers ignore) are kept; everything else (any stock sender's value,
+  dask-serialized arrays, compressed or split frames) is deserialized as stock dask does. Clients
+  and schedulers in the same process, workers without the plugin, and in-process comms (which hand
+  objects over without serializing them) keep dask's own function.
+* **Failures** fall back to stock behaviour: a send whose preparation fails sends the stock way;
+  a receive whose unusual path fails before data arrives asks again the stock way. Errors that
+  stock dask would raise (a peer that hangs up, data that fails to deserialize) are raised as
+  stock dask raises them, so ``gather_dep`` handles them as it always does.
+* **Metrics** in the buffer's ``cumulative_metrics`` (and so in dask's Prometheus endpoint, as
+  ``dask_worker_spill_*_total{activity=...}``, next to the spill metrics):
+  ``("send-serialized", "count"|"bytes")`` and ``("receive-serialized", "count"|"bytes")``, the
+  values that crossed still pickled, and ``("unpickle-avoided", "count")`` and
+  ``("pickle-avoided", "count")``, the work a stock worker would have done for them.
+
+The plugin checks that the worker's ``data`` is a :class:`~spillway.SpillBuffer` and that dask has
+the hooks it uses; otherwise it logs why and leaves the worker as stock dask.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Collection, Hashable
+
+import distributed.worker
+from distributed import WorkerPlugin
+from distributed.comm.addressing import parse_address
+from distributed.core import context_meter_to_server_digest
+from distributed.protocol import Serialized
+from distributed.protocol.compression import decompress
+from distributed.protocol.serialize import merge_and_deserialize
+from distributed.protocol.utils import host_array_from_buffers, merge_memoryviews
+from distributed.utils import offload
+
+from spillway import buffer as _buffer
+from spillway.buffer import PickledFrames, SpillBuffer
+
+__all__ = ["MARKER", "SpillwayPlugin", "dask_setup", "install", "uninstall"]
+
+logger = logging.getLogger("spillway.dask")
+
+#: Named last among the deserializers of a spillway worker's data requests. A stock sender tries
+#: the families in order and stops at "pickle", so it never looks this name up; a spillway sender
+#: reads it as "the requester runs spillway and can take frames only spillway unpickles".
+MARKER = "spillway-frames-1"
+
+#: A key in the header of the frames a spillway sender sends as they are (stock receivers ignore it):
+#: only those are kept pickled on arrival. Values from stock senders are deserialized as stock dask
+#: does, even plain pickle ones.
+SENT_BY = "spillway"
+
+#: The stock function this module stands in for, as it was when the module was loaded.
+_stock_get_data_from_worker = distributed.worker.get_data_from_worker
+
+#: Each plugged worker's connection pool (``worker.rpc``) -> the worker: requests made through any
+#: other pool (clients, schedulers, stock workers in the same process) stay stock.
+_plugged: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class SpillwayPlugin(WorkerPlugin):
+    """A ``distributed.WorkerPlugin`` that turns on :mod:`spillway.dask` on each worker (see the
+    module's documentation): ``client.register_plugin(SpillwayPlugin())``."""
+
+    name = "spillway"
+
+    def setup(self, worker: distributed.Worker) -> None:
+        install(worker)
+
+    def teardown(self, worker: distributed.Worker) -> None:
+        uninstall(worker)
+
+
+def dask_setup(worker: distributed.Worker) -> None:
+    """``dask worker --preload spillway.dask``."""
+    install(worker)
+
+
+def install(worker: distributed.Worker) -> bool:
+    """Turn the plugin on for ``worker``; False (logged) when it stays stock dask."""
+    reason = _cannot_install(worker)
+    if reason:
+        logger.warning("spillway.dask is off on %s: %s", worker.address, reason)
+        return False
+    if worker.rpc in _plugged:
+        return True
+    stock_handler = worker.handlers["get_data"]
+
+    async def get_data(
+        comm,
+        keys: Collection[Hashable] = (),
+        who: str | None = None,
+        serializers: list | None = None,
+        **kwargs,
+    ):
+        if _in_process(comm):
+            # An in-process comm hands values over without serializing them: a Serialized would
+            # reach the requester as it is. The stock way is the cheap one here.
+            return await stock_handler(comm, keys=keys, who=who, serializers=serializers, **kwargs)
+        peer_runs_spillway = bool(serializers) and MARKER in serializers
+        try:
+            prepared = await _prepare(worker, keys, peer_runs_spillway)
+        except Exception:  # the stock way, then
+            logger.exception("spillway.dask: could not prepare %d keys for %s", len(keys), who)
+            prepared = {}
+        with worker.data.serving(prepared):
+            return await stock_handler(comm, keys=keys, who=who, serializers=serializers, **kwargs)
+
+    get_data.stock = stock_handler
+    worker.handlers["get_data"] = get_data
+    _plugged[worker.rpc] = worker
+    distributed.worker.get_data_from_worker = get_data_from_worker
+    return True
+
+
+def uninstall(worker: distributed.Worker) -> None:
+    """Turn the plugin off for ``worker`` (the module-level function stays: it is stock for every
+    other pool)."""
+    if _plugged.pop(worker.rpc, None) is None:
+        return
+    handler = worker.handlers.get("get_data")
+    stock = getattr(handler, "stock", None)
+    if stock is not None:
+        worker.handlers["get_data"] = stock
+
+
+def _in_process(comm) -> bool:
+    """An in-process comm hands messages over as objects, without serializing them."""
+    return parse_address(getattr(comm, "peer_address", "") or "tcp://")[0] == "inproc"
+
+
+def _cannot_install(worker) -> str:
+    if not isinstance(getattr(worker, "data", None), SpillBuffer):
+        return f"its data is a {type(getattr(worker, 'data', None)).__name__}, not a spillway.SpillBuffer"
+    if "get_data" not in getattr(worker, "handlers", {}):
+        return "this dask has no get_data handler"
+    if not callable(_stock_get_data_from_worker) or not hasattr(worker.rpc, "connect"):
+        return "this dask has no get_data_from_worker(rpc, keys, worker, ...)"
+    return ""
+
+
+# --------------------------------------------------------------------------------------------------
+# Sending
+
+
+@context_meter_to_server_digest("get-data")
+async def _prepare(worker, keys: Collection[Hashable], peer_runs_spillway: bool) -> dict:
+    """Values for ``worker.data.serving``: ``Serialized`` frames for the keys the store holds
+    serialized (read off the event loop) and, for a spillway peer, for the objects too."""
+    buf: SpillBuffer = worker.data
+    tiers = {}
+    for key in keys:
+        try:
+            tiers[key] = buf.tier(key)
+        except KeyError:
+            pass
+    wanted = [k for k, t in tiers.items() if t != "object" or peer_runs_spillway]
+    if not wanted:
+        return {}
+    return await offload(_serialized_values, buf, wanted, tiers, peer_runs_spillway)
+
+
+def _serialized_values(buf: SpillBuffer, keys: list, tiers: dict, peer_runs_spillway: bool) -> dict:
+    out = {}
+    sent = nbytes = 0
+    for key in keys:
+        try:
+            frames = buf.get_serialized(key)
+        except KeyError:  # deleted meanwhile: the stock handler skips it too
+            continue
+        except Exception:  # (logged as stock dask would: the stock handler reads it and fails)
+            continue
+        if not peer_runs_spillway and _buffer._spillway_only(frames):
+            out[key] = _buffer._loads(frames, False)  # the array: dask serializes it
+            continue
+        out[key] = _to_serialized(frames)
+        if tiers[key] != "object":
+            sent += 1
+            nbytes += _buffer._frame_bytes(frames)
+    if sent:
+        buf._digest_locked("send-serialized", sent, "count")
+        buf._digest_locked("send-serialized", nbytes, "bytes")
+        buf._digest_locked("unpickle-avoided", sent, "count")
+        buf._digest_locked("pickle-avoided", sent, "count")
+    return out
+
+
+def _to_serialized(frames: list) -> Serialized:
+    """Frames as dask's ``Serialized`` with the pickle header a stock receiver reads: one writeable
+    flag per out-of-band buffer. A fresh header for each send (dask adds to it as it writes)."""
+    writeable = tuple(not memoryview(b).readonly for b in frames[1:])
+    header = {"serializer": "pickle", "writeable": writeable, SENT_BY: True}
+    return Serialized(header, list(frames))
+
+
+# --------------------------------------------------------------------------------------------------
+# Receiving
+
+
+async def get_data_from_worker(
+    rpc, keys, worker, *, who=None, serializers=None, deserializers=None
+):
+    """``distributed.worker.get_data_from_worker`` for all: plugged workers' requests keep plain
+    pickle frames pickled (see the module's documentation), every other request is stock."""
+    me = _plugged.get(rpc)
+    if me is None or deserializers is not None or parse_address(worker)[0] == "inproc":
+        return await _stock_get_data_from_worker(
+            rpc, keys, worker, who=who, serializers=serializers, deserializers=deserializers
+        )
+    stock_deserializers = getattr(rpc, "deserializers", None)
+    # What a stock request accepts (the default families when the pool names none), and the marker.
+    accepted = [*(stock_deserializers or ("dask", "pickle")), MARKER]
+    try:
+        response = await _stock_get_data_from_worker(
+            _UndeserializedPool(rpc),
+            keys,
+            worker,
+            who=who,
+            serializers=serializers,
+            deserializers=accepted,
+        )
+    except OSError:
+        raise  # a peer that hung up: as stock dask sees it
+    except Exception:
+        logger.exception(
+            "spillway.dask: a request to %s failed; asking again the stock way", worker
+        )
+        return await _stock_get_data_from_worker(
+            rpc, keys, worker, who=who, serializers=serializers
+        )
+    if response.get("status") != "OK":
+        return response
+    data = response["data"]
+    kept = nbytes = 0
+    for key, value in data.items():
+        if not isinstance(value, Serialized):
+            continue
+        frames = _pickle_frames(value)
+        if frames is None:
+            data[key] = _deserialize(value, stock_deserializers)
+        else:
+            data[key] = PickledFrames(frames)
+            kept += 1
+            nbytes += _buffer._frame_bytes(frames)
+    if kept:
+        buf = me.data
+        buf._digest_locked("receive-serialized", kept, "count")
+        buf._digest_locked("receive-serialized", nbytes, "bytes")
+        buf._digest_locked("unpickle-avoided", kept, "count")
+    return response
+
+
+class _UndeserializedPool:
+    """A worker's connection pool whose comms read messages without deserializing their values
+    (``comm.deserialize = False``) until they go back to the pool."""
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.serializers = pool.serializers
+        self.deserializers = pool.deserializers
+
+    async def connect(self, addr, *args, **kwargs):
+        comm = await self.pool.connect(addr, *args, **kwargs)
+        comm.deserialize = False
+        return comm
+
+    def reuse(self, addr, comm) -> None:
+        comm.deserialize = True
+        self.pool.reuse(addr, comm)
+
+
+def _pickle_frames(value: Serialized) -> list | None:
+    """The plain pickle frames ``[header, *buffers]`` of a value read without deserializing (its
+    compression undone, its split frames merged as dask merges them), or None if it is not plain
+    pickle frames a spillway sender sent as they are (a stock sender's value, dask's own
+    serializers, a header without one writeable flag per buffer)."""
+    header, frames = value.header, list(value.frames)
+    if header.get("serializer") != "pickle" or not header.get(SENT_BY):
+        return None
+    if any(header.get("compression") or ()):
+        frames = decompress(header, frames)
+    if "split-num-sub-frames" in header:
+        merged = []
+        for n, at in zip(header["split-num-sub-frames"], header["split-offsets"]):
+            parts = frames[at : at + n]
+            try:
+                merged.append(merge_memoryviews(parts))
+            except (ValueError, TypeError):
+                merged.append(host_array_from_buffers(parts))
+        frames = merged
+    writeable = header.get("writeable")
+    if not frames or writeable is None or len(writeable) != len(frames) - 1:
+        return None
+    return frames
+
+
+def _deserialize(value: Serialized, deserializers: list | None):
+    """What stock dask's comm would have made of this value."""
+    header, frames = value.header, list(value.frames)
+    if "compression" in header:
+        frames = decompress(header, frames)
+    return merge_and_deserialize(header, frames, deserializers=deserializers)
