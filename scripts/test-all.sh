@@ -11,7 +11,8 @@ step "tools: what the tests need, installed where missing"
 rustup component add rustfmt clippy >/dev/null 2>&1 || true
 # cargo-fuzz (stable toolchain, run with -s none): builds in about two minutes.
 cargo fuzz --help >/dev/null 2>&1 || cargo install cargo-fuzz --locked
-python3 -m pip install -q --disable-pip-version-check maturin pytest numpy "dask[dataframe]" distributed psutil
+python3 -m pip install -q --disable-pip-version-check maturin pytest pytest-timeout numpy "dask[dataframe]" \
+  distributed psutil prometheus_client
 
 step "format"
 cargo fmt --all -- --check
@@ -33,7 +34,8 @@ maturin build --release --locked -q -m python/Cargo.toml -o target/wheels
 # Unpack the wheel next to the build instead of installing it: the package under test is this one.
 rm -rf target/python && mkdir -p target/python
 python3 -m zipfile -e "$(ls -t target/wheels/spillway-*.whl | head -1)" target/python
-PYTHONPATH="$PWD/target/python" python3 -m pytest -p no:cacheprovider -q python/tests 2>&1 | tee -a "$log"
+# A test that hangs (a cluster that lost a worker, say) fails after 10 minutes instead of stalling CI.
+PYTHONPATH="$PWD/target/python" python3 -m pytest -p no:cacheprovider -q --timeout=600 python/tests 2>&1 | tee -a "$log"
 
 step "fuzz smoke: every cargo-fuzz target for ${FUZZ_SECONDS:-20} s from its seed corpus"
 for t in $(cargo fuzz list); do

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import urllib.request
 
 import pytest
 
@@ -43,6 +44,13 @@ def _counts(client, workers):
 
 def _metrics(dask_worker):
     return {f"{k[0]} {k[1]}": v for k, v in dask_worker.data.cumulative_metrics.items()}
+
+
+def _prometheus(client, worker) -> str:
+    """The worker's Prometheus endpoint, as a scraper reads it."""
+    port = client.run(lambda dask_worker: dask_worker.http_server.port, workers=[worker])[worker]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        return r.read().decode()
 
 
 def _plugged(dask_worker):
@@ -88,6 +96,9 @@ def test_a_retired_workers_values_move_still_pickled_and_are_unpickled_once_when
         assert m["receive-serialized count"] == n and m["unpickle-avoided count"] == n
         s = client.run(_metrics, workers=[sender])[sender]
         assert s["send-serialized count"] >= n - in_memory
+        scraped = _prometheus(client, receiver)
+        assert f'dask_worker_spill_count_total{{activity="receive-serialized"}} {n}.0' in scraped
+        assert f'dask_worker_spill_count_total{{activity="unpickle-avoided"}} {n}.0' in scraped
 
         uses = [
             client.submit(counted.digest, v, key=f"use-{j}-{i}", workers=[receiver], pure=False)
@@ -190,15 +201,24 @@ def test_a_worker_whose_data_is_not_a_spillbuffer_stays_stock(caplog):
 
 
 def test_a_send_whose_preparation_fails_goes_the_stock_way(monkeypatch):
+    refused = []
+
     def refuse(*args, **kwargs):
+        refused.append(args[1])
         raise RuntimeError("preparation failed")
 
     monkeypatch.setattr(spillway.dask, "_serialized_values", refuse)
-    with _cluster(processes=False) as cluster, distributed.Client(cluster) as client:
+    # Workers in this process (so that they see the patch) that talk over TCP, as separate
+    # processes do: in-process comms go the stock way without preparing anything.
+    with (
+        _cluster(processes=False, protocol="tcp://", host="127.0.0.1") as cluster,
+        distributed.Client(cluster) as client,
+    ):
         client.register_plugin(spillway.dask.SpillwayPlugin())
         a, b = sorted(client.scheduler_info()["workers"])
         values = _make_on(client, a, 4, 64 << 10)
         crcs = [client.submit(counted.digest, v, workers=[b], pure=False) for v in values]
         assert client.gather(crcs) == [counted.digest(counted.make(i, 64 << 10)) for i in range(4)]
+        assert refused, "the plugged sender never prepared a send"
         m = client.run(_metrics, workers=[b])[b]
         assert m.get("receive-serialized count", 0) == 0  # dask pickled them its own way
