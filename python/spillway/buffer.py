@@ -203,8 +203,11 @@ CLEAN_BATCH = 8
 #: its copy at eviction would cost such a pickle again, about what writing it costs. (A numpy array
 #: pickles at many GB/s: a header and a view; a dataframe of Python objects at tens of MB/s.)
 AHEAD_MIN_PICKLE_RATE = 1 << 30
-#: A type found to pickle too slowly is pickled again for a write ahead once in this many times.
-AHEAD_PROBE_EVERY = 64
+#: A type found to pickle too slowly is pickled again for a write ahead at most once per this many
+#: seconds, to learn whether its values became quicker to pickle. (Once per 64 of the writer's scans
+#: of it, a task shuffle of Python objects pickled each piece 2.5-4x where dask's store pickles it
+#: once: the writer scans the same pieces at each wake-up.)
+AHEAD_PROBE_SECONDS = 30.0
 #: After a failed write ahead (disk error, pickling error), the writer rests this long (s).
 CLEAN_BACKOFF_SECONDS = 5.0
 
@@ -858,7 +861,7 @@ class SpillBuffer(MutableMapping):
         )
         self._clean_backoff_until = 0.0
         self._last_eviction = -math.inf
-        self._pickle_rates: dict = {}  # type -> [average bytes/s of its pickles, candidates seen]
+        self._pickle_rates: dict = {}  # type -> [average bytes/s of its pickles, next probe time]
 
         self._lock = threading.RLock()
         self._cleaned = threading.Condition(self._lock)  # the writer settled a copy
@@ -1244,7 +1247,13 @@ class SpillBuffer(MutableMapping):
                 e.cleaning = True
                 self._writes += 1
                 picks.append((key, e, e.tier, e.value, self._writes))
+        slow = set()  # types this round found to pickle slowly: the rest of the batch skips them
         for i, (key, e, tier, value, number) in enumerate(picks):
+            if tier is _OBJECT and type(value) in slow:
+                with self._lock:
+                    e.cleaning = False
+                    self._cleaned.notify_all()
+                continue
             try:
                 t0 = perf_counter()
                 frames = value if tier is _FRAMES else self._pickle(key, value)
@@ -1253,6 +1262,7 @@ class SpillBuffer(MutableMapping):
                 ):
                     # Checking a copy of it would cost a pickle as slow as this one: evicting it
                     # will write it instead (and nothing is written ahead that may be deleted).
+                    slow.add(type(value))
                     with self._lock:
                         e.cleaning = False
                         self._cleaned.notify_all()
@@ -1287,13 +1297,16 @@ class SpillBuffer(MutableMapping):
 
     def _pickles_slowly(self, kind: type) -> bool:
         """Under the lock: whether objects of this type are left to evictions (see
-        ``AHEAD_MIN_PICKLE_RATE``). One in ``AHEAD_PROBE_EVERY`` is pickled again anyway, to learn
-        whether the type's values became quicker to pickle."""
+        ``AHEAD_MIN_PICKLE_RATE``). One is pickled again anyway once per ``AHEAD_PROBE_SECONDS``,
+        to learn whether the type's values became quicker to pickle."""
         rate = self._pickle_rates.get(kind)
         if rate is None or rate[0] >= AHEAD_MIN_PICKLE_RATE:
             return False
-        rate[1] += 1
-        return rate[1] % AHEAD_PROBE_EVERY != 0
+        now = monotonic()
+        if now < rate[1]:
+            return True
+        rate[1] = now + AHEAD_PROBE_SECONDS
+        return False
 
     def _note_pickle_rate(self, kind: type, nbytes: int, seconds: float) -> bool:
         """Record a pickle of an object of type ``kind`` (an average of the rates of its type's
@@ -1302,7 +1315,7 @@ class SpillBuffer(MutableMapping):
         with self._lock:
             known = self._pickle_rates.get(kind)
             if known is None:
-                self._pickle_rates[kind] = [rate, 0]
+                self._pickle_rates[kind] = [rate, monotonic() + AHEAD_PROBE_SECONDS]
             else:
                 known[0] = (known[0] + rate) / 2
         return rate < AHEAD_MIN_PICKLE_RATE

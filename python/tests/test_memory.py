@@ -182,3 +182,50 @@ def test_memory_that_spilling_does_not_give_back_is_not_chased(make_buffer, monk
     assert 10 <= spilled <= 12, spilled  # the 10 MiB excess, once; not 19
     for i in range(20):
         np.testing.assert_array_equal(buf[i], array(1 << 20, i))
+
+
+class SlowToPickle:
+    """A value that pickles far below ``AHEAD_MIN_PICKLE_RATE`` (a list of small tuples), and counts
+    the pickles made of it on the buffer's writer thread."""
+
+    writer_pickles = 0
+
+    def __init__(self, seed: int, n: int = 50_000):
+        self.items = [(seed, i) for i in range(n)]
+
+    def __reduce__(self):
+        if threading.current_thread().name == "spillway-writer":
+            SlowToPickle.writer_pickles += 1
+        return (_rebuild_slow, (self.items,))
+
+    def __sizeof__(self):
+        return 100_000
+
+
+def _rebuild_slow(items):
+    out = SlowToPickle.__new__(SlowToPickle)
+    out.items = items
+    return out
+
+
+def test_the_writer_leaves_values_that_pickle_slowly_to_evictions(make_buffer, monkeypatch):
+    """The writer learns from one pickle that a type pickles slowly and then skips its values,
+    however often it wakes up and scans them (at most one more pickle per ``AHEAD_PROBE_SECONDS``):
+    a copy of such a value saves nothing, since evicting it would pickle it again to check it."""
+    monkeypatch.setattr(SlowToPickle, "writer_pickles", 0)
+    buf = make_buffer(target=950_000)
+    buf["first"] = array(100_000, 99)
+    assert buf.evict() > 0  # values are being evicted: the writer works
+    for i in range(8):  # within the writer's reserve of target
+        buf[i] = SlowToPickle(i)
+    buf._drain()
+    assert SlowToPickle.writer_pickles == 1, "the writer did not learn from its first pickle"
+    for round in range(100):  # each set wakes the writer, which scans the same values again
+        buf["churn"] = array(1000, round)
+        buf._drain()
+    assert SlowToPickle.writer_pickles == 1
+    assert not any(buf._entries[i].log_key for i in range(8)), "a slow value was written ahead"
+    buf[8] = array(100_000, 8)  # above target: the oldest go, each pickled once by the eviction
+    buf[9] = array(100_000, 9)
+    assert buf.tier(0) == "disk"
+    assert buf[0].items == SlowToPickle(0).items
