@@ -33,6 +33,8 @@ RESULTS = [
     ("python spill 16M\nvs dask", 1.54, 1.5),
     ("python unspill 16M\nvs dask", 1.13, 1.0),
     ("dask cluster wall\ndefault / spillway", 9.7 / 9.2, 1.0),
+    ("dask cluster under\nmemory pressure", 52.6 / 41.2, 1.3),
+    ("dask move, stock /\nspillway.dask", 6.31 / 3.02, 1.0),
     ("transfer 1 GiB\nsplice vs copy", 6.4, 1.0),
     ("index bytes/key\n(target / measured)", 100 / 93.2, 1.0),
 ]
@@ -51,7 +53,7 @@ def main() -> None:
     ax.set_xticklabels([label for label, _, _ in RESULTS], rotation=60, ha="right", fontsize=8)
     ax.set_ylabel("ratio (log scale)")
     ax.axhline(1.0, color="gray", linewidth=0.5)
-    ax.set_title("spillway: measured ratios against same-run baselines (2026-11-30, 2 vCPU VM)")
+    ax.set_title("spillway: measured ratios against same-run baselines (2026-12-01, 2 vCPU VM)")
     ax.legend()
     fig.tight_layout()
     fig.savefig("docs/benchmarks.png", dpi=110)
