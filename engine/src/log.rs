@@ -1230,10 +1230,11 @@ impl<B: Backend> SegmentLog<B> {
         let mut pos = data_start;
         let mut prev_epoch = 0u32;
         let mut max_epoch_any = 0u32;
-        // The end of what is cut off as a torn tail, if anything is.
+        let mut marks = None; // where this segment's sync marks are, once a search needs them
+                              // The end of what is cut off as a torn tail, if anything is.
         let mut cut_end = 0u64;
         loop {
-            match self.try_record_at(&mut win, id, pos, prev_epoch)? {
+            match self.try_record_at(&mut win, id, pos, prev_epoch, true)? {
                 Probe::Record(e, h, intact) => {
                     if !intact {
                         corrupt.push((id, pos, "record payload checksum mismatch".to_string()));
@@ -1263,7 +1264,14 @@ impl<B: Backend> SegmentLog<B> {
                         // with a higher epoch. So the gap is reported and the scan goes on with the
                         // first acceptable record after it.
                         let clean = align_up(pos + 1, self.align).min(win.limit);
-                        match self.search_past_clean_end(&mut win, id, pos, prev_epoch, &mut max_epoch_any)? {
+                        match self.search_past_clean_end(
+                            &mut win,
+                            id,
+                            pos,
+                            prev_epoch,
+                            &mut max_epoch_any,
+                            &mut marks,
+                        )? {
                             PastEnd::Synced { next } => {
                                 corrupt.push((
                                     id,
@@ -1357,7 +1365,17 @@ impl<B: Backend> SegmentLog<B> {
         Ok(SegmentScan { meta, entries, max_epoch: max_epoch_any, tail, cut, ends_with_mark, dropped_unsynced })
     }
 
-    fn try_record_at(&self, win: &mut ScanWindow<'_, B>, id: u32, pos: u64, prev_epoch: u32) -> Result<Probe> {
+    /// The record at `pos`, if its head is valid. With `payload`, whether its payload is intact is
+    /// checked (a crc over it); without, it is reported intact: for searches that only need to know
+    /// where records are, so that a search costs the heads it looks at, not the payloads they claim.
+    fn try_record_at(
+        &self,
+        win: &mut ScanWindow<'_, B>,
+        id: u32,
+        pos: u64,
+        prev_epoch: u32,
+        payload: bool,
+    ) -> Result<Probe> {
         let invalid = Probe::Invalid { stale_epoch: 0 };
         if pos + format::RECORD_HEADER_LEN as u64 > win.limit {
             return Ok(invalid);
@@ -1382,7 +1400,7 @@ impl<B: Backend> SegmentLog<B> {
             // (Sequence numbers are not monotonic along a segment: compaction keeps a record's seq.)
             return Ok(Probe::Invalid { stale_epoch: h.epoch });
         }
-        let intact = win.crc_of(pos + head_len, h.stored_len)? == h.payload_crc;
+        let intact = !payload || win.crc_of(pos + head_len, h.stored_len)? == h.payload_crc;
         let e = FooterEntry {
             key,
             flags: h.flags,
@@ -1420,7 +1438,7 @@ impl<B: Backend> SegmentLog<B> {
                 garbage_end = garbage_end.max((pos + self.align).min(win.limit));
             }
             if win.bytes(pos, 4)? == b"SPRC" {
-                match self.try_record_at(win, id, pos, prev_epoch)? {
+                match self.try_record_at(win, id, pos, prev_epoch, false)? {
                     Probe::Record(..) => return Ok(Resync::Record(pos)),
                     Probe::Invalid { stale_epoch } => *max_epoch_any = (*max_epoch_any).max(stale_epoch),
                 }
@@ -1435,6 +1453,10 @@ impl<B: Backend> SegmentLog<B> {
     /// beyond, the zeros were damage: returns the first acceptable record after them. Otherwise
     /// everything beyond is an orphan of a batch that never completed: returns the end of the last
     /// block that is not all zero (what is cut). The epochs of all records seen are counted.
+    ///
+    /// Where the sync marks are is learned once per segment (`marks`, by the first search); each
+    /// search then only walks to the first record after its zeros. Walking to the next sync mark
+    /// each time cost a full pass per zeroed region of a segment with one sync mark at its end.
     fn search_past_clean_end(
         &self,
         win: &mut ScanWindow<'_, B>,
@@ -1442,9 +1464,13 @@ impl<B: Backend> SegmentLog<B> {
         from: u64,
         prev_epoch: u32,
         max_epoch_any: &mut u32,
+        marks: &mut Option<SyncMarks>,
     ) -> Result<PastEnd> {
+        if marks.is_none() {
+            *marks = Some(self.find_sync_marks(win, id, from)?);
+        }
+        let synced = marks.as_ref().is_some_and(|m| m.acceptable_beyond(from, prev_epoch));
         let mut garbage_end = align_up(from + 1, self.align).min(win.limit);
-        let mut first = None;
         let mut pos = from + RECORD_ALIGN;
         while pos + format::RECORD_HEADER_LEN as u64 <= win.limit {
             if pos % self.align == 0 {
@@ -1455,12 +1481,11 @@ impl<B: Backend> SegmentLog<B> {
                 garbage_end = garbage_end.max((pos + self.align).min(win.limit));
             }
             if win.bytes(pos, 4)? == b"SPRC" {
-                match self.try_record_at(win, id, pos, prev_epoch)? {
+                match self.try_record_at(win, id, pos, prev_epoch, false)? {
                     Probe::Record(_, h, _) => {
                         *max_epoch_any = (*max_epoch_any).max(h.epoch);
-                        let next = *first.get_or_insert(pos);
-                        if h.is_sync_mark() {
-                            return Ok(PastEnd::Synced { next });
+                        if synced {
+                            return Ok(PastEnd::Synced { next: pos });
                         }
                     }
                     Probe::Invalid { stale_epoch } => *max_epoch_any = (*max_epoch_any).max(stale_epoch),
@@ -1468,7 +1493,32 @@ impl<B: Backend> SegmentLog<B> {
             }
             pos += RECORD_ALIGN;
         }
+        // (With `synced`, the mark itself is an acceptable record after `from`: not reached.)
         Ok(PastEnd::Orphans { end: garbage_end })
+    }
+
+    /// The sync marks of this segment at or after `from`, wherever their heads are valid: one pass,
+    /// which looks at the heads of records flagged as sync marks only.
+    fn find_sync_marks(&self, win: &mut ScanWindow<'_, B>, id: u32, from: u64) -> Result<SyncMarks> {
+        let mut found = Vec::new();
+        let mut pos = from + RECORD_ALIGN;
+        while pos + format::RECORD_HEADER_LEN as u64 <= win.limit {
+            if pos % self.align == 0 && win.is_zero_block(pos)? {
+                pos += self.align;
+                continue;
+            }
+            if win.bytes(pos, 4)? == b"SPRC" {
+                let head = win.bytes(pos, format::RECORD_HEADER_LEN as u64)?;
+                let is_mark = format::peek_record_header(head).is_ok_and(|h| h.is_sync_mark());
+                if is_mark {
+                    if let Probe::Record(_, h, _) = self.try_record_at(win, id, pos, 0, false)? {
+                        found.push((pos, h.epoch));
+                    }
+                }
+            }
+            pos += RECORD_ALIGN;
+        }
+        Ok(SyncMarks::new(found))
     }
 
     fn read_aligned(&self, file: &B::File, offset: u64, len: usize, path: &Path) -> Result<AlignedBuf> {
@@ -3624,6 +3674,31 @@ enum PastEnd {
     /// Nothing synced lies beyond: records there are orphans of a batch that never completed, and
     /// everything up to `end` is cut.
     Orphans { end: u64 },
+}
+
+/// The sync marks of a segment being scanned, as (offset, epoch) in file order, and for each the
+/// highest epoch among it and those after it.
+struct SyncMarks {
+    marks: Vec<(u64, u32)>,
+    max_epoch_after: Vec<u32>,
+}
+
+impl SyncMarks {
+    fn new(marks: Vec<(u64, u32)>) -> Self {
+        let mut max_epoch_after = vec![0; marks.len()];
+        let mut max = 0;
+        for (i, &(_, epoch)) in marks.iter().enumerate().rev() {
+            max = max.max(epoch);
+            max_epoch_after[i] = max;
+        }
+        SyncMarks { marks, max_epoch_after }
+    }
+
+    /// Whether a sync mark lies after `pos` with an epoch of at least `epoch`.
+    fn acceptable_beyond(&self, pos: u64, epoch: u32) -> bool {
+        let i = self.marks.partition_point(|&(at, _)| at <= pos);
+        i < self.marks.len() && self.max_epoch_after[i] >= epoch
+    }
 }
 
 /// A sliding read window over a segment file, for scanning.

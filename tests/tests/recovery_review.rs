@@ -9,6 +9,7 @@
 //! * E: a damaged live value does not make every compaction copy its segment's tombstones again.
 //! * F2: a segment header with an absurd `segment_bytes` is damage, not an allocation of that size.
 //! * F3: a recovered segment with no room left for its footer is not sealed (and does not panic).
+//! * G: many zeroed regions in front of one sync mark cost an open a bounded number of passes.
 
 use std::path::PathBuf;
 
@@ -399,4 +400,44 @@ fn a_recovered_segment_without_room_for_its_footer_is_not_sealed() {
     assert_eq!(log.get(b"a").unwrap(), Some(one(b"a", 100)));
     assert_eq!(log.get(b"b").unwrap(), Some(one(b"b", 100)));
     log.compact().unwrap();
+}
+
+/// G: a segment with many zeroed regions in front of its one sync mark (damage, or a segment built
+/// to slow an open down). Each region looks like a clean end, and the search past it walked to the
+/// sync mark, reading the rest of the segment again and checksumming every payload on the way: one
+/// pass per region, an open quadratic in the segment's size. The marks are now found once per
+/// segment, and each search walks only to the first record after its zeros.
+#[test]
+fn many_zeroed_regions_before_one_sync_mark_cost_an_open_a_bounded_number_of_passes() {
+    let be = SimBackend::new();
+    let o = || LogOptions { segment_bytes: 16 << 20, auto_compact: false, ..Default::default() };
+    let log = SegmentLog::open(be.clone(), "/s", o()).unwrap();
+    let n = 600;
+    let keys: Vec<Vec<u8>> = (0..n).map(|i| format!("k{i:04}").into_bytes()).collect();
+    for k in &keys {
+        log.put(k, &one(k, 12 << 10)).unwrap();
+    }
+    log.sync().unwrap();
+    let locs: Vec<_> = keys.iter().map(|k| log.location(k).unwrap()).collect();
+    let seg = locs[0].segment;
+    assert!(locs.iter().all(|l| l.segment == seg), "one segment");
+    drop(log);
+    for l in locs.iter().step_by(2) {
+        assert!(l.offset + l.len >= (l.offset / 4096 + 2) * 4096, "{l:?} spans two whole blocks");
+        be.poke(&seg_path(seg), l.offset, &vec![0u8; l.len as usize]).unwrap();
+    }
+    let size = be.file_contents(&seg_path(seg)).unwrap().len() as u64;
+
+    be.record_reads(true);
+    let log = SegmentLog::open(be.clone(), "/s", o()).unwrap();
+    let read: u64 = be.take_reads().iter().map(|&(_, len)| len as u64).sum();
+    be.record_reads(false);
+    assert!(read <= 4 * size, "the open read {read} bytes for a segment of {size}");
+    for (i, k) in keys.iter().enumerate() {
+        let want = if i % 2 == 0 { None } else { Some(one(k, 12 << 10)) };
+        assert_eq!(log.get(k).unwrap(), want, "key {i}");
+    }
+    let report = log.recovery_report();
+    assert_eq!(report.truncated_bytes, 0, "{report:?}");
+    assert_eq!(report.corrupt.len(), n / 2, "one zeroed region per zeroed record");
 }
