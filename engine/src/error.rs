@@ -120,6 +120,28 @@ impl Error {
         Error::Io { op, path: path.into(), source: Arc::new(source) }
     }
 
+    /// This error as a server tells it to a peer: what failed, without the server's paths, the
+    /// causes it logged, or the codec's own message (which may quote stored data).
+    pub fn peer_message(&self) -> String {
+        match self {
+            Error::Io { op, source, .. } => match source.raw_os_error() {
+                Some(errno) => format!("server I/O error in {op} ({:?}, os error {errno})", source.kind()),
+                None => format!("server I/O error in {op} ({:?})", source.kind()),
+            },
+            Error::ChecksumMismatch { .. } | Error::Corrupt { .. } | Error::UnsupportedVersion { .. } => {
+                "the stored value is damaged on the server".into()
+            }
+            Error::Poisoned { .. } => "the server's log refuses writes after an I/O failure".into(),
+            Error::Locked { .. } | Error::NotAStore { .. } => "the server's store is unavailable".into(),
+            Error::Codec { op, .. } => format!("the server failed to {op} the value"),
+            Error::KeyTooLarge { .. }
+            | Error::ValueTooLarge { .. }
+            | Error::InvalidConfig(_)
+            | Error::Protocol(_)
+            | Error::NotPersisted { .. } => self.to_string(),
+        }
+    }
+
     /// True when this error reports bytes on disk that failed validation.
     pub fn is_corruption(&self) -> bool {
         match self {

@@ -442,7 +442,9 @@ pub fn serve_connection<S: Source>(src: &S, mut stream: TcpStream, opts: &Transf
                 continue;
             }
             Err(e) => {
-                send_error(&mut stream, &e.to_string())?;
+                // The peer learns what failed; the server's log says where (paths stay here).
+                log::warn!("transfer: serving a value failed: {e}");
+                send_error(&mut stream, &e.peer_message())?;
                 continue;
             }
         };

@@ -657,3 +657,41 @@ fn waiting_for_the_receiving_log_does_not_count_against_the_payload_deadline() {
     assert_eq!(into.get(b"small").unwrap(), Some(frames_for(b"small", 10_000)));
     assert_eq!(into.get(b"big").unwrap(), Some(frames_for(b"big", 100_000)));
 }
+
+/// A served log whose reads of one key fail with an I/O error naming the server's segment file.
+struct FailingRead(SegmentLog);
+
+impl transfer::Source for FailingRead {
+    type Backend = PortableBackend;
+    fn log(&self) -> &SegmentLog {
+        &self.0
+    }
+    fn outgoing(
+        &self,
+        key: &[u8],
+    ) -> spillway::Result<Option<transfer::Outgoing<<PortableBackend as spillway::Backend>::File>>> {
+        if key == b"broken" {
+            let path = std::path::PathBuf::from("/srv/secret-store/segments/00000001.seg");
+            return Err(spillway::Error::io("read segment", path, std::io::Error::from_raw_os_error(libc::EIO)));
+        }
+        self.0.outgoing(key)
+    }
+}
+
+/// What a server tells a peer about a failure says what failed, not where: the error names the
+/// operation and the errno, never the server's paths; the connection goes on serving.
+#[test]
+fn an_error_response_names_what_failed_without_the_servers_paths() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = log_at(dir.path(), Compression::None);
+    let v = frames_for(b"fine", 3000);
+    log.put(b"fine", &v).unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    std::thread::spawn(move || transfer::serve(Arc::new(FailingRead(log)), listener, opts()));
+    let mut c = Client::connect(&addr, opts()).unwrap();
+    let e = c.get(b"broken").unwrap_err().to_string();
+    assert!(e.contains("read segment") && e.contains("os error 5"), "{e}");
+    assert!(!e.contains("/srv") && !e.contains("secret") && !e.contains(".seg"), "{e}");
+    assert_eq!(c.get(b"fine").unwrap(), Some(v));
+}
