@@ -42,6 +42,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Waker};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use super::doorbell::Doorbell;
 
@@ -442,6 +443,7 @@ impl UringBackend {
             cancel_sent: false,
             pool: pool.clone(),
             _pool_alive: pool.as_ref().map(|p| p.keep_alive()),
+            enter_failures: EnterBackoff::default(),
         };
         // The driver enables the ring itself (it is the single issuer) and says whether that worked
         // before any request can reach it.
@@ -745,6 +747,37 @@ struct Driver {
     pool: Option<BufPool>,
     /// Keeps the registered arena allocated until the driver (and the ring before it) is gone.
     _pool_alive: Option<Arc<PoolShared>>,
+    /// Failed `io_uring_enter` calls in a row, and how the driver waits and logs because of them.
+    enter_failures: EnterBackoff,
+}
+
+/// What the driver does while `io_uring_enter` keeps failing with an error it cannot act on (not
+/// EINTR, EAGAIN or EBUSY). It cannot give up: the kernel may still use the buffers of operations
+/// in flight, so they cannot be handed back. It retries, sleeping twice as long after each failure
+/// in a row (from 1 ms up to `MAX_SLEEP`), and logs the first failure and then one in
+/// `LOG_EVERY`, so that a persistent error costs neither a core nor the log.
+#[derive(Debug, Default)]
+struct EnterBackoff {
+    in_a_row: u32,
+}
+
+impl EnterBackoff {
+    const MAX_SLEEP: Duration = Duration::from_millis(100);
+    const LOG_EVERY: u32 = 100;
+
+    /// A failed enter: how long to sleep before the next, and whether to log this one.
+    fn failed(&mut self) -> (Duration, bool) {
+        self.in_a_row = self.in_a_row.saturating_add(1);
+        let shift = (self.in_a_row - 1).min(7);
+        let sleep = (Duration::from_millis(1) * (1u32 << shift)).min(Self::MAX_SLEEP);
+        (sleep, self.in_a_row == 1 || self.in_a_row % Self::LOG_EVERY == 0)
+    }
+
+    /// A successful enter (after failures: worth a line saying so).
+    fn succeeded(&mut self) -> Option<u32> {
+        let n = std::mem::take(&mut self.in_a_row);
+        (n > 0).then_some(n)
+    }
 }
 
 macro_rules! rw_entry {
@@ -860,15 +893,26 @@ impl Driver {
         drop(self);
     }
 
-    fn enter(&self, ring: &IoUring, want: usize) {
+    fn enter(&mut self, ring: &IoUring, want: usize) {
         match ring.submit_and_wait(want) {
-            Ok(_) => {}
+            Ok(_) => {
+                if let Some(n) = self.enter_failures.succeeded() {
+                    log::warn!("io_uring_enter works again after {n} failure(s) in a row");
+                }
+            }
             Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR | libc::EAGAIN | libc::EBUSY)) => {}
             Err(e) => {
-                // Nothing sensible to do but report and retry: the buffers of operations in flight must
-                // not be released while the kernel may still use them.
-                log::error!("io_uring_enter failed: {e}");
-                std::thread::yield_now();
+                // Nothing sensible to do but report and retry (see `EnterBackoff`): the buffers of
+                // operations in flight must not be released while the kernel may still use them.
+                let (sleep, log_it) = self.enter_failures.failed();
+                if log_it {
+                    log::error!(
+                        "io_uring_enter failed ({} in a row): {e}; retrying every {} ms at most",
+                        self.enter_failures.in_a_row,
+                        EnterBackoff::MAX_SLEEP.as_millis()
+                    );
+                }
+                std::thread::sleep(sleep);
             }
         }
     }
@@ -1060,6 +1104,24 @@ impl Driver {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A persistent `io_uring_enter` error: the driver's sleeps double up to 100 ms (about ten
+    /// calls a second, not a spinning core) and it logs the first failure and one in 100, not each.
+    #[test]
+    fn a_persistent_enter_error_backs_off_and_is_logged_rarely() {
+        let mut b = EnterBackoff::default();
+        let rounds: Vec<(Duration, bool)> = (0..1000).map(|_| b.failed()).collect();
+        let ms: Vec<u128> = rounds.iter().take(9).map(|r| r.0.as_millis()).collect();
+        assert_eq!(ms, [1, 2, 4, 8, 16, 32, 64, 100, 100]);
+        assert!(rounds.iter().all(|r| r.0 <= EnterBackoff::MAX_SLEEP));
+        let logged: Vec<usize> = rounds.iter().enumerate().filter(|r| r.1 .1).map(|r| r.0 + 1).collect();
+        assert_eq!(logged, [1, 100, 200, 300, 400, 500, 600, 700, 800, 900, 1000]);
+        let spent: Duration = rounds.iter().map(|r| r.0).sum();
+        assert!(spent >= Duration::from_secs(99), "1000 failures in a row take {spent:?} of sleep");
+        assert_eq!(b.succeeded(), Some(1000));
+        assert_eq!(b.succeeded(), None);
+        assert_eq!(b.failed(), (Duration::from_millis(1), true), "a new run of failures starts over");
+    }
 
     /// A backend whose blocking calls go through the ring, or `None` after printing why `test` is
     /// skipped (a panic instead under `SPILLWAY_REQUIRE_URING=1`).
