@@ -27,6 +27,12 @@ MiB = 1 << 20
 
 
 def _cluster(n_workers=2, memory_limit="400MiB", processes=True, **kwargs):
+    if not processes:
+        # Workers in this process would watch the memory of the whole test process: past 80% of
+        # their limit they pause and run nothing (a pytest process that ran the cluster tests
+        # before is near that). No memory monitor, then, and the store's target given as a number.
+        kwargs.setdefault("data", (spillway.worker_data, {"target": 256 * MiB}))
+        memory_limit = 0
     kwargs.setdefault("data", (spillway.worker_data, {"memory_limit": memory_limit}))
     return distributed.LocalCluster(
         n_workers=n_workers,
