@@ -21,7 +21,7 @@
 //! record (56 B header)
 //!  off size field
 //!    0   4  magic        "SPRC"
-//!    4   1  version      3
+//!    4   1  version      4
 //!    5   1  flags        bit0 LZ4 payload, bit1 TOMBSTONE, bit2 SYNC_MARK; other bits zero
 //!    6   2  frame_count  number of frames in the value
 //!    8   4  key_len
@@ -35,7 +35,8 @@
 //!   48   4  aux          tombstone: oldest segment that may hold an older version of the key;
 //!                        value: payload padding, a multiple of 64 below 512 (PAYLOAD_PAD_LIMIT);
 //!                        sync mark: 0
-//!   52   4  header_crc   crc32 of bytes 0..52 and 56..payload start (frame table, key, padding)
+//!   52   4  header_crc   crc32 of the log's salt (8 bytes), then bytes 0..52 and 56..payload start
+//!                        (frame table, key, padding)
 //!   56  8*n frame table  frame lengths (u64 each)
 //!    .      key
 //!    .      zero padding to the next multiple of 64 (FRAME_ALIGN) from the record start, then
@@ -58,15 +59,19 @@
 //! trailer (last 64 B of a sealed segment)
 //!    0   4  magic "SPTR"   4 2 version   6 2 reserved   8 4 segment   12 4 max_epoch
 //!   16   8  footer_offset  24 8 footer_len  32 8 entry_count  40 8 data_end
-//!   48   4  footer_crc     52 8 reserved    60 4 trailer_crc (of bytes 0..60)
+//!   48   4  footer_crc     52 8 salt        60 4 trailer_crc (of bytes 0..60)
 //!
 //! segment header (first 64 B)
 //!    0   8  magic "SPILLSEG"  8 4 version  12 4 segment  16 8 segment_bytes  24 4 align
-//!   28   4  epoch   32 8 data_start   40 20 reserved   60 4 header_crc (of bytes 0..60)
+//!   28   4  epoch   32 8 data_start   40 8 salt   48 12 reserved   60 4 header_crc (of bytes 0..60)
 //! ```
+//!
+//! The salt is a random number a log draws when it opens without a segment that names one, and
+//! writes into every segment header and trailer. It is mixed into every record's header crc, so that bytes a value's
+//! author chose cannot pass for a record (see [`Salt`]).
 
 /// Format version written by this build (records, footers, trailers, segment headers).
-pub const FORMAT_VERSION: u8 = 3;
+pub const FORMAT_VERSION: u8 = 4;
 /// Longest key accepted, in bytes.
 pub const MAX_KEY_BYTES: usize = 64 * 1024;
 /// Most frames a value may have.
@@ -184,6 +189,31 @@ fn put_u32(b: &mut [u8], at: usize, v: u32) {
 }
 fn put_u64(b: &mut [u8], at: usize, v: u64) {
     b[at..at + 8].copy_from_slice(&v.to_le_bytes());
+}
+
+/// The log's secret, mixed into every record header crc (it is the first 8 bytes the crc covers).
+///
+/// Recovery searches for records at 64-byte positions after damage, and a value's bytes are the
+/// bytes of its author, who may have put a record there that passes a plain crc32: a key with a
+/// winning sequence number, or an epoch or sequence number at its maximum. Not knowing the salt, the
+/// author cannot compute a header crc that verifies: each crafted record passes with a chance of
+/// 2^-32 (the crc's state after the salt is what the author would have to guess). The salt is no
+/// secret from whoever can read the segment files: it is in their headers and trailers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Salt(pub u64);
+
+impl Salt {
+    /// A fresh random salt: a hash of the time, the process and `seed` under the standard library's
+    /// randomly keyed SipHash (`RandomState`, seeded from the operating system's random source).
+    pub fn random(seed: &[u8]) -> Salt {
+        use std::hash::{BuildHasher, RandomState};
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        Salt(RandomState::new().hash_one((now.as_nanos(), std::process::id(), seed)))
+    }
+}
+
+fn header_crc(salt: Salt, fixed: &[u8], rest: &[u8]) -> u32 {
+    crc(&[&salt.0.to_le_bytes(), fixed, rest])
 }
 
 fn crc(parts: &[&[u8]]) -> u32 {
@@ -315,8 +345,9 @@ pub fn laid_out_crc<'a>(frames: impl IntoIterator<Item = &'a [u8]>) -> u32 {
 }
 
 /// Write header, frame table and key of a record into `dst[..payload_offset]` and compute the header
-/// crc. The payload must already be at `dst[payload_offset..]` and `h.payload_crc` must be its crc.
-pub fn write_record_head(dst: &mut [u8], h: &RecordHeader, frame_lens: &[u64], key: &[u8]) {
+/// crc with the log's `salt`. The payload must already be at `dst[payload_offset..]` and
+/// `h.payload_crc` must be its crc.
+pub fn write_record_head(dst: &mut [u8], h: &RecordHeader, frame_lens: &[u64], key: &[u8], salt: Salt) {
     assert_eq!(frame_lens.len(), h.frame_count as usize, "frame table length");
     assert_eq!(key.len(), h.key_len as usize, "key length");
     dst[0..4].copy_from_slice(&RECORD_MAGIC);
@@ -338,7 +369,7 @@ pub fn write_record_head(dst: &mut [u8], h: &RecordHeader, frame_lens: &[u64], k
     dst[ko..ko + key.len()].copy_from_slice(key);
     let po = h.payload_offset() as usize;
     dst[ko + key.len()..po].fill(0);
-    let c = crc(&[&dst[0..52], &dst[RECORD_HEADER_LEN..po]]);
+    let c = header_crc(salt, &dst[0..52], &dst[RECORD_HEADER_LEN..po]);
     put_u32(dst, 52, c);
 }
 
@@ -408,9 +439,9 @@ pub fn peek_record_header(b: &[u8]) -> Result<RecordHeader, DecodeError> {
     Ok(h)
 }
 
-/// Verify the header crc over the fixed header, frame table and key; `b` must hold at least
-/// `h.payload_offset()` bytes. Returns the frame lengths.
-pub fn verify_record_head(b: &[u8], h: &RecordHeader) -> Result<Vec<u64>, DecodeError> {
+/// Verify the header crc (with the log's `salt`) over the fixed header, frame table and key; `b` must
+/// hold at least `h.payload_offset()` bytes. Returns the frame lengths.
+pub fn verify_record_head(b: &[u8], h: &RecordHeader, salt: Salt) -> Result<Vec<u64>, DecodeError> {
     let need = h.payload_offset();
     if (b.len() as u64) < need {
         return Err(DecodeError::Truncated { need, have: b.len() as u64 });
@@ -419,7 +450,7 @@ pub fn verify_record_head(b: &[u8], h: &RecordHeader) -> Result<Vec<u64>, Decode
     if b[key_end..need as usize].iter().any(|&x| x != 0) {
         return Err(DecodeError::Invalid("non-zero padding after the key"));
     }
-    let actual = crc(&[&b[0..52], &b[RECORD_HEADER_LEN..need as usize]]);
+    let actual = header_crc(salt, &b[0..52], &b[RECORD_HEADER_LEN..need as usize]);
     let expected = u32_at(b, 52);
     if actual != expected {
         return Err(DecodeError::Checksum { what: "record header", expected, actual });
@@ -445,10 +476,10 @@ pub struct RecordRef<'a> {
     pub payload: &'a [u8],
 }
 
-/// Decode a whole record from the start of `b` and verify both checksums.
-pub fn decode_record(b: &[u8]) -> Result<RecordRef<'_>, DecodeError> {
+/// Decode a whole record from the start of `b` and verify both checksums (the header's with `salt`).
+pub fn decode_record(b: &[u8], salt: Salt) -> Result<RecordRef<'_>, DecodeError> {
     let header = peek_record_header(b)?;
-    let frame_lens = verify_record_head(b, &header)?;
+    let frame_lens = verify_record_head(b, &header, salt)?;
     let len = header.record_len();
     if (b.len() as u64) < len {
         return Err(DecodeError::Truncated { need: len, have: b.len() as u64 });
@@ -465,10 +496,10 @@ pub fn decode_record(b: &[u8]) -> Result<RecordRef<'_>, DecodeError> {
 
 /// Rewrite, in place, the `segment` and `epoch` of a verified record copy and recompute its header
 /// crc. Used when compaction relocates a record: payload, key, seq and payload crc are unchanged.
-pub fn relocate_record(b: &mut [u8], h: &RecordHeader, segment: u32, epoch: u32) {
+pub fn relocate_record(b: &mut [u8], h: &RecordHeader, segment: u32, epoch: u32, salt: Salt) {
     put_u32(b, 12, segment);
     put_u32(b, 16, epoch);
-    let c = crc(&[&b[0..52], &b[RECORD_HEADER_LEN..h.payload_offset() as usize]]);
+    let c = header_crc(salt, &b[0..52], &b[RECORD_HEADER_LEN..h.payload_offset() as usize]);
     put_u32(b, 52, c);
 }
 
@@ -596,6 +627,8 @@ pub struct Trailer {
     pub data_end: u64,
     /// crc32 of the footer bytes.
     pub footer_crc: u32,
+    /// The log's salt (a second copy of the segment header's).
+    pub salt: Salt,
 }
 
 /// Encode a trailer into 64 bytes.
@@ -610,6 +643,7 @@ pub fn encode_trailer(t: &Trailer) -> [u8; TRAILER_LEN] {
     put_u64(&mut b, 32, t.entry_count);
     put_u64(&mut b, 40, t.data_end);
     put_u32(&mut b, 48, t.footer_crc);
+    put_u64(&mut b, 52, t.salt.0);
     let c = crc(&[&b[0..60]]);
     put_u32(&mut b, 60, c);
     b
@@ -640,6 +674,7 @@ pub fn decode_trailer(b: &[u8], segment: u32, segment_bytes: u64) -> Result<Trai
         entry_count: u64_at(b, 32),
         data_end: u64_at(b, 40),
         footer_crc: u32_at(b, 48),
+        salt: Salt(u64_at(b, 52)),
     };
     if t.segment != segment {
         return Err(DecodeError::Invalid("trailer belongs to another segment"));
@@ -673,6 +708,8 @@ pub struct SegmentHeader {
     pub epoch: u32,
     /// Offset of the first record.
     pub data_start: u64,
+    /// The log's salt.
+    pub salt: Salt,
 }
 
 /// Encode a segment header into 64 bytes.
@@ -685,6 +722,7 @@ pub fn encode_segment_header(h: &SegmentHeader) -> [u8; SEGMENT_HEADER_LEN] {
     put_u32(&mut b, 24, h.align);
     put_u32(&mut b, 28, h.epoch);
     put_u64(&mut b, 32, h.data_start);
+    put_u64(&mut b, 40, h.salt.0);
     let c = crc(&[&b[0..60]]);
     put_u32(&mut b, 60, c);
     b
@@ -714,6 +752,7 @@ pub fn decode_segment_header(b: &[u8]) -> Result<SegmentHeader, DecodeError> {
         align: u32_at(b, 24),
         epoch: u32_at(b, 28),
         data_start: u64_at(b, 32),
+        salt: Salt(u64_at(b, 40)),
     };
     if !h.align.is_power_of_two() || h.align < 512 || h.data_start < SEGMENT_HEADER_LEN as u64 {
         return Err(DecodeError::Invalid("segment header alignment or data start"));
@@ -732,6 +771,8 @@ pub fn lz4_can_expand_to(stored: u64, raw: u64) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const SALT: Salt = Salt(0x5eed_cafe_f00d_d00d);
 
     #[test]
     fn laid_out_crc_is_the_crc_of_the_laid_out_payload() {
@@ -770,14 +811,14 @@ mod tests {
         let mut b = vec![0u8; h.record_len() as usize];
         let po = h.payload_offset() as usize;
         b[po..].copy_from_slice(&payload);
-        write_record_head(&mut b, &h, &lens, key);
+        write_record_head(&mut b, &h, &lens, key, SALT);
         b
     }
 
     #[test]
     fn record_round_trip() {
         let b = build(b"key", &[b"hello", b"", b"world!"], 0);
-        let r = decode_record(&b).unwrap();
+        let r = decode_record(&b, SALT).unwrap();
         assert_eq!(r.key, b"key");
         assert_eq!(r.frame_lens, vec![5, 0, 6]);
         let (offs, total) = frame_layout(r.frame_lens.iter().copied()).unwrap();
@@ -797,7 +838,7 @@ mod tests {
             for bit in 0..8 {
                 let mut c = b.clone();
                 c[byte] ^= 1 << bit;
-                assert!(decode_record(&c).is_err(), "flip at byte {byte} bit {bit} went unnoticed");
+                assert!(decode_record(&c, SALT).is_err(), "flip at byte {byte} bit {bit} went unnoticed");
             }
         }
     }
@@ -818,8 +859,8 @@ mod tests {
             aux: 0,
         };
         let mut b = vec![0u8; h.record_len() as usize];
-        write_record_head(&mut b, &h, &lens, key);
-        let e = decode_record(&b).unwrap_err();
+        write_record_head(&mut b, &h, &lens, key, SALT);
+        let e = decode_record(&b, SALT).unwrap_err();
         assert!(matches!(e, DecodeError::Invalid(m) if m.contains("lz4 raw_len")), "{e:?}");
         // The bound holds for what lz4 really does to the most compressible input.
         let zeros = vec![0u8; 16 << 20];
@@ -843,27 +884,27 @@ mod tests {
                 aux,
             };
             let mut b = vec![0u8; h.record_len() as usize];
-            write_record_head(&mut b, &h, &[], b"k");
+            write_record_head(&mut b, &h, &[], b"k", SALT);
             b
         };
-        assert_eq!(decode_record(&tombstone(7)).unwrap().header.aux, 7);
-        let e = decode_record(&tombstone(8)).unwrap_err();
+        assert_eq!(decode_record(&tombstone(7), SALT).unwrap().header.aux, 7);
+        let e = decode_record(&tombstone(8), SALT).unwrap_err();
         assert!(matches!(e, DecodeError::Invalid(m) if m.contains("after its own")), "{e:?}");
     }
 
     #[test]
     fn a_value_payload_starts_after_its_padding() {
         let b = build_padded(b"key", &[b"hello"], 0, 192);
-        let r = decode_record(&b).unwrap();
+        let r = decode_record(&b, SALT).unwrap();
         assert_eq!(r.header.payload_offset(), 128 + 192);
         assert_eq!(r.payload, b"hello");
         assert_eq!(b.len(), 128 + 192 + 5);
         // The padding is covered by the header crc and must be zeros.
         let mut bad = b.clone();
         bad[100] = 1;
-        assert!(decode_record(&bad).is_err());
+        assert!(decode_record(&bad, SALT).is_err());
         for aux in [32, 512, 4096] {
-            let e = decode_record(&build_padded(b"key", &[b"hello"], 0, aux)).unwrap_err();
+            let e = decode_record(&build_padded(b"key", &[b"hello"], 0, aux), SALT).unwrap_err();
             assert!(matches!(e, DecodeError::Invalid(m) if m.contains("padding")), "{aux}: {e:?}");
         }
         assert_eq!(payload_pad(0, 128), 384);
@@ -901,16 +942,29 @@ mod tests {
     fn truncation_is_an_error_not_a_panic() {
         let b = build(b"k", &[b"abcdefgh"], 0);
         for n in 0..b.len() {
-            assert!(decode_record(&b[..n]).is_err());
+            assert!(decode_record(&b[..n], SALT).is_err());
         }
+    }
+
+    #[test]
+    fn a_record_verifies_only_under_the_salt_it_was_written_with() {
+        // What a value's author can do: a record whose header crc is right for any salt but the log's.
+        let b = build(b"k", &[b"abc"], 0);
+        assert!(decode_record(&b, SALT).is_ok());
+        for other in [Salt(0), Salt(SALT.0 ^ 1), Salt(SALT.0.rotate_left(32))] {
+            let e = decode_record(&b, other).unwrap_err();
+            assert!(matches!(e, DecodeError::Checksum { what: "record header", .. }), "{e:?}");
+        }
+        // A random salt is drawn fresh each time.
+        assert_ne!(Salt::random(b"x"), Salt::random(b"x"));
     }
 
     #[test]
     fn relocation_keeps_record_valid() {
         let mut b = build(b"k", &[b"abc"], 0);
         let h = peek_record_header(&b).unwrap();
-        relocate_record(&mut b, &h, 99, 5);
-        let r = decode_record(&b).unwrap();
+        relocate_record(&mut b, &h, 99, 5, SALT);
+        let r = decode_record(&b, SALT).unwrap();
         assert_eq!((r.header.segment, r.header.epoch, r.header.seq), (99, 5, 42));
     }
 
@@ -953,11 +1007,13 @@ mod tests {
             entry_count: 2,
             data_end: 4256,
             footer_crc: footer_crc(&out),
+            salt: SALT,
         };
         let tb = encode_trailer(&t);
         assert_eq!(decode_trailer(&tb, 9, 1 << 20).unwrap(), t);
         assert!(decode_trailer(&tb, 8, 1 << 20).is_err());
-        let sh = SegmentHeader { segment: 9, segment_bytes: 1 << 20, align: 4096, epoch: 1, data_start: 4096 };
+        let sh =
+            SegmentHeader { segment: 9, segment_bytes: 1 << 20, align: 4096, epoch: 1, data_start: 4096, salt: SALT };
         assert_eq!(decode_segment_header(&encode_segment_header(&sh)).unwrap(), sh);
     }
 }

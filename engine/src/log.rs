@@ -30,7 +30,7 @@ use bytes::Bytes;
 use crate::backend::{Backend, BufResult, DirLock, PipelinedRead, PortableBackend};
 use crate::buf::AlignedBuf;
 use crate::error::{Error, Result};
-use crate::format::{self, align_down, align_up, FooterEntry, RecordHeader, RECORD_ALIGN};
+use crate::format::{self, align_down, align_up, FooterEntry, RecordHeader, Salt, RECORD_ALIGN};
 use crate::key::{IndexKey, KeyHasher, KeyMap};
 use crate::value::Frames;
 
@@ -324,6 +324,10 @@ const WARN_FULL: u64 = 1;
 const WARN_PUNCH: u64 = 2;
 const WARN_COMPACT: u64 = 4;
 const WARN_GC: u64 = 8;
+
+/// The highest sequence number a log writes: one whose records reach it opens read-only (see
+/// `recover`). Below it, a log's life cannot exhaust the counter (2^63 more writes).
+const SEQ_LIMIT: u64 = 1 << 63;
 
 /// Largest segment size accepted (offsets in the index are 32-bit).
 pub const MAX_SEGMENT_BYTES: u64 = (4 << 30) - (1 << 20);
@@ -664,6 +668,9 @@ pub struct SegmentLog<B: Backend = PortableBackend> {
     /// log, not once per call.
     warned: AtomicU64,
     recovery: RecoveryReport,
+    /// The log's salt (see [`Salt`]): learned from its segments at open, or drawn for a log without
+    /// any; every record head is written and verified with it.
+    salt: Salt,
     _lock: DirLock,
 }
 
@@ -841,6 +848,7 @@ impl<B: Backend> SegmentLog<B> {
             poisoned: OnceLock::new(),
             warned: AtomicU64::new(0),
             recovery: RecoveryReport::default(),
+            salt: Salt(0),
             _lock: lock,
         };
         log.recover()?;
@@ -900,9 +908,7 @@ impl<B: Backend> SegmentLog<B> {
         ids.sort_unstable();
 
         let mut report = RecoveryReport::default();
-        let mut scans: BTreeMap<u32, SegmentScan> = BTreeMap::new();
-        let mut max_epoch = 0u32;
-        let mut files = KeyMap::default();
+        let mut opened = Vec::with_capacity(ids.len());
         for &id in &ids {
             let path = self.seg_path(id);
             if self.backend.is_dir(&path) {
@@ -918,6 +924,13 @@ impl<B: Backend> SegmentLog<B> {
             // its tombstones would not delete (their keys' older values come back), and its keys
             // would read as absent or as older values.
             let file = self.backend.open(&path, false).map_err(|e| Error::io("open segment", path.clone(), e))?;
+            opened.push((id, file));
+        }
+        self.salt = self.learn_salt(&opened)?;
+        let mut scans: BTreeMap<u32, SegmentScan> = BTreeMap::new();
+        let mut max_epoch = 0u32;
+        let mut files = KeyMap::default();
+        for (id, file) in opened {
             let scan = self.load_segment(id, &file, &mut report)?;
             max_epoch = max_epoch.max(scan.max_epoch);
             files.insert(id, Arc::new(file));
@@ -1057,8 +1070,24 @@ impl<B: Backend> SegmentLog<B> {
         *self.files.get_mut().unwrap_or_else(|p| p.into_inner()) = files;
         let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
         st.next_segment = ids.last().map_or(1, |l| l.saturating_add(1));
-        st.next_seq = max_seq + 1;
-        st.epoch = max_epoch.checked_add(1).ok_or_else(|| Error::InvalidConfig("epoch counter exhausted".into()))?;
+        // A record's seq or epoch at (or near) its maximum leaves no higher one for new records to win
+        // with: such a log opens read-only, its values readable. A writer of this log never gets
+        // there (2^63 writes; 2^32 opens and failed writes), so it is damage that passed the
+        // checksums, and no reason to refuse the values that are there.
+        let (next_seq, epoch) = (max_seq.checked_add(1).filter(|&s| s <= SEQ_LIMIT), max_epoch.checked_add(1));
+        st.next_seq = next_seq.unwrap_or(SEQ_LIMIT);
+        st.epoch = epoch.unwrap_or(u32::MAX);
+        if next_seq.is_none() || epoch.is_none() {
+            let what =
+                if next_seq.is_none() { format!("sequence number {max_seq}") } else { format!("epoch {max_epoch}") };
+            let reason = format!(
+                "a record of {} holds {what}, which leaves no higher one for new records: the log is \
+                 read-only (copy its values into a new log to write again)",
+                self.dir.display()
+            );
+            log::error!("{reason}");
+            let _ = self.poisoned.set(reason);
+        }
         st.segs = segs;
         st.active = active;
         st.unsynced_sealed = unsynced_closed;
@@ -1073,6 +1102,50 @@ impl<B: Backend> SegmentLog<B> {
         Ok(())
     }
 
+    /// The log's salt: the one in the newest segment header that decodes or, if no header does, in
+    /// the newest trailer that does; a fresh one for a log that has neither (a new log, or one whose
+    /// only segment's header never landed: a crash before the first `sync`, which is the first
+    /// fdatasync of a segment's header, so none of its records was acknowledged). A segment whose
+    /// header or trailer holds another salt belongs to another log: the open fails on it
+    /// ([`Self::load_segment`]).
+    fn learn_salt(&self, segments: &[(u32, B::File)]) -> Result<Salt> {
+        let mut trailer_salt = None;
+        for (id, file) in segments.iter().rev() {
+            let path = self.seg_path(*id);
+            let len = self.backend.file_len(file).map_err(|e| Error::io("stat segment", path.clone(), e))?;
+            let len = align_down(len, self.align);
+            if len < self.align {
+                continue;
+            }
+            let head = self.read_aligned(file, 0, self.align as usize, &path)?;
+            if let Ok(h) = format::decode_segment_header(&head) {
+                if h.segment == *id {
+                    return Ok(h.salt);
+                }
+            }
+            if trailer_salt.is_none() && len >= 2 * self.align {
+                let last = self.read_aligned(file, len - self.align, self.align as usize, &path)?;
+                if let Ok(t) = format::decode_trailer(&last[self.align as usize - format::TRAILER_LEN..], *id, len) {
+                    trailer_salt = Some(t.salt);
+                }
+            }
+        }
+        Ok(trailer_salt.unwrap_or_else(|| Salt::random(self.dir.as_os_str().as_encoded_bytes())))
+    }
+
+    /// The error for a segment whose header or trailer holds a salt other than the log's.
+    fn foreign_segment(&self, id: u32, what: &str) -> Error {
+        Error::Corrupt {
+            segment: id,
+            offset: 0,
+            reason: format!(
+                "its {what} holds another salt than the newest segment's header: segments of different \
+                 logs are in {} (move the other log's out to open this one)",
+                self.seg_dir.display()
+            ),
+        }
+    }
+
     /// Read a segment's footer if it is sealed, or scan its records if not.
     fn load_segment(&self, id: u32, file: &B::File, report: &mut RecoveryReport) -> Result<SegmentScan> {
         let path = self.seg_path(id);
@@ -1082,6 +1155,7 @@ impl<B: Backend> SegmentLog<B> {
         let header = if file_len_aligned >= self.align {
             let buf = self.read_aligned(file, 0, self.align as usize, &path)?;
             match format::decode_segment_header(&buf) {
+                Ok(h) if h.segment == id && h.salt != self.salt => return Err(self.foreign_segment(id, "header")),
                 Ok(h) if h.segment == id => Some(h),
                 Ok(_) => {
                     report.corrupt.push((id, 0, "segment header names another segment".into()));
@@ -1139,6 +1213,9 @@ impl<B: Backend> SegmentLog<B> {
             let last_block = self.read_aligned(file, size - self.align, self.align as usize, &path)?;
             let tb = &last_block[self.align as usize - format::TRAILER_LEN..];
             if let Ok(t) = format::decode_trailer(tb, id, size) {
+                if t.salt != self.salt {
+                    return Err(self.foreign_segment(id, "trailer"));
+                }
                 if let Some(entries) = self.read_footer(file, id, size, &t, &path)? {
                     let mut meta = SegMeta::new(size, data_start);
                     meta.data_end = t.data_end;
@@ -1391,7 +1468,7 @@ impl<B: Backend> SegmentLog<B> {
         }
         let head_len = h.payload_offset();
         let head = win.bytes(pos, head_len)?;
-        if format::verify_record_head(head, &h).is_err() {
+        if format::verify_record_head(head, &h, self.salt).is_err() {
             return Ok(invalid);
         }
         let key = head[h.key_offset()..h.key_offset() + h.key_len as usize].to_vec();
@@ -1551,7 +1628,7 @@ impl<B: Backend> SegmentLog<B> {
             };
             let loc = p.loc();
             let got = match self.pending_record(loc)? {
-                Some(raw) => decode_read_with_crc(raw, loc, key),
+                Some(raw) => decode_read_with_crc(raw, loc, key, self.salt),
                 None => self.read_planned(&file, self.plan_read(&p, key.len()), key),
             };
             match got {
@@ -1619,7 +1696,7 @@ impl<B: Backend> SegmentLog<B> {
             .backend
             .read_new(file, plan.start, (plan.end - plan.start) as usize, self.buf_align(plan.end - plan.start))
             .map_err(|e| Error::io("read segment", self.seg_path(plan.loc.segment), e))?;
-        plan.finish_with_crc(buf.freeze(), key)
+        plan.finish_with_crc(buf.freeze(), key, self.salt)
     }
 
     /// Read the raw bytes of the record at `loc` (aligned read, zero-copy slice).
@@ -1655,17 +1732,18 @@ impl<B: Backend> SegmentLog<B> {
             Ok((plan, from_memory, read, self.seg_path(plan.loc.segment)))
         });
         let key = key.to_vec();
+        let salt = self.salt;
         async move {
             let Some(started) = started else {
                 return Ok(None);
             };
             let (plan, from_memory, read, path) = started?;
             let Some(read) = read else {
-                return decode_read(from_memory.expect("a pending record"), plan.loc, &key).map(Some);
+                return decode_read(from_memory.expect("a pending record"), plan.loc, &key, salt).map(Some);
             };
             let (r, buf) = read.await;
             r.map_err(|e| Error::io("read segment", path, e))?;
-            plan.finish(buf.freeze(), &key).map(Some)
+            plan.finish(buf.freeze(), &key, salt).map(Some)
         }
     }
 
@@ -1690,7 +1768,7 @@ impl<B: Backend> SegmentLog<B> {
                 // A pending record (write-behind): served from memory.
                 Some((p, _)) if self.may_be_pending(p.loc()) => {
                     let res = match self.pending_record(p.loc()) {
-                        Ok(Some(raw)) => decode_read(raw, p.loc(), &key).map(Some),
+                        Ok(Some(raw)) => decode_read(raw, p.loc(), &key, self.salt).map(Some),
                         Ok(None) => self.get(&key), // written meanwhile: read as usual
                         Err(e) => Err(e),
                     };
@@ -1710,7 +1788,7 @@ impl<B: Backend> SegmentLog<B> {
             let (key, plan) = pending.borrow_mut().remove(tag as usize);
             let res = match r {
                 Err(e) => Err(Error::io("read segment", self.seg_path(plan.loc.segment), e)),
-                Ok(()) => match plan.finish(buf.freeze(), &key) {
+                Ok(()) => match plan.finish(buf.freeze(), &key, self.salt) {
                     // Forgotten or moved while being read: as a fresh `get` finds it now.
                     Err(e) if self.moved_under_read(&e, &key, plan.loc) => self.get(&key),
                     got => got.map(Some),
@@ -1755,7 +1833,7 @@ impl<B: Backend> SegmentLog<B> {
         let fixed = self.read_range(&file, loc, 0, format::RECORD_HEADER_LEN as u64)?;
         let h = format::peek_record_header(&fixed).map_err(|e| e.at(loc.segment, loc.offset))?;
         let head = self.read_range(&file, loc, 0, h.payload_offset())?;
-        let frame_lens = format::verify_record_head(&head, &h).map_err(|e| e.at(loc.segment, loc.offset))?;
+        let frame_lens = format::verify_record_head(&head, &h, self.salt).map_err(|e| e.at(loc.segment, loc.offset))?;
         let k = &head[h.key_offset()..h.key_offset() + h.key_len as usize];
         if k != key || h.segment != loc.segment || h.is_tombstone() {
             return Err(Error::Corrupt {
@@ -1994,7 +2072,7 @@ impl<B: Backend> SegmentLog<B> {
         };
         let po = h.payload_offset() as usize;
         let mut head = vec![0u8; po];
-        format::write_record_head(&mut head, &h, &meta.frame_lens, key);
+        format::write_record_head(&mut head, &h, &meta.frame_lens, key, self.salt);
 
         const CHUNK: usize = 1 << 20;
         // Chunks are written `fill` bytes at a time (a multiple of the alignment); the extra block of
@@ -2471,7 +2549,7 @@ impl<B: Backend> SegmentLog<B> {
             for p in group {
                 let seq = Self::seq_for(st, &p.rec);
                 let at = (pos - base) as usize;
-                let h = Self::encode_record(p, &mut buf[at..at + p.len as usize], id, epoch, seq);
+                let h = self.encode_record(p, &mut buf[at..at + p.len as usize], id, epoch, seq);
                 placed.push(Placed::new(pos, &h));
                 let rec_end = (pos + p.len - base) as usize;
                 pos = padded(pos + p.len);
@@ -2539,7 +2617,7 @@ impl<B: Backend> SegmentLog<B> {
             let at = tail.len();
             // Zeros: the padding after the record; encode_record writes every byte of the record.
             tail.resize(at + padded(p.len) as usize, 0);
-            let h = Self::encode_record(p, &mut tail[at..at + p.len as usize], id, epoch, seq);
+            let h = self.encode_record(p, &mut tail[at..at + p.len as usize], id, epoch, seq);
             placed.push(Placed::new(pos, &h));
             pos = padded(pos + p.len);
         }
@@ -2722,7 +2800,7 @@ impl<B: Backend> SegmentLog<B> {
                 _ => {
                     let start = arena.len();
                     arena.resize(start + p.len as usize, 0);
-                    let h = Self::encode_record(p, &mut arena[start..], id, epoch, seq);
+                    let h = self.encode_record(p, &mut arena[start..], id, epoch, seq);
                     parts.push(Part::Arena(start..start + p.len as usize));
                     payload.push(false);
                     placed.push(Placed::new(pos, &h));
@@ -2805,7 +2883,7 @@ impl<B: Backend> SegmentLog<B> {
         let crcs = crcs.unwrap_or_else(|| large.iter().map(crc_of).collect());
         for (l, crc) in large.iter().zip(crcs) {
             let h = RecordHeader { payload_crc: crc, ..l.header };
-            format::write_record_head(&mut arena[l.head.clone()], &h, &l.frame_lens, l.key);
+            format::write_record_head(&mut arena[l.head.clone()], &h, &l.frame_lens, l.key, self.salt);
             placed[l.placed].h.payload_crc = crc;
         }
         if written.is_ok() {
@@ -2848,11 +2926,11 @@ impl<B: Backend> SegmentLog<B> {
 
     /// Encode one prepared record into `dst` (exactly `p.len` bytes): header, frame table, key and
     /// payload, with both checksums.
-    fn encode_record(p: &Prepared<'_>, dst: &mut [u8], segment: u32, epoch: u32, seq: u64) -> RecordHeader {
+    fn encode_record(&self, p: &Prepared<'_>, dst: &mut [u8], segment: u32, epoch: u32, seq: u64) -> RecordHeader {
         match (&p.rec, &p.payload) {
             (NewRecord::Relocated { header, .. }, Payload::Relocated(bytes)) => {
                 dst.copy_from_slice(bytes);
-                format::relocate_record(dst, header, segment, epoch);
+                format::relocate_record(dst, header, segment, epoch, self.salt);
                 RecordHeader { segment, epoch, ..*header }
             }
             (rec, payload) => {
@@ -2896,7 +2974,7 @@ impl<B: Backend> SegmentLog<B> {
                     stored_len,
                     aux,
                 };
-                format::write_record_head(dst, &h, &frame_lens, key);
+                format::write_record_head(dst, &h, &frame_lens, key, self.salt);
                 h
             }
         }
@@ -3262,6 +3340,7 @@ impl<B: Backend> SegmentLog<B> {
             align: self.align as u32,
             epoch: st.epoch,
             data_start,
+            salt: self.salt,
         };
         hb[..format::SEGMENT_HEADER_LEN].copy_from_slice(&format::encode_segment_header(&header));
         let (r, _) = self.backend.write_at(&file, 0, hb);
@@ -3315,6 +3394,7 @@ impl<B: Backend> SegmentLog<B> {
             entry_count: a.footer_entries,
             data_end: a.data_end,
             footer_crc: format::footer_crc(&a.footer),
+            salt: self.salt,
         };
         let tb = format::encode_trailer(&trailer);
         let footer_end = align_up(footer_offset + footer_len, self.align);
@@ -3497,7 +3577,7 @@ impl<B: Backend> SegmentLog<B> {
             }
             let loc = Location { segment: id, offset: e.offset, len: e.record_len };
             let raw = self.read_record_bytes(&file, loc)?;
-            let checked = format::decode_record(&raw).and_then(|r| {
+            let checked = format::decode_record(&raw, self.salt).and_then(|r| {
                 // The index entry of the copy comes from the header, its place from the footer
                 // entry: they must agree (only a crafted footer with a valid crc can differ).
                 entry_matches(&e, &r.header).then_some(()).ok_or(format::DecodeError::Invalid(FOOTER_MISMATCH))
@@ -3604,13 +3684,13 @@ impl<B: Backend> SegmentLog<B> {
                     && self.location(&e.key).is_none_or(|l| l.segment != id || l.offset != e.offset);
                 let err = match self.read_record_bytes(&file, loc) {
                     Ok(raw) if head_only => match format::peek_record_header(&raw)
-                        .and_then(|h| format::verify_record_head(&raw, &h).map(|_| h))
+                        .and_then(|h| format::verify_record_head(&raw, &h, self.salt).map(|_| h))
                     {
                         Ok(h) if entry_matches(&e, &h) => None,
                         Ok(_) => Some(Error::Corrupt { segment: id, offset: e.offset, reason: FOOTER_MISMATCH.into() }),
                         Err(d) => Some(d.at(id, e.offset)),
                     },
-                    Ok(raw) => match format::decode_record(&raw) {
+                    Ok(raw) => match format::decode_record(&raw, self.salt) {
                         Ok(r) if r.key == e.key.as_slice() && entry_matches(&e, &r.header) => None,
                         Ok(_) => Some(Error::Corrupt { segment: id, offset: e.offset, reason: FOOTER_MISMATCH.into() }),
                         Err(d) => Some(d.at(id, e.offset)),
@@ -3795,17 +3875,17 @@ impl ReadPlan {
     /// Decode what was read (`buf` holds the file range `start..end`) into the key's value. A
     /// payload read without its head is checked against the crc the index keeps; it is the one
     /// frame of the value.
-    fn finish(&self, buf: Bytes, key: &[u8]) -> Result<Frames> {
-        self.finish_with_crc(buf, key).map(|(frames, _)| frames)
+    fn finish(&self, buf: Bytes, key: &[u8], salt: Salt) -> Result<Frames> {
+        self.finish_with_crc(buf, key, salt).map(|(frames, _)| frames)
     }
 
     /// [`ReadPlan::finish`], with the crc the value was checked against (see
     /// [`SegmentLog::get_with_crc`]).
-    fn finish_with_crc(&self, buf: Bytes, key: &[u8]) -> Result<(Frames, Option<u32>)> {
+    fn finish_with_crc(&self, buf: Bytes, key: &[u8], salt: Salt) -> Result<(Frames, Option<u32>)> {
         let at = (self.from - self.start) as usize;
         let raw = buf.slice(at..at + self.len as usize);
         let Some(expected) = self.crc else {
-            return decode_read_with_crc(raw, self.loc, key);
+            return decode_read_with_crc(raw, self.loc, key, salt);
         };
         let actual = format::payload_crc(&raw);
         if actual != expected {
@@ -3818,14 +3898,14 @@ impl ReadPlan {
 }
 
 /// Check the record bytes read for `key` at `loc` and cut them into frames (decompressing if needed).
-fn decode_read(raw: Bytes, loc: Location, key: &[u8]) -> Result<Frames> {
-    decode_read_with_crc(raw, loc, key).map(|(frames, _)| frames)
+fn decode_read(raw: Bytes, loc: Location, key: &[u8], salt: Salt) -> Result<Frames> {
+    decode_read_with_crc(raw, loc, key, salt).map(|(frames, _)| frames)
 }
 
 /// [`decode_read`], with the payload crc when the record is not compressed (the laid-out crc of the
 /// frames, which `decode_record` checked).
-fn decode_read_with_crc(raw: Bytes, loc: Location, key: &[u8]) -> Result<(Frames, Option<u32>)> {
-    let r = format::decode_record(&raw).map_err(|e| e.at(loc.segment, loc.offset))?;
+fn decode_read_with_crc(raw: Bytes, loc: Location, key: &[u8], salt: Salt) -> Result<(Frames, Option<u32>)> {
+    let r = format::decode_record(&raw, salt).map_err(|e| e.at(loc.segment, loc.offset))?;
     if r.key != key || r.header.segment != loc.segment || r.header.is_tombstone() {
         return Err(Error::Corrupt {
             segment: loc.segment,

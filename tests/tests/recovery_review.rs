@@ -10,11 +10,16 @@
 //! * F2: a segment header with an absurd `segment_bytes` is damage, not an allocation of that size.
 //! * F3: a recovered segment with no room left for its footer is not sealed (and does not panic).
 //! * G: many zeroed regions in front of one sync mark cost an open a bounded number of passes.
+//! * H: a record forged inside a value (crc32-valid, as its author can make it) is not taken for one
+//!   when recovery searches the value's bytes after a torn head.
+//! * I: a record whose seq or epoch is at its maximum opens the log read-only instead of failing
+//!   every open (epoch) or wrapping the next seq to 0 (seq).
+//! * J: a segment of another log (another salt) fails the open with an error that says so.
 
 use std::path::PathBuf;
 
 use spillway::backend::{Fault, FaultKind, FaultOp};
-use spillway::format::{self, RecordHeader};
+use spillway::format::{self, RecordHeader, Salt};
 use spillway::{Backend, Error, Frames, LogOptions, SegmentLog, SimBackend};
 use spillway_tests::value_for;
 
@@ -69,13 +74,20 @@ fn a_failed_fdatasync_during_garbage_collection_deletes_nothing_more() {
     assert_eq!(log.get(b"c").unwrap(), Some(c_big));
 }
 
+/// The salt in the header of `bytes` (a segment file): what a crafted record needs to pass for one
+/// of the log's (its header crc covers it).
+fn salt_in(bytes: &[u8]) -> Salt {
+    format::decode_segment_header(&bytes[..format::SEGMENT_HEADER_LEN]).expect("a segment header").salt
+}
+
 /// Offsets of the records in `bytes` (a segment file) whose header parses and passes its crc.
 fn records_in(bytes: &[u8]) -> Vec<(u64, RecordHeader)> {
+    let salt = salt_in(bytes);
     let mut out = Vec::new();
     let mut at = 0;
     while at + format::RECORD_HEADER_LEN <= bytes.len() {
         if let Ok(h) = format::peek_record_header(&bytes[at..]) {
-            if format::verify_record_head(&bytes[at..], &h).is_ok() {
+            if format::verify_record_head(&bytes[at..], &h, salt).is_ok() {
                 out.push((at as u64, h));
             }
         }
@@ -114,7 +126,7 @@ fn a_tombstone_shadowing_a_later_segment_is_damage_not_a_panic() {
     assert_eq!(h.aux, 1);
     h.aux = 7;
     let mut crafted = head.clone();
-    format::write_record_head(&mut crafted, &h, &[], b"gone");
+    format::write_record_head(&mut crafted, &h, &[], b"gone", salt_in(&be.file_contents(&seg_path(1)).unwrap()));
     be.poke(&seg_path(1), at, &crafted).unwrap();
 
     let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
@@ -334,8 +346,8 @@ fn a_segment_header_with_an_absurd_size_is_damage() {
     }
 }
 
-/// A record with valid checksums: `key`, one frame `value`, in `segment` at `epoch`.
-fn crafted_record(key: &[u8], value: &[u8], segment: u32, epoch: u32, seq: u64) -> Vec<u8> {
+/// A record with valid checksums under `salt`: `key`, one frame `value`, in `segment` at `epoch`.
+fn crafted_record(key: &[u8], value: &[u8], segment: u32, epoch: u32, seq: u64, salt: Salt) -> Vec<u8> {
     let h = RecordHeader {
         flags: 0,
         frame_count: 1,
@@ -351,7 +363,7 @@ fn crafted_record(key: &[u8], value: &[u8], segment: u32, epoch: u32, seq: u64) 
     let len = h.record_len() as usize;
     let mut b = vec![0u8; format::align_up(len as u64, 64) as usize];
     b[h.payload_offset() as usize..len].copy_from_slice(value);
-    format::write_record_head(&mut b, &h, &[value.len() as u64], key);
+    format::write_record_head(&mut b, &h, &[value.len() as u64], key, salt);
     b
 }
 
@@ -372,9 +384,10 @@ fn a_recovered_segment_without_room_for_its_footer_is_not_sealed() {
     let limit = be.file_contents(&path).unwrap().len() as u64 - format::TRAILER_LEN as u64;
     let mut at = format::align_up(a.offset + a.len, 64);
     let mut keys = Vec::new();
+    let salt = salt_in(&be.file_contents(&path).unwrap());
     loop {
         let key = format!("{:02000}", keys.len()).into_bytes();
-        let rec = crafted_record(&key, b"crafted", 1, 1, 1000 + keys.len() as u64);
+        let rec = crafted_record(&key, b"crafted", 1, 1, 1000 + keys.len() as u64, salt);
         if at + rec.len() as u64 > limit {
             break;
         }
@@ -440,4 +453,115 @@ fn many_zeroed_regions_before_one_sync_mark_cost_an_open_a_bounded_number_of_pas
     let report = log.recovery_report();
     assert_eq!(report.truncated_bytes, 0, "{report:?}");
     assert_eq!(report.corrupt.len(), n / 2, "one zeroed region per zeroed record");
+}
+
+/// H: the head of a value's record is torn (garbage where it should be; its payload landed), so
+/// recovery searches the record's bytes for the next record. The value's author filled it with
+/// records for another key with a winning seq, their checksums right for every salt they could
+/// guess. None is taken: the key keeps its value. The same records made with the log's salt (what
+/// only a reader of the segment files knows) are taken: the search does look there.
+#[test]
+fn a_record_forged_inside_a_value_is_not_taken_for_one_after_a_torn_head() {
+    for knows_the_salt in [false, true] {
+        let be = SimBackend::new();
+        let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
+        log.put(b"victim", &one(b"victim", 100)).unwrap();
+        log.sync().unwrap();
+        let salt = salt_in(&be.file_contents(&seg_path(1)).unwrap());
+        let guesses = if knows_the_salt {
+            vec![salt]
+        } else {
+            vec![Salt(0), Salt(1), Salt(u64::MAX), Salt(salt.0 ^ 1), Salt(salt.0.rotate_left(32))]
+        };
+        let mut payload = Vec::new();
+        for (i, guess) in guesses.iter().enumerate() {
+            payload.extend(crafted_record(b"victim", b"forged", 1, 1, (1 << 40) + i as u64, *guess));
+        }
+        log.put(b"author", &Frames::from(payload)).unwrap();
+        log.sync().unwrap();
+        let at = log.location(b"author").unwrap().offset;
+        drop(log);
+        be.poke(&seg_path(1), at, &[0xA5; 64]).unwrap();
+
+        let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
+        let victim = log.get(b"victim").unwrap();
+        if knows_the_salt {
+            assert_eq!(victim, Some(Frames::from(b"forged".to_vec())), "the search never looked inside the value");
+        } else {
+            assert_eq!(victim, Some(one(b"victim", 100)), "{:?}", log.recovery_report());
+            assert!(log.recovery_report().corrupt.iter().any(|c| c.1 == at), "{:?}", log.recovery_report());
+        }
+    }
+}
+
+/// I: a record (crc-valid: damage, or the work of someone who can write the segment files) whose seq
+/// is `u64::MAX` made the next seq wrap to 0, so that every later write lost to older records; one
+/// whose epoch is `u32::MAX` failed every later open ("epoch counter exhausted"). Either now opens
+/// the log read-only, every value readable, and keeps opening.
+#[test]
+fn a_record_with_an_exhausted_seq_or_epoch_opens_the_log_read_only() {
+    for (seq, epoch) in [(u64::MAX, 1), (1 << 63, 1), (7, u32::MAX)] {
+        let be = SimBackend::new();
+        let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
+        log.put(b"a", &one(b"a", 100)).unwrap();
+        let a = log.location(b"a").unwrap();
+        drop(log); // no sync: "a" ends the records
+        let salt = salt_in(&be.file_contents(&seg_path(1)).unwrap());
+        let at = format::align_up(a.offset + a.len, 64);
+        be.poke(&seg_path(1), at, &crafted_record(b"max", b"max", 1, epoch, seq, salt)).unwrap();
+
+        for _ in 0..2 {
+            let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
+            let why = log.poisoned().unwrap_or_else(|| panic!("seq {seq}, epoch {epoch}: writable"));
+            assert!(why.contains("read-only") && why.contains("new records"), "{why}");
+            assert_eq!(log.get(b"a").unwrap(), Some(one(b"a", 100)));
+            assert_eq!(log.get(b"max").unwrap(), Some(Frames::from(b"max".to_vec())));
+            assert!(matches!(log.put(b"b", &one(b"b", 10)), Err(Error::Poisoned { .. })));
+            assert!(matches!(log.delete(b"a"), Err(Error::Poisoned { .. })));
+        }
+    }
+    // One below the limit is a log like any other.
+    let be = SimBackend::new();
+    let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
+    log.put(b"a", &one(b"a", 100)).unwrap();
+    let a = log.location(b"a").unwrap();
+    drop(log);
+    let salt = salt_in(&be.file_contents(&seg_path(1)).unwrap());
+    let at = format::align_up(a.offset + a.len, 64);
+    be.poke(&seg_path(1), at, &crafted_record(b"max", b"max", 1, 1, (1 << 63) - 1, salt)).unwrap();
+    let log = SegmentLog::open(be, "/s", opts()).unwrap();
+    assert_eq!(log.poisoned(), None);
+    log.put(b"max", &one(b"max", 10)).unwrap();
+    assert_eq!(log.get(b"max").unwrap(), Some(one(b"max", 10)), "the new record wins");
+}
+
+/// J: a segment file copied in from another log: its records verify with its own salt only, so
+/// taking it for one of this log's would lose them all. The open fails and says why.
+#[test]
+fn a_segment_of_another_log_fails_the_open_with_an_error_that_says_so() {
+    let be = SimBackend::new();
+    let other = SegmentLog::open(be.clone(), "/other", opts()).unwrap();
+    let mut i = 0;
+    while other.stats().sealed_segments == 0 {
+        other.put(format!("o{i}").as_bytes(), &one(b"o", 4000)).unwrap();
+        i += 1;
+    }
+    other.sync().unwrap();
+    drop(other);
+    let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
+    log.put(b"a", &one(b"a", 100)).unwrap();
+    log.sync().unwrap();
+    drop(log);
+    let bytes = be.file_contents(&PathBuf::from("/other/segments/00000002.seg")).unwrap();
+    let copy = seg_path(2);
+    let f = be.open(&copy, true).unwrap();
+    be.allocate(&f, bytes.len() as u64).unwrap();
+    drop(f);
+    be.poke(&copy, 0, &bytes).unwrap();
+
+    let e = SegmentLog::open(be.clone(), "/s", opts()).err().expect("the open fails");
+    assert!(e.to_string().contains("different logs"), "{e}");
+    be.remove_file(&copy).unwrap();
+    let log = SegmentLog::open(be, "/s", opts()).unwrap();
+    assert_eq!(log.get(b"a").unwrap(), Some(one(b"a", 100)));
 }
