@@ -280,6 +280,8 @@ const _: () = assert!(format::PAYLOAD_PAD_LIMIT / 64 <= LOC_PAD_MASK as u64 + 1)
 const _: () = assert!(RECORD_ALIGN >= 64);
 
 impl PackedLoc {
+    /// `l` must pack: the writer places records so (`fits`, `MAX_RECORD_BYTES`), and recovery drops
+    /// entries that do not (see `recover`).
     fn new(l: Location, facts: RecordFacts, first_elsewhere: bool) -> Self {
         debug_assert!(l.offset <= u32::MAX as u64 && l.len <= u32::MAX as u64, "{l:?} does not pack");
         debug_assert!(l.offset % RECORD_ALIGN == 0 && facts.pad % 64 == 0 && facts.pad / 64 <= LOC_PAD_MASK);
@@ -931,7 +933,21 @@ impl<B: Backend> SegmentLog<B> {
         let mut max_epoch = 0u32;
         let mut files = KeyMap::default();
         for (id, file) in opened {
-            let scan = self.load_segment(id, &file, &mut report)?;
+            let mut scan = self.load_segment(id, &file, &mut report)?;
+            // The index holds offsets and lengths in 32 bits. A segment may be a little over 4 GiB (a
+            // jumbo segment, whose one record starts at its start), so a record further in, or
+            // longer, is one no writer made: damage, not an entry whose offset would wrap.
+            let before = scan.entries.len();
+            scan.entries.retain(|e| {
+                let addressable = e.offset <= u32::MAX as u64 && e.record_len <= MAX_RECORD_BYTES;
+                if !addressable {
+                    report.corrupt.push((id, e.offset, "a record beyond what the index addresses (32 bits)".into()));
+                }
+                addressable
+            });
+            if scan.entries.len() != before {
+                scan.meta.records = scan.entries.len() as u64;
+            }
             max_epoch = max_epoch.max(scan.max_epoch);
             files.insert(id, Arc::new(file));
             scans.insert(id, scan);

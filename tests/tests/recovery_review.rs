@@ -15,11 +15,13 @@
 //! * I: a record whose seq or epoch is at its maximum opens the log read-only instead of failing
 //!   every open (epoch) or wrapping the next seq to 0 (seq).
 //! * J: a segment of another log (another salt) fails the open with an error that says so.
+//! * K: a record past 4 GiB into a segment (which the index cannot address) is damage; its offset
+//!   no longer wraps to another record's.
 
 use std::path::PathBuf;
 
 use spillway::backend::{Fault, FaultKind, FaultOp};
-use spillway::format::{self, RecordHeader, Salt};
+use spillway::format::{self, FooterEntry, RecordHeader, Salt};
 use spillway::{Backend, Error, Frames, LogOptions, SegmentLog, SimBackend};
 use spillway_tests::value_for;
 
@@ -564,4 +566,71 @@ fn a_segment_of_another_log_fails_the_open_with_an_error_that_says_so() {
     be.remove_file(&copy).unwrap();
     let log = SegmentLog::open(be, "/s", opts()).unwrap();
     assert_eq!(log.get(b"a").unwrap(), Some(one(b"a", 100)));
+}
+
+/// K: the index holds offsets in 32 bits, and a segment header may claim a little over 4 GiB (a
+/// jumbo segment's size). A footer (trailer and footer crcs valid) that lists a record past 4 GiB
+/// had it indexed at its offset modulo 2^32: here another key's record, whose bytes a read of the
+/// far key then returned (a panic in debug builds). It is damage now, and the other records read.
+/// A real file, sparse: the 4 GiB cost no disk and no memory.
+#[test]
+fn a_record_past_what_the_index_addresses_is_damage() {
+    use std::os::unix::fs::FileExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let o = || LogOptions { segment_bytes: 64 * 1024, auto_compact: false, ..Default::default() };
+    let log = SegmentLog::open(spillway::PortableBackend::new(), tmp.path(), o()).unwrap();
+    log.put(b"a", &one(b"a", 100)).unwrap();
+    log.sync().unwrap();
+    let a = log.location(b"a").unwrap();
+    drop(log);
+    let path = tmp.path().join("segments/00000001.seg");
+    let file = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
+    let read = |at: u64, n: usize| {
+        let mut b = vec![0u8; n];
+        file.read_exact_at(&mut b, at).unwrap();
+        b
+    };
+    let mut h = format::decode_segment_header(&read(0, format::SEGMENT_HEADER_LEN)).unwrap();
+    let ra = format::peek_record_header(&read(a.offset, format::RECORD_HEADER_LEN)).unwrap();
+    h.segment_bytes = (1 << 32) + (128 << 10);
+    file.write_all_at(&format::encode_segment_header(&h), 0).unwrap();
+    file.set_len(h.segment_bytes).unwrap();
+    // "a" where it is, and "far" as a copy of it 4 GiB further on.
+    let entry = |key: &[u8], offset: u64| FooterEntry {
+        key: key.to_vec(),
+        flags: ra.flags,
+        frame_count: ra.frame_count,
+        payload_crc: ra.payload_crc,
+        offset,
+        record_len: a.len,
+        seq: ra.seq + offset / 4096,
+        aux: ra.aux,
+    };
+    let far = (1u64 << 32) + a.offset;
+    let mut footer = Vec::new();
+    format::encode_footer_entry(&mut footer, &entry(b"a", a.offset));
+    format::encode_footer_entry(&mut footer, &entry(b"far", far));
+    let footer_offset = h.segment_bytes - (64 << 10);
+    let trailer = format::Trailer {
+        segment: 1,
+        max_epoch: 1,
+        footer_offset,
+        footer_len: footer.len() as u64,
+        entry_count: 2,
+        data_end: format::align_up(far + a.len, 64),
+        footer_crc: format::footer_crc(&footer),
+        salt: h.salt,
+    };
+    file.write_all_at(&footer, footer_offset).unwrap();
+    file.write_all_at(&format::encode_trailer(&trailer), h.segment_bytes - format::TRAILER_LEN as u64).unwrap();
+    drop(file);
+
+    let log = SegmentLog::open(spillway::PortableBackend::new(), tmp.path(), o()).unwrap();
+    assert_eq!(log.recovery_report().sealed_segments, 1, "read through its footer");
+    assert!(log.recovery_report().corrupt.iter().any(|c| c.0 == 1 && c.1 == far), "{:?}", log.recovery_report());
+    assert_eq!(log.get(b"far").unwrap(), None);
+    assert_eq!(log.get(b"a").unwrap(), Some(one(b"a", 100)));
+    log.put(b"b", &one(b"b", 100)).unwrap();
+    log.sync().unwrap();
+    assert_eq!(log.get(b"b").unwrap(), Some(one(b"b", 100)));
 }
