@@ -38,6 +38,11 @@ Policy (as dask's)
   value the log refuses (``ValueError``: more than 65535 out-of-band buffers, or larger than the
   log's value limit), keeps the key in memory and logs "Spill to disk failed; keeping data in memory" with the traceback (at most
   every 10 s).
+* A failed write that left the log read-only (an EIO: the log cannot tell what reached the file) is
+  retried once on a fresh log in a new directory, and later spills go there; the read-only log keeps
+  serving its records until the buffer closes. After ``MAX_FRESH_LOGS`` fresh logs, the last
+  read-only one is kept: spills fail as above, and that the buffer keeps data in memory from now on
+  is logged once, with the log's reason.
 * A value that fails to pickle: if it is the one being set and is heavier than ``target`` (the only
   case in which its own set spills it), ``__setitem__`` raises ``TypeError("Failed to pickle
   'key'")`` (the pickling error chained as ``__cause__``) and the key is forgotten; otherwise it
@@ -210,6 +215,11 @@ AHEAD_MIN_PICKLE_RATE = 1 << 30
 AHEAD_PROBE_SECONDS = 30.0
 #: After a failed write ahead (disk error, pickling error), the writer rests this long (s).
 CLEAN_BACKOFF_SECONDS = 5.0
+#: A failed write (an EIO, say) leaves a log read-only: the buffer then writes to a fresh log, in a
+#: new directory, at most this many times in its life (the disk may have failed for a moment; if it
+#: fails that often, it is failing). The read-only logs stay open, for their records (a delete of
+#: spill data needs no write: it releases the record's blocks), until the buffer closes.
+MAX_FRESH_LOGS = 3
 
 #: Bytes of weight brought into memory (sets, reads back) between two reads of the process's RSS
 #: (see ``process_target``). A read costs about 2 µs.
@@ -750,7 +760,7 @@ class _Writer:
             if buffer is None:
                 return
             for key, log_key in deletes:
-                _delete_from_log(buffer._log, key, log_key)
+                buffer._delete_from_log(key, log_key)
             more = False
             if wanted:
                 try:
@@ -764,21 +774,15 @@ class _Writer:
                 self.cond.notify_all()
 
 
-def _delete_from_log(log: Log, key: Hashable, log_key: bytes) -> None:
-    try:
-        log.delete(log_key)
-    except ValueError:
-        pass  # the buffer was closed: the log and its directory are gone already
-    except (OSError, SpillwayError):
-        logger.error("Failed to delete the spilled data of %r from disk", key, exc_info=True)
-
-
-def _close_log(log: Log, directory: str, writer: _Writer) -> None:
+def _close_logs(logs: list, writer: _Writer) -> None:
     try:
         writer.stop()
-        log.close()
     finally:
-        shutil.rmtree(directory, ignore_errors=True)
+        for _, log, directory in logs:
+            try:
+                log.close()
+            finally:
+                shutil.rmtree(directory, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -799,7 +803,8 @@ class SpillBuffer(MutableMapping):
     compression:
         The log's compression: ``"none"`` or ``"lz4"``.
     backend:
-        The log's I/O backend: ``"auto"``, ``"uring"`` or ``"portable"``.
+        The log's I/O backend: ``"auto"``, ``"uring"``, ``"portable"`` or ``"sim"`` (the simulated
+        disk, in memory, whose faults tests script with ``Log._inject_fault``).
     segment_bytes:
         Size of the log's segment files.
     serialized_in_memory:
@@ -845,20 +850,24 @@ class SpillBuffer(MutableMapping):
         self.directory = tempfile.mkdtemp(
             prefix="spillway-", dir=os.path.abspath(os.fspath(spill_directory))
         )
+        self._log_options = {
+            "segment_bytes": segment_bytes,
+            "compression": compression,
+            "backend": backend,
+        }
         try:
-            self._log = Log(
-                self.directory,
-                segment_bytes=segment_bytes,
-                compression=compression,
-                backend=backend,
-            )
+            self._log = Log(self.directory, **self._log_options)
         except BaseException:
             shutil.rmtree(self.directory, ignore_errors=True)
             raise
+        #: Every open log, oldest first, as [first write number, log, directory]: the log of a log
+        #: key is the last one whose first write number is at most the key's (see ``_log_of``). The
+        #: last is ``self._log``, where new records go.
+        self._logs: list = [[1, self._log, self.directory]]
+        self._fresh_logs = 0  # fresh logs opened after a failed write
+        self._log_swap = threading.Lock()  # taken to replace a read-only log
         self._writer = _Writer(self)
-        self._finalizer = weakref.finalize(
-            self, _close_log, self._log, self.directory, self._writer
-        )
+        self._finalizer = weakref.finalize(self, _close_logs, self._logs, self._writer)
         self._clean_backoff_until = 0.0
         self._last_eviction = -math.inf
         self._pickle_rates: dict = {}  # type -> [average bytes/s of its pickles, next probe time]
@@ -889,7 +898,7 @@ class SpillBuffer(MutableMapping):
 
     @property
     def log(self) -> Log:
-        """The underlying :class:`spillway.Log`."""
+        """The :class:`spillway.Log` new records go to (see ``MAX_FRESH_LOGS``)."""
         return self._log
 
     @property
@@ -1002,7 +1011,7 @@ class SpillBuffer(MutableMapping):
             if tier is _DISK:
                 t0 = perf_counter()
                 try:
-                    frames, crc = self._log.get_with_crc(log_key)
+                    frames, crc = self._log_of(log_key).get_with_crc(log_key)
                 except KeyError:
                     raise self._record_gone(key, log_key) from None  # for its waiters too
                 t1 = perf_counter()
@@ -1245,10 +1254,9 @@ class SpillBuffer(MutableMapping):
                 ):
                     continue
                 e.cleaning = True
-                self._writes += 1
-                picks.append((key, e, e.tier, e.value, self._writes))
+                picks.append((key, e, e.tier, e.value))
         slow = set()  # types this round found to pickle slowly: the rest of the batch skips them
-        for i, (key, e, tier, value, number) in enumerate(picks):
+        for i, (key, e, tier, value) in enumerate(picks):
             if tier is _OBJECT and type(value) in slow:
                 with self._lock:
                     e.cleaning = False
@@ -1268,10 +1276,7 @@ class SpillBuffer(MutableMapping):
                         self._cleaned.notify_all()
                     continue
                 crc = frames_crc(frames)
-                log_key = encode_key(key) + number.to_bytes(8, "big")
-                t0 = perf_counter()
-                stored = self._log.put(log_key, frames)
-                seconds = perf_counter() - t0
+                log_key, stored, seconds = self._put(key, frames)
             except BaseException as error:
                 # The value stays without a copy; an eviction writes it (and logs what fails).
                 with self._lock:
@@ -1417,10 +1422,8 @@ class SpillBuffer(MutableMapping):
             self._evicting_weight += e.weight
             tier, value, weight = e.tier, e.value, e.weight
             copy = (e.log_key, e.disk_bytes, e.crc) if e.log_key else None
-            self._writes += 1
-            write_number = self._writes
         try:
-            log_key, stored, seconds = self._write(key, tier, value, write_number, copy)
+            log_key, stored, seconds = self._write(key, tier, value, copy)
         except BaseException as error:
             with self._lock:
                 e.evicting = False
@@ -1475,7 +1478,7 @@ class SpillBuffer(MutableMapping):
         self._delete_record(key, stale)
         return weight
 
-    def _write(self, key: Hashable, tier: Tier, value: object, write_number: int, copy=None):
+    def _write(self, key: Hashable, tier: Tier, value: object, copy=None):
         """Pickle (objects) and write one value to the log, within ``max_spill``. Returns (log
         key, payload bytes, seconds). ``copy`` is the (log key, payload bytes, crc) of a record
         the value was read back from: if the value still pickles to frames of that crc, nothing is
@@ -1484,23 +1487,102 @@ class SpillBuffer(MutableMapping):
         frames = value if tier is _FRAMES else self._pickle(key, value)
         if copy is not None and copy[2] is not None and frames_crc(frames) == copy[2]:
             return copy[0], copy[1], 0.0
-        log_key = encode_key(key) + write_number.to_bytes(8, "big")
         if self.max_spill is False:
-            t0 = perf_counter()
-            stored = self._log.put(log_key, frames)
-            return log_key, stored, perf_counter() - t0
+            return self._put(key, frames)
         nbytes = _frame_bytes(frames)
         with self._lock:  # reserve the space, so that concurrent spills cannot overshoot together
             if self._spilled_disk + self._reserved_disk + nbytes > self.max_spill:
                 raise DiskFull(f"spilling {nbytes} bytes would exceed max_spill={self.max_spill}")
             self._reserved_disk += nbytes
         try:
-            t0 = perf_counter()
-            stored = self._log.put(log_key, frames)
-            return log_key, stored, perf_counter() - t0
+            return self._put(key, frames)
         finally:
             with self._lock:
                 self._reserved_disk -= nbytes
+
+    def _put(self, key: Hashable, frames: list) -> tuple:
+        """Write ``frames`` for ``key`` under a new log key, in the current log. Returns (log key,
+        payload bytes, seconds). A write that leaves the log read-only is tried once more, on the
+        fresh log that replaces it (see ``MAX_FRESH_LOGS``). Raises what ``Log.put`` raises."""
+        for attempt in (1, 2):
+            with self._lock:  # the number and the log together: ``_log_of`` maps one to the other
+                self._writes += 1
+                log_key = encode_key(key) + self._writes.to_bytes(8, "big")
+                log = self._log
+            t0 = perf_counter()
+            try:
+                return log_key, log.put(log_key, frames), perf_counter() - t0
+            except (OSError, SpillwayError) as error:
+                if isinstance(error, DiskFull) or attempt == 2 or not self._replace_read_only(log):
+                    raise
+
+    def _log_of(self, log_key: bytes) -> Log:
+        """The log that holds ``log_key`` (by the write number at its end; see ``self._logs``)."""
+        number = int.from_bytes(log_key[-8:], "big")
+        if number >= self._logs[-1][0]:
+            return self._log
+        for first, log, _ in reversed(self._logs):
+            if number >= first:
+                return log
+        return self._logs[0][1]
+
+    def _replace_read_only(self, failed: Log) -> bool:
+        """After ``failed`` refused a write: if it is read-only now, make a fresh log the one new
+        records go to (unless another thread did already, or ``MAX_FRESH_LOGS`` were opened).
+        Returns whether a write should be tried again."""
+        try:
+            reason = failed.read_only
+        except ValueError:  # closed
+            return False
+        if reason is None:
+            return False  # an error of that write alone
+        with self._log_swap:
+            if self._log is not failed:
+                return True
+            if self._fresh_logs >= MAX_FRESH_LOGS:
+                if self._fresh_logs == MAX_FRESH_LOGS:
+                    self._fresh_logs += 1
+                    logger.error(
+                        "the spill log in %s is read-only (%s) and %d fresh logs failed before it; "
+                        "keeping data in memory from now on",
+                        self._logs[-1][2],
+                        reason,
+                        MAX_FRESH_LOGS,
+                    )
+                return False
+            parent = os.path.dirname(self.directory)
+            try:
+                directory = tempfile.mkdtemp(prefix="spillway-", dir=parent)
+                try:
+                    log = Log(directory, **self._log_options)
+                except BaseException:
+                    shutil.rmtree(directory, ignore_errors=True)
+                    raise
+            except Exception:
+                logger.exception("could not open a fresh spill log in %s", parent)
+                return False
+            self._fresh_logs += 1
+            with self._lock:
+                self._logs.append([self._writes + 1, log, directory])
+                self._log = log
+        logger.error(
+            "the spill log in %s is read-only (%s); spilling to a fresh log in %s (%d of %d)",
+            self._logs[-2][2],
+            reason,
+            directory,
+            self._fresh_logs,
+            MAX_FRESH_LOGS,
+        )
+        return True
+
+    def _delete_from_log(self, key: Hashable, log_key: bytes) -> None:
+        """Delete a record (on the background writer), from the log that holds it."""
+        try:
+            self._log_of(log_key).delete(log_key)
+        except ValueError:
+            pass  # the buffer was closed: the log and its directory are gone already
+        except (OSError, SpillwayError):
+            logger.error("Failed to delete the spilled data of %r from disk", key, exc_info=True)
 
     def _promote(
         self,
@@ -1636,7 +1718,7 @@ class SpillBuffer(MutableMapping):
     def _read(self, key: Hashable, log_key: bytes) -> list:
         t0 = perf_counter()
         try:
-            frames = self._log.get(log_key)
+            frames = self._log_of(log_key).get(log_key)
         except KeyError:
             raise self._record_gone(key, log_key) from None
         seconds = perf_counter() - t0

@@ -495,10 +495,50 @@ impl Log {
         Ok(self.inner()?.log.poisoned().map(str::to_owned))
     }
 
-    /// The backend in use: "uring" or "portable".
+    /// The backend in use: "uring", "portable" or "sim".
     #[getter]
     fn backend(&self) -> &'static str {
         self.backend
+    }
+
+    /// For tests, on a log opened with `backend="sim"` (the simulated disk, in memory): make the
+    /// operation `op` ("read", "write", "sync", "allocate", "create", "open", "remove" or "any")
+    /// fail with `kind` ("eio", "enospc", "torn-write" or "torn-enospc") after `after` more
+    /// operations of that kind succeed; with `sticky`, every later one fails too, until
+    /// `_clear_faults`. ValueError on any other backend.
+    #[pyo3(signature = (op, after, kind, sticky = false))]
+    fn _inject_fault(&self, op: &str, after: u64, kind: &str, sticky: bool) -> PyResult<()> {
+        use spillway::backend::{Fault, FaultKind, FaultOp};
+        let op = match op {
+            "read" => FaultOp::Read,
+            "write" => FaultOp::Write,
+            "sync" => FaultOp::Sync,
+            "allocate" => FaultOp::Allocate,
+            "create" => FaultOp::Create,
+            "open" => FaultOp::Open,
+            "remove" => FaultOp::Remove,
+            "any" => FaultOp::Any,
+            other => return Err(PyValueError::new_err(format!("unknown operation '{other}'"))),
+        };
+        let kind = match kind {
+            "eio" => FaultKind::Eio,
+            "enospc" => FaultKind::Enospc,
+            "torn-write" => FaultKind::TornWrite,
+            "torn-enospc" => FaultKind::TornEnospc,
+            other => return Err(PyValueError::new_err(format!("unknown fault '{other}'"))),
+        };
+        let inner = self.inner()?;
+        let sim = inner.log.backend().as_sim().ok_or_else(|| PyValueError::new_err("faults need backend='sim'"))?;
+        sim.inject(Fault { op, after, kind, sticky });
+        Ok(())
+    }
+
+    /// For tests: remove the faults `_inject_fault` scripted (sticky ones included).
+    fn _clear_faults(&self) -> PyResult<()> {
+        let inner = self.inner()?;
+        let sim = inner.log.backend().as_sim().ok_or_else(|| PyValueError::new_err("faults need backend='sim'"))?;
+        sim.clear_faults();
+        Ok(())
     }
 
     /// Close the log (idempotent). Later calls raise ValueError. Operations already running on

@@ -250,6 +250,73 @@ def test_evict_never_raises(make_buffer, recording):
 
 
 # --------------------------------------------------------------------------------------------------
+# A failed write on the simulated disk (backend="sim": the log's own I/O fails)
+
+BIG = 3 << 20  # above the log's write-behind budget: each spill is written at once
+
+
+def big(i):
+    return np.full(BIG, i, dtype=np.uint8)
+
+
+def test_a_failed_write_moves_the_spills_to_a_fresh_log(make_buffer, caplog_spillway):
+    """One EIO: the log it hit is read-only for good (it cannot tell what reached the file). The
+    spill that met it is written to a fresh log, and so are the later ones; what the first log
+    holds stays readable, and deleting it needs no write."""
+    buf = make_buffer(target=1000, backend="sim")
+    first = buf.log
+    buf["a"] = big(1)
+    assert "a" in buf.slow
+    first._inject_fault("write", 0, "eio")
+    buf["b"] = big(2)
+    assert set(buf.slow) == {"a", "b"}, "the spill that met the EIO went to the fresh log"
+    assert first.read_only is not None and buf.log is not first and buf.log.read_only is None
+    assert len(first) == 1 and len(buf.log) == 1
+    buf["c"] = big(3)
+    assert set(buf.slow) == {"a", "b", "c"} and len(buf.log) == 2
+    for k, i in (("a", 1), ("b", 2), ("c", 3)):
+        assert (buf[k] == i).all(), k
+    del buf["a"]
+    buf._writer.drain()  # (the background writer deletes records)
+    assert len(first) == 0
+    fresh = [m for m in messages(caplog_spillway, logging.ERROR) if "fresh log" in m]
+    assert len(fresh) == 1 and "(1 of 3)" in fresh[0] and "read-only" in fresh[0], fresh
+    assert DISK_ERROR_MESSAGE not in messages(caplog_spillway)
+
+
+def test_a_disk_that_keeps_failing_leaves_the_data_in_memory_after_three_fresh_logs(
+    make_buffer, caplog_spillway
+):
+    """Each log fails its next write once it is the one spills go to (each fresh log is a fresh
+    simulated disk: the fault is scripted on each). After three fresh logs the buffer keeps the
+    last, read-only one, says so once, and spills fail as disk errors do: the keys stay in memory.
+    Every value reads back."""
+    buf = make_buffer(target=1000, backend="sim")
+    buf["x"] = big(9)
+    logs = []
+    for i in range(5):
+        if buf.log not in logs:
+            logs.append(buf.log)
+            buf.log._inject_fault("write", 0, "eio", sticky=True)
+        buf[i] = big(i)
+    assert len(logs) == 4, "the first log and three fresh ones"
+    assert all(log.read_only is not None for log in logs)
+    assert set(buf.slow) == {"x", 0, 1, 2} and set(buf.fast) == {3, 4}
+    assert (buf["x"] == 9).all()
+    for i in range(5):
+        assert (buf[i] == i).all()
+    errors = messages(caplog_spillway, logging.ERROR)
+    assert sum("fresh log in" in m for m in errors) == 3, errors
+    assert sum("keeping data in memory from now on" in m for m in errors) == 1, errors
+    assert DISK_ERROR_MESSAGE in errors
+    # The keys in memory stay there: the last log is read-only, and no other is opened.
+    for log in logs:
+        log._clear_faults()
+    buf.evict()
+    assert set(buf.fast) == {3, 4} and buf.log is logs[-1]
+
+
+# --------------------------------------------------------------------------------------------------
 # Disk errors (real)
 
 NOBODY = 65534

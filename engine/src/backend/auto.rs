@@ -7,8 +7,8 @@ use std::str::FromStr;
 use std::sync::Arc;
 
 use super::{
-    Backend, BufResult, DirLock, IoFuture, PipelinedRead, PortableBackend, ReadReq, UringBackend, UringFile,
-    UringOptions,
+    Backend, BufResult, DirLock, IoFuture, PipelinedRead, PortableBackend, ReadReq, SimBackend, SimFile, UringBackend,
+    UringFile, UringOptions,
 };
 use crate::buf::AlignedBuf;
 use std::os::fd::AsRawFd;
@@ -23,6 +23,9 @@ pub enum BackendKind {
     Uring,
     /// Blocking pread/pwrite.
     Portable,
+    /// The simulated disk, in memory ([`SimBackend`]): for tests of code that runs on an
+    /// `AutoBackend` (the Python bindings), with its scripted faults. Nothing is written to disk.
+    Sim,
 }
 
 impl FromStr for BackendKind {
@@ -32,7 +35,8 @@ impl FromStr for BackendKind {
             "auto" => Ok(BackendKind::Auto),
             "uring" | "io_uring" | "io-uring" => Ok(BackendKind::Uring),
             "portable" => Ok(BackendKind::Portable),
-            other => Err(format!("unknown backend '{other}' (expected auto, uring or portable)")),
+            "sim" => Ok(BackendKind::Sim),
+            other => Err(format!("unknown backend '{other}' (expected auto, uring, portable or sim)")),
         }
     }
 }
@@ -44,6 +48,8 @@ pub enum AutoBackend {
     Uring(UringBackend),
     /// Blocking positional I/O.
     Portable(PortableBackend),
+    /// The simulated disk (see [`BackendKind::Sim`]).
+    Sim(SimBackend),
 }
 
 /// A file of an [`AutoBackend`].
@@ -52,6 +58,8 @@ pub enum AutoFile {
     Uring(UringFile),
     /// Opened by the portable backend.
     Portable(File),
+    /// Opened by the simulated backend.
+    Sim(SimFile),
 }
 
 impl AutoBackend {
@@ -76,6 +84,7 @@ impl AutoBackend {
         };
         match kind {
             BackendKind::Portable => Ok(AutoBackend::Portable(PortableBackend::with_direct(direct))),
+            BackendKind::Sim => Ok(AutoBackend::Sim(SimBackend::new())),
             BackendKind::Uring => UringBackend::new(opts).map(AutoBackend::Uring),
             BackendKind::Auto => match UringBackend::new(opts) {
                 Ok(u) => Ok(AutoBackend::Uring(u)),
@@ -91,7 +100,15 @@ impl AutoBackend {
     pub fn as_uring(&self) -> Option<&UringBackend> {
         match self {
             AutoBackend::Uring(u) => Some(u),
-            AutoBackend::Portable(_) => None,
+            _ => None,
+        }
+    }
+
+    /// The simulated backend, when that is what runs (to script its faults).
+    pub fn as_sim(&self) -> Option<&SimBackend> {
+        match self {
+            AutoBackend::Sim(s) => Some(s),
+            _ => None,
         }
     }
 
@@ -100,6 +117,7 @@ impl AutoBackend {
         match self {
             AutoBackend::Uring(u) => u.direct(),
             AutoBackend::Portable(p) => p.direct(),
+            AutoBackend::Sim(_) => false,
         }
     }
 }
@@ -108,12 +126,26 @@ fn mismatch() -> io::Error {
     io::Error::new(io::ErrorKind::InvalidInput, "file opened by another backend")
 }
 
+/// `$call` on the backend and file of the same kind, as `$b.$call($f, ...)`; `$err` for a file of
+/// another backend.
 macro_rules! with_file {
-    ($self:ident, $file:ident, $u:ident, $uf:ident => $ue:expr, $p:ident, $pf:ident => $pe:expr, $err:expr) => {
+    ($self:ident, $file:ident, |$b:ident, $f:ident| $call:expr, $err:expr) => {
         match ($self, $file) {
-            (AutoBackend::Uring($u), AutoFile::Uring($uf)) => $ue,
-            (AutoBackend::Portable($p), AutoFile::Portable($pf)) => $pe,
+            (AutoBackend::Uring($b), AutoFile::Uring($f)) => $call,
+            (AutoBackend::Portable($b), AutoFile::Portable($f)) => $call,
+            (AutoBackend::Sim($b), AutoFile::Sim($f)) => $call,
             _ => $err,
+        }
+    };
+}
+
+/// `$call` on whichever backend runs, as `$b.$call(...)`.
+macro_rules! on_backend {
+    ($self:ident, |$b:ident| $call:expr) => {
+        match $self {
+            AutoBackend::Uring($b) => $call,
+            AutoBackend::Portable($b) => $call,
+            AutoBackend::Sim($b) => $call,
         }
     };
 }
@@ -122,74 +154,82 @@ impl Backend for AutoBackend {
     type File = AutoFile;
 
     fn name(&self) -> &'static str {
-        match self {
-            AutoBackend::Uring(u) => u.name(),
-            AutoBackend::Portable(p) => p.name(),
-        }
+        on_backend!(self, |b| b.name())
     }
     fn create_dir_all(&self, path: &Path) -> io::Result<()> {
-        PortableBackend::new().create_dir_all(path)
+        match self {
+            AutoBackend::Sim(s) => s.create_dir_all(path),
+            _ => PortableBackend::new().create_dir_all(path),
+        }
     }
     fn is_dir(&self, path: &Path) -> bool {
-        path.is_dir()
+        match self {
+            AutoBackend::Sim(s) => s.is_dir(path),
+            _ => path.is_dir(),
+        }
     }
     fn list_dir(&self, path: &Path) -> io::Result<Vec<String>> {
-        PortableBackend::new().list_dir(path)
+        match self {
+            AutoBackend::Sim(s) => s.list_dir(path),
+            _ => PortableBackend::new().list_dir(path),
+        }
     }
     fn open(&self, path: &Path, create: bool) -> io::Result<AutoFile> {
         match self {
             AutoBackend::Uring(u) => u.open(path, create).map(AutoFile::Uring),
             AutoBackend::Portable(p) => p.open(path, create).map(AutoFile::Portable),
+            AutoBackend::Sim(s) => s.open(path, create).map(AutoFile::Sim),
         }
     }
     fn remove_file(&self, path: &Path) -> io::Result<()> {
-        std::fs::remove_file(path)
+        match self {
+            AutoBackend::Sim(s) => s.remove_file(path),
+            _ => std::fs::remove_file(path),
+        }
     }
     fn sync_dir(&self, path: &Path) -> io::Result<()> {
-        PortableBackend::new().sync_dir(path)
+        match self {
+            AutoBackend::Sim(s) => s.sync_dir(path),
+            _ => PortableBackend::new().sync_dir(path),
+        }
     }
     fn file_len(&self, file: &AutoFile) -> io::Result<u64> {
-        with_file!(self, file, u, f => u.file_len(f), p, f => p.file_len(f), Err(mismatch()))
+        with_file!(self, file, |b, f| b.file_len(f), Err(mismatch()))
     }
     fn allocate(&self, file: &AutoFile, len: u64) -> io::Result<()> {
-        with_file!(self, file, u, f => u.allocate(f, len), p, f => p.allocate(f, len), Err(mismatch()))
+        with_file!(self, file, |b, f| b.allocate(f, len), Err(mismatch()))
     }
     fn as_fd<'a>(&self, file: &'a AutoFile) -> Option<std::os::fd::BorrowedFd<'a>> {
-        Some(match file {
-            AutoFile::Uring(u) => std::os::fd::AsFd::as_fd(u.file()),
-            AutoFile::Portable(p) => std::os::fd::AsFd::as_fd(p),
-        })
+        match file {
+            AutoFile::Uring(u) => Some(std::os::fd::AsFd::as_fd(u.file())),
+            AutoFile::Portable(p) => Some(std::os::fd::AsFd::as_fd(p)),
+            AutoFile::Sim(_) => None,
+        }
     }
 
     fn read_at(&self, file: &AutoFile, offset: u64, buf: AlignedBuf) -> BufResult {
-        with_file!(self, file, u, f => u.read_at(f, offset, buf), p, f => p.read_at(f, offset, buf), (Err(mismatch()), buf))
+        with_file!(self, file, |b, f| b.read_at(f, offset, buf), (Err(mismatch()), buf))
     }
     fn write_at(&self, file: &AutoFile, offset: u64, buf: AlignedBuf) -> BufResult {
-        with_file!(self, file, u, f => u.write_at(f, offset, buf), p, f => p.write_at(f, offset, buf), (Err(mismatch()), buf))
+        with_file!(self, file, |b, f| b.write_at(f, offset, buf), (Err(mismatch()), buf))
     }
     fn sync_data(&self, file: &AutoFile) -> io::Result<()> {
-        with_file!(self, file, u, f => u.sync_data(f), p, f => p.sync_data(f), Err(mismatch()))
+        with_file!(self, file, |b, f| b.sync_data(f), Err(mismatch()))
     }
     fn lock_dir(&self, dir: &Path) -> io::Result<DirLock> {
-        PortableBackend::new().lock_dir(dir)
+        match self {
+            AutoBackend::Sim(s) => s.lock_dir(dir),
+            _ => PortableBackend::new().lock_dir(dir),
+        }
     }
     fn alignment(&self, dir: &Path) -> usize {
-        match self {
-            AutoBackend::Uring(u) => u.alignment(dir),
-            AutoBackend::Portable(p) => p.alignment(dir),
-        }
+        on_backend!(self, |b| b.alignment(dir))
     }
     fn read_alignment(&self, dir: &Path) -> usize {
-        match self {
-            AutoBackend::Uring(u) => u.read_alignment(dir),
-            AutoBackend::Portable(p) => p.read_alignment(dir),
-        }
+        on_backend!(self, |b| b.read_alignment(dir))
     }
     fn alloc_buf(&self, len: usize, align: usize) -> AlignedBuf {
-        match self {
-            AutoBackend::Uring(u) => u.alloc_buf(len, align),
-            AutoBackend::Portable(p) => p.alloc_buf(len, align),
-        }
+        on_backend!(self, |b| b.alloc_buf(len, align))
     }
     fn read_at_async(&self, file: &Arc<AutoFile>, offset: u64, buf: AlignedBuf) -> IoFuture {
         match (self, &**file) {
@@ -198,48 +238,37 @@ impl Backend for AutoBackend {
         }
     }
     fn pipelines_reads(&self) -> bool {
-        match self {
-            AutoBackend::Portable(p) => p.pipelines_reads(),
-            AutoBackend::Uring(u) => u.pipelines_reads(),
-        }
+        on_backend!(self, |b| b.pipelines_reads())
     }
 
     fn queues_writes(&self) -> bool {
-        match self {
-            AutoBackend::Portable(p) => p.queues_writes(),
-            AutoBackend::Uring(u) => u.queues_writes(),
-        }
+        on_backend!(self, |b| b.queues_writes())
     }
 
     fn punch_hole(&self, file: &AutoFile, offset: u64, len: u64) -> io::Result<()> {
-        match (self, file) {
-            (AutoBackend::Portable(p), AutoFile::Portable(f)) => p.punch_hole(f, offset, len),
-            (AutoBackend::Uring(u), AutoFile::Uring(f)) => u.punch_hole(f, offset, len),
-            _ => Err(io::ErrorKind::Unsupported.into()),
-        }
+        with_file!(self, file, |b, f| b.punch_hole(f, offset, len), Err(io::ErrorKind::Unsupported.into()))
     }
 
     fn read_new(&self, file: &AutoFile, offset: u64, len: usize, align: usize) -> io::Result<AlignedBuf> {
-        match (self, file) {
-            (AutoBackend::Portable(p), AutoFile::Portable(f)) => p.read_new(f, offset, len, align),
-            (AutoBackend::Uring(u), AutoFile::Uring(f)) => u.read_new(f, offset, len, align),
-            _ => super::read_by_alloc(self, file, offset, len, align),
-        }
+        with_file!(
+            self,
+            file,
+            |b, f| b.read_new(f, offset, len, align),
+            super::read_by_alloc(self, file, offset, len, align)
+        )
     }
 
     fn gathers_writes(&self) -> bool {
-        match self {
-            AutoBackend::Portable(p) => p.gathers_writes(),
-            AutoBackend::Uring(u) => u.gathers_writes(),
-        }
+        on_backend!(self, |b| b.gathers_writes())
     }
 
     fn write_gather_at(&self, file: &AutoFile, offset: u64, parts: &[&[u8]]) -> io::Result<()> {
-        match (self, file) {
-            (AutoBackend::Portable(p), AutoFile::Portable(f)) => p.write_gather_at(f, offset, parts),
-            (AutoBackend::Uring(u), AutoFile::Uring(f)) => u.write_gather_at(f, offset, parts),
-            _ => super::gather_by_copy(self, file, offset, parts),
-        }
+        with_file!(
+            self,
+            file,
+            |b, f| b.write_gather_at(f, offset, parts),
+            super::gather_by_copy(self, file, offset, parts)
+        )
     }
 
     fn write_at_async(&self, file: &Arc<AutoFile>, offset: u64, buf: AlignedBuf) -> IoFuture {
@@ -264,6 +293,7 @@ impl Backend for AutoBackend {
                     |f: &AutoFile| match f {
                         AutoFile::Uring(f) => (f.file().as_raw_fd(), f.is_direct()),
                         AutoFile::Portable(p) => (p.as_raw_fd(), u.direct()),
+                        AutoFile::Sim(_) => (-1, false), // (never: a uring backend opens no sim file)
                     },
                     next,
                     done,
@@ -276,13 +306,9 @@ impl Backend for AutoBackend {
                     Ok(())
                 }
             },
-            AutoBackend::Portable(p) => {
+            AutoBackend::Portable(_) | AutoBackend::Sim(_) => {
                 while let Some(r) = next() {
-                    let res = match &*r.file {
-                        AutoFile::Portable(f) => p.read_at(f, r.offset, r.buf),
-                        AutoFile::Uring(_) => (Err(mismatch()), r.buf),
-                    };
-                    done(r.tag, res);
+                    done(r.tag, self.read_at(&r.file, r.offset, r.buf));
                 }
                 Ok(())
             }
@@ -296,7 +322,7 @@ impl Backend for AutoBackend {
                     .into_iter()
                     .filter_map(|r| match r.file {
                         AutoFile::Uring(f) => Some(ReadReq { file: f, offset: r.offset, buf: r.buf }),
-                        AutoFile::Portable(_) => None,
+                        _ => None,
                     })
                     .collect();
                 return u.read_many(reqs);
