@@ -314,3 +314,51 @@ def test_empty_frames_are_stored(tmp_path):
     assert log.put(b"k", [b"", bytearray(), memoryview(b"")]) == 0
     assert [bytes(f) for f in log.get(b"k")] == [b"", b"", b""]
     log.close()
+
+
+def test_a_forked_child_can_read_and_close_its_parents_io_uring_log(tmp_path):
+    """A process forked while a log runs on io_uring (a task that forks, multiprocessing's fork
+    start method) inherits the log but not its driver thread, and maps the parent's ring. Reads and
+    writes run inline (pread/pwrite), so they work; closing the log (as the child's exit does, in
+    the buffer's finalizer) joined the driver thread, which does not exist in the child, and never
+    returned. Now a child's close leaves the parent's ring and thread alone, anything the child's
+    copy would send to the ring fails at once instead (the engine's async reads), the parent's log
+    is untouched, and a log the child opens itself works."""
+    import select
+    import signal
+
+    try:
+        log = Log(str(tmp_path / "log"), backend="uring", write_behind_bytes=0)
+    except OSError as e:
+        if uring_required():
+            raise
+        pytest.skip(f"io_uring unavailable: {e}")
+    value = [b"v" * 100_000]
+    log.put(b"k", value)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, and leave without running the parent's cleanup
+        try:
+            os.close(r)
+            report = "read" if bytes(log.get(b"k")[0]) == value[0] else "read other bytes"
+            log.close()
+            report += " | closed"
+            own = Log(str(tmp_path / "child"), backend="uring", write_behind_bytes=0)
+            own.put(b"c", value)
+            report += " | own log " + ("works" if bytes(own.get(b"c")[0]) == value[0] else "differs")
+            own.close()
+            os.write(w, report.encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    ready, _, _ = select.select([r], [], [], 60)
+    if not ready:
+        os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    report = os.read(r, 4096).decode() if ready else "the child hung"
+    os.close(r)
+    assert report == "read | closed | own log works", report
+    assert bytes(log.get(b"k")[0]) == value[0], "the parent's log still reads"
+    log.put(b"k2", value)
+    assert bytes(log.get(b"k2")[0]) == value[0]
+    log.close()

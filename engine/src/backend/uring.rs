@@ -38,7 +38,7 @@ use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::Path;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Waker};
 use std::thread::JoinHandle;
@@ -171,7 +171,44 @@ enum Request {
     Panic,
 }
 
+/// Forks this process went through, counted in each child (a `pthread_atfork` handler, installed
+/// with the first backend). A backend belongs to the process that made it: its ring and its driver
+/// thread are that process's, and a child of a fork has no driver thread (a fork copies only the
+/// thread that called it) while its copy of the ring maps the same kernel ring as the parent's.
+/// So in a child, an inherited backend refuses every operation at once (instead of queueing it for
+/// a driver that does not exist there, and waiting forever) and never touches the ring; a backend
+/// the child makes itself works.
+static FORKS: AtomicU64 = AtomicU64::new(0);
+
+extern "C" fn count_fork_in_child() {
+    FORKS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Install the fork counter (once per process) and return the forks so far.
+fn forks() -> u64 {
+    static INSTALL: std::sync::Once = std::sync::Once::new();
+    INSTALL.call_once(|| {
+        // SAFETY: `pthread_atfork` registers a handler for the child side of later forks; it takes
+        // no pointer of ours but the function's. The handler only increments an atomic, which is
+        // async-signal-safe, as what runs in the child of a multithreaded process's fork must be.
+        let r = unsafe { libc::pthread_atfork(None, None, Some(count_fork_in_child)) };
+        if r != 0 {
+            log::warn!("io_uring: pthread_atfork failed ({r}): a forked child may wait on its parent's ring");
+        }
+    });
+    FORKS.load(Ordering::Relaxed)
+}
+
+fn forked_error() -> io::Error {
+    io::Error::other(
+        "this io_uring backend belongs to the process this one was forked from (its ring and driver \
+         thread are that process's): open the log again in this process",
+    )
+}
+
 struct Shared {
+    /// [`FORKS`] when the backend was made: any other value means this is a forked child.
+    forks: u64,
     /// Requests for the driver; `None` once the driver has died (panicked), so that a request sent
     /// afterwards fails at once instead of waiting for a driver that is gone.
     queue: Mutex<Option<Vec<Request>>>,
@@ -187,7 +224,21 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Shared {
+    /// Whether this process is a fork of the one that made the backend.
+    fn forked(&self) -> bool {
+        FORKS.load(Ordering::Relaxed) != self.forks
+    }
+
     fn send(&self, reqs: Vec<Request>) {
+        if self.forked() {
+            // Not even the queue's lock: another thread of the parent may have held it at the fork.
+            for r in reqs {
+                if let Request::Io(op) = r {
+                    op.comp.complete((Err(forked_error()), op.buf));
+                }
+            }
+            return;
+        }
         let refused = match &mut *lock(&self.queue) {
             Some(q) => {
                 q.extend(reqs);
@@ -419,6 +470,7 @@ impl UringBackend {
 
         let eventfd = rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC)?;
         let shared = Arc::new(Shared {
+            forks: forks(),
             queue: Mutex::new(Some(Vec::new())),
             idle: Doorbell::new(),
             shutdown: AtomicBool::new(false),
@@ -543,6 +595,14 @@ impl UringBackend {
 
 impl Drop for UringBackend {
     fn drop(&mut self) {
+        if self.shared.forked() {
+            // The driver thread is the parent's: nothing to stop or join here, and the eventfd
+            // would wake the parent's. What the driver owns (the ring) is left as it is.
+            if let Some(h) = self.driver.take() {
+                std::mem::forget(h);
+            }
+            return;
+        }
         self.shared.shutdown.store(true, Ordering::SeqCst);
         self.shared.kick();
         if let Some(h) = self.driver.take() {
