@@ -695,3 +695,73 @@ fn an_error_response_names_what_failed_without_the_servers_paths() {
     assert!(!e.contains("/srv") && !e.contains("secret") && !e.contains(".seg"), "{e}");
     assert_eq!(c.get(b"fine").unwrap(), Some(v));
 }
+
+/// Descriptors of this process that point at `path` after it was unlinked.
+fn open_deleted(path: &std::path::Path) -> usize {
+    let deleted = format!("{} (deleted)", path.display());
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|target| target.to_string_lossy() == deleted)
+        .count()
+}
+
+/// A value being sent to a peer that stops reading keeps its segment file open after the key is
+/// forgotten and the segment deleted (the send reads the file, never memory): the disk space stays
+/// taken, but only until the send's deadline (`timeout + size / min_bytes_per_sec`) cuts the peer
+/// off. Then nothing holds the deleted file.
+#[test]
+fn a_stalled_peer_holds_a_deleted_segment_only_until_its_send_is_cut_off() {
+    let src = tempfile::tempdir().unwrap();
+    let log = Arc::new(
+        SegmentLog::open(
+            PortableBackend::new(),
+            src.path(),
+            LogOptions { segment_bytes: 1 << 20, durable: false, punch_forgotten: true, ..Default::default() },
+        )
+        .unwrap(),
+    );
+    log.put(b"big", &frames_for(b"big", 8 << 20)).unwrap();
+    let mut i = 0;
+    while log.location(b"small").is_none_or(|l| l.segment == log.location(b"big").unwrap().segment) {
+        log.put(b"small", &frames_for(b"small", 1000 + i)).unwrap(); // until writes went on in another segment
+        i += 1;
+        assert!(i < 10_000, "writes never left the big value's segment");
+    }
+    let small = frames_for(b"small", 999 + i);
+    let big = log.location(b"big").unwrap().segment;
+    assert_ne!(big, log.location(b"small").unwrap().segment, "the big value's segment is not the active one");
+    let seg = src.path().join(format!("segments/{big:08x}.seg"));
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    let served = log.clone();
+    std::thread::spawn(move || {
+        let (s, _) = listener.accept().unwrap();
+        // 1 s + 8 MiB at 4 MiB/s: the deadline is 3 s after the header.
+        let o = TransferOptions {
+            timeout: Duration::from_secs(1),
+            min_bytes_per_sec: 4 << 20,
+            splice_min_bytes: 0,
+            ..opts()
+        };
+        done_tx.send(transfer::serve_connection(&*served, s, &o).map_err(|e| e.to_string())).unwrap();
+    });
+    let mut sock = TcpStream::connect(addr).unwrap();
+    sock.write_all(&transfer::greeting()).unwrap();
+    let mut greeting = [0u8; 8];
+    sock.read_exact(&mut greeting).unwrap();
+    sock.write_all(&[1, 3, 0, 0, 0]).unwrap();
+    sock.write_all(b"big").unwrap();
+    let mut first = vec![0u8; 64 << 10];
+    sock.read_exact(&mut first).unwrap(); // the send is under way; the peer stops reading here
+
+    assert!(log.forget(b"big").unwrap());
+    assert!(!seg.exists(), "the dead segment is deleted");
+    assert_eq!(open_deleted(&seg), 1, "the send holds the deleted file");
+    let err = done_rx.recv_timeout(Duration::from_secs(60)).expect("the server ends").unwrap_err();
+    assert!(err.contains("not through in time"), "{err}");
+    assert_eq!(open_deleted(&seg), 0, "nothing holds the deleted file once the send is cut off");
+    drop(sock);
+    assert_eq!(log.get(b"small").unwrap(), Some(small));
+}
