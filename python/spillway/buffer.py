@@ -52,6 +52,14 @@ Policy (as dask's)
   keys in memory are spilled instead (dask's rule).
 * A spilled object that is still referenced elsewhere is kept in a weak-reference cache: reading it
   returns that same object without touching the disk (for types that allow weak references).
+* **An object must not be changed in place while it is in the buffer** (dask's rule for task
+  inputs). Its buffers are written to disk without a copy, with the GIL released, so a change made
+  while it is being spilled lands in the record in part, or not at all. The record's checksum tells:
+  as long as the object is alive, reads return it from the weak-reference cache (with the change);
+  once it is gone, a read of a record whose bytes changed between the checksum and the write raises
+  :class:`spillway.Corrupt`, naming the key and this cause; a change that both saw (or, with
+  ``compression="lz4"``, that the compressor saw) reads back as written. Dask's own store writes such
+  a torn value and reads it back without a check.
 
 Beyond dask's policy (memory under pressure)
 --------------------------------------------
@@ -160,7 +168,7 @@ from collections.abc import Hashable, ItemsView, Iterator, Mapping, MutableMappi
 from time import monotonic, perf_counter
 from typing import Any, Literal, NamedTuple
 
-from spillway._core import DiskFull, Log, SpillwayError, frames_crc
+from spillway._core import Corrupt, DiskFull, Log, SpillwayError, frames_crc
 
 try:
     from dask.sizeof import sizeof as _dask_sizeof
@@ -774,6 +782,14 @@ class _Writer:
                 self.cond.notify_all()
 
 
+def _damaged(key: Hashable, error: Corrupt) -> Corrupt:
+    """The error for a spilled record of ``key`` that fails its checks."""
+    return Corrupt(
+        f"the spilled data of {key!r} is damaged ({error}). An object changed in place while it was "
+        "being spilled reads so too: its bytes no longer match the checksum of what was written"
+    )
+
+
 def _close_logs(logs: list, writer: _Writer) -> None:
     try:
         writer.stop()
@@ -1014,6 +1030,8 @@ class SpillBuffer(MutableMapping):
                     frames, crc = self._log_of(log_key).get_with_crc(log_key)
                 except KeyError:
                     raise self._record_gone(key, log_key) from None  # for its waiters too
+                except Corrupt as error:
+                    raise _damaged(key, error) from error
                 t1 = perf_counter()
                 read = (sum(map(len, frames)), t1 - t0)  # 1-D byte memoryviews: len is nbytes
                 if not keep_copy:
@@ -1721,6 +1739,8 @@ class SpillBuffer(MutableMapping):
             frames = self._log_of(log_key).get(log_key)
         except KeyError:
             raise self._record_gone(key, log_key) from None
+        except Corrupt as error:
+            raise _damaged(key, error) from error
         seconds = perf_counter() - t0
         nbytes = sum(map(len, frames))  # the log returns 1-D byte memoryviews: len is nbytes
         with self._lock:

@@ -524,3 +524,27 @@ def test_a_record_missing_from_the_log_is_an_error_not_an_endless_retry(make_buf
     assert "k" not in buf and buf.tier("other") == "object"
     buf._drain()
     assert list(buf.log.keys()) == [buf._entries["other"].log_key]
+
+
+def test_a_damaged_record_names_its_key_and_what_else_reads_so(make_buffer):
+    """A record that fails its checksum (damage on disk, or an object changed in place while it was
+    being spilled: the same bytes-against-crc mismatch) raises Corrupt with the key, for every
+    reader, and the other keys read on."""
+    buf = make_buffer(target=1000, backend="portable")
+    buf["a"] = b"\xab" * (3 << 20)  # bytes: no weak reference, so a read goes to the record
+    buf["b"] = b"\xcd" * (3 << 20)
+    assert set(buf.slow) == {"a", "b"}
+    buf.log.sync()
+    (segment,) = [
+        os.path.join(root, f) for root, _, files in os.walk(buf.directory) for f in files if f.endswith(".seg")
+    ]
+    with open(segment, "r+b") as f:
+        data = f.read()
+        at = data.index(b"\xab" * 4096) + 100_000
+        f.seek(at)
+        f.write(b"\x00")
+    for _ in range(2):
+        with pytest.raises(spillway.Corrupt) as info:
+            buf["a"]
+        assert "'a'" in str(info.value) and "changed in place" in str(info.value), info.value
+    assert buf["b"] == b"\xcd" * (3 << 20)
