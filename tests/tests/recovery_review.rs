@@ -17,6 +17,8 @@
 //! * J: a segment of another log (another salt) fails the open with an error that says so.
 //! * K: a record past 4 GiB into a segment (which the index cannot address) is damage; its offset
 //!   no longer wraps to another record's.
+//! * L: a store of the previous format version (3, before the salt) is refused with an error that
+//!   names both versions, and nothing in it is changed.
 
 use std::path::PathBuf;
 
@@ -633,4 +635,28 @@ fn a_record_past_what_the_index_addresses_is_damage() {
     log.put(b"b", &one(b"b", 100)).unwrap();
     log.sync().unwrap();
     assert_eq!(log.get(b"b").unwrap(), Some(one(b"b", 100)));
+}
+
+/// L: a segment header of format version 3 (before the salt), its crc valid: the open fails with
+/// `UnsupportedVersion` naming both versions, and leaves the file as it was.
+#[test]
+fn a_store_of_the_previous_format_version_is_refused_with_a_clear_error() {
+    let be = SimBackend::new();
+    let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
+    log.put(b"a", &one(b"a", 100)).unwrap();
+    log.sync().unwrap();
+    drop(log);
+    let mut head = be.file_contents(&seg_path(1)).unwrap()[..format::SEGMENT_HEADER_LEN].to_vec();
+    head[8..12].copy_from_slice(&3u32.to_le_bytes());
+    head[40..48].fill(0); // reserved in version 3
+    let crc = format::payload_crc(&head[..60]); // (the plain crc32 of the bytes)
+    head[60..64].copy_from_slice(&crc.to_le_bytes());
+    be.poke(&seg_path(1), 0, &head).unwrap();
+    let before = be.file_contents(&seg_path(1)).unwrap();
+
+    let e = SegmentLog::open(be.clone(), "/s", opts()).err().expect("the open fails");
+    assert!(matches!(e, Error::UnsupportedVersion { found: 3, supported: 4, .. }), "{e}");
+    let msg = e.to_string();
+    assert!(msg.contains('3') && msg.contains('4'), "{msg}");
+    assert!(be.file_contents(&seg_path(1)).unwrap() == before, "the refused store is left as it was");
 }
