@@ -165,7 +165,7 @@ import threading
 import weakref
 from collections import OrderedDict, defaultdict
 from collections.abc import Hashable, ItemsView, Iterator, Mapping, MutableMapping, ValuesView
-from time import monotonic, perf_counter
+from time import monotonic, perf_counter, thread_time
 from typing import Any, Literal, NamedTuple
 
 from spillway._core import Corrupt, DiskFull, Log, SpillwayError, frames_crc
@@ -216,6 +216,10 @@ CLEAN_BATCH = 8
 #: its copy at eviction would cost such a pickle again, about what writing it costs. (A numpy array
 #: pickles at many GB/s: a header and a view; a dataframe of Python objects at tens of MB/s.)
 AHEAD_MIN_PICKLE_RATE = 1 << 30
+#: A pickle's fixed cost, not counted against its type's rate: a 100 KB array's pickle (a header
+#: and a view of its buffer) takes 20-180 µs of CPU from one call to the next, and counted, that
+#: noise judged arrays slow (below ``AHEAD_MIN_PICKLE_RATE``) in one round of two.
+PICKLE_OVERHEAD_SECONDS = 200e-6
 #: A type found to pickle too slowly is pickled again for a write ahead at most once per this many
 #: seconds, to learn whether its values became quicker to pickle. (Once per 64 of the writer's scans
 #: of it, a task shuffle of Python objects pickled each piece 2.5-4x where dask's store pickles it
@@ -1281,10 +1285,12 @@ class SpillBuffer(MutableMapping):
                     self._cleaned.notify_all()
                 continue
             try:
-                t0 = perf_counter()
+                # The pickle's cost is the thread's CPU time: wall time would count the waits for
+                # the GIL (the threads that set and get run meanwhile) and judge a quick type slow.
+                t0 = thread_time()
                 frames = value if tier is _FRAMES else self._pickle(key, value)
                 if tier is _OBJECT and self._note_pickle_rate(
-                    type(value), _frame_bytes(frames), perf_counter() - t0
+                    type(value), _frame_bytes(frames), thread_time() - t0
                 ):
                     # Checking a copy of it would cost a pickle as slow as this one: evicting it
                     # will write it instead (and nothing is written ahead that may be deleted).
@@ -1334,6 +1340,7 @@ class SpillBuffer(MutableMapping):
     def _note_pickle_rate(self, kind: type, nbytes: int, seconds: float) -> bool:
         """Record a pickle of an object of type ``kind`` (an average of the rates of its type's
         pickles); whether it was too slow to write ahead."""
+        seconds -= PICKLE_OVERHEAD_SECONDS
         rate = nbytes / seconds if seconds > 0 else math.inf
         with self._lock:
             known = self._pickle_rates.get(kind)
