@@ -574,26 +574,24 @@ fn a_trickling_sender_is_cut_off_and_the_receiving_log_goes_on() {
     assert_eq!(log.get(b"after").unwrap(), Some(frames_for(b"after", 100)));
 }
 
-/// A client that reads a spliced value very slowly is cut off by the server once the value is not
-/// through within `timeout + size / min_bytes_per_sec`: its connection slot is not held for good.
-#[test]
-fn a_client_reading_too_slowly_is_cut_off_by_the_server() {
-    let src = tempfile::tempdir().unwrap();
-    let log = log_at(src.path(), Compression::None);
-    log.put(b"big", &frames_for(b"big", 8 << 20)).unwrap();
+/// A server for one connection that cuts off a peer not through with a value within 1 s + size at
+/// 4 MiB/s (3 s for 8 MiB), serving `log`; a raw client connected to it that has asked for "big".
+/// Returns the client's socket and where the server's result arrives.
+fn request_big_from_a_strict_server(
+    log: Arc<SegmentLog>,
+) -> (TcpStream, std::sync::mpsc::Receiver<Result<(), String>>) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     let (done_tx, done_rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let (s, _) = listener.accept().unwrap();
-        // 1 s + 8 MiB at 4 MiB/s: the deadline is 3 s after the header.
         let o = TransferOptions {
             timeout: Duration::from_secs(1),
             min_bytes_per_sec: 4 << 20,
             splice_min_bytes: 0,
             ..opts()
         };
-        done_tx.send(transfer::serve_connection(&log, s, &o).map_err(|e| e.to_string())).unwrap();
+        done_tx.send(transfer::serve_connection(&*log, s, &o).map_err(|e| e.to_string())).unwrap();
     });
     let mut sock = TcpStream::connect(addr).unwrap();
     sock.write_all(&transfer::greeting()).unwrap();
@@ -601,6 +599,17 @@ fn a_client_reading_too_slowly_is_cut_off_by_the_server() {
     sock.read_exact(&mut greeting).unwrap();
     sock.write_all(&[1, 3, 0, 0, 0]).unwrap();
     sock.write_all(b"big").unwrap();
+    (sock, done_rx)
+}
+
+/// A client that reads a spliced value very slowly is cut off by the server once the value is not
+/// through within `timeout + size / min_bytes_per_sec`: its connection slot is not held for good.
+#[test]
+fn a_client_reading_too_slowly_is_cut_off_by_the_server() {
+    let src = tempfile::tempdir().unwrap();
+    let log = log_at(src.path(), Compression::None);
+    log.put(b"big", &frames_for(b"big", 8 << 20)).unwrap();
+    let (mut sock, done_rx) = request_big_from_a_strict_server(Arc::new(log));
     let mut chunk = [0u8; 4096];
     let served = loop {
         if let Ok(r) = done_rx.try_recv() {
@@ -732,27 +741,7 @@ fn a_stalled_peer_holds_a_deleted_segment_only_until_its_send_is_cut_off() {
     let big = log.location(b"big").unwrap().segment;
     assert_ne!(big, log.location(b"small").unwrap().segment, "the big value's segment is not the active one");
     let seg = src.path().join(format!("segments/{big:08x}.seg"));
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (done_tx, done_rx) = std::sync::mpsc::channel();
-    let served = log.clone();
-    std::thread::spawn(move || {
-        let (s, _) = listener.accept().unwrap();
-        // 1 s + 8 MiB at 4 MiB/s: the deadline is 3 s after the header.
-        let o = TransferOptions {
-            timeout: Duration::from_secs(1),
-            min_bytes_per_sec: 4 << 20,
-            splice_min_bytes: 0,
-            ..opts()
-        };
-        done_tx.send(transfer::serve_connection(&*served, s, &o).map_err(|e| e.to_string())).unwrap();
-    });
-    let mut sock = TcpStream::connect(addr).unwrap();
-    sock.write_all(&transfer::greeting()).unwrap();
-    let mut greeting = [0u8; 8];
-    sock.read_exact(&mut greeting).unwrap();
-    sock.write_all(&[1, 3, 0, 0, 0]).unwrap();
-    sock.write_all(b"big").unwrap();
+    let (mut sock, done_rx) = request_big_from_a_strict_server(log.clone());
     let mut first = vec![0u8; 64 << 10];
     sock.read_exact(&mut first).unwrap(); // the send is under way; the peer stops reading here
 
