@@ -928,7 +928,8 @@ impl<B: Backend> SegmentLog<B> {
             let file = self.backend.open(&path, false).map_err(|e| Error::io("open segment", path.clone(), e))?;
             opened.push((id, file));
         }
-        self.salt = self.learn_salt(&opened)?;
+        let salt_learned;
+        (self.salt, salt_learned) = self.learn_salt(&opened)?;
         let mut scans: BTreeMap<u32, SegmentScan> = BTreeMap::new();
         let mut max_epoch = 0u32;
         let mut files = KeyMap::default();
@@ -1033,7 +1034,10 @@ impl<B: Backend> SegmentLog<B> {
             let footer_fits = align_up(meta.data_end, self.align)
                 .checked_add(footer_len + format::TRAILER_LEN as u64)
                 .is_some_and(|end| end <= meta.size);
-            if !meta.sealed && (scan.dropped_unsynced || !footer_fits) {
+            // With a salt drawn fresh, what the scan cut may be records of a lost salt (every header
+            // that held it damaged): left as they are, not erased and not written over.
+            let unverifiable = !salt_learned && scan.cut.is_some();
+            if !meta.sealed && (scan.dropped_unsynced || !footer_fits || unverifiable) {
                 // Writing goes on in a new segment. After a dropped record, so that this one's bytes,
                 // and with them what the scan decided, stay as they are: a sync mark written after a
                 // dropped record would make the next scan take it for synced damage, and it would
@@ -1043,7 +1047,10 @@ impl<B: Backend> SegmentLog<B> {
                 log::warn!(
                     "segment {last} of {}: {}; new records go to a new segment",
                     self.dir.display(),
-                    if footer_fits {
+                    if unverifiable {
+                        "no segment header or trailer holds the log's salt, and the segment holds bytes that \
+                         may be records under it (left as they are)"
+                    } else if footer_fits {
                         "a damaged record no sync followed was dropped"
                     } else {
                         "no room for its footer"
@@ -1124,7 +1131,8 @@ impl<B: Backend> SegmentLog<B> {
     /// fdatasync of a segment's header, so none of its records was acknowledged). A segment whose
     /// header or trailer holds another salt belongs to another log: the open fails on it
     /// ([`Self::load_segment`]).
-    fn learn_salt(&self, segments: &[(u32, B::File)]) -> Result<Salt> {
+    /// Also returns whether the salt was learned (false: drawn fresh).
+    fn learn_salt(&self, segments: &[(u32, B::File)]) -> Result<(Salt, bool)> {
         let mut trailer_salt = None;
         for (id, file) in segments.iter().rev() {
             let path = self.seg_path(*id);
@@ -1136,7 +1144,7 @@ impl<B: Backend> SegmentLog<B> {
             let head = self.read_aligned(file, 0, self.align as usize, &path)?;
             if let Ok(h) = format::decode_segment_header(&head) {
                 if h.segment == *id {
-                    return Ok(h.salt);
+                    return Ok((h.salt, true));
                 }
             }
             if trailer_salt.is_none() && len >= 2 * self.align {
@@ -1146,7 +1154,10 @@ impl<B: Backend> SegmentLog<B> {
                 }
             }
         }
-        Ok(trailer_salt.unwrap_or_else(|| Salt::random(self.dir.as_os_str().as_encoded_bytes())))
+        Ok(match trailer_salt {
+            Some(salt) => (salt, true),
+            None => (Salt::random(self.dir.as_os_str().as_encoded_bytes()), false),
+        })
     }
 
     /// The error for a segment whose header or trailer holds a salt other than the log's.

@@ -19,6 +19,8 @@
 //!   no longer wraps to another record's.
 //! * L: a store of the previous format version (3, before the salt) is refused with an error that
 //!   names both versions, and nothing in it is changed.
+//! * M: a log whose only salt was in a header now damaged keeps the bytes it can no longer verify:
+//!   they are neither erased nor written over.
 
 use std::path::PathBuf;
 
@@ -659,4 +661,31 @@ fn a_store_of_the_previous_format_version_is_refused_with_a_clear_error() {
     let msg = e.to_string();
     assert!(msg.contains('3') && msg.contains('4'), "{msg}");
     assert!(be.file_contents(&seg_path(1)).unwrap() == before, "the refused store is left as it was");
+}
+
+/// M: the log's one segment, its header block zeroed (the only copy of the salt: an unsealed segment
+/// has no trailer). Its records cannot be verified under a fresh salt, and a durable log used to
+/// erase them as a torn tail and write over them. They are left as they are, and writing goes on in
+/// a new segment.
+#[test]
+fn records_under_a_lost_salt_are_left_as_they_are() {
+    let be = SimBackend::new();
+    let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
+    log.put(b"a", &one(b"a", 3000)).unwrap();
+    log.sync().unwrap();
+    drop(log);
+    be.poke(&seg_path(1), 0, &[0u8; format::SEGMENT_HEADER_LEN]).unwrap();
+    let before = be.file_contents(&seg_path(1)).unwrap();
+
+    let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
+    assert_eq!(log.get(b"a").unwrap(), None, "unverifiable under the new salt");
+    log.put(b"b", &one(b"b", 100)).unwrap();
+    log.sync().unwrap();
+    assert_eq!(log.location(b"b").unwrap().segment, 2, "a new segment");
+    drop(log);
+    let after = be.file_contents(&seg_path(1)).unwrap();
+    assert!(after[4096..] == before[4096..], "the records are not erased or written over");
+    let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
+    assert_eq!(log.get(b"b").unwrap(), Some(one(b"b", 100)));
+    assert!(be.file_contents(&seg_path(1)).unwrap()[4096..] == before[4096..]);
 }
