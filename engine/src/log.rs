@@ -752,6 +752,12 @@ struct SegmentScan {
     /// Damaged records that no sync mark follows were dropped (see `scan_segment`), not cut: they
     /// lie before `data_end`.
     dropped_unsynced: bool,
+    /// Its header decoded (with the log's salt). Records written after a damaged one could not be
+    /// verified by a later open that draws a fresh salt, so such a segment is never continued.
+    header_ok: bool,
+    /// Its header block is all zeros and nothing follows it: a segment whose creation a crash cut
+    /// short before the header was written. Not damage, and nothing in it (see `recover`).
+    never_written: bool,
 }
 
 impl<B: Backend> SegmentLog<B> {
@@ -953,6 +959,19 @@ impl<B: Backend> SegmentLog<B> {
             files.insert(id, Arc::new(file));
             scans.insert(id, scan);
         }
+        // A newest segment that a crash left before its header was written holds nothing: it goes
+        // (new records go to a new segment, whose header holds the salt). Its id is not reused.
+        if let Some((&last, scan)) = scans.iter().next_back() {
+            if scan.never_written {
+                let path = self.seg_path(last);
+                files.remove(&last);
+                scans.remove(&last);
+                match self.backend.remove_file(&path) {
+                    Ok(()) => log::info!("removed {}: its creation never wrote its header", path.display()),
+                    Err(e) => log::warn!("could not remove {}, whose header was never written: {e}", path.display()),
+                }
+            }
+        }
 
         // Newest record (highest seq) per key wins; remember the oldest segment each key appears in.
         struct Winner {
@@ -1037,7 +1056,7 @@ impl<B: Backend> SegmentLog<B> {
             // With a salt drawn fresh, what the scan cut may be records of a lost salt (every header
             // that held it damaged): left as they are, not erased and not written over.
             let unverifiable = !salt_learned && scan.cut.is_some();
-            if !meta.sealed && (scan.dropped_unsynced || !footer_fits || unverifiable) {
+            if !meta.sealed && (scan.dropped_unsynced || !footer_fits || unverifiable || !scan.header_ok) {
                 // Writing goes on in a new segment. After a dropped record, so that this one's bytes,
                 // and with them what the scan decided, stay as they are: a sync mark written after a
                 // dropped record would make the next scan take it for synced damage, and it would
@@ -1050,6 +1069,9 @@ impl<B: Backend> SegmentLog<B> {
                     if unverifiable {
                         "no segment header or trailer holds the log's salt, and the segment holds bytes that \
                          may be records under it (left as they are)"
+                    } else if !scan.header_ok {
+                        "its header is damaged (records after it would not be verifiable once no other \
+                         segment holds the log's salt)"
                     } else if footer_fits {
                         "a damaged record no sync followed was dropped"
                     } else {
@@ -1179,6 +1201,7 @@ impl<B: Backend> SegmentLog<B> {
         let file_len = self.backend.file_len(file).map_err(|e| Error::io("stat segment", path.clone(), e))?;
         let file_len_aligned = align_down(file_len, self.align);
         // The header tells size, alignment and where data starts; fall back to defaults if damaged.
+        let mut zero_header = None; // an all-zero header block's decode error, reported after the scan
         let header = if file_len_aligned >= self.align {
             let buf = self.read_aligned(file, 0, self.align as usize, &path)?;
             match format::decode_segment_header(&buf) {
@@ -1194,6 +1217,10 @@ impl<B: Backend> SegmentLog<B> {
                         found: v,
                         supported: format::FORMAT_VERSION as u32,
                     })
+                }
+                Err(e) if buf.iter().all(|&b| b == 0) => {
+                    zero_header = Some(e);
+                    None
                 }
                 Err(e) => {
                     report.corrupt.push((id, 0, format!("segment header: {e:?}")));
@@ -1257,13 +1284,24 @@ impl<B: Backend> SegmentLog<B> {
                         cut: None,
                         ends_with_mark: false,
                         dropped_unsynced: false,
+                        header_ok: header.is_some(),
+                        never_written: false,
                     });
                 }
                 report.corrupt.push((id, t.footer_offset, "footer checksum mismatch; scanning records".into()));
             }
         }
         report.scanned_segments += 1;
-        self.scan_segment(id, file, size, data_start, report)
+        let mut scan = self.scan_segment(id, file, size, data_start, report)?;
+        scan.header_ok = header.is_some();
+        if let Some(e) = zero_header {
+            if scan.entries.is_empty() && scan.cut.is_none() {
+                scan.never_written = true;
+            } else {
+                report.corrupt.push((id, 0, format!("segment header: {e:?} (all zeros, before records)")));
+            }
+        }
+        Ok(scan)
     }
 
     fn read_footer(
@@ -1466,7 +1504,19 @@ impl<B: Backend> SegmentLog<B> {
         let tail = if pos > tail_start { win.bytes(tail_start, pos - tail_start)?.to_vec() } else { Vec::new() };
         let cut = (cut_end > pos).then_some(cut_end);
         let dropped_unsynced = !dropped.is_empty();
-        Ok(SegmentScan { meta, entries, max_epoch: max_epoch_any, tail, cut, ends_with_mark, dropped_unsynced })
+        // (`header_ok` and `never_written` are `load_segment`'s, which read the header.)
+        let (header_ok, never_written) = (true, false);
+        Ok(SegmentScan {
+            meta,
+            entries,
+            max_epoch: max_epoch_any,
+            tail,
+            cut,
+            ends_with_mark,
+            dropped_unsynced,
+            header_ok,
+            never_written,
+        })
     }
 
     /// The record at `pos`, if its head is valid. With `payload`, whether its payload is intact is

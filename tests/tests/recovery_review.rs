@@ -21,6 +21,8 @@
 //!   names both versions, and nothing in it is changed.
 //! * M: a log whose only salt was in a header now damaged keeps the bytes it can no longer verify:
 //!   they are neither erased nor written over.
+//! * N: a segment whose header is damaged is never continued: records written after it would not
+//!   verify once no segment held the salt.
 
 use std::path::PathBuf;
 
@@ -688,4 +690,30 @@ fn records_under_a_lost_salt_are_left_as_they_are() {
     let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
     assert_eq!(log.get(b"b").unwrap(), Some(one(b"b", 100)));
     assert!(be.file_contents(&seg_path(1)).unwrap()[4096..] == before[4096..]);
+}
+
+/// N: the log's one segment has a torn header and no records (a crash right after it was created).
+/// Continued with a salt drawn at that open, its new records were written under a salt no header
+/// held, and the next open (drawing another) could verify none of them: acknowledged values lost.
+/// The empty segment is removed (it was reported as damage at every open, and `verify` with it),
+/// and writing goes on in a new segment, whose header holds the salt.
+#[test]
+fn a_segment_with_a_damaged_header_is_not_continued() {
+    let be = SimBackend::new();
+    let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
+    log.put(b"a", &one(b"a", 100)).unwrap();
+    log.sync().unwrap();
+    drop(log);
+    let len = be.file_contents(&seg_path(1)).unwrap().len();
+    be.poke(&seg_path(1), 0, &vec![0u8; len]).unwrap(); // header and records gone: zeros
+
+    let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
+    assert!(log.recovery_report().corrupt.is_empty(), "a creation cut short is not damage");
+    assert!(be.file_contents(&seg_path(1)).is_none(), "the segment that never got its header is gone");
+    log.put(b"b", &one(b"b", 100)).unwrap();
+    log.sync().unwrap();
+    assert_ne!(log.location(b"b").unwrap().segment, 1, "not in the segment without a header");
+    drop(log);
+    let log = SegmentLog::open(be.crash(None), "/s", opts()).unwrap();
+    assert_eq!(log.get(b"b").unwrap(), Some(one(b"b", 100)), "the synced value, after a power cut");
 }
