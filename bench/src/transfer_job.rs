@@ -15,7 +15,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use rand::{RngCore, SeedableRng};
 use serde_json::json;
-use spillway::transfer::{Client, TransferOptions};
+use spillway::transfer::{Access, Client, Ticket, TransferOptions};
 use spillway::units::format_size;
 use spillway::{AutoBackend, BackendKind, Frames, LogOptions, SegmentLog};
 
@@ -38,10 +38,10 @@ impl Drop for Server {
     }
 }
 
-fn start_server(dir: &Path, copy: bool) -> Result<Server> {
+fn start_server(dir: &Path, copy: bool, ticket: &Ticket) -> Result<Server> {
     let exe = std::env::current_exe()?;
     let mut cmd = Command::new(exe);
-    cmd.arg("--serve-dir").arg(dir).stdout(Stdio::piped());
+    cmd.arg("--serve-dir").arg(dir).stdout(Stdio::piped()).env("SPILLWAY_TOKEN", ticket.to_hex());
     if copy {
         cmd.arg("--serve-copy");
     }
@@ -55,16 +55,18 @@ fn start_server(dir: &Path, copy: bool) -> Result<Server> {
     Ok(Server(child, addr.to_string()))
 }
 
-/// The child side: serve `dir` until killed.
+/// The child side: serve `dir` until killed, to requests with the ticket in `$SPILLWAY_TOKEN`.
 pub(crate) fn serve(dir: &Path, copy: bool) -> Result<()> {
+    let ticket = Ticket::from_hex(&std::env::var("SPILLWAY_TOKEN").context("SPILLWAY_TOKEN")?)?;
     let log = SegmentLog::open(AutoBackend::new(BackendKind::Auto, false)?, dir, LogOptions::default())?;
+    let access = std::sync::Arc::new(Access::standing(std::sync::Arc::new(log), ticket)?);
     let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
     println!("listening on {}", listener.local_addr()?);
     use std::io::Write;
     std::io::stdout().flush()?;
     // Pure paths for the comparison: splice every value (the server default copies values under 8 MiB).
     let opts = TransferOptions { copy, max_value_bytes: 1 << 40, splice_min_bytes: 0, ..Default::default() };
-    spillway::transfer::serve(std::sync::Arc::new(log), listener, opts)?;
+    spillway::transfer::serve(access, listener, opts)?;
     Ok(())
 }
 
@@ -91,12 +93,13 @@ pub(crate) fn run(bs: u64, size: u64, dir: &Path, human: bool) -> Result<serde_j
     let mut out = Vec::new();
     let me = std::process::id().to_string();
     for (path, copy) in [("splice", false), ("copy", true)] {
-        let server = start_server(&src, copy)?;
+        let ticket = Ticket::standing()?;
+        let server = start_server(&src, copy, &ticket)?;
         let pid = server.0.id().to_string();
         let dst = dir.join(format!("receiver-{path}"));
         let into = SegmentLog::open(AutoBackend::new(BackendKind::Auto, false)?, &dst, LogOptions::default())?;
         let opts = TransferOptions { max_value_bytes: 1 << 40, ..Default::default() };
-        let mut client = Client::connect(&server.1, opts)?;
+        let mut client = Client::connect(&server.1, ticket, opts)?;
         let (s_before, r_before) = (status_kib(&pid, "VmRSS:")?, status_kib(&me, "VmRSS:")?);
         reset_peak(&pid)?;
         reset_peak(&me)?;

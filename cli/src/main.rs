@@ -72,15 +72,21 @@ enum Cmd {
     },
     /// Serve the store in DIR to peers (see `spillway fetch`) until killed. Values of 8 MiB or more
     /// are sent with splice (file -> pipe -> socket, never read into memory); smaller ones are copied.
+    /// Requests must carry the server's token: --token, else $SPILLWAY_TOKEN, else a fresh one,
+    /// printed as "token HEX" after the address.
     Serve {
         /// Store directory.
         dir: PathBuf,
         /// Address to listen on (port 0 picks a free port; the bound address is printed).
         #[arg(long, default_value = "127.0.0.1:7878")]
         listen: String,
-        /// Allow listening on a non-loopback address (the protocol has no authentication).
+        /// Allow listening on a non-loopback address (requests are authenticated, but nothing is
+        /// encrypted: the token and the values cross the network in the clear).
         #[arg(long)]
         allow_remote: bool,
+        /// The token requests must carry (48 hex digits, as `serve` prints it).
+        #[arg(long, env = "SPILLWAY_TOKEN", hide_env_values = true)]
+        token: Option<String>,
         /// Read each value into memory and write it, instead of splicing it (for comparison).
         #[arg(long)]
         copy: bool,
@@ -97,6 +103,9 @@ enum Cmd {
         /// Connect, read and write timeout in seconds.
         #[arg(long, default_value_t = 30)]
         timeout: u64,
+        /// The server's token (as `serve` prints it).
+        #[arg(long, env = "SPILLWAY_TOKEN", hide_env_values = true)]
+        token: String,
     },
     /// Segments, records, live and dead bytes.
     Stats {
@@ -208,33 +217,42 @@ fn run(cli: Cli) -> Result<Option<Exit>> {
                 return Ok(Some(Exit(1)));
             }
         }
-        Cmd::Serve { dir, listen, allow_remote, copy } => {
+        Cmd::Serve { dir, listen, allow_remote, copy, token } => {
             let addrs: Vec<std::net::SocketAddr> = std::net::ToSocketAddrs::to_socket_addrs(&listen)
                 .with_context(|| format!("resolving {listen}"))?
                 .collect();
             if !allow_remote {
                 if let Some(a) = addrs.iter().find(|a| !a.ip().is_loopback()) {
                     eprintln!(
-                        "spillway: refusing to listen on non-loopback address {a} without --allow-remote (the protocol has no authentication)"
+                        "spillway: refusing to listen on non-loopback address {a} without --allow-remote (the protocol is not encrypted)"
                     );
                     return Ok(Some(Exit(2)));
                 }
             }
+            let ticket = match &token {
+                Some(t) => spillway::transfer::Ticket::from_hex(t).context("reading --token")?,
+                None => spillway::transfer::Ticket::standing()?,
+            };
             let log = std::sync::Arc::new(open(&dir, false, None)?);
+            let access = std::sync::Arc::new(spillway::transfer::Access::standing(log, ticket).context("--token")?);
             let listener = std::net::TcpListener::bind(&addrs[..]).with_context(|| format!("listening on {listen}"))?;
             let bound = listener.local_addr().context("reading the bound address")?;
             println!("listening on {bound}");
+            if token.is_none() {
+                println!("token {}", ticket.to_hex());
+            }
             io::stdout().flush().context("writing stdout")?;
             let opts = spillway::transfer::TransferOptions { copy, ..Default::default() };
-            spillway::transfer::serve(log, listener, opts)?;
+            spillway::transfer::serve(access, listener, opts)?;
         }
-        Cmd::Fetch { addr, key, into, timeout } => {
+        Cmd::Fetch { addr, key, into, timeout, token } => {
+            let ticket = spillway::transfer::Ticket::from_hex(&token).context("reading --token")?;
             let opts = spillway::transfer::TransferOptions {
                 timeout: std::time::Duration::from_secs(timeout.max(1)),
                 ..Default::default()
             };
-            let mut client =
-                spillway::transfer::Client::connect(&addr, opts).with_context(|| format!("connecting to {addr}"))?;
+            let mut client = spillway::transfer::Client::connect(&addr, ticket, opts)
+                .with_context(|| format!("connecting to {addr}"))?;
             let found = match into {
                 Some(dir2) => {
                     let log = open(&dir2, true, None)?;

@@ -18,23 +18,42 @@ fn cli_serve_and_fetch() {
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
+    let mut lines = std::io::BufReader::new(server.stdout.take().unwrap());
     let mut line = String::new();
-    std::io::BufRead::read_line(&mut std::io::BufReader::new(server.stdout.take().unwrap()), &mut line).unwrap();
+    std::io::BufRead::read_line(&mut lines, &mut line).unwrap();
     let addr = line.trim().strip_prefix("listening on ").expect("the server prints its address").to_string();
-    let out = std::process::Command::new(exe).args(["fetch", &addr, "big"]).output().unwrap();
+    line.clear();
+    std::io::BufRead::read_line(&mut lines, &mut line).unwrap();
+    let token = line.trim().strip_prefix("token ").expect("the server prints its fresh token").to_string();
+    let fetch = |args: &[&str]| {
+        let mut c = std::process::Command::new(exe);
+        c.arg("fetch").arg(&addr).args(args).env("SPILLWAY_TOKEN", &token);
+        c
+    };
+    let out = fetch(&["big"]).output().unwrap();
     assert!(out.status.success());
     assert!(out.stdout == value);
+    // Another token (on the command line, which wins over the environment): refused, nothing out.
+    let wrong = format!("{}{}", &token[..47], if token.ends_with('0') { '1' } else { '0' });
+    let out = fetch(&["big", "--token", &wrong]).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(out.stdout.is_empty());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("not authorized"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let into = dst.path().join("store2");
-    let st = std::process::Command::new(exe).args(["fetch", &addr, "big", "--into"]).arg(&into).status().unwrap();
+    let st = fetch(&["big", "--into"]).arg(&into).status().unwrap();
     assert!(st.success());
     let out = std::process::Command::new(exe).arg("get").arg(&into).arg("big").output().unwrap();
     assert!(out.stdout == value);
-    let out = std::process::Command::new(exe).args(["fetch", &addr, "missing"]).output().unwrap();
+    let out = fetch(&["missing"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("not found"));
     server.kill().unwrap();
     server.wait().unwrap();
-    let out = std::process::Command::new(exe).args(["fetch", &addr, "big", "--timeout", "2"]).output().unwrap();
+    let out = fetch(&["big", "--timeout", "2"]).output().unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("refused"), "{}", String::from_utf8_lossy(&out.stderr));
     let out =

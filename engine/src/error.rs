@@ -103,6 +103,9 @@ pub enum Error {
         /// How many values are held only in memory.
         keys: usize,
     },
+    /// A bounded resource is used up (live transfer grants, a counter): nothing was done; it may
+    /// succeed once some is given back.
+    Exhausted(String),
     /// The codec failed to serialize or deserialize a value.
     Codec {
         /// `"serialize"` or `"deserialize"`.
@@ -138,6 +141,7 @@ impl Error {
             | Error::ValueTooLarge { .. }
             | Error::InvalidConfig(_)
             | Error::Protocol(_)
+            | Error::Exhausted(_)
             | Error::NotPersisted { .. } => self.to_string(),
         }
     }
@@ -215,6 +219,7 @@ impl fmt::Display for Error {
             Error::NotAStore { path, reason } => write!(f, "{} is not a spillway store: {reason}", path.display()),
             Error::InvalidConfig(msg) => write!(f, "invalid configuration: {msg}"),
             Error::Protocol(msg) => write!(f, "transfer protocol: {msg}"),
+            Error::Exhausted(what) => write!(f, "used up: {what}"),
             Error::NotPersisted { keys } => {
                 write!(f, "{keys} value(s) could not be written to disk and are held only in memory")
             }

@@ -428,7 +428,7 @@ pub fn peek_record_header(b: &[u8]) -> Result<RecordHeader, DecodeError> {
         // still). The log looks up the segments in `aux..segment`.
         return Err(DecodeError::Invalid("tombstone shadows a segment after its own"));
     }
-    if h.is_lz4() && !lz4_can_expand_to(h.stored_len, h.raw_len) {
+    if h.is_lz4() && !lz4_lengths_fit(h.stored_len, h.raw_len) {
         // A reader allocates `raw_len` bytes to decompress into: a header with valid checksums (a
         // crafted one) must not make it ask for terabytes.
         return Err(DecodeError::Invalid("lz4 raw_len beyond what its payload can expand to"));
@@ -763,9 +763,12 @@ pub fn decode_segment_header(b: &[u8]) -> Result<SegmentHeader, DecodeError> {
 /// An lz4 block never expands more than this (each 255 bytes of a match cost at least one byte).
 const LZ4_MAX_RATIO: u64 = 256;
 
-/// Whether an lz4 block of `stored` bytes can decompress to `raw` bytes (`raw ≤ 256 · stored + 4096`).
-pub fn lz4_can_expand_to(stored: u64, raw: u64) -> bool {
-    raw <= stored.saturating_mul(LZ4_MAX_RATIO).saturating_add(4096)
+/// Whether an lz4 block of `stored` bytes can be the compression of `raw` bytes: it is no longer
+/// than the LZ4 bound of `raw` (`lz4_flex::block::get_maximum_output_size`, about `raw + raw/255 +
+/// 16`), and `raw ≤ 256 · stored + 4096`. Checked before anything of either length is allocated.
+pub fn lz4_lengths_fit(stored: u64, raw: u64) -> bool {
+    let bound = usize::try_from(raw).map_or(u64::MAX, |r| lz4_flex::block::get_maximum_output_size(r) as u64);
+    stored <= bound && raw <= stored.saturating_mul(LZ4_MAX_RATIO).saturating_add(4096)
 }
 
 #[cfg(test)]

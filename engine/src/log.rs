@@ -1936,13 +1936,25 @@ impl<B: Backend> SegmentLog<B> {
 
     /// The stored payload of `sv` read into memory (the transfer's copy path).
     pub fn read_stored(&self, sv: &StoredValue<B::File>) -> Result<Bytes> {
-        let a = sv.payload_offset;
+        self.read_stored_part(sv, 0, sv.meta.stored_len)
+    }
+
+    /// `len` bytes of `sv`'s stored payload from `from` (an aligned read, sliced): the payload a
+    /// piece at a time, for a sender that must not hold a whole value in memory.
+    pub fn read_stored_part(&self, sv: &StoredValue<B::File>, from: u64, len: u64) -> Result<Bytes> {
+        if from.checked_add(len).is_none_or(|end| end > sv.meta.stored_len) {
+            return Err(Error::InvalidConfig(format!(
+                "bytes {from}..+{len} are outside a payload of {}",
+                sv.meta.stored_len
+            )));
+        }
+        let a = sv.payload_offset + from;
         let start = align_down(a, self.read_align);
-        let end = align_up(a + sv.meta.stored_len, self.read_align);
+        let end = align_up(a + len, self.read_align);
         let buf = self.backend.alloc_buf((end - start) as usize, self.buf_align(end - start));
         let (r, buf) = self.backend.read_at(&sv.file, start, buf);
         r.map_err(|e| Error::io("read segment", sv.path.clone(), e))?;
-        Ok(buf.freeze().slice((a - start) as usize..(a - start + sv.meta.stored_len) as usize))
+        Ok(buf.freeze().slice((a - start) as usize..(a - start + len) as usize))
     }
 
     /// `len` bytes from `from` within the record at `loc` (an aligned read, sliced).
@@ -2099,8 +2111,8 @@ impl<B: Backend> SegmentLog<B> {
         if !meta.lz4 && meta.stored_len != meta.raw_len {
             return Err(invalid("uncompressed value with stored_len != raw_len"));
         }
-        if meta.lz4 && !format::lz4_can_expand_to(meta.stored_len, meta.raw_len) {
-            return Err(invalid("lz4 raw_len beyond what its payload can expand to"));
+        if meta.lz4 && !format::lz4_lengths_fit(meta.stored_len, meta.raw_len) {
+            return Err(invalid("lz4 lengths that no compression of raw_len has"));
         }
         let total: u64 = meta.frame_lens.iter().sum();
         if total > self.opts.max_value_bytes || meta.stored_len > self.opts.max_value_bytes + (1 << 20) {

@@ -157,6 +157,23 @@ pub fn streamed(frames: &Frames) -> (Vec<u8>, spillway::StreamedValue) {
 }
 
 /// A fake transfer server on an ephemeral loopback port that greets, reads one request, answers
+/// The standing ticket test servers accept ([`open_to`]) and test clients send.
+pub const TICKET: spillway::transfer::Ticket = spillway::transfer::Ticket::new(0, *b"spillway-tests!!");
+
+/// Access to every key of `src` with [`TICKET`].
+pub fn open_to<S: spillway::transfer::Source>(src: std::sync::Arc<S>) -> std::sync::Arc<spillway::transfer::Access<S>> {
+    std::sync::Arc::new(spillway::transfer::Access::standing(src, TICKET).unwrap())
+}
+
+/// A raw GET request for `key` with `ticket`, as a client sends it.
+pub fn raw_request(ticket: &spillway::transfer::Ticket, key: &[u8]) -> Vec<u8> {
+    let mut r = vec![1u8];
+    r.extend_from_slice(&ticket.to_bytes());
+    r.extend_from_slice(&(key.len() as u32).to_le_bytes());
+    r.extend_from_slice(key);
+    r
+}
+
 /// with `response` (raw bytes), then hangs up. Returns its address.
 pub fn fake_server(response: Vec<u8>) -> String {
     fake_server_answering(vec![response])
@@ -174,11 +191,12 @@ pub fn fake_server_answering(responses: Vec<Vec<u8>>) -> String {
         s.read_exact(&mut hello).unwrap();
         s.write_all(&spillway::transfer::greeting()).unwrap();
         for response in responses {
-            let mut req = [0u8; 5];
+            let mut req = [0u8; 1 + spillway::transfer::TICKET_BYTES + 4];
             if s.read_exact(&mut req).is_err() {
                 return;
             }
-            let mut key = vec![0u8; u32::from_le_bytes(req[1..5].try_into().unwrap()) as usize];
+            let n = req.len();
+            let mut key = vec![0u8; u32::from_le_bytes(req[n - 4..].try_into().unwrap()) as usize];
             s.read_exact(&mut key).unwrap();
             let _ = s.write_all(&response);
         }

@@ -817,6 +817,7 @@ fn a_value_read_back_from_disk_is_evicted_again_without_a_write() {
 #[test]
 fn transfer_between_stores_by_tier_without_deserializing() {
     use spillway::transfer::{self, Client, TransferOptions};
+    use spillway_tests::{open_to, TICKET};
     let tmp = tempfile::tempdir().unwrap();
     let sender = Arc::new(
         Store::open(TestCodec::default(), spillway::PortableBackend::new(), tmp.path(), cfg(100_000)).unwrap(),
@@ -833,10 +834,10 @@ fn transfer_between_stores_by_tier_without_deserializing() {
     let addr = listener.local_addr().unwrap().to_string();
     let opts = TransferOptions { splice_min_bytes: 0, ..Default::default() };
     let served = sender.clone();
-    std::thread::spawn(move || transfer::serve(served, listener, opts));
+    std::thread::spawn(move || transfer::serve(open_to(served), listener, opts));
 
     let receiver = Store::open(TestCodec::default(), SimBackend::new(), "/r", cfg(20_000)).unwrap();
-    let mut c = Client::connect(&addr, TransferOptions::default()).unwrap();
+    let mut c = Client::connect(&addr, TICKET, TransferOptions::default()).unwrap();
     for key in [&b"materialized"[..], b"serialized"] {
         assert!(c.get_into_store(key, &receiver).unwrap());
         assert_eq!(receiver.tier(key), Some(Tier::Serialized), "under target: kept serialized");
@@ -863,6 +864,7 @@ fn transfer_between_stores_by_tier_without_deserializing() {
 #[test]
 fn a_failed_transfer_into_a_store_keeps_the_old_value() {
     use spillway::transfer::{self, Client, TransferOptions};
+    use spillway_tests::TICKET;
     for (old, tier) in [(val(b'o', 5_000), Tier::Serialized), (val(b'O', 30_000), Tier::Disk)] {
         let s = Store::open(TestCodec::default(), SimBackend::new(), "/r", cfg(20_000)).unwrap();
         s.put_serialized(b"k", ser(&old)).unwrap();
@@ -871,7 +873,7 @@ fn a_failed_transfer_into_a_store_keeps_the_old_value() {
         let (payload, meta) = spillway_tests::streamed(&ser(&val(b'n', 1 << 20)));
         let mut cut = transfer::encode_value_response(&meta);
         cut.extend_from_slice(&payload[..10_000]);
-        let mut c = Client::connect(spillway_tests::fake_server(cut), TransferOptions::default()).unwrap();
+        let mut c = Client::connect(spillway_tests::fake_server(cut), TICKET, TransferOptions::default()).unwrap();
         assert!(c.get_into_store(b"k", &s).is_err());
         assert_eq!(s.tier(b"k"), Some(tier), "the old value is back where it was");
         assert_eq!((s.memory_bytes(), s.metrics().spilled_disk_bytes), (mem, disk));
@@ -884,6 +886,7 @@ fn a_failed_transfer_into_a_store_keeps_the_old_value() {
 #[test]
 fn a_remove_during_a_transfer_into_a_store_wins() {
     use spillway::transfer::{self, Client, TransferOptions};
+    use spillway_tests::TICKET;
     use std::io::{Read, Write};
     let s = Arc::new(Store::open(TestCodec::default(), SimBackend::new(), "/r", cfg(20_000)).unwrap());
     s.put_serialized(b"k", ser(&val(b'o', 5_000))).unwrap();
@@ -896,7 +899,7 @@ fn a_remove_during_a_transfer_into_a_store_wins() {
         let mut hello = [0u8; 8];
         sock.read_exact(&mut hello).unwrap();
         sock.write_all(&transfer::greeting()).unwrap();
-        let mut req = [0u8; 6]; // op, key length, the key "k"
+        let mut req = vec![0u8; spillway_tests::raw_request(&TICKET, b"k").len()];
         sock.read_exact(&mut req).unwrap();
         sock.write_all(&transfer::encode_value_response(&meta)).unwrap();
         sock.write_all(&payload[..4096]).unwrap();
@@ -906,7 +909,7 @@ fn a_remove_during_a_transfer_into_a_store_wins() {
     });
     let receiver = {
         let s = s.clone();
-        std::thread::spawn(move || Client::connect(addr, TransferOptions::default())?.get_into_store(b"k", &s))
+        std::thread::spawn(move || Client::connect(addr, TICKET, TransferOptions::default())?.get_into_store(b"k", &s))
     };
     let held = s.memory_bytes();
     // The transfer has started once the old value is out of sight.
@@ -1025,6 +1028,7 @@ fn a_value_the_log_refuses_does_not_fail_the_others_spilled_with_it() {
 #[test]
 fn a_value_in_memory_over_the_wire_limits_is_refused_by_the_server_not_the_client() {
     use spillway::transfer::{self, Client, TransferOptions};
+    use spillway_tests::{open_to, TICKET};
     let sender = Arc::new(Store::open(TestCodec::default(), SimBackend::new(), "/s", cfg(10 << 20)).unwrap());
     let many = Frames((0..70_000).map(|_| Bytes::from_static(b"x")).collect());
     sender.put_serialized(b"many", many).unwrap();
@@ -1033,8 +1037,8 @@ fn a_value_in_memory_over_the_wire_limits_is_refused_by_the_server_not_the_clien
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     let served = sender.clone();
-    std::thread::spawn(move || transfer::serve(served, listener, TransferOptions::default()));
-    let mut c = Client::connect(&addr, TransferOptions::default()).unwrap();
+    std::thread::spawn(move || transfer::serve(open_to(served), listener, TransferOptions::default()));
+    let mut c = Client::connect(&addr, TICKET, TransferOptions::default()).unwrap();
     let err = c.get(b"many").unwrap_err().to_string();
     assert!(err.contains("70000 frames"), "{err}");
     assert_eq!(c.get(b"ok").unwrap(), Some(ser(&val(b'o', 100))), "the connection is still in step");

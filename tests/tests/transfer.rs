@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use spillway::transfer::{self, Client, TransferOptions};
 use spillway::{Compression, Frames, LogOptions, PortableBackend, SegmentLog, StreamedValue};
-use spillway_tests::{fake_server, fake_server_answering, frames_for, value_for};
+use spillway_tests::{fake_server, fake_server_answering, frames_for, open_to, raw_request, value_for, TICKET};
 
 fn opts() -> TransferOptions {
     TransferOptions { timeout: Duration::from_secs(10), ..Default::default() }
@@ -28,7 +28,7 @@ fn start_server(log: SegmentLog, copy: bool) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     let o = TransferOptions { copy, splice_min_bytes: 0, ..opts() };
-    std::thread::spawn(move || transfer::serve(Arc::new(log), listener, o));
+    std::thread::spawn(move || transfer::serve(open_to(Arc::new(log)), listener, o));
     addr
 }
 
@@ -51,7 +51,7 @@ fn values_arrive_intact_by_every_path_on_both_send_paths() {
         let addr = start_server(log, copy);
         let dst = tempfile::tempdir().unwrap();
         let into = log_at(dst.path(), Compression::None);
-        let mut c = Client::connect(&addr, opts()).unwrap();
+        let mut c = Client::connect(&addr, TICKET, opts()).unwrap();
         for (k, n) in sizes() {
             let want = frames_for(k.as_bytes(), n);
             assert_eq!(c.get(k.as_bytes()).unwrap().as_ref(), Some(&want), "{k} into memory");
@@ -89,7 +89,7 @@ fn a_sender_that_hangs_up_mid_value_leaves_nothing_behind() {
     let dst = tempfile::tempdir().unwrap();
     let log = log_at(dst.path(), Compression::None);
     log.put(b"before", &Frames::from(b"kept".to_vec())).unwrap();
-    let mut c = Client::connect(&addr, opts()).unwrap();
+    let mut c = Client::connect(&addr, TICKET, opts()).unwrap();
     let err = c.get_into(b"k", &log, b"k").unwrap_err();
     assert_eq!(err.io_kind(), Some(std::io::ErrorKind::UnexpectedEof), "{err}");
     assert!(log.get(b"k").unwrap().is_none(), "no partial value is visible");
@@ -118,12 +118,13 @@ fn the_connection_survives_an_error_response_but_not_a_short_one() {
     let mut value =
         transfer::encode_value_response(&meta(payload.len() as u64, spillway::format::payload_crc(&payload)));
     value.extend_from_slice(&payload);
-    let mut c = Client::connect(fake_server_answering(vec![error("no such luck"), value.clone()]), opts()).unwrap();
+    let mut c =
+        Client::connect(fake_server_answering(vec![error("no such luck"), value.clone()]), TICKET, opts()).unwrap();
     let e = c.get(b"first").unwrap_err();
     assert!(e.to_string().contains("server error: no such luck"), "{e}");
     assert_eq!(c.get(b"after").unwrap().unwrap().concat(), &payload[..]);
     // A value cut short: an error, and the connection is not used again.
-    let mut c = Client::connect(fake_server(value[..100].to_vec()), opts()).unwrap();
+    let mut c = Client::connect(fake_server(value[..100].to_vec()), TICKET, opts()).unwrap();
     assert!(c.get(b"cut").is_err());
     let e = c.get(b"after").unwrap_err();
     assert!(e.to_string().contains("unusable"), "{e}");
@@ -138,7 +139,7 @@ fn a_value_refused_by_the_receiving_log_leaves_the_connection_unusable() {
     let mut value =
         transfer::encode_value_response(&meta(payload.len() as u64, spillway::format::payload_crc(&payload)));
     value.extend_from_slice(&payload);
-    let mut c = Client::connect(fake_server_answering(vec![value.clone(), value]), opts()).unwrap();
+    let mut c = Client::connect(fake_server_answering(vec![value.clone(), value]), TICKET, opts()).unwrap();
     let tmp = tempfile::tempdir().unwrap();
     let log = log_at(tmp.path(), Compression::None);
     let long = vec![b'k'; spillway::format::MAX_KEY_BYTES + 1];
@@ -147,7 +148,7 @@ fn a_value_refused_by_the_receiving_log_leaves_the_connection_unusable() {
     let e = c.get(b"next").unwrap_err();
     assert!(e.to_string().contains("unusable"), "{e}");
     // A key refused before anything was sent keeps the connection in step.
-    let mut c = Client::connect(fake_server_answering(vec![vec![1u8]]), opts()).unwrap();
+    let mut c = Client::connect(fake_server_answering(vec![vec![1u8]]), TICKET, opts()).unwrap();
     assert!(matches!(c.get(&long).unwrap_err(), spillway::Error::KeyTooLarge { .. }));
     assert!(c.get(b"k").unwrap().is_none());
 }
@@ -160,13 +161,13 @@ fn a_wrong_checksum_is_an_error_and_stores_nothing() {
     resp.extend_from_slice(&payload);
     let dst = tempfile::tempdir().unwrap();
     let log = log_at(dst.path(), Compression::None);
-    let mut c = Client::connect(fake_server(resp.clone()), opts()).unwrap();
+    let mut c = Client::connect(fake_server(resp.clone()), TICKET, opts()).unwrap();
     let err = c.get_into(b"k", &log, b"k").unwrap_err();
     assert!(matches!(err, spillway::Error::ChecksumMismatch { .. }), "{err}");
     assert_eq!(err.location(), None, "bytes from a peer have no place on disk: {err}");
     assert!(err.to_string().contains("received from a peer"), "{err}");
     assert!(log.get(b"k").unwrap().is_none());
-    let mut c = Client::connect(fake_server(resp), opts()).unwrap();
+    let mut c = Client::connect(fake_server(resp), TICKET, opts()).unwrap();
     assert!(matches!(c.get(b"k").unwrap_err(), spillway::Error::ChecksumMismatch { .. }));
 }
 
@@ -174,22 +175,34 @@ fn a_wrong_checksum_is_an_error_and_stores_nothing() {
 fn oversized_and_malformed_responses_are_refused_before_allocating() {
     let o = TransferOptions { max_value_bytes: 1 << 20, ..opts() };
     // Announces 1 TiB.
-    let mut c = Client::connect(fake_server(transfer::encode_value_response(&meta(1 << 40, 0))), o.clone()).unwrap();
+    let mut c =
+        Client::connect(fake_server(transfer::encode_value_response(&meta(1 << 40, 0))), TICKET, o.clone()).unwrap();
     assert!(matches!(c.get(b"k").unwrap_err(), spillway::Error::Protocol(_)));
     // Frame lengths that do not lay out to the announced length.
     let mut bad = meta(100, 0);
     bad.frame_lens = vec![50, 49];
-    let mut c = Client::connect(fake_server(transfer::encode_value_response(&bad)), o.clone()).unwrap();
+    let mut c = Client::connect(fake_server(transfer::encode_value_response(&bad)), TICKET, o.clone()).unwrap();
     assert!(matches!(c.get(b"k").unwrap_err(), spillway::Error::Protocol(_)));
     // An lz4 value of 10 bytes announcing 1 MiB (within max_value_bytes, but more than lz4 can
     // expand 10 bytes to): refused before the 1 MiB is allocated.
     let mut lz = meta(1 << 20, 0);
     lz.lz4 = true;
     lz.stored_len = 10;
-    let mut c = Client::connect(fake_server(transfer::encode_value_response(&lz)), o.clone()).unwrap();
-    assert!(matches!(c.get(b"k").unwrap_err(), spillway::Error::Protocol(m) if m.contains("cannot decompress")));
+    let mut c = Client::connect(fake_server(transfer::encode_value_response(&lz)), TICKET, o.clone()).unwrap();
+    assert!(
+        matches!(c.get(b"k").unwrap_err(), spillway::Error::Protocol(m) if m.contains("cannot be the compression"))
+    );
+    // An lz4 "block" of 1 MiB for a 64-byte value: longer than any compression of 64 bytes (the
+    // LZ4 bound), refused before the 1 MiB is allocated or read.
+    let mut lz = meta(64, 0);
+    lz.lz4 = true;
+    lz.stored_len = 1 << 20;
+    let mut c = Client::connect(fake_server(transfer::encode_value_response(&lz)), TICKET, o.clone()).unwrap();
+    assert!(
+        matches!(c.get(b"k").unwrap_err(), spillway::Error::Protocol(m) if m.contains("cannot be the compression"))
+    );
     // An unknown status byte.
-    let mut c = Client::connect(fake_server(vec![9]), o).unwrap();
+    let mut c = Client::connect(fake_server(vec![9]), TICKET, o).unwrap();
     assert!(matches!(c.get(b"k").unwrap_err(), spillway::Error::Protocol(_)));
 }
 
@@ -219,19 +232,21 @@ fn the_server_refuses_bad_peers_and_keeps_serving() {
     let mut s = TcpStream::connect(&addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     s.write_all(&transfer::greeting()).unwrap();
-    s.write_all(&[1, 0xff, 0xff, 0xff, 0x7f]).unwrap();
+    let mut req = raw_request(&TICKET, b"");
+    req[1 + transfer::TICKET_BYTES..].copy_from_slice(&[0xff, 0xff, 0xff, 0x7f]);
+    s.write_all(&req).unwrap();
     let mut got = Vec::new();
     s.read_to_end(&mut got).unwrap();
     assert!(String::from_utf8_lossy(&got).contains("malformed request"));
     // A client that hangs up mid-value: the server drops that connection only.
     let mut s = TcpStream::connect(&addr).unwrap();
     s.write_all(&transfer::greeting()).unwrap();
-    s.write_all(&[1, 1, 0, 0, 0, b'k']).unwrap();
+    s.write_all(&raw_request(&TICKET, b"k")).unwrap();
     let mut part = vec![0u8; 100_000];
     s.read_exact(&mut part).unwrap();
     drop(s);
     // Still serving, correctly.
-    let mut c = Client::connect(&addr, opts()).unwrap();
+    let mut c = Client::connect(&addr, TICKET, opts()).unwrap();
     assert_eq!(c.get(b"k").unwrap().unwrap(), frames_for(b"k", 8 << 20));
 }
 
@@ -249,7 +264,7 @@ fn a_short_lz4_block_is_an_error_not_a_panic_and_the_client_stops_reading() {
     let mut resp = transfer::encode_value_response(&m);
     resp.extend_from_slice(&block);
     for path in ["memory", "writer"] {
-        let mut c = Client::connect(fake_server(resp.clone()), opts()).unwrap();
+        let mut c = Client::connect(fake_server(resp.clone()), TICKET, opts()).unwrap();
         let err = match path {
             "memory" => c.get(b"k").unwrap_err(),
             _ => c.get_to(b"k", &mut Vec::new()).unwrap_err(),
@@ -269,8 +284,8 @@ fn serve_with_one_place_taken() -> (tempfile::TempDir, String, Client) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     let o = TransferOptions { max_connections: 1, ..opts() };
-    std::thread::spawn(move || transfer::serve(Arc::new(log), listener, o));
-    let mut first = Client::connect(&addr, opts()).unwrap();
+    std::thread::spawn(move || transfer::serve(open_to(Arc::new(log)), listener, o));
+    let mut first = Client::connect(&addr, TICKET, opts()).unwrap();
     assert_eq!(first.get(b"k").unwrap().unwrap().concat(), &b"v"[..]);
     (src, addr, first)
 }
@@ -278,7 +293,7 @@ fn serve_with_one_place_taken() -> (tempfile::TempDir, String, Client) {
 #[test]
 fn connections_over_the_limit_are_told_why() {
     let (_src, addr, first) = serve_with_one_place_taken();
-    let err = Client::connect(&addr, opts()).and_then(|mut c| c.get(b"k")).unwrap_err();
+    let err = Client::connect(&addr, TICKET, opts()).and_then(|mut c| c.get(b"k")).unwrap_err();
     assert!(err.to_string().contains("too many connections"), "{err}");
     drop(first);
 }
@@ -320,7 +335,7 @@ fn a_flood_over_the_limit_costs_a_bounded_number_of_threads() {
     // The place is given back when the first connection's thread sees it close: bounded retries.
     let mut served = false;
     for _ in 0..200 {
-        if let Ok(mut c) = Client::connect(&addr, opts()) {
+        if let Ok(mut c) = Client::connect(&addr, TICKET, opts()) {
             if let Ok(Some(v)) = c.get(b"k") {
                 assert_eq!(v.concat(), &b"v"[..]);
                 served = true;
@@ -344,9 +359,9 @@ fn a_shut_down_listener_ends_serve() {
     let handle = listener.try_clone().unwrap();
     let (done_tx, done_rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
-        let _ = done_tx.send(transfer::serve(Arc::new(log), listener, opts()));
+        let _ = done_tx.send(transfer::serve(open_to(Arc::new(log)), listener, opts()));
     });
-    let mut c = Client::connect(addr.as_str(), opts()).unwrap();
+    let mut c = Client::connect(addr.as_str(), TICKET, opts()).unwrap();
     assert_eq!(c.get(b"k").unwrap().unwrap().concat(), &b"v"[..]);
     transfer::shutdown_listener(&handle).unwrap();
     let ended = done_rx.recv_timeout(std::time::Duration::from_secs(30)).expect("serve returned");
@@ -376,7 +391,7 @@ fn values_arrive_intact_from_o_direct_segments() {
         log.put(k.as_bytes(), &frames_for(k.as_bytes(), n)).unwrap();
     }
     let addr = start_server(log, false);
-    let mut c = Client::connect(&addr, opts()).unwrap();
+    let mut c = Client::connect(&addr, TICKET, opts()).unwrap();
     for n in sizes {
         let k = format!("v{n}");
         let want = frames_for(k.as_bytes(), n);
@@ -410,9 +425,9 @@ fn signal_handlers_running_mid_value_do_not_cut_it_short() {
         let (s, _) = listener.accept().unwrap();
         // SAFETY: pthread_self has no preconditions.
         tid_tx.send(unsafe { libc::pthread_self() }).unwrap();
-        transfer::serve_connection(&log, s, &TransferOptions { splice_min_bytes: 0, ..opts() })
+        transfer::serve_connection(&open_to(Arc::new(log)), s, &TransferOptions { splice_min_bytes: 0, ..opts() })
     });
-    let mut c = Client::connect(&addr, opts()).unwrap();
+    let mut c = Client::connect(&addr, TICKET, opts()).unwrap();
     // SAFETY: as above.
     let threads = [tid_rx.recv().unwrap(), unsafe { libc::pthread_self() }];
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -467,7 +482,9 @@ fn a_key_rewritten_while_it_is_requested_is_never_reported_absent() {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     let served = log.clone();
-    std::thread::spawn(move || transfer::serve(served, listener, TransferOptions { splice_min_bytes: 0, ..opts() }));
+    std::thread::spawn(move || {
+        transfer::serve(open_to(served), listener, TransferOptions { splice_min_bytes: 0, ..opts() })
+    });
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let writer = {
         let (log, stop, value) = (log.clone(), stop.clone(), value.clone());
@@ -479,7 +496,7 @@ fn a_key_rewritten_while_it_is_requested_is_never_reported_absent() {
             }
         })
     };
-    let mut c = Client::connect(&addr, opts()).unwrap();
+    let mut c = Client::connect(&addr, TICKET, opts()).unwrap();
     let answers: Vec<Option<Frames>> = (0..3000).map(|_| c.get(b"k").unwrap()).collect();
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
     writer.join().unwrap();
@@ -512,14 +529,13 @@ fn a_client_hanging_up_mid_splice_does_not_kill_the_server_with_sigpipe() {
     let addr = listener.local_addr().unwrap();
     let server = std::thread::spawn(move || {
         let (s, _) = listener.accept().unwrap();
-        transfer::serve_connection(&log, s, &TransferOptions { splice_min_bytes: 0, ..opts() })
+        transfer::serve_connection(&open_to(Arc::new(log)), s, &TransferOptions { splice_min_bytes: 0, ..opts() })
     });
     let mut sock = TcpStream::connect(addr).unwrap();
     sock.write_all(&transfer::greeting()).unwrap();
     let mut greeting = [0u8; 8];
     sock.read_exact(&mut greeting).unwrap();
-    sock.write_all(&[1, 3, 0, 0, 0]).unwrap(); // GET, a key of 3 bytes
-    sock.write_all(b"big").unwrap();
+    sock.write_all(&raw_request(&TICKET, b"big")).unwrap();
     let mut first = vec![0u8; 1 << 20];
     sock.read_exact(&mut first).unwrap();
     sock.shutdown(std::net::Shutdown::Write).unwrap();
@@ -562,7 +578,7 @@ fn a_trickling_sender_is_cut_off_and_the_receiving_log_goes_on() {
         std::thread::spawn(move || {
             // 1 s + 1 MiB at 1 MiB/s: the deadline is 2 s after the header.
             let o = TransferOptions { timeout: Duration::from_secs(1), min_bytes_per_sec: 1 << 20, ..opts() };
-            let r = Client::connect(&addr, o).unwrap().get_into(b"slow", &log, b"slow");
+            let r = Client::connect(&addr, TICKET, o).unwrap().get_into(b"slow", &log, b"slow");
             done_tx.send(r.map_err(|e| e.to_string())).unwrap();
         });
     }
@@ -591,14 +607,13 @@ fn request_big_from_a_strict_server(
             splice_min_bytes: 0,
             ..opts()
         };
-        done_tx.send(transfer::serve_connection(&*log, s, &o).map_err(|e| e.to_string())).unwrap();
+        done_tx.send(transfer::serve_connection(&open_to(log), s, &o).map_err(|e| e.to_string())).unwrap();
     });
     let mut sock = TcpStream::connect(addr).unwrap();
     sock.write_all(&transfer::greeting()).unwrap();
     let mut greeting = [0u8; 8];
     sock.read_exact(&mut greeting).unwrap();
-    sock.write_all(&[1, 3, 0, 0, 0]).unwrap();
-    sock.write_all(b"big").unwrap();
+    sock.write_all(&raw_request(&TICKET, b"big")).unwrap();
     (sock, done_rx)
 }
 
@@ -660,7 +675,7 @@ fn waiting_for_the_receiving_log_does_not_count_against_the_payload_deadline() {
     };
     wait.recv().unwrap();
     let o = TransferOptions { timeout: Duration::from_secs(1), min_bytes_per_sec: 1 << 20, ..opts() };
-    let got = Client::connect(&addr, o).unwrap().get_into(b"small", &into, b"small");
+    let got = Client::connect(&addr, TICKET, o).unwrap().get_into(b"small", &into, b"small");
     holder.join().unwrap().unwrap();
     assert!(got.unwrap(), "fetched once the log was free");
     assert_eq!(into.get(b"small").unwrap(), Some(frames_for(b"small", 10_000)));
@@ -697,8 +712,8 @@ fn an_error_response_names_what_failed_without_the_servers_paths() {
     log.put(b"fine", &v).unwrap();
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
-    std::thread::spawn(move || transfer::serve(Arc::new(FailingRead(log)), listener, opts()));
-    let mut c = Client::connect(&addr, opts()).unwrap();
+    std::thread::spawn(move || transfer::serve(open_to(Arc::new(FailingRead(log))), listener, opts()));
+    let mut c = Client::connect(&addr, TICKET, opts()).unwrap();
     let e = c.get(b"broken").unwrap_err().to_string();
     assert!(e.contains("read segment") && e.contains("os error 5"), "{e}");
     assert!(!e.contains("/srv") && !e.contains("secret") && !e.contains(".seg"), "{e}");
@@ -753,4 +768,165 @@ fn a_stalled_peer_holds_a_deleted_segment_only_until_its_send_is_cut_off() {
     assert_eq!(open_deleted(&seg), 0, "nothing holds the deleted file once the send is cut off");
     drop(sock);
     assert_eq!(log.get(b"small").unwrap(), Some(small));
+}
+
+/// A server on an ephemeral loopback port serving `access` from a background thread.
+fn serve_access<S: transfer::Source>(access: Arc<transfer::Access<S>>, o: TransferOptions) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    std::thread::spawn(move || transfer::serve(access, listener, o));
+    addr
+}
+
+fn refused(r: spillway::Result<Option<Frames>>) -> bool {
+    matches!(r, Err(spillway::Error::Protocol(m)) if m.contains(transfer::NOT_AUTHORIZED))
+}
+
+/// Without the server's ticket nothing is served: no ticket (all zeros), a wrong secret, a forged
+/// grant id. Each refusal ends its connection only; the right ticket is served meanwhile.
+#[test]
+fn requests_without_the_right_ticket_are_refused_and_others_are_served() {
+    let src = tempfile::tempdir().unwrap();
+    let log = log_at(src.path(), Compression::None);
+    log.put(b"k", &frames_for(b"k", 100_000)).unwrap();
+    let addr = serve_access(open_to(Arc::new(log)), opts());
+    let mut good = Client::connect(&addr, TICKET, opts()).unwrap();
+    let wrong = [
+        transfer::Ticket::new(0, [0; 16]),
+        transfer::Ticket::new(0, *b"spillway-tests!?"),
+        transfer::Ticket::new(7, *b"spillway-tests!!"),
+    ];
+    for t in wrong {
+        let mut c = Client::connect(&addr, t, opts()).unwrap();
+        assert!(refused(c.get(b"k")), "{t:?} was not refused");
+        assert!(c.get(b"k").is_err(), "a refused connection is closed");
+        assert_eq!(good.get(b"k").unwrap().unwrap(), frames_for(b"k", 100_000));
+    }
+}
+
+/// A grant opens one key once: the value as it was granted (the record stays pinned through a
+/// delete and an overwrite), never another key, never twice, never after it expired or was revoked.
+#[test]
+fn a_grant_serves_its_key_once_as_granted() {
+    let src = tempfile::tempdir().unwrap();
+    let log = Arc::new(log_at(src.path(), Compression::None));
+    log.put(b"a", &frames_for(b"a", 3 << 20)).unwrap();
+    log.put(b"b", &frames_for(b"b", 1000)).unwrap();
+    let access = Arc::new(transfer::Access::grants_only(Duration::from_secs(60)));
+    let addr = serve_access(access.clone(), TransferOptions { splice_min_bytes: 0, ..opts() });
+    assert_eq!(access.grant(&log, b"missing").unwrap(), None);
+
+    let t = access.grant(&log, b"a").unwrap().unwrap();
+    assert!(log.delete(b"a").unwrap());
+    log.put(b"a", &frames_for(b"new", 10)).unwrap();
+    let mut c = Client::connect(&addr, t, opts()).unwrap();
+    assert_eq!(c.get(b"a").unwrap().unwrap(), frames_for(b"a", 3 << 20), "the value as granted");
+    assert!(refused(Client::connect(&addr, t, opts()).unwrap().get(b"a")), "used once");
+    // The standing ticket of another server means nothing here.
+    assert!(refused(Client::connect(&addr, TICKET, opts()).unwrap().get(b"b")));
+
+    let t = access.grant(&log, b"b").unwrap().unwrap();
+    assert!(refused(Client::connect(&addr, t, opts()).unwrap().get(b"a")), "another key");
+    assert!(refused(Client::connect(&addr, t, opts()).unwrap().get(b"b")), "burnt by the attempt");
+
+    let t = access.grant(&log, b"b").unwrap().unwrap();
+    assert!(access.revoke(&t) && !access.revoke(&t));
+    assert!(refused(Client::connect(&addr, t, opts()).unwrap().get(b"b")), "revoked");
+
+    let short = Arc::new(transfer::Access::grants_only(Duration::from_millis(1)));
+    let short_addr = serve_access(short.clone(), opts());
+    let t = short.grant(&log, b"b").unwrap().unwrap();
+    let mut c = Client::connect(&short_addr, t, opts()).unwrap();
+    let granted = std::time::Instant::now();
+    while granted.elapsed() < Duration::from_millis(2) {
+        std::thread::yield_now();
+    }
+    assert!(refused(c.get(b"b")), "expired");
+
+    // Every grant above was used, revoked or expired: none is left holding a record.
+    assert_eq!(access.live_grants(), 0);
+    let t = access.grant(&log, b"b").unwrap().unwrap();
+    assert_eq!(Client::connect(&addr, t, opts()).unwrap().get(b"b").unwrap().unwrap(), frames_for(b"b", 1000));
+}
+
+/// A grant names the source it was made from without keeping it alive: a grant outstanding when
+/// its log is dropped is refused, and the log's files are closed.
+#[test]
+fn a_grant_does_not_keep_its_log_alive() {
+    let src = tempfile::tempdir().unwrap();
+    let log = Arc::new(log_at(src.path(), Compression::None));
+    log.put(b"a", &frames_for(b"a", 1000)).unwrap();
+    let access = Arc::new(transfer::Access::grants_only(Duration::from_secs(60)));
+    let addr = serve_access(access.clone(), opts());
+    let t = access.grant(&log, b"a").unwrap().unwrap();
+    let weak = Arc::downgrade(&log);
+    drop(log);
+    assert!(weak.upgrade().is_none(), "the grant holds no reference to the log");
+    assert!(refused(Client::connect(&addr, t, opts()).unwrap().get(b"a")));
+}
+
+/// A request whose head trickles in, a byte at a time within the socket timeout, is cut off once
+/// the whole request is not in within the timeout: it cannot hold a connection place for good.
+#[test]
+fn a_trickled_request_is_cut_off_by_its_deadline() {
+    let src = tempfile::tempdir().unwrap();
+    let log = Arc::new(log_at(src.path(), Compression::None));
+    log.put(b"k", &frames_for(b"k", 1000)).unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let (s, _) = listener.accept().unwrap();
+        let o = TransferOptions { timeout: Duration::from_millis(500), ..opts() };
+        done_tx.send(transfer::serve_connection(&open_to(log), s, &o).map_err(|e| e.to_string())).unwrap();
+    });
+    let mut sock = TcpStream::connect(addr).unwrap();
+    sock.write_all(&transfer::greeting()).unwrap();
+    let mut greeting = [0u8; 8];
+    sock.read_exact(&mut greeting).unwrap();
+    let started = std::time::Instant::now();
+    let mut sent = 0;
+    let result = 'trickle: {
+        for b in raw_request(&TICKET, b"k") {
+            // Each byte comes well within the 500 ms socket timeout.
+            if let Ok(r) = done_rx.recv_timeout(Duration::from_millis(100)) {
+                break 'trickle r;
+            }
+            if sock.write_all(&[b]).is_err() {
+                break 'trickle done_rx.recv_timeout(Duration::from_secs(10)).unwrap();
+            }
+            sent += 1;
+        }
+        panic!("the whole request trickled in over {:?} and was served", started.elapsed());
+    };
+    let err = result.unwrap_err();
+    assert!(err.contains("receive request") || err.contains("receive key"), "{err}");
+    assert!(err.contains("in time"), "{err}");
+    assert!(sent < raw_request(&TICKET, b"k").len());
+}
+
+/// One peer address cannot take more than `max_connections_per_peer` places: the next connection
+/// is told why, and a place freed is taken again.
+#[test]
+fn one_peer_cannot_hold_more_than_its_share_of_connections() {
+    let src = tempfile::tempdir().unwrap();
+    let log = log_at(src.path(), Compression::None);
+    log.put(b"k", &frames_for(b"k", 1000)).unwrap();
+    let addr = serve_access(open_to(Arc::new(log)), TransferOptions { max_connections_per_peer: 2, ..opts() });
+    let mut held: Vec<Client> = (0..2).map(|_| Client::connect(&addr, TICKET, opts()).unwrap()).collect();
+    for c in &mut held {
+        assert!(c.get(b"k").unwrap().is_some());
+    }
+    let err = Client::connect(&addr, TICKET, opts()).and_then(|mut c| c.get(b"k")).unwrap_err();
+    assert!(err.to_string().contains("too many connections from this peer"), "{err}");
+    drop(held.pop());
+    // The server notices the hang-up when its thread reads end of file: retry until it has.
+    let served = (0..1000).any(|_| {
+        let ok = Client::connect(&addr, TICKET, opts()).and_then(|mut c| c.get(b"k")).is_ok();
+        if !ok {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        ok
+    });
+    assert!(served, "the freed place was never taken again");
 }

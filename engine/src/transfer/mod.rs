@@ -12,13 +12,23 @@
 //! Receive paths: into memory ([`Client::get`]), straight into a segment log in 1 MiB chunks
 //! ([`Client::get_into`], [`SegmentLog::put_stream`]), or streamed to a writer ([`Client::get_to`]).
 //!
+//! Every request carries a [`Ticket`] that the server's [`Access`] must accept: a standing ticket
+//! for every key, or a one-time grant for one key (see [`access`]). Limits: connections in total
+//! and per peer address, a deadline for each request's head and one for each payload, bounds on
+//! every length before anything is allocated.
+//!
 //! Connections are served by blocking threads (one per connection, bounded). A peer that hangs up
 //! mid-value ends that connection only; a partial value is never published.
 
+pub mod access;
+
+pub use access::{Access, Ticket, MAX_GRANTS, TICKET_BYTES};
+
+use std::collections::HashMap;
 use std::io::{self, Read, Write};
-use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, Shutdown, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -32,7 +42,7 @@ use crate::store::{Codec, Store, Tier};
 use crate::value::Frames;
 
 /// Protocol version spoken by this build.
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 const MAGIC: [u8; 4] = *b"SPWY";
 const OP_GET: u8 = 1;
 const ST_VALUE: u8 = 0;
@@ -54,6 +64,9 @@ pub struct TransferOptions {
     /// Server: connections served at once; more are refused with an error response (at most
     /// [`MAX_REFUSING`] at a time; beyond that they are closed unanswered).
     pub max_connections: usize,
+    /// Server: connections served at once from one peer address (refused like those over
+    /// `max_connections`), so that one peer cannot hold every place.
+    pub max_connections_per_peer: usize,
     /// Server: values smaller than this are read into memory and written (bounded by this size per
     /// connection) rather than spliced. Measured on loopback: splice ran at 0.35x the copy path for
     /// 1 MiB values, 1.1x for 64 MiB and 5.4x for 1 GiB (where the copy path also costs 1 GiB of RSS).
@@ -135,6 +148,7 @@ impl Default for TransferOptions {
             copy: false,
             timeout: Duration::from_secs(30),
             max_connections: 64,
+            max_connections_per_peer: 16,
             splice_min_bytes: 8 << 20,
             min_bytes_per_sec: 1 << 20,
         }
@@ -223,8 +237,8 @@ pub fn read_value_header(r: &mut impl Read, max: u64) -> Result<StreamedValue> {
         return Err(proto("uncompressed value whose stored length differs from its length"));
     }
     // Before any receive path allocates `raw_len` for the decompressed value.
-    if lz4 && !format::lz4_can_expand_to(stored_len, raw_len) {
-        return Err(proto(format!("lz4 value of {stored_len} bytes cannot decompress to {raw_len}")));
+    if lz4 && !format::lz4_lengths_fit(stored_len, raw_len) {
+        return Err(proto(format!("lz4 value of {stored_len} bytes cannot be the compression of {raw_len}")));
     }
     Ok(StreamedValue { lz4, frame_lens, raw_len, stored_len, payload_crc })
 }
@@ -292,12 +306,13 @@ impl<C: Codec, B: Backend> Source for Store<C, B> {
 /// connections are closed unanswered: a flood costs no more than this many threads.
 pub const MAX_REFUSING: usize = 8;
 
-/// Serve `src` on `listener`: one thread per connection, at most `opts.max_connections` at once.
+/// Serve what `access` lets through on `listener`: one thread per connection, at most
+/// `opts.max_connections` at once and `opts.max_connections_per_peer` from one address.
 /// Returns `Ok(())` once the listener is shut down ([`shutdown_listener`] on a clone of it, from
 /// another thread), or the error if `accept` fails in a way that will not pass (the descriptor is
 /// not a listening socket). Failures that concern one connection or pass (an aborted handshake,
 /// out of descriptors or memory) are logged and serving goes on.
-pub fn serve<S: Source>(log: Arc<S>, listener: TcpListener, opts: TransferOptions) -> Result<()> {
+pub fn serve<S: Source>(access: Arc<Access<S>>, listener: TcpListener, opts: TransferOptions) -> Result<()> {
     /// A place in a count of threads (`max_connections`, [`MAX_REFUSING`]), given back when the
     /// thread ends however it ends (a panic included), or with its closure if it never starts.
     struct Held(Arc<AtomicUsize>);
@@ -306,8 +321,22 @@ pub fn serve<S: Source>(log: Arc<S>, listener: TcpListener, opts: TransferOption
             self.0.fetch_sub(1, Ordering::SeqCst);
         }
     }
+    /// A place in the count of one peer address's connections.
+    struct PeerHeld(Arc<Mutex<HashMap<IpAddr, usize>>>, IpAddr);
+    impl Drop for PeerHeld {
+        fn drop(&mut self) {
+            let mut peers = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some(n) = peers.get_mut(&self.1) {
+                *n -= 1;
+                if *n == 0 {
+                    peers.remove(&self.1);
+                }
+            }
+        }
+    }
     let active = Arc::new(AtomicUsize::new(0));
     let refusing = Arc::new(AtomicUsize::new(0));
+    let peers: Arc<Mutex<HashMap<IpAddr, usize>>> = Arc::default();
     loop {
         let (stream, peer) = match listener.accept() {
             Ok(c) => c,
@@ -324,12 +353,30 @@ pub fn serve<S: Source>(log: Arc<S>, listener: TcpListener, opts: TransferOption
                 continue;
             }
         };
-        if active.fetch_add(1, Ordering::SeqCst) >= opts.max_connections {
-            active.fetch_sub(1, Ordering::SeqCst);
+        let peer_held = {
+            let mut p = peers.lock().unwrap_or_else(PoisonError::into_inner);
+            let n = p.entry(peer.ip()).or_insert(0);
+            if *n < opts.max_connections_per_peer {
+                *n += 1;
+                Some(PeerHeld(peers.clone(), peer.ip()))
+            } else {
+                None
+            }
+        };
+        let why = match &peer_held {
+            None => Some("too many connections from this peer"),
+            Some(_) if active.fetch_add(1, Ordering::SeqCst) >= opts.max_connections => {
+                active.fetch_sub(1, Ordering::SeqCst);
+                Some("too many connections")
+            }
+            Some(_) => None,
+        };
+        if let Some(why) = why {
+            drop(peer_held);
             if refusing.fetch_add(1, Ordering::SeqCst) >= MAX_REFUSING {
                 // A flood: close it unanswered rather than start a thread per connection.
                 refusing.fetch_sub(1, Ordering::SeqCst);
-                log::debug!("transfer: closing {peer}: too many connections, and too many being refused");
+                log::debug!("transfer: closing {peer}: {why}, and too many being refused");
                 continue;
             }
             // Refusing waits for the client's greeting (up to a second): not on the accept loop.
@@ -337,17 +384,17 @@ pub fn serve<S: Source>(log: Arc<S>, listener: TcpListener, opts: TransferOption
             let refused = std::thread::Builder::new().name("spillway-refuse".into()).spawn(move || {
                 let _held = held;
                 let mut stream = stream;
-                let _ = refuse(&mut stream, "too many connections");
+                let _ = refuse(&mut stream, why);
             });
             if let Err(e) = refused {
                 log::warn!("transfer: cannot start a thread to refuse {peer}: {e}");
             }
             continue;
         }
-        let (log, opts, held) = (log.clone(), opts.clone(), Held(active.clone()));
+        let (access, opts, held) = (access.clone(), opts.clone(), (Held(active.clone()), peer_held));
         let spawned = std::thread::Builder::new().name(format!("spillway-serve-{peer}")).spawn(move || {
             let _held = held;
-            if let Err(e) = serve_connection(&*log, stream, &opts) {
+            if let Err(e) = serve_connection(&access, stream, &opts) {
                 log::info!("transfer: connection from {peer} ended: {e}");
             }
         });
@@ -382,14 +429,47 @@ fn send_refusal(stream: &mut TcpStream, why: &str) -> io::Result<()> {
     stream.write_all(&out)
 }
 
+/// Fill `buf` from `stream` before `deadline` (each read waits at most until then, and at most
+/// `timeout`): a peer that trickles a message a byte at a time cannot stretch it past the deadline.
+fn read_by(stream: &mut TcpStream, buf: &mut [u8], deadline: Instant, timeout: Duration) -> io::Result<()> {
+    let mut at = 0;
+    let result = loop {
+        if at == buf.len() {
+            break Ok(());
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            break Err(io::Error::new(io::ErrorKind::TimedOut, "the request was not through in time"));
+        }
+        if let Err(e) = stream.set_read_timeout(Some(left.min(timeout))) {
+            break Err(e);
+        }
+        match stream.read(&mut buf[at..]) {
+            Ok(0) => break Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the peer closed mid-request")),
+            Ok(n) => at += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {}
+            Err(e) => break Err(e),
+        }
+    };
+    stream.set_read_timeout(Some(timeout))?;
+    result
+}
+
+/// Bytes of a request before its key: op (1), ticket ([`TICKET_BYTES`]), key length (4).
+const REQUEST_HEAD: usize = 1 + TICKET_BYTES + 4;
+
 /// Serve one connection until the peer closes it (`Ok`) or breaks the protocol (`Err`, after an
-/// error response where one can still be sent).
-pub fn serve_connection<S: Source>(src: &S, mut stream: TcpStream, opts: &TransferOptions) -> Result<()> {
+/// error response where one can still be sent). The greeting, and each request from its first
+/// byte to its last, must arrive within `opts.timeout`; a request `access` refuses is answered
+/// "not authorized" and ends the connection.
+pub fn serve_connection<S: Source>(access: &Access<S>, mut stream: TcpStream, opts: &TransferOptions) -> Result<()> {
     stream.set_read_timeout(Some(opts.timeout)).map_err(|e| io_err("set timeout", e))?;
     stream.set_write_timeout(Some(opts.timeout)).map_err(|e| io_err("set timeout", e))?;
     let _ = stream.set_nodelay(true);
     let mut h = [0u8; 8];
-    stream.read_exact(&mut h).map_err(|e| io_err("receive hello", e))?;
+    read_by(&mut stream, &mut h, Instant::now() + opts.timeout, opts.timeout)
+        .map_err(|e| io_err("receive hello", e))?;
     if let Err(e) = check_hello(&h) {
         let _ = send_refusal(&mut stream, &e.to_string()); // its greeting was just read
         return Err(e);
@@ -397,7 +477,7 @@ pub fn serve_connection<S: Source>(src: &S, mut stream: TcpStream, opts: &Transf
     stream.write_all(&hello()).map_err(|e| io_err("send hello", e))?;
     let mut pipe = None;
     loop {
-        let mut req = [0u8; 5];
+        let mut req = [0u8; REQUEST_HEAD];
         match stream.read(&mut req[..1]) {
             Ok(0) => return Ok(()), // the client is done
             Ok(_) => {}
@@ -405,86 +485,120 @@ pub fn serve_connection<S: Source>(src: &S, mut stream: TcpStream, opts: &Transf
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(io_err("receive request", e)),
         }
-        stream.read_exact(&mut req[1..]).map_err(|e| io_err("receive request", e))?;
-        let key_len = u32::from_le_bytes(req[1..5].try_into().expect("4 bytes")) as usize;
+        let deadline = Instant::now() + opts.timeout;
+        read_by(&mut stream, &mut req[1..], deadline, opts.timeout).map_err(|e| io_err("receive request", e))?;
+        let ticket = Ticket::from_bytes(&req[1..1 + TICKET_BYTES]).expect("ticket-sized");
+        let key_len = u32::from_le_bytes(req[1 + TICKET_BYTES..].try_into().expect("4 bytes")) as usize;
         if req[0] != OP_GET || key_len > MAX_KEY_BYTES {
             let e = proto(format!("malformed request (op {}, key of {key_len} bytes)", req[0]));
             let _ = send_error(&mut stream, &e.to_string());
             return Err(e);
         }
         let mut key = vec![0u8; key_len];
-        stream.read_exact(&mut key).map_err(|e| io_err("receive key", e))?;
-        let sv = match src.outgoing(&key) {
-            Ok(Some(Outgoing::Stored(sv))) if sv.meta.stored_len <= opts.max_value_bytes => sv,
-            Ok(Some(Outgoing::Stored(sv))) => {
-                send_error(&mut stream, &format!("value of {} bytes is over the limit", sv.meta.stored_len))?;
-                continue;
-            }
-            Ok(Some(Outgoing::Frames(frames))) => {
-                // A value held in memory was never checked by a log: the frame count and the laid-out
-                // length (frames plus their 64-byte gaps) are what a client checks.
-                let laid_out = format::frame_layout(frames.iter().map(|f| f.len() as u64)).map(|(_, n)| n);
-                match laid_out {
-                    _ if frames.len() > format::MAX_FRAMES => {
-                        let msg =
-                            format!("value of {} frames is over the limit of {}", frames.len(), format::MAX_FRAMES);
-                        send_error(&mut stream, &msg)?
-                    }
-                    Some(n) if n <= opts.max_value_bytes => {
-                        send_frames(&mut Paced::new(&mut stream, opts.allowance(n)), &frames)?
-                    }
-                    _ => send_error(&mut stream, &format!("value of {} bytes is over the limit", frames.total_len()))?,
-                }
-                continue;
-            }
-            Ok(None) => {
-                stream.write_all(&[ST_NOT_FOUND]).map_err(|e| io_err("send response", e))?;
-                continue;
-            }
-            Err(e) => {
-                // The peer learns what failed; the server's log says where (paths stay here).
-                log::warn!("transfer: serving a value failed: {e}");
-                send_error(&mut stream, &e.peer_message())?;
-                continue;
-            }
+        read_by(&mut stream, &mut key, deadline, opts.timeout).map_err(|e| io_err("receive key", e))?;
+        let Some(admitted) = access.admit(&ticket, &key) else {
+            let _ = send_error(&mut stream, NOT_AUTHORIZED);
+            return Err(proto(format!("a request with ticket {ticket:?} was refused")));
         };
-        let log = src.log();
-        stream.write_all(&encode_value_response(&sv.meta)).map_err(|e| io_err("send value header", e))?;
-        // splice(2) reads an O_DIRECT file with direct I/O, which refuses the payload's offset (only
-        // 64-byte aligned): splice from a buffered descriptor of the same file instead (copy if there
-        // is none). Looked at only for a value that is to be spliced.
-        let fd = log.backend().as_fd(&sv.file).filter(|_| !opts.copy && sv.meta.stored_len >= opts.splice_min_bytes);
-        let direct =
-            fd.is_some_and(|fd| rustix::fs::fcntl_getfl(fd).map_or(true, |f| f.contains(rustix::fs::OFlags::DIRECT)));
-        let buffered = match fd {
-            Some(fd) if direct => reopen_buffered(fd).ok(),
-            _ => None,
+        let outgoing = match admitted.value {
+            Some(v) => Ok(Some(v)),
+            None => admitted.src.outgoing(&key),
         };
-        let splice_fd = match &buffered {
-            Some(f) => Some(std::os::fd::AsFd::as_fd(f)),
-            None if direct => None,
-            None => fd,
-        };
-        match splice_fd {
-            Some(fd) => {
-                if pipe.is_none() {
-                    pipe = Some(make_pipe().map_err(|e| io_err("create pipe", e))?);
-                }
-                let (r, w) = pipe.as_ref().expect("just made");
-                let deadline = opts.allowance(sv.meta.stored_len).map(|a| Instant::now() + a);
-                if let Err(e) = splice_out(fd, sv.payload_offset, sv.meta.stored_len, r, w, &stream, deadline) {
-                    // Bytes may be stuck in the pipe: the connection cannot continue in step.
-                    let _ = stream.shutdown(Shutdown::Both);
-                    return Err(io_err("splice value", e));
-                }
-            }
-            None => {
-                let payload = log.read_stored(&sv)?;
-                let allowance = opts.allowance(sv.meta.stored_len);
-                Paced::new(&mut stream, allowance).write_all(&payload).map_err(|e| io_err("send value", e))?;
-            }
-        }
+        send_outgoing(admitted.src.log(), &mut stream, opts, &mut pipe, outgoing)?;
     }
+}
+
+/// The message of the ERROR response to a request its server's [`Access`] refused.
+pub const NOT_AUTHORIZED: &str = "not authorized";
+
+/// Answer one request with `outgoing` (the source's answer for its key): VALUE, NOT_FOUND or ERROR.
+fn send_outgoing<B: Backend>(
+    log: &SegmentLog<B>,
+    stream: &mut TcpStream,
+    opts: &TransferOptions,
+    pipe: &mut Option<Pipe>,
+    outgoing: Result<Option<Outgoing<B::File>>>,
+) -> Result<()> {
+    let sv = match outgoing {
+        Ok(Some(Outgoing::Stored(sv))) if sv.meta.stored_len <= opts.max_value_bytes => sv,
+        Ok(Some(Outgoing::Stored(sv))) => {
+            return send_error(stream, &format!("value of {} bytes is over the limit", sv.meta.stored_len));
+        }
+        Ok(Some(Outgoing::Frames(frames))) => {
+            // A value held in memory was never checked by a log: the frame count and the laid-out
+            // length (frames plus their 64-byte gaps) are what a client checks.
+            let laid_out = format::frame_layout(frames.iter().map(|f| f.len() as u64)).map(|(_, n)| n);
+            return match laid_out {
+                _ if frames.len() > format::MAX_FRAMES => {
+                    let msg = format!("value of {} frames is over the limit of {}", frames.len(), format::MAX_FRAMES);
+                    send_error(stream, &msg)
+                }
+                Some(n) if n <= opts.max_value_bytes => {
+                    send_frames(&mut Paced::new(stream, opts.allowance(n)), &frames)
+                }
+                _ => send_error(stream, &format!("value of {} bytes is over the limit", frames.total_len())),
+            };
+        }
+        Ok(None) => return stream.write_all(&[ST_NOT_FOUND]).map_err(|e| io_err("send response", e)),
+        Err(e) => {
+            // The peer learns what failed; the server's log says where (paths stay here).
+            log::warn!("transfer: serving a value failed: {e}");
+            return send_error(stream, &e.peer_message());
+        }
+    };
+    stream.write_all(&encode_value_response(&sv.meta)).map_err(|e| io_err("send value header", e))?;
+    // splice(2) reads an O_DIRECT file with direct I/O, which refuses the payload's offset (only
+    // 64-byte aligned): splice from a buffered descriptor of the same file instead (copy if there
+    // is none). Looked at only for a value that is to be spliced.
+    let fd = log.backend().as_fd(&sv.file).filter(|_| !opts.copy && sv.meta.stored_len >= opts.splice_min_bytes);
+    let direct =
+        fd.is_some_and(|fd| rustix::fs::fcntl_getfl(fd).map_or(true, |f| f.contains(rustix::fs::OFlags::DIRECT)));
+    let buffered = match fd {
+        Some(fd) if direct => reopen_buffered(fd).ok(),
+        _ => None,
+    };
+    let splice_fd = match &buffered {
+        Some(f) => Some(std::os::fd::AsFd::as_fd(f)),
+        None if direct => None,
+        None => fd,
+    };
+    let deadline = opts.allowance(sv.meta.stored_len).map(|a| Instant::now() + a);
+    let sent = match splice_fd {
+        Some(fd) => {
+            if pipe.is_none() {
+                *pipe = Some(make_pipe().map_err(|e| io_err("create pipe", e))?);
+            }
+            let (r, w) = pipe.as_ref().expect("just made");
+            splice_out(fd, sv.payload_offset, sv.meta.stored_len, r, w, stream, deadline)
+                .map_err(|e| io_err("splice value", e))
+        }
+        None => copy_out(log, &sv, stream, deadline),
+    };
+    if sent.is_err() {
+        // Part of the value may have gone out (or be stuck in the pipe): the connection cannot
+        // continue in step.
+        let _ = stream.shutdown(Shutdown::Both);
+    }
+    sent
+}
+
+/// The copy path: the stored payload read and written [`PIPE_BYTES`] at a time (never the whole
+/// value in memory), within `deadline`.
+fn copy_out<B: Backend>(
+    log: &SegmentLog<B>,
+    sv: &StoredValue<B::File>,
+    stream: &mut TcpStream,
+    deadline: Option<Instant>,
+) -> Result<()> {
+    let mut at = 0u64;
+    while at < sv.meta.stored_len {
+        check_deadline(deadline).map_err(|e| io_err("send value", e))?;
+        let n = (sv.meta.stored_len - at).min(PIPE_BYTES as u64);
+        let part = log.read_stored_part(sv, at, n)?;
+        stream.write_all(&part).map_err(|e| io_err("send value", e))?;
+        at += n;
+    }
+    Ok(())
 }
 
 /// Send in-memory frames as an uncompressed VALUE: the same layout as on disk (each frame at a
@@ -590,6 +704,8 @@ fn splice_out(
 pub struct Client {
     stream: TcpStream,
     opts: TransferOptions,
+    /// Sent with every request.
+    ticket: Ticket,
     /// Set after an error that may have left part of a response unread: the connection is out of
     /// step and every later call fails instead of misreading.
     broken: bool,
@@ -601,8 +717,9 @@ pub struct Client {
 }
 
 impl Client {
-    /// Connect (within `opts.timeout`) and exchange the protocol greeting.
-    pub fn connect(addr: impl ToSocketAddrs, opts: TransferOptions) -> Result<Client> {
+    /// Connect (within `opts.timeout`) and exchange the protocol greeting. Requests carry `ticket`
+    /// (see [`Client::set_ticket`]).
+    pub fn connect(addr: impl ToSocketAddrs, ticket: Ticket, opts: TransferOptions) -> Result<Client> {
         let addrs: Vec<_> = addr.to_socket_addrs().map_err(|e| io_err("resolve address", e))?.collect();
         let mut last = io::Error::new(io::ErrorKind::InvalidInput, "no address to connect to");
         for a in addrs {
@@ -615,12 +732,17 @@ impl Client {
                     let mut h = [0u8; 8];
                     stream.read_exact(&mut h).map_err(|e| io_err("receive hello", e))?;
                     check_hello(&h)?;
-                    return Ok(Client { stream, opts, broken: false, answered_error: false, sent: false });
+                    return Ok(Client { stream, opts, ticket, broken: false, answered_error: false, sent: false });
                 }
                 Err(e) => last = e,
             }
         }
         Err(io_err("connect", last))
+    }
+
+    /// The ticket later requests carry (a grant is good for one request).
+    pub fn set_ticket(&mut self, ticket: Ticket) {
+        self.ticket = ticket;
     }
 
     /// Run `f` (one request and its response), marking the connection unusable if it fails midway.
@@ -646,6 +768,7 @@ impl Client {
             return Err(Error::KeyTooLarge { len: key.len(), max: MAX_KEY_BYTES });
         }
         let mut req = vec![OP_GET];
+        req.extend_from_slice(&self.ticket.to_bytes());
         req.extend_from_slice(&(key.len() as u32).to_le_bytes());
         req.extend_from_slice(key);
         self.sent = true;

@@ -1,0 +1,225 @@
+//! Who may read what from a transfer server: tickets and the grants behind them.
+//!
+//! Every request carries a [`Ticket`]: a 64-bit id and a 128-bit secret drawn from the operating
+//! system's random source. A server answers a request only if its [`Access`] accepts the ticket:
+//!
+//! * a **standing** ticket (id 0) opens every key of the server's source (the CLI's
+//!   `spillway serve --token`);
+//! * a **grant** opens one key, once, for a short time: [`Access::grant`] pins the key's record
+//!   (the value sent is the one granted, whatever happens to the key afterwards) and returns the
+//!   ticket the owner hands to one requester. Redeeming it, revoking it or its expiry drops the pin.
+//!
+//! Secrets are compared in constant time; a refused request learns nothing about why it was
+//! refused (unknown id, wrong secret, another key, used, expired all read "not authorized").
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::time::{Duration, Instant};
+
+use super::{Outgoing, Source};
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+
+/// Bytes of a [`Ticket`] on the wire: the id (u64, little-endian), then the secret.
+pub const TICKET_BYTES: usize = 24;
+
+/// Live grants an [`Access`] holds at most; a grant beyond fails with [`Error::Exhausted`] until
+/// some are redeemed, revoked or expired.
+pub const MAX_GRANTS: usize = 16384;
+
+/// A request's credential: an id naming a grant (0: the standing ticket) and its secret. Its
+/// `Debug` shows the id only.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct Ticket {
+    id: u64,
+    secret: [u8; 16],
+}
+
+impl fmt::Debug for Ticket {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Ticket({:#x}, secret hidden)", self.id)
+    }
+}
+
+fn random_bytes(out: &mut [u8]) -> Result<()> {
+    let mut at = 0;
+    while at < out.len() {
+        match rustix::rand::getrandom(&mut out[at..], rustix::rand::GetRandomFlags::empty()) {
+            Ok(n) => at += n,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(Error::io("draw random bytes", None, e.into())),
+        }
+    }
+    Ok(())
+}
+
+impl Ticket {
+    /// A ticket from its parts (for tools and tests; servers draw theirs with [`Ticket::standing`]
+    /// and [`Access::grant`]).
+    pub const fn new(id: u64, secret: [u8; 16]) -> Ticket {
+        Ticket { id, secret }
+    }
+
+    /// A fresh standing ticket (id 0, a random secret), for [`Access::standing`].
+    pub fn standing() -> Result<Ticket> {
+        let mut secret = [0u8; 16];
+        random_bytes(&mut secret)?;
+        Ok(Ticket { id: 0, secret })
+    }
+
+    /// The id: 0 for a standing ticket, else the grant's.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The ticket as it goes on the wire.
+    pub fn to_bytes(&self) -> [u8; TICKET_BYTES] {
+        let mut b = [0u8; TICKET_BYTES];
+        b[..8].copy_from_slice(&self.id.to_le_bytes());
+        b[8..].copy_from_slice(&self.secret);
+        b
+    }
+
+    /// A ticket from its wire form; `None` unless `b` is [`TICKET_BYTES`] long.
+    pub fn from_bytes(b: &[u8]) -> Option<Ticket> {
+        let b: &[u8; TICKET_BYTES] = b.try_into().ok()?;
+        Some(Ticket { id: u64::from_le_bytes(b[..8].try_into().ok()?), secret: b[8..].try_into().ok()? })
+    }
+
+    /// The wire form in lower-case hex (48 characters), for a command line or an environment
+    /// variable.
+    pub fn to_hex(&self) -> String {
+        self.to_bytes().iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// A ticket from [`Ticket::to_hex`]'s form.
+    pub fn from_hex(s: &str) -> Result<Ticket> {
+        let bad = || Error::InvalidConfig(format!("a ticket is {} hex digits", 2 * TICKET_BYTES));
+        let s = s.trim();
+        if s.len() != 2 * TICKET_BYTES || !s.is_ascii() {
+            return Err(bad());
+        }
+        let bytes: Option<Vec<u8>> =
+            (0..TICKET_BYTES).map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).ok()).collect();
+        bytes.as_deref().and_then(Ticket::from_bytes).ok_or_else(bad)
+    }
+}
+
+/// Whether two secrets are equal, in time that does not depend on where they differ.
+fn same_secret(a: &[u8; 16], b: &[u8; 16]) -> bool {
+    let diff = a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y));
+    // Through black_box: the compiler may not turn the fold back into an early-exit comparison.
+    std::hint::black_box(diff) == 0
+}
+
+type FileOf<S> = <<S as Source>::Backend as Backend>::File;
+
+struct Grant<S: Source> {
+    secret: [u8; 16],
+    key: Vec<u8>,
+    expires: Instant,
+    /// The source the value came from: not kept alive by the grant (closing it is not held up by
+    /// grants nobody redeems; redeeming one after it closed is refused).
+    src: Weak<S>,
+    /// The value as granted: its record pinned, or its frames.
+    value: Outgoing<FileOf<S>>,
+}
+
+/// What a request was let through to: the source and, for a grant, the value granted.
+pub(crate) struct Admitted<S: Source> {
+    pub(crate) src: Arc<S>,
+    pub(crate) value: Option<Outgoing<FileOf<S>>>,
+}
+
+/// The tickets a server accepts: an optional standing ticket and one-time grants (see the module
+/// documentation).
+pub struct Access<S: Source> {
+    standing: Option<([u8; 16], Arc<S>)>,
+    grants: Mutex<HashMap<u64, Grant<S>>>,
+    lifetime: Duration,
+}
+
+impl<S: Source> Access<S> {
+    /// Access to every key of `src` with `ticket` (whose id must be 0), and to grants.
+    pub fn standing(src: Arc<S>, ticket: Ticket) -> Result<Access<S>> {
+        if ticket.id != 0 {
+            return Err(Error::InvalidConfig("a standing ticket has id 0".into()));
+        }
+        Ok(Access { standing: Some((ticket.secret, src)), ..Access::grants_only(Duration::from_secs(60)) })
+    }
+
+    /// Access to grants only, each valid for `lifetime` after it was made.
+    pub fn grants_only(lifetime: Duration) -> Access<S> {
+        Access { standing: None, grants: Mutex::new(HashMap::new()), lifetime }
+    }
+
+    fn grants(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Grant<S>>> {
+        self.grants.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A one-time ticket for `key`'s value in `src` as it is now: its record is pinned (a delete,
+    /// an overwrite or compaction meanwhile does not change what is sent) until the ticket is
+    /// redeemed, revoked or expires. `None` if `src` has no such key.
+    pub fn grant(&self, src: &Arc<S>, key: &[u8]) -> Result<Option<Ticket>> {
+        let Some(value) = src.outgoing(key)? else { return Ok(None) };
+        let mut raw = [0u8; TICKET_BYTES];
+        let now = Instant::now();
+        let mut grants = self.grants();
+        if grants.len() >= 64 {
+            grants.retain(|_, g| g.expires > now);
+        }
+        if grants.len() >= MAX_GRANTS {
+            return Err(Error::Exhausted(format!("{MAX_GRANTS} transfer grants are live")));
+        }
+        let id = loop {
+            random_bytes(&mut raw)?;
+            let t = Ticket::from_bytes(&raw).expect("ticket-sized");
+            if t.id != 0 && !grants.contains_key(&t.id) {
+                break t;
+            }
+        };
+        let g = Grant {
+            secret: id.secret,
+            key: key.to_vec(),
+            expires: now + self.lifetime,
+            src: Arc::downgrade(src),
+            value,
+        };
+        grants.insert(id.id, g);
+        Ok(Some(id))
+    }
+
+    /// Drop `ticket`'s grant (and its pin) if it is still live. Returns whether it was.
+    pub fn revoke(&self, ticket: &Ticket) -> bool {
+        let mut grants = self.grants();
+        match grants.get(&ticket.id) {
+            Some(g) if same_secret(&g.secret, &ticket.secret) => grants.remove(&ticket.id).is_some(),
+            _ => false,
+        }
+    }
+
+    /// Drop every grant.
+    pub fn revoke_all(&self) {
+        let all = std::mem::take(&mut *self.grants());
+        drop(all);
+    }
+
+    /// Grants live now (expired ones not yet swept included).
+    pub fn live_grants(&self) -> usize {
+        self.grants().len()
+    }
+
+    /// What a request for `key` with `ticket` may read, or `None` (refused). A grant is used up by
+    /// any attempt to redeem it.
+    pub(crate) fn admit(&self, ticket: &Ticket, key: &[u8]) -> Option<Admitted<S>> {
+        if ticket.id == 0 {
+            let (secret, src) = self.standing.as_ref()?;
+            return same_secret(secret, &ticket.secret).then(|| Admitted { src: src.clone(), value: None });
+        }
+        let g = self.grants().remove(&ticket.id)?;
+        let ok = same_secret(&g.secret, &ticket.secret) && g.key == key && g.expires > Instant::now();
+        let src = g.src.upgrade().filter(|_| ok)?;
+        Some(Admitted { src, value: Some(g.value) })
+    }
+}
