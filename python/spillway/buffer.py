@@ -168,7 +168,7 @@ from collections.abc import Hashable, ItemsView, Iterator, Mapping, MutableMappi
 from time import monotonic, perf_counter, thread_time
 from typing import Any, Literal, NamedTuple
 
-from spillway._core import Corrupt, DiskFull, Log, SpillwayError, frames_crc
+from spillway._core import Corrupt, DiskFull, Log, SpillwayError, fetch, fetch_into, frames_crc
 
 try:
     from dask.sizeof import sizeof as _dask_sizeof
@@ -183,6 +183,7 @@ except ImportError:  # pragma: no cover - cloudpickle is optional
 __all__ = [
     "PickleError",
     "PickledFrames",
+    "ReceivedRecord",
     "SpillBuffer",
     "SpilledSize",
     "encode_key",
@@ -553,7 +554,7 @@ class PickledFrames:
     received from a peer reaches the store through dask's ``data[key] = value`` (see
     :mod:`spillway.dask`). ``sys.getsizeof`` (and so dask's ``sizeof``) is the frames' byte length."""
 
-    __slots__ = ("frames",)
+    __slots__ = ("frames", "__weakref__")
 
     def __init__(self, frames: list):
         self.frames = frames
@@ -563,6 +564,35 @@ class PickledFrames:
 
     def __repr__(self) -> str:
         return f"<PickledFrames: {len(self.frames)} frames, {_frame_bytes(self.frames)} bytes>"
+
+
+class ReceivedRecord:
+    """A value a peer sent straight into a :class:`SpillBuffer`'s log (:meth:`SpillBuffer.receive`):
+    set into that buffer (``buf[key] = record``, as dask's ``data[key] = value`` does), it becomes
+    the key's value on disk without being read. A record that is never set is deleted from the log
+    once this object is collected. ``sys.getsizeof`` (and so dask's ``sizeof``) is the value's
+    frames' byte length."""
+
+    __slots__ = ("_buffer", "key", "log_key", "nbytes", "_orphan", "__weakref__")
+
+    def __init__(self, buffer: SpillBuffer, key: Hashable, log_key: bytes, nbytes: int):
+        self._buffer = weakref.ref(buffer)
+        self.key = key
+        self.log_key = log_key
+        self.nbytes = nbytes
+        self._orphan = weakref.finalize(self, _delete_orphan, self._buffer, key, log_key)
+
+    def __sizeof__(self) -> int:
+        return self.nbytes
+
+    def __repr__(self) -> str:
+        return f"<ReceivedRecord: {self.nbytes} bytes on disk>"
+
+
+def _delete_orphan(buffer_ref, key: Hashable, log_key: bytes) -> None:
+    buffer = buffer_ref()
+    if buffer is not None:
+        buffer._delete_record(key, log_key)  # queued for the writer thread: safe from a finalizer
 
 
 #: (buffer, {key: value}) while :meth:`SpillBuffer.serving` is in effect in this context.
@@ -902,6 +932,7 @@ class SpillBuffer(MutableMapping):
         self._spilled_memory = 0  # sum of weights of keys on disk
         self._spilled_disk = 0  # sum of payload bytes of keys on disk
         self._reserved_disk = 0  # payload bytes of writes in flight (max_spill)
+        self._incoming = 0  # frames received into memory (``receive``) and not yet let go of
         self._writes = 0  # makes every log key unique
         self._process_target = process_target
         self._added_since_rss = 0  # weight brought into memory since the RSS was last read
@@ -980,6 +1011,9 @@ class SpillBuffer(MutableMapping):
         """
         if type(value) is PickledFrames:
             self.set_serialized(key, value.frames)
+            return
+        if type(value) is ReceivedRecord:
+            self._adopt(key, value)
             return
         weight = _sizeof(value)
         self._insert(key, _Entry(_OBJECT, value, weight), heavy=weight > self.target)
@@ -1158,6 +1192,108 @@ class SpillBuffer(MutableMapping):
         weight = _frame_bytes(frames)
         heavy = weight > self.target or not self.serialized_in_memory
         self._insert(key, _Entry(_FRAMES, frames, weight), heavy=heavy)
+
+    def disk_record(self, key: Hashable) -> tuple | None:
+        """``(log, log key, payload bytes)`` of ``key``'s record if its value is on disk, else
+        None (KeyError if absent). Log keys are never reused: as long as the log has that log key,
+        it holds this value (:mod:`spillway.dask` grants it to a peer)."""
+        with self._lock:
+            e = self._entries[key]
+            if e.tier is not _DISK:
+                return None
+            return self._log_of(e.log_key), e.log_key, e.disk_bytes
+
+    def receive(
+        self,
+        key: Hashable,
+        address: tuple,
+        ticket: bytes,
+        remote_key: bytes,
+        nbytes: int,
+        *,
+        timeout: float = 30.0,
+    ) -> PickledFrames | ReceivedRecord:
+        """Fetch ``key``'s value, ``nbytes`` of frames, from the spillway transfer server at
+        ``address`` (``(host, port)``), which granted ``ticket`` for its record ``remote_key``. If it
+        fits under ``target`` and ``process_target`` (counting what is being received into memory
+        meanwhile), the frames come into memory: a :class:`PickledFrames`. Otherwise (and within
+        ``max_spill``) they are written straight into this buffer's log, never held in memory: a
+        :class:`ReceivedRecord`. Either way the value stays pickled until a task
+        reads it; set it with ``buf[key] = value``. Raises KeyError if the server no longer has it,
+        OSError or SpillwayError if the transfer fails (nothing is kept)."""
+        goal = self._resolve_process_target()
+        rss = _rss() if goal is not None else 0
+        with self._lock:
+            to_disk = self._memory_weight + self._incoming + nbytes > self.target or (
+                goal is not None and rss - self._out_of_reach + self._incoming + nbytes > goal
+            )
+            if to_disk and self.max_spill is not False:
+                to_disk = self._spilled_disk + self._reserved_disk + nbytes <= self.max_spill
+            if to_disk:
+                self._reserved_disk += nbytes
+            else:
+                self._incoming += nbytes
+        t0 = perf_counter()
+        if not to_disk:
+            try:
+                frames = fetch(address, ticket, remote_key, timeout=timeout)
+                if frames is None:
+                    raise KeyError(key)
+                value = PickledFrames(frames)
+            except BaseException:
+                self._arrived(nbytes)
+                raise
+            # Counted as coming until the caller is done with it (it was set, or dropped).
+            weakref.finalize(value, self._arrived, nbytes)
+            with self._lock:
+                self._digest_io("receive-memory", _frame_bytes(frames), perf_counter() - t0)
+            return value
+        try:
+            with self._lock:  # the number and the log together, as in _put
+                self._writes += 1
+                log_key = encode_key(key) + self._writes.to_bytes(8, "big")
+                log = self._log
+            try:
+                n = fetch_into(log, address, ticket, remote_key, log_key, nbytes, timeout=timeout)
+            except (OSError, SpillwayError) as error:
+                # A grant is good for one try: no retry here (the caller falls back in-band). A log
+                # the failure left read-only is replaced for the writes that follow.
+                if not isinstance(error, DiskFull):
+                    self._replace_read_only(log)
+                raise
+        finally:
+            with self._lock:
+                self._reserved_disk -= nbytes
+        if n is None:
+            raise KeyError(key)
+        with self._lock:
+            self._digest_io("receive-disk", n, perf_counter() - t0)
+        return ReceivedRecord(self, key, log_key, n)
+
+    def _arrived(self, nbytes: int) -> None:
+        with self._lock:
+            self._incoming -= nbytes
+
+    def _adopt(self, key: Hashable, record: ReceivedRecord) -> None:
+        """``buf[key] = record``: the record becomes ``key``'s value on disk."""
+        if record._buffer() is not self or not record._orphan.alive:
+            # Another buffer's record, or one set before: read it (``get_serialized`` semantics).
+            owner = record._buffer()
+            if owner is None:
+                raise ValueError(f"{record!r} belongs to a buffer that is gone")
+            frames = owner._log_of(record.log_key).get(record.log_key)
+            self.set_serialized(key, frames)
+            return
+        record._orphan.detach()
+        e = _Entry(_DISK, None, record.nbytes)
+        e.log_key = record.log_key
+        e.disk_bytes = record.nbytes
+        with self._lock:
+            old_log_key = self._drop(key)
+            self._entries[key] = e
+            self._spilled_memory += record.nbytes
+            self._spilled_disk += record.nbytes
+        self._delete_record(key, old_log_key)
 
     @contextlib.contextmanager
     def serving(self, values: Mapping) -> Iterator[None]:

@@ -28,6 +28,20 @@ What changes on a worker with the plugin (nothing changes for its peers or clien
   dask-serialized arrays, compressed or split frames) is deserialized as stock dask does. Clients
   and schedulers in the same process, workers without the plugin, and in-process comms (which hand
   objects over without serializing them) keep dask's own function.
+* **Spilled values go by the side channel** (``tcp://`` clusters without TLS): each plugged worker
+  runs a spillway transfer server on its own host. A value on disk of at least
+  ``side_channel_min_bytes`` (default 4 MiB), asked for by a plugged worker, is answered in
+  ``get_data`` with a small reference (the server's address, a one-time ticket of 192 random bits,
+  the record's key, its size) instead of its bytes, and the record is pinned meanwhile. The
+  requester fetches it from that server before it acknowledges the ``get_data`` reply, so dask's
+  transfer limits and its rule that a sender drops a key only after the receiver has it hold as
+  they are. The sender splices the record from its file to the socket (file -> pipe -> socket), so
+  its memory does not grow by the value; a receiver over its ``target`` writes it straight into its
+  own log (:class:`~spillway.ReceivedRecord`), one under it takes the frames into memory. A fetch
+  that fails (refused, timed out, the peer gone, a bad checksum) is asked for again in-band;
+  nothing half-received is kept, and neither the sender nor the tasks are marked failed. The side
+  channel is off when the worker's address is not ``tcp://`` or dask requires encryption (it does
+  not encrypt); values then go in-band, under dask's own security.
 * **Failures** fall back to stock behaviour: a send whose preparation fails sends the stock way;
   a receive whose unusual path fails before data arrives asks again the stock way. Errors that
   stock dask would raise (a peer that hangs up, data that fails to deserialize) are raised as
@@ -35,7 +49,9 @@ What changes on a worker with the plugin (nothing changes for its peers or clien
 * **Metrics** in the buffer's ``cumulative_metrics`` (and so in dask's Prometheus endpoint, as
   ``dask_worker_spill_*_total{activity=...}``, next to the spill metrics):
   ``("send-serialized", "count"|"bytes")`` and ``("receive-serialized", "count"|"bytes")``, the
-  values that crossed still pickled, and ``("unpickle-avoided", "count")`` and
+  values that crossed still pickled (by either channel); ``("send-side", "count"|"bytes")``, the
+  values sent by the side channel, and ``("receive-memory"|"receive-disk",
+  "count"|"bytes"|"seconds")``, those received by it into memory and straight to disk; and ``("unpickle-avoided", "count")`` and
   ``("pickle-avoided", "count")``, the work a stock worker would have done for them.
 
 The plugin checks that the worker's ``data`` is a :class:`~spillway.SpillBuffer` and that dask has
@@ -44,13 +60,14 @@ the hooks it uses; otherwise it logs why and leaves the worker as stock dask.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import weakref
 from collections.abc import Collection, Hashable
 
 import distributed.worker
 from distributed import WorkerPlugin
-from distributed.comm.addressing import parse_address
+from distributed.comm.addressing import get_address_host, parse_address
 from distributed.core import context_meter_to_server_digest
 from distributed.protocol import Serialized
 from distributed.protocol.compression import decompress
@@ -59,9 +76,10 @@ from distributed.protocol.utils import host_array_from_buffers, merge_memoryview
 from distributed.utils import offload
 
 from spillway import buffer as _buffer
+from spillway._core import TransferServer
 from spillway.buffer import PickledFrames, SpillBuffer
 
-__all__ = ["MARKER", "SpillwayPlugin", "dask_setup", "install", "uninstall"]
+__all__ = ["MARKER", "SIDE_MARKER", "SpillwayPlugin", "dask_setup", "dask_teardown", "install", "uninstall"]
 
 logger = logging.getLogger("spillway.dask")
 
@@ -69,6 +87,22 @@ logger = logging.getLogger("spillway.dask")
 #: the families in order and stops at "pickle", so it never looks this name up; a spillway sender
 #: reads it as "the requester runs spillway and can take frames only spillway unpickles".
 MARKER = "spillway-frames-1"
+
+#: Also named by a requester that fetches references by the side channel (see the module's
+#: documentation). A sender answers with references only to requests that name it.
+SIDE_MARKER = "spillway-side-1"
+
+#: The header key of a side-channel reference: ``[host, port, ticket, record key, nbytes]``.
+SIDE = "spillway-side"
+
+#: Values on disk of at least this many bytes go by the side channel (smaller ones in-band: a
+#: connection of their own costs more than their read).
+SIDE_CHANNEL_MIN_BYTES = 4 << 20
+
+#: Seconds a side-channel ticket stays valid, and the fetch's timeout (each network call; the
+#: whole value must also arrive at 1 MiB/s or more).
+SIDE_TICKET_SECONDS = 60.0
+SIDE_TIMEOUT_SECONDS = 30.0
 
 #: A key in the header of the frames a spillway sender sends as they are (stock receivers ignore it):
 #: only those are kept pickled on arrival. Values from stock senders are deserialized as stock dask
@@ -82,15 +116,25 @@ _stock_get_data_from_worker = distributed.worker.get_data_from_worker
 #: other pool (clients, schedulers, stock workers in the same process) stay stock.
 _plugged: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
+#: Each plugged worker with the side channel on -> (its transfer server, values of at least this
+#: many bytes go by it).
+_side: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
 
 class SpillwayPlugin(WorkerPlugin):
     """A ``distributed.WorkerPlugin`` that turns on :mod:`spillway.dask` on each worker (see the
-    module's documentation): ``client.register_plugin(SpillwayPlugin())``."""
+    module's documentation): ``client.register_plugin(SpillwayPlugin())``. ``side_channel=False``
+    sends every value in-band; ``side_channel_min_bytes`` is the smallest value on disk that goes
+    by the side channel."""
 
     name = "spillway"
 
+    def __init__(self, side_channel: bool = True, side_channel_min_bytes: int = SIDE_CHANNEL_MIN_BYTES):
+        self.side_channel = side_channel
+        self.side_channel_min_bytes = side_channel_min_bytes
+
     def setup(self, worker: distributed.Worker) -> None:
-        install(worker)
+        install(worker, side_channel=self.side_channel, side_channel_min_bytes=self.side_channel_min_bytes)
 
     def teardown(self, worker: distributed.Worker) -> None:
         uninstall(worker)
@@ -101,7 +145,28 @@ def dask_setup(worker: distributed.Worker) -> None:
     install(worker)
 
 
-def install(worker: distributed.Worker) -> bool:
+def dask_teardown(worker: distributed.Worker) -> None:
+    """The end of ``--preload spillway.dask``."""
+    uninstall(worker)
+
+
+def _side_channel_off(worker) -> str:
+    """Why the side channel cannot run on ``worker`` ("" if it can)."""
+    scheme = parse_address(getattr(worker, "address", "") or "tcp://")[0]
+    if scheme != "tcp":
+        return f"its address is {scheme}://, not tcp://"
+    security = getattr(worker, "security", None)
+    if security is not None and getattr(security, "require_encryption", False):
+        return "dask requires encryption, which the side channel does not do"
+    return ""
+
+
+def install(
+    worker: distributed.Worker,
+    *,
+    side_channel: bool = True,
+    side_channel_min_bytes: int = SIDE_CHANNEL_MIN_BYTES,
+) -> bool:
     """Turn the plugin on for ``worker``; False (logged) when it stays stock dask."""
     reason = _cannot_install(worker)
     if reason:
@@ -110,6 +175,19 @@ def install(worker: distributed.Worker) -> bool:
     if worker.rpc in _plugged:
         return True
     stock_handler = worker.handlers["get_data"]
+    if side_channel:
+        off = _side_channel_off(worker)
+        if off:
+            logger.info("spillway.dask: the side channel is off on %s: %s", worker.address, off)
+        else:
+            try:
+                server = TransferServer(
+                    get_address_host(worker.address), 0, lifetime=SIDE_TICKET_SECONDS
+                )
+            except Exception:
+                logger.exception("spillway.dask: no side channel on %s", worker.address)
+            else:
+                _side[worker] = (server, side_channel_min_bytes)
 
     async def get_data(
         comm,
@@ -123,13 +201,20 @@ def install(worker: distributed.Worker) -> bool:
             # reach the requester as it is. The stock way is the cheap one here.
             return await stock_handler(comm, keys=keys, who=who, serializers=serializers, **kwargs)
         peer_runs_spillway = bool(serializers) and MARKER in serializers
+        side = _side.get(worker) if serializers and SIDE_MARKER in serializers else None
+        tickets: list = []
         try:
-            prepared = await _prepare(worker, keys, peer_runs_spillway)
+            prepared = await _prepare(worker, keys, peer_runs_spillway, side, tickets)
         except Exception:  # the stock way, then
             logger.exception("spillway.dask: could not prepare %d keys for %s", len(keys), who)
             prepared = {}
-        with worker.data.serving(prepared):
-            return await stock_handler(comm, keys=keys, who=who, serializers=serializers, **kwargs)
+        try:
+            with worker.data.serving(prepared):
+                return await stock_handler(comm, keys=keys, who=who, serializers=serializers, **kwargs)
+        finally:
+            # The reply was acknowledged (or failed): the requester has fetched what it will.
+            for ticket in tickets:
+                side[0].revoke(ticket)
 
     get_data.stock = stock_handler
     worker.handlers["get_data"] = get_data
@@ -141,6 +226,9 @@ def install(worker: distributed.Worker) -> bool:
 def uninstall(worker: distributed.Worker) -> None:
     """Turn the plugin off for ``worker`` (the module-level function stays: it is stock for every
     other pool)."""
+    side = _side.pop(worker, None)
+    if side is not None:
+        side[0].close()
     if _plugged.pop(worker.rpc, None) is None:
         return
     handler = worker.handlers.get("get_data")
@@ -169,9 +257,13 @@ def _cannot_install(worker) -> str:
 
 
 @context_meter_to_server_digest("get-data")
-async def _prepare(worker, keys: Collection[Hashable], peer_runs_spillway: bool) -> dict:
+async def _prepare(
+    worker, keys: Collection[Hashable], peer_runs_spillway: bool, side, tickets: list
+) -> dict:
     """Values for ``worker.data.serving``: ``Serialized`` frames for the keys the store holds
-    serialized (read off the event loop) and, for a spillway peer, for the objects too."""
+    serialized (read off the event loop) and, for a spillway peer, for the objects too; with
+    ``side`` (this worker's transfer server and threshold), references for the large values on
+    disk, whose tickets go into ``tickets``."""
     buf: SpillBuffer = worker.data
     tiers = {}
     for key in keys:
@@ -182,13 +274,24 @@ async def _prepare(worker, keys: Collection[Hashable], peer_runs_spillway: bool)
     wanted = [k for k, t in tiers.items() if t != "object" or peer_runs_spillway]
     if not wanted:
         return {}
-    return await offload(_serialized_values, buf, wanted, tiers, peer_runs_spillway)
+    return await offload(_serialized_values, buf, wanted, tiers, peer_runs_spillway, side, tickets)
 
 
-def _serialized_values(buf: SpillBuffer, keys: list, tiers: dict, peer_runs_spillway: bool) -> dict:
+def _serialized_values(
+    buf: SpillBuffer, keys: list, tiers: dict, peer_runs_spillway: bool, side, tickets: list
+) -> dict:
     out = {}
-    sent = nbytes = 0
+    sent = nbytes = side_sent = side_bytes = 0
     for key in keys:
+        if side is not None and tiers[key] == "disk":
+            ref = _grant(buf, key, side, tickets)
+            if ref is not None:
+                out[key] = ref
+                sent += 1
+                side_sent += 1
+                side_bytes += ref.header[SIDE][4]
+                nbytes += ref.header[SIDE][4]
+                continue
         try:
             frames = buf.get_serialized(key)
         except KeyError:  # deleted meanwhile: the stock handler skips it too
@@ -202,12 +305,35 @@ def _serialized_values(buf: SpillBuffer, keys: list, tiers: dict, peer_runs_spil
         if tiers[key] != "object":
             sent += 1
             nbytes += _buffer._frame_bytes(frames)
+    if side_sent:
+        buf._digest_locked("send-side", side_sent, "count")
+        buf._digest_locked("send-side", side_bytes, "bytes")
     if sent:
         buf._digest_locked("send-serialized", sent, "count")
         buf._digest_locked("send-serialized", nbytes, "bytes")
         buf._digest_locked("unpickle-avoided", sent, "count")
         buf._digest_locked("pickle-avoided", sent, "count")
     return out
+
+
+def _grant(buf: SpillBuffer, key: Hashable, side, tickets: list) -> Serialized | None:
+    """A side-channel reference to ``key``'s record, if it is on disk and large enough (None
+    otherwise, or if the grant fails: the value then goes in-band)."""
+    server, min_bytes = side
+    try:
+        record = buf.disk_record(key)
+        if record is None or record[2] < min_bytes:
+            return None
+        log, log_key, nbytes = record
+        ticket = server.grant(log, log_key)
+    except Exception:  # deleted meanwhile, a closed log, grants used up: in-band
+        return None
+    if ticket is None:  # moved (read back and deleted, replaced) meanwhile
+        return None
+    tickets.append(ticket)
+    host, port = server.address
+    header = {"serializer": "pickle", SENT_BY: True, SIDE: [host, port, ticket, log_key, nbytes]}
+    return Serialized(header, [])
 
 
 def _to_serialized(frames: list) -> Serialized:
@@ -223,7 +349,7 @@ def _to_serialized(frames: list) -> Serialized:
 
 
 async def get_data_from_worker(
-    rpc, keys, worker, *, who=None, serializers=None, deserializers=None
+    rpc, keys, worker, *, who=None, serializers=None, deserializers=None, _side_channel=True
 ):
     """``distributed.worker.get_data_from_worker`` for all: plugged workers' requests keep plain
     pickle frames pickled (see the module's documentation), every other request is stock."""
@@ -233,11 +359,14 @@ async def get_data_from_worker(
             rpc, keys, worker, who=who, serializers=serializers, deserializers=deserializers
         )
     stock_deserializers = getattr(rpc, "deserializers", None)
-    # What a stock request accepts (the default families when the pool names none), and the marker.
+    # What a stock request accepts (the default families when the pool names none), and the markers.
     accepted = [*(stock_deserializers or ("dask", "pickle")), MARKER]
+    side = _side_channel and not _side_channel_off(me) and parse_address(worker)[0] == "tcp"
+    if side:
+        accepted.append(SIDE_MARKER)
     try:
         response = await _stock_get_data_from_worker(
-            _UndeserializedPool(rpc),
+            _UndeserializedPool(rpc, me.data if side else None),
             keys,
             worker,
             who=who,
@@ -257,7 +386,14 @@ async def get_data_from_worker(
         return response
     data = response["data"]
     kept = nbytes = 0
+    again = [key for key, value in data.items() if value is _IN_BAND]
+    for key in again:
+        del data[key]
     for key, value in data.items():
+        if type(value) in (PickledFrames, _buffer.ReceivedRecord):
+            kept += 1
+            nbytes += value.__sizeof__()
+            continue
         if not isinstance(value, Serialized):
             continue
         frames = _pickle_frames(value)
@@ -272,26 +408,87 @@ async def get_data_from_worker(
         buf._digest_locked("receive-serialized", kept, "count")
         buf._digest_locked("receive-serialized", nbytes, "bytes")
         buf._digest_locked("unpickle-avoided", kept, "count")
+    if again:
+        # Side-channel fetches that failed: the same values in-band (the sender's pins are gone
+        # with its tickets). Keys the second answer lacks are missing, as for any reply without
+        # them: dask asks the scheduler where else they are.
+        retry = await get_data_from_worker(
+            rpc, again, worker, who=who, serializers=serializers, _side_channel=False
+        )
+        if retry.get("status") == "OK":
+            data.update(retry["data"])
     return response
+
+
+#: Stands for a value whose side-channel fetch failed, until it is asked for again in-band.
+_IN_BAND = object()
 
 
 class _UndeserializedPool:
     """A worker's connection pool whose comms read messages without deserializing their values
-    (``comm.deserialize = False``) until they go back to the pool."""
+    (``comm.deserialize = False``) until they go back to the pool. With ``buf``, a reply's
+    side-channel references are fetched into ``buf`` as the reply is read, before the caller
+    acknowledges it."""
 
-    def __init__(self, pool):
+    def __init__(self, pool, buf: SpillBuffer | None = None):
         self.pool = pool
+        self.buf = buf
         self.serializers = pool.serializers
         self.deserializers = pool.deserializers
 
     async def connect(self, addr, *args, **kwargs):
         comm = await self.pool.connect(addr, *args, **kwargs)
         comm.deserialize = False
+        if self.buf is not None:
+            read, buf = comm.read, self.buf
+
+            async def read_and_fetch(*args, **kwargs):
+                msg = await read(*args, **kwargs)
+                await _fetch_references(buf, msg)
+                return msg
+
+            comm.read = read_and_fetch
         return comm
 
     def reuse(self, addr, comm) -> None:
         comm.deserialize = True
+        comm.__dict__.pop("read", None)
         self.pool.reuse(addr, comm)
+
+
+async def _fetch_references(buf: SpillBuffer, msg) -> None:
+    """Replace each side-channel reference in the ``get_data`` reply ``msg`` with the value,
+    fetched into ``buf`` (off the event loop), or with ``_IN_BAND`` if the fetch failed."""
+    if not isinstance(msg, dict) or msg.get("status") != "OK" or not isinstance(msg.get("data"), dict):
+        return
+    refs = {
+        key: value.header[SIDE]
+        for key, value in msg["data"].items()
+        if isinstance(value, Serialized) and SIDE in value.header
+    }
+    if refs:
+        loop = asyncio.get_running_loop()
+        msg["data"].update(await loop.run_in_executor(None, _fetch_all, buf, refs))
+
+
+def _fetch_all(buf: SpillBuffer, refs: dict) -> dict:
+    out = {}
+    for key, (host, port, ticket, log_key, nbytes) in refs.items():
+        try:
+            out[key] = buf.receive(
+                key, (host, port), ticket, log_key, nbytes, timeout=SIDE_TIMEOUT_SECONDS
+            )
+        except Exception as error:
+            logger.info(
+                "spillway.dask: fetching %r from %s:%d by the side channel failed (%s); asking "
+                "for it in-band",
+                key,
+                host,
+                port,
+                error,
+            )
+            out[key] = _IN_BAND
+    return out
 
 
 def _pickle_frames(value: Serialized) -> list | None:

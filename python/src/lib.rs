@@ -24,6 +24,8 @@ use pyo3::types::{PyBytes, PyList, PyMemoryView};
 use spillway::backend::UringOptions;
 use spillway::{AutoBackend, Backend, BackendKind, Compression, Error, Frames, LogOptions, SegmentLog};
 
+mod transfer;
+
 create_exception!(
     _core,
     SpillwayError,
@@ -108,6 +110,19 @@ fn frames_crc(py: Python<'_>, frames: &Bound<'_, PyAny>) -> PyResult<u32> {
     let crc = py.allow_threads(|| spillway::format::laid_out_crc(frames.iter().map(|b| &b[..])));
     drop(frames); // the borrowed buffers are released here, with the GIL held
     Ok(crc)
+}
+
+/// `frames` as a list of writable memoryviews over their buffers (no copy).
+fn frames_to_list(py: Python<'_>, frames: Frames) -> PyResult<Bound<'_, PyList>> {
+    let views = frames
+        .0
+        .into_iter()
+        .map(|data| {
+            let f = Bound::new(py, Frame { data, writable: true })?;
+            PyMemoryView::from(f.as_any())
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    PyList::new(py, views)
 }
 
 /// One frame returned by `get`, exported to Python through the buffer protocol.
@@ -268,6 +283,13 @@ fn log_id(inner: &Arc<Inner>) -> usize {
 /// GIL (that writes the pending values and joins the io_uring driver).
 struct Held(Option<Arc<Inner>>);
 
+impl Held {
+    /// The log itself, for what must name it beyond this call (a transfer grant).
+    fn arc(&self) -> &Arc<Inner> {
+        self.0.as_ref().expect("held until dropped")
+    }
+}
+
 impl std::ops::Deref for Held {
     type Target = Inner;
     fn deref(&self) -> &Inner {
@@ -416,15 +438,7 @@ impl Log {
         let Some((frames, crc)) = got else {
             return Err(PyKeyError::new_err(PyBytes::new(py, key).unbind()));
         };
-        let views = frames
-            .0
-            .into_iter()
-            .map(|data| {
-                let f = Bound::new(py, Frame { data, writable: true })?;
-                PyMemoryView::from(f.as_any())
-            })
-            .collect::<PyResult<Vec<_>>>()?;
-        Ok((PyList::new(py, views)?, crc))
+        Ok((frames_to_list(py, frames)?, crc))
     }
 
     /// Remove `key`; True if it existed.
@@ -585,6 +599,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Log>()?;
     m.add_class::<Frame>()?;
     m.add_function(wrap_pyfunction!(frames_crc, m)?)?;
+    transfer::register(m)?;
     m.add("SpillwayError", m.py().get_type::<SpillwayError>())?;
     m.add("DiskFull", m.py().get_type::<DiskFull>())?;
     m.add("Corrupt", m.py().get_type::<Corrupt>())?;

@@ -1,0 +1,229 @@
+//! Peer transfer for Python: a server that sends granted values from any `Log` of the process, and
+//! the client calls that fetch one into memory or straight into a `Log`. `spillway.dask` runs one
+//! server per worker. Every call releases the GIL while it waits on the network or the disk.
+
+use std::net::TcpListener;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList};
+use spillway::transfer::{self, Access, Client, Outgoing, Source, Ticket, TransferOptions};
+use spillway::{AutoBackend, Error, SegmentLog};
+
+use crate::{frames_to_list, to_py, DiskFull, Inner, Log};
+
+impl Source for Inner {
+    type Backend = AutoBackend;
+    fn log(&self) -> &SegmentLog<AutoBackend> {
+        &self.log
+    }
+    fn outgoing(&self, key: &[u8]) -> spillway::Result<Option<Outgoing<<AutoBackend as spillway::Backend>::File>>> {
+        Source::outgoing(&self.log, key)
+    }
+}
+
+fn seconds(s: f64, what: &str) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(s)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| PyValueError::new_err(format!("{what} must be a positive number of seconds, not {s}")))
+}
+
+fn ticket_of(b: &[u8]) -> PyResult<Ticket> {
+    Ticket::from_bytes(b)
+        .ok_or_else(|| PyValueError::new_err(format!("a ticket is {} bytes, not {}", transfer::TICKET_BYTES, b.len())))
+}
+
+/// A transfer server on `host:port` (port 0: a free one) that sends values only to requests with
+/// a ticket from [`TransferServer::grant`]: one key, once, within `lifetime` seconds. Values of
+/// `splice_min_bytes` or more go file -> pipe -> socket with splice(2), never through memory;
+/// smaller ones are copied a piece at a time.
+#[pyclass(frozen, module = "spillway._core")]
+pub(crate) struct TransferServer {
+    access: Arc<Access<Inner>>,
+    listener: TcpListener,
+    host: String,
+    port: u16,
+    thread: Mutex<Option<JoinHandle<spillway::Result<()>>>>,
+}
+
+#[pymethods]
+impl TransferServer {
+    #[new]
+    #[allow(clippy::too_many_arguments)] // Python keyword arguments
+    #[pyo3(signature = (host = "127.0.0.1", port = 0, *, lifetime = 60.0, timeout = 30.0, max_connections = 64, max_connections_per_peer = 16, min_bytes_per_sec = 1 << 20, splice_min_bytes = 8 << 20))]
+    fn new(
+        py: Python<'_>,
+        host: &str,
+        port: u16,
+        lifetime: f64,
+        timeout: f64,
+        max_connections: usize,
+        max_connections_per_peer: usize,
+        min_bytes_per_sec: u64,
+        splice_min_bytes: u64,
+    ) -> PyResult<Self> {
+        let opts = TransferOptions {
+            timeout: seconds(timeout, "timeout")?,
+            max_connections,
+            max_connections_per_peer,
+            min_bytes_per_sec,
+            splice_min_bytes,
+            max_value_bytes: u64::MAX,
+            ..TransferOptions::default()
+        };
+        let access = Arc::new(Access::grants_only(seconds(lifetime, "lifetime")?));
+        let host = host.to_string();
+        py.allow_threads(move || {
+            let listener = TcpListener::bind((host.as_str(), port))
+                .map_err(|e| to_py(Error::io("listen for transfers", None, e)))?;
+            let bound = listener.local_addr().map_err(|e| to_py(Error::io("read the bound address", None, e)))?;
+            let serving = listener.try_clone().map_err(|e| to_py(Error::io("clone the listener", None, e)))?;
+            let served = access.clone();
+            let thread = std::thread::Builder::new()
+                .name("spillway-transfer".into())
+                .spawn(move || transfer::serve(served, serving, opts))
+                .map_err(|e| to_py(Error::io("start the transfer server", None, e)))?;
+            Ok(TransferServer { access, listener, host, port: bound.port(), thread: Mutex::new(Some(thread)) })
+        })
+    }
+
+    /// `(host, port)` the server listens on.
+    #[getter]
+    fn address(&self) -> (String, u16) {
+        (self.host.clone(), self.port)
+    }
+
+    /// A one-time ticket (bytes) for `key`'s value in `log` as it is now, or None if `log` does not
+    /// have it. The record stays pinned (a delete or overwrite meanwhile does not change what is
+    /// sent) until the ticket is redeemed, revoked or expires.
+    fn grant<'py>(&self, py: Python<'py>, log: &Log, key: &[u8]) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let inner = log.inner()?;
+        let t = py.allow_threads(|| self.access.grant(inner.arc(), key)).map_err(to_py)?;
+        Ok(t.map(|t| PyBytes::new(py, &t.to_bytes())))
+    }
+
+    /// Drop a ticket's grant (and its pin) if it is still live; returns whether it was.
+    fn revoke(&self, ticket: &[u8]) -> PyResult<bool> {
+        Ok(self.access.revoke(&ticket_of(ticket)?))
+    }
+
+    /// Grants live now.
+    #[getter]
+    fn live_grants(&self) -> usize {
+        self.access.live_grants()
+    }
+
+    /// Stop accepting, wait for the accept loop to end, and drop every grant (idempotent).
+    /// Transfers under way run to their end.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let thread = self.thread.lock().unwrap_or_else(PoisonError::into_inner).take();
+        let Some(thread) = thread else { return Ok(()) };
+        py.allow_threads(|| {
+            let _ = transfer::shutdown_listener(&self.listener);
+            let r = thread.join();
+            self.access.revoke_all();
+            match r {
+                Ok(r) => r.map_err(to_py),
+                Err(_) => Ok(()), // a panic was reported by the thread itself
+            }
+        })
+    }
+}
+
+impl Drop for TransferServer {
+    fn drop(&mut self) {
+        if self.thread.get_mut().unwrap_or_else(PoisonError::into_inner).is_some() {
+            let _ = transfer::shutdown_listener(&self.listener);
+        }
+    }
+}
+
+fn client_options(timeout: f64, min_bytes_per_sec: u64) -> PyResult<TransferOptions> {
+    Ok(TransferOptions {
+        timeout: seconds(timeout, "timeout")?,
+        min_bytes_per_sec,
+        max_value_bytes: u64::MAX >> 1,
+        ..TransferOptions::default()
+    })
+}
+
+/// Fetch `key` from the server at `(host, port)` with `ticket`, into memory: its frames as
+/// writable memoryviews, checked against the sender's crc. None if the server has no such key.
+#[pyfunction]
+#[pyo3(signature = (address, ticket, key, *, timeout = 30.0, min_bytes_per_sec = 1 << 20))]
+fn fetch<'py>(
+    py: Python<'py>,
+    address: (String, u16),
+    ticket: &[u8],
+    key: &[u8],
+    timeout: f64,
+    min_bytes_per_sec: u64,
+) -> PyResult<Option<Bound<'py, PyList>>> {
+    let (ticket, opts) = (ticket_of(ticket)?, client_options(timeout, min_bytes_per_sec)?);
+    let got =
+        py.allow_threads(|| Client::connect((address.0.as_str(), address.1), ticket, opts)?.get(key)).map_err(to_py)?;
+    got.map(|frames| frames_to_list(py, frames)).transpose()
+}
+
+/// Fetch `key` from the server at `(host, port)` with `ticket` straight into `log` under `as_key`,
+/// in its stored form, never holding the value in memory. Returns the value's payload bytes (as
+/// `Log.put` does), or None if the server has no such key. `nbytes` (the size the sender
+/// announced) is reserved against the log's `max_disk_bytes` first. On any failure nothing is
+/// stored and `as_key`'s old value, if any, stays.
+#[pyfunction]
+#[pyo3(signature = (log, address, ticket, key, as_key, nbytes, *, timeout = 30.0, min_bytes_per_sec = 1 << 20))]
+#[allow(clippy::too_many_arguments)] // Python keyword arguments
+fn fetch_into(
+    py: Python<'_>,
+    log: &Log,
+    address: (String, u16),
+    ticket: &[u8],
+    key: &[u8],
+    as_key: &[u8],
+    nbytes: u64,
+    timeout: f64,
+    min_bytes_per_sec: u64,
+) -> PyResult<Option<u64>> {
+    let (ticket, opts) = (ticket_of(ticket)?, client_options(timeout, min_bytes_per_sec)?);
+    let inner = log.inner()?;
+    py.allow_threads(|| {
+        let _turn = inner.claim(as_key);
+        if let Some(max) = inner.max_disk {
+            let mut s = inner.sizes();
+            let old = s.map.get(as_key).copied().unwrap_or(0);
+            if s.total - old + s.reserved + nbytes > max {
+                return Err(DiskFull::new_err(format!(
+                    "receiving {nbytes} bytes would exceed max_disk_bytes {max} ({} stored)",
+                    s.total
+                )));
+            }
+            s.reserved += nbytes;
+        }
+        let received = Client::connect((address.0.as_str(), address.1), ticket, opts)
+            .and_then(|mut c| c.get_into(key, &inner.log, as_key))
+            .and_then(|found| match found {
+                true => inner.log.stored_value(as_key).map(|sv| sv.map(|sv| sv.meta.frame_lens.iter().sum::<u64>())),
+                false => Ok(None),
+            });
+        let mut s = inner.sizes();
+        if inner.max_disk.is_some() {
+            s.reserved -= nbytes;
+        }
+        if let Ok(Some(n)) = received {
+            let old = s.map.insert(as_key.to_vec(), n).unwrap_or(0);
+            s.total = s.total - old + n;
+        }
+        received.map_err(to_py)
+    })
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<TransferServer>()?;
+    m.add_function(wrap_pyfunction!(fetch, m)?)?;
+    m.add_function(wrap_pyfunction!(fetch_into, m)?)?;
+    Ok(())
+}
