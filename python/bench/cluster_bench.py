@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import dataclasses
 import hashlib
 import json
 import logging
@@ -63,6 +64,10 @@ class Size:
     forward_values: int = 768  # "forward": counted values made on one worker, moved to the other
     forward_bytes: int = 1 * MiB  # ... each this big
     object_rows: int = 1 << 17  # "shuffle-objects": rows of a dataframe with a column of them
+    big_values: int = 4  # "big-move": arrays spilled on one worker, moved to the other
+    big_bytes: int = 256 * MiB  # ... each this big
+    big_memory_limit: int = 1200 * MiB  # the workers' memory limit in the "big" workload
+    big_filler: int = 480 * MiB  # held in the receiver's memory first: it receives over its target
 
 
 SIZES = {
@@ -73,7 +78,20 @@ SIZES = {
     # 500 MiB worker, which no store can survive every time (dask's restarted 1 and 6 times in two
     # runs). 64 MiB keeps the task's share of the worker as in "full".
     "ci": Size(
-        2, 500 * MiB, 1 * GiB, 16 * MiB, 256 * MiB, 128 * MiB, "64MiB", 512, 1 * MiB, 1 << 16
+        2,
+        500 * MiB,
+        1 * GiB,
+        16 * MiB,
+        256 * MiB,
+        128 * MiB,
+        "64MiB",
+        512,
+        1 * MiB,
+        1 << 16,
+        4,
+        64 * MiB,
+        500 * MiB,
+        200 * MiB,
     ),
 }
 #: The memory workload (issue #24) and the forwarding one (values that move between workers still
@@ -81,10 +99,14 @@ SIZES = {
 WORKLOADS = {
     "memory": ("persist", "transpose-sum", "rechunk", "shuffle", "transfer", "retire"),
     "forward": ("shuffle-objects", "forward"),  # (forward retires a worker: last)
+    # Large spilled values sent to a peer (the side channel of spillway.dask): workers of
+    # ``big_memory_limit``.
+    "big": ("big-move",),
 }
 PHASES = tuple(p for phases in WORKLOADS.values() for p in phases)
-#: "spillway+plugin": spillway's store and ``client.register_plugin(spillway.dask.SpillwayPlugin())``.
-STORES = ("dask", "spillway", "spillway+plugin")
+#: "spillway+plugin": spillway's store and ``client.register_plugin(spillway.dask.SpillwayPlugin())``;
+#: "spillway+inband": the same plugin with ``side_channel=False`` (every value in dask's reply).
+STORES = ("dask", "spillway", "spillway+plugin", "spillway+inband")
 
 #: Seconds any one phase may take before it counts as failed.
 PHASE_TIMEOUT = 600
@@ -588,6 +610,9 @@ def _phases(client, size: Size, phases, notes: dict):
     def shuffle_objects():
         return _shuffle_objects(client, size, notes)
 
+    def big_move():
+        return _big_move(client, size, notes)
+
     table = {
         "persist": persist,
         "transpose-sum": transpose_sum,
@@ -597,6 +622,7 @@ def _phases(client, size: Size, phases, notes: dict):
         "retire": retire,
         "forward": forward,
         "shuffle-objects": shuffle_objects,
+        "big-move": big_move,
     }
     for name in phases:
         yield name, table[name]
@@ -658,6 +684,74 @@ def _forward(client, size: Size, notes: dict):
             notes[f"forward {name} {role} unpickles"] = b[w][1] - a[w][1]
     notes["forward values"] = len(values)
     del values, uses
+    return out
+
+
+def _random_bytes(seed: int, nbytes: int):
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def _spill_all(dask_worker) -> int:
+    """Spill every value of the worker's store (dask's and spillway's both have ``evict``; dask's
+    raises KeyError once nothing is left in memory)."""
+    data = dask_worker.data
+    while len(data.fast):
+        try:
+            if data.evict() <= 0:
+                break
+        except KeyError:
+            break
+    return len(data.slow)
+
+
+def _crc(a) -> int:
+    import zlib
+
+    return zlib.crc32(memoryview(a).cast("B"))
+
+
+def _big_move(client, size: Size, notes: dict):
+    """``big_values`` arrays of ``big_bytes`` are made on one worker and all spilled; the other
+    worker fills its memory with ``big_filler`` bytes of small arrays (so that it receives over
+    its target); the first is retired (its data moves to the other, it stays up). Notes: the
+    move's time, both workers' peak RSS growth during it (from their 50 ms samplers), and the
+    values spilled before it. The result: the crc of each value, read on the receiver."""
+    from distributed import wait
+
+    workers = sorted(client.scheduler_info()["workers"])
+    sender, receiver = workers[0], workers[-1]
+    values = []
+    for i in range(size.big_values):  # one at a time: two being made at once would not fit
+        values.append(
+            client.submit(_random_bytes, i, size.big_bytes, key=f"big-{i}", workers=[sender])
+        )
+        wait(values[-1], timeout=PHASE_TIMEOUT)
+    fill = 16 * MiB
+    filler = [
+        client.submit(_random_bytes, 10_000 + i, fill, key=f"filler-{i}", workers=[receiver])
+        for i in range(size.big_filler // fill)
+    ]
+    wait(filler, timeout=PHASE_TIMEOUT)
+    notes["big spilled values"] = client.run(_spill_all, workers=[sender])[sender]
+    rss = client.run(_rss_now, workers=[sender, receiver])
+    client.run(_collect, workers=[sender, receiver])  # restart the peaks
+    t0 = time.perf_counter()
+    client.sync(
+        client.scheduler.retire_workers,
+        workers=[sender],
+        close_workers=False,
+        remove=False,
+        callback_timeout=PHASE_TIMEOUT,
+    )
+    notes["big move seconds"] = time.perf_counter() - t0
+    peaks = client.run(_collect, workers=[sender, receiver])
+    for role, w in (("sender", sender), ("receiver", receiver)):
+        notes[f"big {role} rss growth"] = (peaks[w] or {}).get("rss", rss[w]) - rss[w]
+    crcs = [client.submit(_crc, v, workers=[receiver], pure=False) for v in values]
+    out = client.gather(crcs)
+    del values, filler, crcs
     return out
 
 
@@ -730,10 +824,11 @@ def run_one(
         cluster = stack.enter_context(_cluster(store, size, tmp, threads))
         client = stack.enter_context(Client(cluster))
         client.register_plugin(MemorySampler(), name=MemorySampler.name)
-        if store == "spillway+plugin":
+        if store in ("spillway+plugin", "spillway+inband"):
             import spillway.dask
 
-            client.register_plugin(spillway.dask.SpillwayPlugin())
+            side = store == "spillway+plugin"
+            client.register_plugin(spillway.dask.SpillwayPlugin(side_channel=side))
         watch = Watch(cluster)
         stack.callback(watch.close)
         result.backend = ",".join(sorted({b for b in client.run(_backend).values() if b}))
@@ -925,7 +1020,9 @@ def main(argv=None) -> int:
         default="memory",
         help="memory: the tight-memory phases, dask's store against spillway's (1 thread per "
         "worker); forward: values moved between workers, also with the spillway.dask plugin "
-        "(2 threads per worker, so that two tasks can ask for a value at once)",
+        "(2 threads per worker, so that two tasks can ask for a value at once); big: large "
+        "spilled values moved to a peer over its target, dask against the plugin in-band and "
+        "by its side channel",
     )
     p.add_argument("--stores", default=None, help=f"comma-separated, of {','.join(STORES)}")
     p.add_argument("--phases", default=None, help="comma-separated subset, in order")
@@ -934,7 +1031,10 @@ def main(argv=None) -> int:
     )
     p.add_argument("--json", default=None, help="write every run's raw result here")
     args = p.parse_args(argv)
-    default_stores = STORES if args.workload == "forward" else ("dask", "spillway")
+    default_stores = {
+        "forward": ("dask", "spillway", "spillway+plugin"),
+        "big": ("dask", "spillway+inband", "spillway+plugin"),
+    }.get(args.workload, ("dask", "spillway"))
     stores = args.stores.split(",") if args.stores else list(default_stores)
     phases = args.phases.split(",") if args.phases else list(WORKLOADS[args.workload])
     threads = 2 if args.workload == "forward" else 1
@@ -945,6 +1045,8 @@ def main(argv=None) -> int:
         if x not in PHASES:
             p.error(f"unknown phase {x!r}")
     size = SIZES[args.size]
+    if args.workload == "big":
+        size = dataclasses.replace(size, memory_limit=size.big_memory_limit)
     print(
         f"size {args.size}: {size}; phases {phases}; {args.runs} runs per store, alternating",
         flush=True,

@@ -67,9 +67,10 @@ pub struct TransferOptions {
     /// Server: connections served at once from one peer address (refused like those over
     /// `max_connections`), so that one peer cannot hold every place.
     pub max_connections_per_peer: usize,
-    /// Server: values smaller than this are read into memory and written (bounded by this size per
-    /// connection) rather than spliced. Measured on loopback: splice ran at 0.35x the copy path for
-    /// 1 MiB values, 1.1x for 64 MiB and 5.4x for 1 GiB (where the copy path also costs 1 GiB of RSS).
+    /// Server: values smaller than this are copied (read and written 1 MiB at a time)
+    /// rather than spliced. Measured on loopback into a receiving log: splice ran at 0.35x the copy
+    /// path for 1 MiB values, 1.1x for 64 MiB and 5.4x for 1 GiB when copying read a value whole
+    /// (docs/benchmarks.md has the current numbers).
     pub splice_min_bytes: u64,
     /// Slowest average rate, in bytes per second, at which a value's payload may arrive (client)
     /// or leave (server); 0 for no limit. A payload of `n` bytes must be through within
