@@ -4,8 +4,15 @@
 engine's append-only segment log (the Rust extension ``spillway._core``).
 """
 
-from spillway._core import Corrupt, DiskFull, Log, ReadOnly, SpillwayError
-from spillway.buffer import PickledFrames, PickleError, SpillBuffer, SpilledSize, encode_key
+from spillway._core import Corrupt, DiskFull, Log, ReadOnly, SpillwayError, TransferServer
+from spillway.buffer import (
+    PickledFrames,
+    PickleError,
+    ReceivedRecord,
+    SpillBuffer,
+    SpilledSize,
+    encode_key,
+)
 from spillway.worker import worker_data
 
 __version__ = "0.1.0"
@@ -17,9 +24,11 @@ __all__ = [
     "PickleError",
     "PickledFrames",
     "ReadOnly",
+    "ReceivedRecord",
     "SpillBuffer",
     "SpilledSize",
     "SpillwayError",
+    "TransferServer",
     "__version__",
     "encode_key",
     "worker_data",

@@ -117,6 +117,14 @@ impl TransferServer {
         self.access.live_grants()
     }
 
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __exit__(&self, py: Python<'_>, _t: PyObject, _v: PyObject, _tb: PyObject) -> PyResult<()> {
+        self.close(py)
+    }
+
     /// Stop accepting, wait for the accept loop to end, and drop every grant (idempotent).
     /// Transfers under way run to their end.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
