@@ -187,6 +187,10 @@ pub struct StoredValue<F> {
     _pin: SendPin,
 }
 
+/// Values streaming into segments of their own, by key: (sequence number, overtaken) of each (see
+/// [`SegmentLog::put_stream`]).
+type Streams = HashMap<Vec<u8>, Vec<(u64, bool)>>;
+
 /// Records being sent ([`SegmentLog::stored_value`]), by (segment, offset), with a count.
 type SendPins = Arc<Mutex<HashMap<(u32, u64), u32>>>;
 
@@ -337,6 +341,31 @@ pub const MAX_SEGMENT_BYTES: u64 = (4 << 30) - (1 << 20);
 pub const MAX_VALUE_BYTES: u64 = (4 << 30) - (1 << 20);
 /// Largest record (value, frame table, key and gaps): the index holds lengths in 32 bits.
 const MAX_RECORD_BYTES: u64 = u32::MAX as u64;
+
+/// `put_stream` reads a value of at most this many stored bytes, or an eighth of a segment if that
+/// is more, into memory, then writes it under the writer lock; a larger one goes into a segment of
+/// its own without the lock. (An eighth of a segment: each segment is an open file, and a stream of
+/// values of a few MiB must not cost a file each.)
+const STREAM_BUFFERED_MAX: u64 = 1 << 20;
+
+/// The error of a peer that stopped before the whole value arrived.
+fn stopped_early() -> io::Error {
+    io::Error::new(io::ErrorKind::UnexpectedEof, "the sender stopped before the whole value arrived")
+}
+
+/// Fill `buf` from `src` (a value's payload from a peer), retrying interrupted reads.
+fn read_payload(src: &mut dyn io::Read, buf: &mut [u8]) -> Result<()> {
+    let mut at = 0;
+    while at < buf.len() {
+        match src.read(&mut buf[at..]) {
+            Ok(0) => return Err(Error::io("receive value", None, stopped_early())),
+            Ok(n) => at += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(Error::io("receive value", None, e)),
+        }
+    }
+    Ok(())
+}
 /// Largest segment file the writer makes: a jumbo segment (see `rotate`) for the largest record with
 /// the longest key, at the largest alignment. A segment header claiming more is damage.
 const MAX_SEGMENT_FILE_BYTES: u64 = {
@@ -651,8 +680,8 @@ pub struct SegmentLog<B: Backend = PortableBackend> {
     index: RwLock<KeyMap<IndexKey, PackedLoc>>,
     files: RwLock<KeyMap<u32, Arc<B::File>>>,
     state: Mutex<WriterState<B::File>>,
-    /// Records forgotten while the writer lock was busy (a long write, or a value streaming in from
-    /// a peer, which holds it for as long as the peer takes): their index entries are gone at once;
+    /// Records forgotten while the writer lock was busy (a long write, compaction): their index
+    /// entries are gone at once;
     /// their space accounting, garbage collection and hole punching wait for the next taker of the
     /// writer lock ([`SegmentLog::writer`]). So `forget` never waits for a write.
     forgotten: Mutex<Vec<Location>>,
@@ -660,6 +689,12 @@ pub struct SegmentLog<B: Backend = PortableBackend> {
     any_forgotten: AtomicBool,
     /// Records being sent: not punched when forgotten (see [`SendPin`]).
     sending: SendPins,
+    /// Values streaming into segments of their own (`put_stream`), by key: each stream's sequence
+    /// number, and whether a newer write of its key (a put, a delete, a forget, a stream begun
+    /// later) was published meanwhile, which makes its record dead on arrival.
+    streaming: Mutex<Streams>,
+    /// `streaming` is not empty (read without its lock wherever a key is written).
+    any_streaming: AtomicBool,
     /// Write-behind: `pending_key(segment, written_end)` while records of the active segment at or
     /// after `written_end` are pending in its tail, else `NOTHING_PENDING`. Stored before those records
     /// are published in the index and reset after they are written, so a reader that found a record
@@ -852,6 +887,8 @@ impl<B: Backend> SegmentLog<B> {
             forgotten: Mutex::new(Vec::new()),
             any_forgotten: AtomicBool::new(false),
             sending: Arc::new(Mutex::new(HashMap::new())),
+            streaming: Mutex::new(HashMap::new()),
+            any_streaming: AtomicBool::new(false),
             pending: AtomicU64::new(NOTHING_PENDING),
             poisoned: OnceLock::new(),
             warned: AtomicU64::new(0),
@@ -2091,11 +2128,14 @@ impl<B: Backend> SegmentLog<B> {
     }
 
     /// Store a value whose stored form arrives from `src` (a peer's socket), without holding it in
-    /// memory: the record is written to the active segment in aligned chunks of at most 1 MiB as the
-    /// bytes arrive, the payload checksum is computed on the way, and the key is published only when
-    /// all `meta.stored_len` bytes arrived and match `meta.payload_crc`. On a short read (the sender
-    /// hung up), a read error or a checksum mismatch, the bytes written so far are zeroed, nothing
-    /// becomes visible and the log stays usable. Holds the writer lock while streaming.
+    /// memory (beyond 1 MiB, or an eighth of a segment) and without holding the writer lock while it
+    /// arrives: a value of at most that many stored bytes is read first, then appended like any
+    /// record; a larger one is written into a segment of its own as the bytes arrive (see
+    /// `put_stream_apart`). The payload checksum is computed on the way, and the key is published
+    /// only when all `meta.stored_len` bytes arrived and match `meta.payload_crc`. On a short read
+    /// (the sender hung up), a read error or a checksum mismatch, nothing becomes visible, nothing
+    /// of the value stays on disk, and the log stays usable. A write of the key published while the
+    /// value arrives wins over it (the streamed record is dead on arrival).
     pub fn put_stream(&self, key: &[u8], meta: &StreamedValue, src: &mut dyn io::Read) -> Result<()> {
         if key.len() > format::MAX_KEY_BYTES {
             return Err(Error::KeyTooLarge { len: key.len(), max: format::MAX_KEY_BYTES });
@@ -2126,6 +2166,18 @@ impl<B: Backend> SegmentLog<B> {
         if len > MAX_RECORD_BYTES {
             return Err(Error::ValueTooLarge { len, max: MAX_RECORD_BYTES, unit: "record bytes" });
         }
+        if meta.stored_len > STREAM_BUFFERED_MAX.max(self.opts.segment_bytes / 8) {
+            return self.put_stream_apart(key, meta, src, len);
+        }
+        // Small: into memory first, so that the writer lock is held for a write, never for a peer.
+        let mut payload = vec![0u8; meta.stored_len as usize];
+        read_payload(src, &mut payload)?;
+        self.put_stream_locked(key, meta, &mut &payload[..], len)
+    }
+
+    /// `put_stream` of a value read from `src` while holding the writer lock (its bytes are in
+    /// memory already: see `put_stream`), appended to the active segment.
+    fn put_stream_locked(&self, key: &[u8], meta: &StreamedValue, src: &mut dyn io::Read, len: u64) -> Result<()> {
         let mut guard = self.writer();
         // Checked under the writer lock: a write or fsync that failed while this call waited for
         // the lock poisoned the log, and nothing may be written (or an fsync retried) after that.
@@ -2291,6 +2343,257 @@ impl<B: Backend> SegmentLog<B> {
         Ok(())
     }
 
+    /// `put_stream` of a large value: into a segment of its own, created for it, without the writer
+    /// lock (taken only to reserve the segment id and the sequence number, then to publish), so that
+    /// writes go on while the value arrives. The segment is written whole (its header, the record,
+    /// the footer and the trailer: sealed) before it joins the log. A put, delete or forget of the
+    /// key while the value arrives is newer: the streamed record is then dead on arrival (the
+    /// record a later recovery would pick agrees: the other operation's sequence number is higher,
+    /// or, after a forget, a spill log may bring either back). Compaction waits meanwhile
+    /// (`WriterState::streams`), since it moves records without changing what they hold.
+    fn put_stream_apart(&self, key: &[u8], meta: &StreamedValue, src: &mut dyn io::Read, len: u64) -> Result<()> {
+        let data_start = self.align;
+        let size = align_up(padded(data_start + len), self.align)
+            + align_up(Self::footer_entry_len(key.len()) + format::TRAILER_LEN as u64, self.align);
+        let (id, seq, epoch) = {
+            let mut st = self.writer();
+            self.check_writable()?;
+            let id = st.next_segment;
+            st.next_segment = id.checked_add(1).ok_or_else(|| Error::Exhausted("segment ids".into()))?;
+            let seq = st.next_seq;
+            st.next_seq += 1;
+            // Registered under the writer lock: every write of the key published after this one
+            // has a larger sequence number and marks it.
+            lock(&self.streaming).entry(key.to_vec()).or_default().push((seq, false));
+            self.any_streaming.store(true, Ordering::Release);
+            (id, seq, st.epoch)
+        };
+        let path = self.seg_path(id);
+        let written = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.write_streamed_segment(&path, id, size, key, meta, seq, epoch, src)
+        }));
+        let mut guard = self.writer();
+        let st = &mut *guard;
+        let (file, h) = match written {
+            Ok(Ok(w)) => w,
+            Ok(Err(e)) => {
+                self.stream_ended(key, seq);
+                return Err(e);
+            }
+            Err(panic) => {
+                // (Its file may be there: a reader that panics is the caller's bug, and the
+                // segment goes like any torn one at the next open if this removal fails.)
+                let _ = self.backend.remove_file(&path);
+                self.stream_ended(key, seq);
+                drop(guard);
+                std::panic::resume_unwind(panic);
+            }
+        };
+        if let Err(e) = self.check_writable() {
+            // Poisoned meanwhile: the log changes nothing on disk any more, and takes no segment.
+            drop(file);
+            let _ = self.backend.remove_file(&path);
+            self.stream_ended(key, seq);
+            return Err(e);
+        }
+        let file = Arc::new(file);
+        st.dir_dirty = true;
+        st.dir_new_segments = true;
+        self.files.write().unwrap_or_else(|p| p.into_inner()).insert(id, file.clone());
+        let mut m = SegMeta::new(size, data_start);
+        m.data_end = padded(data_start + len);
+        m.sealed = true;
+        m.records = 1;
+        st.segs.insert(id, m);
+        st.unsynced_sealed.push(file);
+        let mut emptied = Vec::new();
+        {
+            let mut index = self.index.write().unwrap_or_else(|p| p.into_inner());
+            // Under the index lock, as `forget` marks streams: none can come between.
+            let overtaken = self.stream_ended(key, seq);
+            if !overtaken {
+                // A write of the key, for the streams of it that began before this one.
+                self.written_meanwhile(key, seq);
+                let loc = Location { segment: id, offset: data_start, len };
+                let first = index.get(key).map_or(id, |o| first_segment(&st.segs, o).min(id));
+                let elsewhere = note_first_segment(&mut st.segs, id, data_start, first);
+                let facts = RecordFacts::of(h.flags, h.frame_count, h.payload_crc, h.aux, h.stored_len);
+                if let Some(old) = index.insert(IndexKey::from(key), PackedLoc::new(loc, facts, elsewhere)) {
+                    Self::release(st, old.into(), &mut emptied);
+                }
+                let m = st.segs.get_mut(&id).expect("inserted above");
+                m.live_records = 1;
+                m.live_bytes = padded(len);
+            }
+        }
+        self.wrote();
+        // The old record's segment, or this one if a newer operation made it dead on arrival.
+        self.reclaim(st);
+        Ok(())
+    }
+
+    /// A write of `key` with sequence number `seq` (`u64::MAX`: a forget, newer than everything)
+    /// was published: the streams of `key` that began before it are overtaken.
+    fn written_meanwhile(&self, key: &[u8], seq: u64) {
+        if !self.any_streaming.load(Ordering::Acquire) {
+            return;
+        }
+        if let Some(streams) = lock(&self.streaming).get_mut(key) {
+            for (s, overtaken) in streams.iter_mut() {
+                *overtaken |= *s < seq;
+            }
+        }
+    }
+
+    /// The stream of `key` with sequence number `seq` is over: forget it. Returns whether a newer
+    /// write of its key overtook it.
+    fn stream_ended(&self, key: &[u8], seq: u64) -> bool {
+        let mut streaming = lock(&self.streaming);
+        let Some(streams) = streaming.get_mut(key) else { return false };
+        let i = streams.iter().position(|&(s, _)| s == seq).expect("registered by put_stream_apart");
+        let (_, overtaken) = streams.swap_remove(i);
+        if streams.is_empty() {
+            streaming.remove(key);
+            if streaming.is_empty() {
+                self.any_streaming.store(false, Ordering::Release);
+            }
+        }
+        overtaken
+    }
+
+    /// The segment of a `put_stream_apart`: created at `path`, its header, the record (its payload
+    /// from `src`, checked against `meta.payload_crc`), made durable first in a durable log, then
+    /// its footer and trailer. On failure the file is removed (it was never part of the log).
+    #[allow(clippy::too_many_arguments)] // one value's record, as `put_stream_apart` placed it
+    fn write_streamed_segment(
+        &self,
+        path: &Path,
+        id: u32,
+        size: u64,
+        key: &[u8],
+        meta: &StreamedValue,
+        seq: u64,
+        epoch: u32,
+        src: &mut dyn io::Read,
+    ) -> Result<(B::File, RecordHeader)> {
+        let file = self.backend.open(path, true).map_err(|e| Error::io("create segment", path.to_path_buf(), e))?;
+        let data_start = self.align;
+        let align = self.align as usize;
+        // As on every write path: a full file system fails this call alone, any other failure
+        // makes the log read-only (see `write_failed`).
+        let io_err = |op: &'static str| move |e: io::Error| self.write_failed(op, path.to_path_buf(), e);
+        let written = (|| -> Result<RecordHeader> {
+            self.backend.allocate(&file, size).map_err(io_err("fallocate"))?;
+            let mut hb = AlignedBuf::zeroed(align, align);
+            let header = format::SegmentHeader {
+                segment: id,
+                segment_bytes: size,
+                align: align as u32,
+                epoch,
+                data_start,
+                salt: self.salt,
+            };
+            hb[..format::SEGMENT_HEADER_LEN].copy_from_slice(&format::encode_segment_header(&header));
+            self.backend.write_at(&file, 0, hb).0.map_err(io_err("write segment header"))?;
+            let h = RecordHeader {
+                flags: if meta.lz4 { format::FLAG_LZ4 } else { 0 },
+                frame_count: meta.frame_lens.len() as u16,
+                key_len: key.len() as u32,
+                segment: id,
+                epoch,
+                payload_crc: meta.payload_crc,
+                seq,
+                raw_len: meta.raw_len,
+                stored_len: meta.stored_len,
+                aux: 0,
+            };
+            let po = h.payload_offset() as usize;
+            let mut head = vec![0u8; po];
+            format::write_record_head(&mut head, &h, &meta.frame_lens, key, self.salt);
+            const CHUNK: usize = 1 << 20;
+            // Pieces of `fill` bytes (a multiple of the alignment), the last one padded.
+            let fill = CHUNK.max(align_up(po as u64, self.align) as usize);
+            let mut buf = self.backend.alloc_buf(fill + align, align);
+            buf.set_len(0);
+            buf.extend_from_slice(&head);
+            let (mut at, mut left) = (data_start, meta.stored_len);
+            let mut crc = crc32fast::Hasher::new();
+            loop {
+                while left > 0 && buf.len() < fill {
+                    let from = buf.len();
+                    let want = ((fill - from) as u64).min(left) as usize;
+                    buf.set_len(from + want);
+                    let n = match src.read(&mut buf[from..]) {
+                        Ok(0) => {
+                            buf.set_len(from);
+                            return Err(Error::io("receive value", None, stopped_early()));
+                        }
+                        Ok(n) => n,
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => 0,
+                        Err(e) => {
+                            buf.set_len(from);
+                            return Err(Error::io("receive value", None, e));
+                        }
+                    };
+                    buf.set_len(from + n);
+                    crc.update(&buf[from..from + n]);
+                    left -= n as u64;
+                }
+                if left == 0 {
+                    break;
+                }
+                let (r, b) =
+                    self.backend.write_at(&file, at, std::mem::replace(&mut buf, AlignedBuf::zeroed(0, align)));
+                buf = b;
+                r.map_err(io_err("write segment"))?;
+                at += buf.len() as u64;
+                buf.set_len(0);
+            }
+            let actual = crc.finalize();
+            if actual != meta.payload_crc {
+                // Bad bytes from the peer, not damage on disk: segment 0.
+                let what = "streamed value payload";
+                return Err(Error::ChecksumMismatch {
+                    segment: 0,
+                    offset: 0,
+                    what,
+                    expected: meta.payload_crc,
+                    actual,
+                });
+            }
+            let end = buf.len();
+            buf.set_len(align_up(end as u64, self.align) as usize);
+            buf[end..].fill(0);
+            self.backend.write_at(&file, at, buf).0.map_err(io_err("write segment"))?;
+            if self.opts.durable {
+                self.backend.sync_data(&file).map_err(io_err("sync segment"))?;
+            }
+            let mut footer = Vec::new();
+            let entry = FooterEntry {
+                key: key.to_vec(),
+                flags: h.flags & format::FLAG_LZ4,
+                frame_count: h.frame_count,
+                payload_crc: h.payload_crc,
+                offset: data_start,
+                record_len: h.record_len(),
+                seq,
+                aux: 0,
+            };
+            format::encode_footer_entry(&mut footer, &entry);
+            let data_end = padded(data_start + h.record_len());
+            self.write_seal(&file, id, size, data_end, &footer, 1, epoch).map_err(io_err("write footer"))?;
+            Ok(h)
+        })();
+        match written {
+            Ok(h) => Ok((file, h)),
+            Err(e) => {
+                drop(file);
+                let _ = self.backend.remove_file(path);
+                Err(e)
+            }
+        }
+    }
+
     /// Erase `base..end` of the active segment after an aborted `put_stream`: the block at `base` gets
     /// the previous tail back (published records) and zeros after it; the rest is punched out, which
     /// needs no free space (zero writes into blocks the aborted write never reached would, on a full
@@ -2348,13 +2651,20 @@ impl<B: Backend> SegmentLog<B> {
     /// any more) is a side effect: if it fails, the key is forgotten all the same, the failure is
     /// logged, and the segment goes at a later garbage collection.
     pub fn forget(&self, key: &[u8]) -> Result<bool> {
-        let old = self.index.write().unwrap_or_else(|p| p.into_inner()).remove(key);
+        let old = {
+            let mut index = self.index.write().unwrap_or_else(|p| p.into_inner());
+            let old = index.remove(key);
+            if old.is_some() {
+                self.written_meanwhile(key, u64::MAX); // (under the index lock, as publishing is)
+            }
+            old
+        };
         let Some(old) = old.map(Location::from) else { return Ok(false) };
         let st = match self.state.try_lock() {
             Ok(st) => st,
             Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
             Err(std::sync::TryLockError::WouldBlock) => {
-                // A write holds the lock (maybe for as long as a peer takes to send a value): the
+                // A write holds the lock (a large one, or compaction): the
                 // key is gone from the index already; the rest is left to the writer lock's next
                 // taker.
                 let mut f = lock(&self.forgotten);
@@ -3191,6 +3501,7 @@ impl<B: Backend> SegmentLog<B> {
                 let loc = Location { segment: id, offset, len };
                 match &p.rec {
                     NewRecord::Tombstone { aux, .. } => {
+                        self.written_meanwhile(key, h.seq);
                         if let Some(old) = index.remove(key) {
                             Self::release(st, old.into(), &mut emptied);
                             if deferred {
@@ -3218,6 +3529,9 @@ impl<B: Backend> SegmentLog<B> {
                         locs.push(loc);
                     }
                     _ => {
+                        if matches!(p.rec, NewRecord::Value { .. }) {
+                            self.written_meanwhile(key, h.seq);
+                        }
                         let first = index.get(key).map_or(id, |o| first_segment(&st.segs, o).min(id));
                         let elsewhere = note_first_segment(&mut st.segs, id, offset, first);
                         let facts = RecordFacts::of(h.flags, h.frame_count, h.payload_crc, h.aux, h.stored_len);
@@ -3455,6 +3769,54 @@ impl<B: Backend> SegmentLog<B> {
         Ok(())
     }
 
+    /// Write the footer and the trailer of segment `id` (`size` bytes, records up to `data_end`):
+    /// the trailer last (in its own write, or at the end of the only one), so that without it the
+    /// segment is still an unsealed one whose records end at `data_end`.
+    #[allow(clippy::too_many_arguments)] // the segment's facts, from an `Active` or a stream
+    fn write_seal(
+        &self,
+        file: &B::File,
+        id: u32,
+        size: u64,
+        data_end: u64,
+        footer: &[u8],
+        entries: u64,
+        max_epoch: u32,
+    ) -> io::Result<()> {
+        let footer_offset = align_up(data_end, self.align);
+        let footer_len = footer.len() as u64;
+        let trailer = format::Trailer {
+            segment: id,
+            max_epoch,
+            footer_offset,
+            footer_len,
+            entry_count: entries,
+            data_end,
+            footer_crc: format::footer_crc(footer),
+            salt: self.salt,
+        };
+        let tb = format::encode_trailer(&trailer);
+        let footer_end = align_up(footer_offset + footer_len, self.align);
+        let trailer_block = size - self.align;
+        let write = |offset: u64, buf: AlignedBuf| -> io::Result<()> { self.backend.write_at(file, offset, buf).0 };
+        if footer_end <= trailer_block {
+            let mut fb = AlignedBuf::zeroed((footer_end - footer_offset) as usize, self.align as usize);
+            fb[..footer.len()].copy_from_slice(footer);
+            let written = if footer_len > 0 { write(footer_offset, fb) } else { Ok(()) };
+            written.and_then(|()| {
+                let mut t = AlignedBuf::zeroed(self.align as usize, self.align as usize);
+                t[self.align as usize - format::TRAILER_LEN..].copy_from_slice(&tb);
+                write(trailer_block, t)
+            })
+        } else {
+            let mut fb = AlignedBuf::zeroed((size - footer_offset) as usize, self.align as usize);
+            fb[..footer.len()].copy_from_slice(footer);
+            let n = fb.len();
+            fb[n - format::TRAILER_LEN..].copy_from_slice(&tb);
+            write(footer_offset, fb)
+        }
+    }
+
     /// Seal the active segment: data durable first, then footer and trailer.
     fn seal_active(&self, st: &mut WriterState<B::File>) -> Result<()> {
         self.flush_pending(st)?;
@@ -3473,38 +3835,7 @@ impl<B: Backend> SegmentLog<B> {
             });
         }
         let a = st.active.take().expect("active segment to seal");
-        let footer_offset = align_up(a.data_end, self.align);
-        let footer_len = a.footer.len() as u64;
-        let trailer = format::Trailer {
-            segment: a.id,
-            max_epoch: a.max_epoch,
-            footer_offset,
-            footer_len,
-            entry_count: a.footer_entries,
-            data_end: a.data_end,
-            footer_crc: format::footer_crc(&a.footer),
-            salt: self.salt,
-        };
-        let tb = format::encode_trailer(&trailer);
-        let footer_end = align_up(footer_offset + footer_len, self.align);
-        let trailer_block = a.size - self.align;
-        let write = |offset: u64, buf: AlignedBuf| -> io::Result<()> { self.backend.write_at(&a.file, offset, buf).0 };
-        let written = if footer_end <= trailer_block {
-            let mut fb = AlignedBuf::zeroed((footer_end - footer_offset) as usize, self.align as usize);
-            fb[..a.footer.len()].copy_from_slice(&a.footer);
-            let footer = if footer_len > 0 { write(footer_offset, fb) } else { Ok(()) };
-            footer.and_then(|()| {
-                let mut t = AlignedBuf::zeroed(self.align as usize, self.align as usize);
-                t[self.align as usize - format::TRAILER_LEN..].copy_from_slice(&tb);
-                write(trailer_block, t)
-            })
-        } else {
-            let mut fb = AlignedBuf::zeroed((a.size - footer_offset) as usize, self.align as usize);
-            fb[..a.footer.len()].copy_from_slice(&a.footer);
-            let n = fb.len();
-            fb[n - format::TRAILER_LEN..].copy_from_slice(&tb);
-            write(footer_offset, fb)
-        };
+        let written = self.write_seal(&a.file, a.id, a.size, a.data_end, &a.footer, a.footer_entries, a.max_epoch);
         if let Err(e) = written {
             // The trailer comes last (in its own write, or at the end of the only one), so without it
             // the segment is still an unsealed one whose records end at `data_end`: it stays active.

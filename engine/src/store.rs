@@ -1033,8 +1033,8 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// replaces it.) If a `put` of the same key lands during the
     /// transfer, or a `remove`, the newer operation wins: the streamed record (or, on failure, the
     /// old value) is dropped. In a persistent store that drop (a tombstone over the old record)
-    /// is written when the transfer ends, since the transfer holds the log's writer lock: a crash
-    /// before then brings the old value back at the next open.
+    /// is written when the transfer ends, when the store settles the key: a crash before then
+    /// brings the old value back at the next open.
     pub fn put_stream(&self, key: &[u8], meta: &StreamedValue, src: &mut dyn std::io::Read) -> Result<()> {
         let raw = meta.frame_lens.iter().try_fold(0u64, |a, &l| a.checked_add(l)).ok_or(Error::ValueTooLarge {
             len: u64::MAX,

@@ -234,9 +234,6 @@ CLEAN_BACKOFF_SECONDS = 5.0
 #: spill data needs no write: it releases the record's blocks), until the buffer closes.
 MAX_FRESH_LOGS = 3
 
-#: The bit of a log key's write number that says the record is in the log of received values.
-RECEIVED = 1 << 63
-
 #: Bytes of weight brought into memory (sets, reads back) between two reads of the process's RSS
 #: (see ``process_target``). A read costs about 2 µs.
 RSS_CHECK_BYTES = 1 << 20
@@ -827,11 +824,11 @@ def _damaged(key: Hashable, error: Corrupt) -> Corrupt:
     )
 
 
-def _close_logs(logs: list, writer: _Writer, received: list) -> None:
+def _close_logs(logs: list, writer: _Writer) -> None:
     try:
         writer.stop()
     finally:
-        for _, log, directory in [*logs, *received]:
+        for _, log, directory in logs:
             try:
                 log.close()
             finally:
@@ -920,13 +917,7 @@ class SpillBuffer(MutableMapping):
         self._fresh_logs = 0  # fresh logs opened after a failed write
         self._log_swap = threading.Lock()  # taken to replace a read-only log
         self._writer = _Writer(self)
-        #: [[0, log, directory]] once a value was received straight to disk (``receive``): a log
-        #: of its own, so that spills never wait for a value arriving from a peer (a stream holds
-        #: its log's writer lock until the value is in). Its write numbers have ``RECEIVED`` set.
-        self._received: list = []
-        self._finalizer = weakref.finalize(
-            self, _close_logs, self._logs, self._writer, self._received
-        )
+        self._finalizer = weakref.finalize(self, _close_logs, self._logs, self._writer)
         self._clean_backoff_until = 0.0
         self._last_eviction = -math.inf
         self._pickle_rates: dict = {}  # type -> [average bytes/s of its pickles, next probe time]
@@ -1258,13 +1249,20 @@ class SpillBuffer(MutableMapping):
                 self._digest_io("receive-memory", _frame_bytes(frames), perf_counter() - t0)
             return value
         try:
-            log = self._received_log()
-            with self._lock:
+            with self._lock:  # the number and the log together, as in _put
                 self._writes += 1
-                log_key = encode_key(key) + (self._writes | RECEIVED).to_bytes(8, "big")
-            # A grant is good for one try: no retry (the caller falls back in-band). A log left
-            # read-only refuses the next receive too, and so on: that is the in-band path.
-            n = fetch_into(log, address, ticket, remote_key, log_key, nbytes, timeout=timeout)
+                log_key = encode_key(key) + self._writes.to_bytes(8, "big")
+                log = self._log
+            try:
+                # The log does not hold its writer lock while the bytes arrive (a large value goes
+                # into a segment of its own): spills go on meanwhile.
+                n = fetch_into(log, address, ticket, remote_key, log_key, nbytes, timeout=timeout)
+            except (OSError, SpillwayError) as error:
+                # A grant is good for one try: no retry here (the caller falls back in-band). A log
+                # the failure left read-only is replaced for the writes that follow.
+                if not isinstance(error, DiskFull):
+                    self._replace_read_only(log)
+                raise
         finally:
             with self._lock:
                 self._reserved_disk -= nbytes
@@ -1273,21 +1271,6 @@ class SpillBuffer(MutableMapping):
         with self._lock:
             self._digest_io("receive-disk", n, perf_counter() - t0)
         return ReceivedRecord(self, key, log_key, n)
-
-    def _received_log(self) -> Log:
-        """The log of received values, opened at the first one."""
-        with self._log_swap:
-            if not self._received:
-                directory = tempfile.mkdtemp(
-                    prefix="spillway-received-", dir=os.path.dirname(self.directory)
-                )
-                try:
-                    log = Log(directory, **self._log_options)
-                except BaseException:
-                    shutil.rmtree(directory, ignore_errors=True)
-                    raise
-                self._received.append([0, log, directory])
-            return self._received[0][1]
 
     def _arrived(self, nbytes: int) -> None:
         with self._lock:
@@ -1697,11 +1680,8 @@ class SpillBuffer(MutableMapping):
                     raise
 
     def _log_of(self, log_key: bytes) -> Log:
-        """The log that holds ``log_key`` (by the write number at its end; see ``self._logs`` and
-        ``self._received``)."""
+        """The log that holds ``log_key`` (by the write number at its end; see ``self._logs``)."""
         number = int.from_bytes(log_key[-8:], "big")
-        if number & RECEIVED:
-            return self._received[0][1]
         if number >= self._logs[-1][0]:
             return self._log
         for first, log, _ in reversed(self._logs):

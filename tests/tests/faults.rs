@@ -320,14 +320,22 @@ fn records_of_a_failed_write_do_not_come_back_after_a_later_write() {
 }
 
 /// A value streamed from a peer that meets a full disk part-way fails alone: erasing what it wrote
-/// needs no space (a punch), the log stays writable, and the same value streams in once there is room.
+/// in the active segment needs no space (a punch), a segment of its own is removed, the log stays
+/// writable, and the same value streams in once there is room. Both paths: a value of 1 MiB (read
+/// first, then written under the writer lock in two writes) and one of 3 MiB (its own segment).
 #[test]
 fn a_streamed_value_that_meets_a_full_disk_fails_alone() {
+    for n in [1 << 20, 3 << 20] {
+        a_streamed_value_of_n_bytes_that_meets_a_full_disk_fails_alone(n);
+    }
+}
+
+fn a_streamed_value_of_n_bytes_that_meets_a_full_disk_fails_alone(n: usize) {
     let be = SimBackend::new();
     let o = || LogOptions { segment_bytes: 8 << 20, ..opts() };
     let log = SegmentLog::open(be.clone(), "/s", o()).unwrap();
     log.put(b"before", &frames_for(b"before", 1000)).unwrap();
-    let (payload, meta) = spillway_tests::streamed(&Frames::from(spillway_tests::value_for(b"big", 3 << 20)));
+    let (payload, meta) = spillway_tests::streamed(&Frames::from(spillway_tests::value_for(b"big", n)));
     // The second 1 MiB write fails, and so does every write after it until there is room again.
     be.inject(Fault { op: FaultOp::Write, after: 1, kind: FaultKind::TornEnospc, sticky: true });
     let e = log.put_stream(b"big", &meta, &mut &payload[..]).unwrap_err();
@@ -369,8 +377,8 @@ fn an_eio_during_a_stream_makes_the_log_read_only(payload: &[u8], meta: &spillwa
 /// shows, neither before nor after a reopen or a power cut.
 #[test]
 fn a_streamed_value_whose_erase_fails_loses_nothing() {
-    let (payload, meta) = spillway_tests::streamed(&Frames::from(spillway_tests::value_for(b"big", 3 << 20)));
-    for durable in [false, true] {
+    for (n, durable) in [(1 << 20, false), (1 << 20, true), (3 << 20, false), (3 << 20, true)] {
+        let (payload, meta) = spillway_tests::streamed(&Frames::from(spillway_tests::value_for(b"big", n)));
         let be = SimBackend::new();
         let o = || LogOptions { segment_bytes: 8 << 20, durable, ..opts() };
         let log = SegmentLog::open(be.clone(), "/s", o()).unwrap();

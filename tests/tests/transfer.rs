@@ -639,47 +639,174 @@ fn a_client_reading_too_slowly_is_cut_off_by_the_server() {
     assert!(err.contains("not through in time"), "{err}");
 }
 
-/// The payload deadline counts from the payload's first read: a `get_into` that first waits for
-/// the receiving log's writer lock (held here for 3 s by another transfer) is not cut off for that
-/// wait. The deadline used to start before the wait.
-#[test]
-fn waiting_for_the_receiving_log_does_not_count_against_the_payload_deadline() {
-    let src = tempfile::tempdir().unwrap();
-    let log = log_at(src.path(), Compression::None);
-    log.put(b"small", &frames_for(b"small", 10_000)).unwrap();
-    let addr = start_server(log, false);
-    let dst = tempfile::tempdir().unwrap();
-    let into = Arc::new(log_at(dst.path(), Compression::None));
-    /// Holds the writer lock of the log it streams into: its first read waits 3 s.
-    struct Slow {
-        payload: std::io::Cursor<Vec<u8>>,
-        started: Option<std::sync::mpsc::Sender<()>>,
-    }
-    impl Read for Slow {
-        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+/// A reader that hands out `first` bytes of `payload`, says so on `started`, then waits for `go`
+/// before the rest: a peer that holds a value back mid-stream.
+struct HeldBack {
+    payload: std::io::Cursor<Vec<u8>>,
+    first: u64,
+    started: Option<std::sync::mpsc::Sender<()>>,
+    go: std::sync::mpsc::Receiver<()>,
+}
+
+impl Read for HeldBack {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let at = self.payload.position();
+        if at >= self.first {
             if let Some(started) = self.started.take() {
                 started.send(()).unwrap();
-                std::thread::sleep(Duration::from_secs(3));
+                self.go.recv().unwrap();
             }
-            self.payload.read(buf)
         }
+        let n = if at < self.first { buf.len().min((self.first - at) as usize) } else { buf.len() };
+        self.payload.read(&mut buf[..n])
     }
-    let (payload, meta) = spillway_tests::streamed(&frames_for(b"big", 100_000));
+}
+
+/// Stream `frames` into `log` under `key` from a thread, held back after 1 MiB; returns once the
+/// first MiB is in, with the way to let the rest go and the thread's result.
+fn stream_held_back(
+    log: &Arc<SegmentLog>,
+    key: &'static [u8],
+    frames: &Frames,
+) -> (std::sync::mpsc::Sender<()>, std::thread::JoinHandle<spillway::Result<()>>) {
+    let (payload, meta) = spillway_tests::streamed(frames);
     let (started, wait) = std::sync::mpsc::channel();
-    let holder = {
-        let into = into.clone();
+    let (go, held) = std::sync::mpsc::channel();
+    let log = log.clone();
+    let streaming = std::thread::spawn(move || {
+        let mut src =
+            HeldBack { payload: std::io::Cursor::new(payload), first: 1 << 20, started: Some(started), go: held };
+        log.put_stream(key, &meta, &mut src)
+    });
+    wait.recv().unwrap();
+    (go, streaming)
+}
+
+/// While a large value streams in from a peer that holds it back, the log takes puts, deletes,
+/// other streams (large and small), reads and compaction: none waits for the peer (the value goes
+/// into a segment of its own, without the writer lock). Everything is there after a reopen.
+#[test]
+fn writes_go_on_while_a_large_value_streams_in() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = Arc::new(log_at(dir.path(), Compression::None));
+    log.put(b"old", &frames_for(b"old", 1000)).unwrap();
+    let (go, streaming) = stream_held_back(&log, b"big", &frames_for(b"big", 5 << 20));
+    log.put(b"during", &frames_for(b"during", 3 << 20)).unwrap();
+    assert!(log.delete(b"old").unwrap());
+    for (k, n) in [(&b"small"[..], 10_000), (&b"second"[..], 3 << 20)] {
+        let (payload, meta) = spillway_tests::streamed(&frames_for(k, n));
+        log.put_stream(k, &meta, &mut &payload[..]).unwrap();
+    }
+    log.compact().unwrap();
+    assert_eq!(log.get(b"big").unwrap(), None, "not before it is whole");
+    go.send(()).unwrap();
+    streaming.join().unwrap().unwrap();
+    let check = |log: &SegmentLog| {
+        assert_eq!(log.get(b"big").unwrap(), Some(frames_for(b"big", 5 << 20)));
+        assert_eq!(log.get(b"during").unwrap(), Some(frames_for(b"during", 3 << 20)));
+        assert_eq!(log.get(b"small").unwrap(), Some(frames_for(b"small", 10_000)));
+        assert_eq!(log.get(b"second").unwrap(), Some(frames_for(b"second", 3 << 20)));
+    };
+    check(&log);
+    assert!(log.verify().unwrap().is_empty());
+    drop(Arc::into_inner(log).unwrap());
+    let log = log_at(dir.path(), Compression::None);
+    check(&log);
+    assert_eq!(log.get(b"old").unwrap(), None);
+}
+
+/// Of two streams of one key, the one begun later wins, whichever ends first (as a recovery, which
+/// goes by sequence numbers, would decide).
+#[test]
+fn of_two_streams_of_a_key_the_later_one_wins() {
+    for later_ends_first in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let log = Arc::new(log_at(dir.path(), Compression::None));
+        let (go_first, first) = stream_held_back(&log, b"k", &frames_for(b"first", 3 << 20));
+        let (go_second, second) = stream_held_back(&log, b"k", &frames_for(b"second", 3 << 20));
+        if later_ends_first {
+            go_second.send(()).unwrap();
+            second.join().unwrap().unwrap();
+            go_first.send(()).unwrap();
+            first.join().unwrap().unwrap();
+        } else {
+            go_first.send(()).unwrap();
+            first.join().unwrap().unwrap();
+            go_second.send(()).unwrap();
+            second.join().unwrap().unwrap();
+        }
+        assert_eq!(log.get(b"k").unwrap(), Some(frames_for(b"second", 3 << 20)), "later_ends_first={later_ends_first}");
+        drop(Arc::into_inner(log).unwrap());
+        let log = log_at(dir.path(), Compression::None);
+        assert_eq!(log.get(b"k").unwrap(), Some(frames_for(b"second", 3 << 20)), "later_ends_first={later_ends_first}");
+    }
+}
+
+/// A crash while a value streams into its own segment: the reopened log has the key's old value,
+/// reports no damage, and takes the same stream again.
+#[test]
+fn a_crash_mid_stream_leaves_the_old_value() {
+    use spillway::SimBackend;
+    let be = SimBackend::new();
+    let o = || LogOptions { segment_bytes: 8 << 20, durable: true, ..Default::default() };
+    let log = Arc::new(SegmentLog::open(be.clone(), "/s", o()).unwrap());
+    log.put(b"k", &frames_for(b"old", 1000)).unwrap();
+    log.sync().unwrap();
+    let (payload, meta) = spillway_tests::streamed(&frames_for(b"new", 3 << 20));
+    let (started, wait) = std::sync::mpsc::channel();
+    let (go, held) = std::sync::mpsc::channel();
+    let streaming = {
+        let log = log.clone();
+        let payload = payload.clone();
+        let meta = meta.clone();
         std::thread::spawn(move || {
-            let mut slow = Slow { payload: std::io::Cursor::new(payload), started: Some(started) };
-            into.put_stream(b"big", &meta, &mut slow)
+            let mut src =
+                HeldBack { payload: std::io::Cursor::new(payload), first: 2 << 20, started: Some(started), go: held };
+            log.put_stream(b"k", &meta, &mut src)
         })
     };
     wait.recv().unwrap();
-    let o = TransferOptions { timeout: Duration::from_secs(1), min_bytes_per_sec: 1 << 20, ..opts() };
-    let got = Client::connect(&addr, TICKET, o).unwrap().get_into(b"small", &into, b"small");
-    holder.join().unwrap().unwrap();
-    assert!(got.unwrap(), "fetched once the log was free");
-    assert_eq!(into.get(b"small").unwrap(), Some(frames_for(b"small", 10_000)));
-    assert_eq!(into.get(b"big").unwrap(), Some(frames_for(b"big", 100_000)));
+    for seed in [None, Some(1), Some(2), Some(3)] {
+        let crashed = SegmentLog::open(be.crash(seed), "/s", o()).unwrap();
+        assert_eq!(crashed.get(b"k").unwrap(), Some(frames_for(b"old", 1000)), "{seed:?}");
+        assert!(crashed.recovery_report().corrupt.is_empty(), "{seed:?}: {:?}", crashed.recovery_report());
+        assert!(crashed.verify().unwrap().is_empty(), "{seed:?}");
+        crashed.put_stream(b"k", &meta, &mut &payload[..]).unwrap();
+        assert_eq!(crashed.get(b"k").unwrap(), Some(frames_for(b"new", 3 << 20)), "{seed:?}");
+    }
+    go.send(()).unwrap();
+    streaming.join().unwrap().unwrap();
+}
+
+/// A put or delete of the key while its value streams in is the newer operation: the streamed
+/// value is dead on arrival, before and after a reopen, and its segment goes.
+#[test]
+fn a_write_of_the_key_while_it_streams_in_wins() {
+    for durable in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let o = LogOptions { segment_bytes: 8 << 20, durable, ..Default::default() };
+        let log = Arc::new(SegmentLog::open(PortableBackend::new(), dir.path(), o.clone()).unwrap());
+        let (go, put_meanwhile) = stream_held_back(&log, b"k", &frames_for(b"streamed", 3 << 20));
+        log.put(b"k", &frames_for(b"put", 1000)).unwrap();
+        go.send(()).unwrap();
+        put_meanwhile.join().unwrap().unwrap();
+        let (go, deleted_meanwhile) = stream_held_back(&log, b"gone", &frames_for(b"streamed", 3 << 20));
+        log.put(b"gone", &frames_for(b"gone", 10)).unwrap();
+        assert!(log.delete(b"gone").unwrap());
+        go.send(()).unwrap();
+        deleted_meanwhile.join().unwrap().unwrap();
+        let check = |log: &SegmentLog| {
+            assert_eq!(log.get(b"k").unwrap(), Some(frames_for(b"put", 1000)), "durable={durable}");
+            assert_eq!(log.get(b"gone").unwrap(), None, "durable={durable}");
+        };
+        check(&log);
+        log.sync().unwrap();
+        let segments = log.stats().segments;
+        drop(Arc::into_inner(log).unwrap());
+        let log = SegmentLog::open(PortableBackend::new(), dir.path(), o).unwrap();
+        check(&log);
+        assert_eq!(log.stats().segments, segments, "the dead streamed segments are gone");
+    }
 }
 
 /// A served log whose reads of one key fail with an I/O error naming the server's segment file.
