@@ -2175,6 +2175,34 @@ impl<B: Backend> SegmentLog<B> {
         self.put_stream_locked(key, meta, &mut &payload[..], len)
     }
 
+    /// The header and the encoded head (header, frame table, key: everything before the payload)
+    /// of a streamed value's record in segment `segment`. A streamed payload is never padded
+    /// (`aux` 0): it is written as it arrives.
+    fn streamed_head(
+        &self,
+        key: &[u8],
+        meta: &StreamedValue,
+        segment: u32,
+        epoch: u32,
+        seq: u64,
+    ) -> (RecordHeader, Vec<u8>) {
+        let h = RecordHeader {
+            flags: if meta.lz4 { format::FLAG_LZ4 } else { 0 },
+            frame_count: meta.frame_lens.len() as u16,
+            key_len: key.len() as u32,
+            segment,
+            epoch,
+            payload_crc: meta.payload_crc,
+            seq,
+            raw_len: meta.raw_len,
+            stored_len: meta.stored_len,
+            aux: 0,
+        };
+        let mut head = vec![0u8; h.payload_offset() as usize];
+        format::write_record_head(&mut head, &h, &meta.frame_lens, key, self.salt);
+        (h, head)
+    }
+
     /// `put_stream` of a value read from `src` while holding the writer lock (its bytes are in
     /// memory already: see `put_stream`), appended to the active segment.
     fn put_stream_locked(&self, key: &[u8], meta: &StreamedValue, src: &mut dyn io::Read, len: u64) -> Result<()> {
@@ -2199,21 +2227,8 @@ impl<B: Backend> SegmentLog<B> {
         let a = st.active.as_ref().expect("active after rotate");
         let (id, start, old_tail) = (a.id, a.data_end, a.tail.clone());
         let base = align_down(start, self.align);
-        let h = RecordHeader {
-            flags: if meta.lz4 { format::FLAG_LZ4 } else { 0 },
-            frame_count: meta.frame_lens.len() as u16,
-            key_len: key.len() as u32,
-            segment: id,
-            epoch,
-            payload_crc: meta.payload_crc,
-            seq,
-            raw_len: meta.raw_len,
-            stored_len: meta.stored_len,
-            aux: 0,
-        };
-        let po = h.payload_offset() as usize;
-        let mut head = vec![0u8; po];
-        format::write_record_head(&mut head, &h, &meta.frame_lens, key, self.salt);
+        let (h, head) = self.streamed_head(key, meta, id, epoch, seq);
+        let po = head.len();
 
         const CHUNK: usize = 1 << 20;
         // Chunks are written `fill` bytes at a time (a multiple of the alignment); the extra block of
@@ -2495,21 +2510,8 @@ impl<B: Backend> SegmentLog<B> {
             };
             hb[..format::SEGMENT_HEADER_LEN].copy_from_slice(&format::encode_segment_header(&header));
             self.backend.write_at(&file, 0, hb).0.map_err(io_err("write segment header"))?;
-            let h = RecordHeader {
-                flags: if meta.lz4 { format::FLAG_LZ4 } else { 0 },
-                frame_count: meta.frame_lens.len() as u16,
-                key_len: key.len() as u32,
-                segment: id,
-                epoch,
-                payload_crc: meta.payload_crc,
-                seq,
-                raw_len: meta.raw_len,
-                stored_len: meta.stored_len,
-                aux: 0,
-            };
-            let po = h.payload_offset() as usize;
-            let mut head = vec![0u8; po];
-            format::write_record_head(&mut head, &h, &meta.frame_lens, key, self.salt);
+            let (h, head) = self.streamed_head(key, meta, id, epoch, seq);
+            let po = head.len();
             const CHUNK: usize = 1 << 20;
             // Pieces of `fill` bytes (a multiple of the alignment), the last one padded.
             let fill = CHUNK.max(align_up(po as u64, self.align) as usize);

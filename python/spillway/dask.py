@@ -61,6 +61,7 @@ the hooks it uses; otherwise it logs why and leaves the worker as stock dask.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import weakref
 from collections.abc import Collection, Hashable
@@ -202,6 +203,8 @@ def install(
             return await stock_handler(comm, keys=keys, who=who, serializers=serializers, **kwargs)
         peer_runs_spillway = bool(serializers) and MARKER in serializers
         side = _side.get(worker) if serializers and SIDE_MARKER in serializers else None
+        if side is not None:
+            side = (*side, _peer_ip(comm))
         tickets: list = []
         try:
             prepared = await _prepare(worker, keys, peer_runs_spillway, side, tickets)
@@ -237,6 +240,16 @@ def uninstall(worker: distributed.Worker) -> None:
         worker.handlers["get_data"] = stock
 
 
+def _peer_ip(comm) -> str | None:
+    """The IP address the requester's comm comes from (its side-channel tickets are good from there
+    only), or None if it is not one."""
+    try:
+        host = get_address_host(comm.peer_address)
+        return str(ipaddress.ip_address(host.strip("[]")))
+    except (ValueError, TypeError, AttributeError):
+        return None
+
+
 def _in_process(comm) -> bool:
     """An in-process comm hands messages over as objects, without serializing them."""
     return parse_address(getattr(comm, "peer_address", "") or "tcp://")[0] == "inproc"
@@ -262,8 +275,8 @@ async def _prepare(
 ) -> dict:
     """Values for ``worker.data.serving``: ``Serialized`` frames for the keys the store holds
     serialized (read off the event loop) and, for a spillway peer, for the objects too; with
-    ``side`` (this worker's transfer server and threshold), references for the large values on
-    disk, whose tickets go into ``tickets``."""
+    ``side`` (this worker's transfer server, threshold and the requester's IP address),
+    references for the large values on disk, whose tickets go into ``tickets``."""
     buf: SpillBuffer = worker.data
     tiers = {}
     for key in keys:
@@ -319,13 +332,13 @@ def _serialized_values(
 def _grant(buf: SpillBuffer, key: Hashable, side, tickets: list) -> Serialized | None:
     """A side-channel reference to ``key``'s record, if it is on disk and large enough (None
     otherwise, or if the grant fails: the value then goes in-band)."""
-    server, min_bytes = side
+    server, min_bytes, peer = side
     try:
         record = buf.disk_record(key)
         if record is None or record[2] < min_bytes:
             return None
         log, log_key, nbytes = record
-        ticket = server.grant(log, log_key)
+        ticket = server.grant(log, log_key, peer)
     except Exception:  # deleted meanwhile, a closed log, grants used up: in-band
         return None
     if ticket is None:  # moved (read back and deleted, replaced) meanwhile

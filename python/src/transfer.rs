@@ -98,11 +98,23 @@ impl TransferServer {
     }
 
     /// A one-time ticket (bytes) for `key`'s value in `log` as it is now, or None if `log` does not
-    /// have it. The record stays pinned (a delete or overwrite meanwhile does not change what is
-    /// sent) until the ticket is redeemed, revoked or expires.
-    fn grant<'py>(&self, py: Python<'py>, log: &Log, key: &[u8]) -> PyResult<Option<Bound<'py, PyBytes>>> {
+    /// have it; with `peer` (an IP address), redeemable from that address only. The record stays
+    /// pinned (a delete or overwrite meanwhile does not change what is sent) until the ticket is
+    /// redeemed, revoked or expires.
+    #[pyo3(signature = (log, key, peer = None))]
+    fn grant<'py>(
+        &self,
+        py: Python<'py>,
+        log: &Log,
+        key: &[u8],
+        peer: Option<&str>,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let to = peer
+            .map(|p| p.parse::<std::net::IpAddr>())
+            .transpose()
+            .map_err(|e| PyValueError::new_err(format!("peer {peer:?} is not an IP address: {e}")))?;
         let inner = log.inner()?;
-        let t = py.allow_threads(|| self.access.grant(inner.arc(), key)).map_err(to_py)?;
+        let t = py.allow_threads(|| self.access.grant(inner.arc(), key, to)).map_err(to_py)?;
         Ok(t.map(|t| PyBytes::new(py, &t.to_bytes())))
     }
 

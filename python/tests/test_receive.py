@@ -129,3 +129,19 @@ def test_spills_go_on_while_a_value_arrives_straight_to_disk(make_buffer):
     assert type(got[0]) is spillway.ReceivedRecord
     buf["k"] = got[0]
     assert buf.tier("k") == "disk" and buf["k"] == value and buf["a"] == bytes(3 * MiB)
+
+
+def test_a_grant_made_for_one_peer_address_is_refused_from_another(make_buffer):
+    sender = make_buffer(target=1 * MiB, process_target=None)
+    receiver = make_buffer(target=64 * MiB, process_target=None)
+    sender["v"] = bytes(5 * MiB)
+    log, log_key, nbytes = sender.disk_record("v")
+    with TransferServer() as server:
+        elsewhere = server.grant(log, log_key, "10.9.8.7")
+        with pytest.raises(spillway.SpillwayError, match="not authorized"):
+            receiver.receive("v", server.address, elsewhere, log_key, nbytes)
+        here = server.grant(log, log_key, "127.0.0.1")
+        receiver["v"] = receiver.receive("v", server.address, here, log_key, nbytes)
+        assert receiver["v"] == bytes(5 * MiB)
+        with pytest.raises(ValueError, match="not an IP address"):
+            server.grant(log, log_key, "localhost")

@@ -941,9 +941,9 @@ fn a_grant_serves_its_key_once_as_granted() {
     log.put(b"b", &frames_for(b"b", 1000)).unwrap();
     let access = Arc::new(transfer::Access::grants_only(Duration::from_secs(60)));
     let addr = serve_access(access.clone(), TransferOptions { splice_min_bytes: 0, ..opts() });
-    assert_eq!(access.grant(&log, b"missing").unwrap(), None);
+    assert_eq!(access.grant(&log, b"missing", None).unwrap(), None);
 
-    let t = access.grant(&log, b"a").unwrap().unwrap();
+    let t = access.grant(&log, b"a", None).unwrap().unwrap();
     assert!(log.delete(b"a").unwrap());
     log.put(b"a", &frames_for(b"new", 10)).unwrap();
     let mut c = Client::connect(&addr, t, opts()).unwrap();
@@ -952,17 +952,23 @@ fn a_grant_serves_its_key_once_as_granted() {
     // The standing ticket of another server means nothing here.
     assert!(refused(Client::connect(&addr, TICKET, opts()).unwrap().get(b"b")));
 
-    let t = access.grant(&log, b"b").unwrap().unwrap();
+    let t = access.grant(&log, b"b", None).unwrap().unwrap();
     assert!(refused(Client::connect(&addr, t, opts()).unwrap().get(b"a")), "another key");
     assert!(refused(Client::connect(&addr, t, opts()).unwrap().get(b"b")), "burnt by the attempt");
 
-    let t = access.grant(&log, b"b").unwrap().unwrap();
+    // Bound to another peer address: refused from 127.0.0.1; bound to it: served.
+    let t = access.grant(&log, b"b", Some("10.1.2.3".parse().unwrap())).unwrap().unwrap();
+    assert!(refused(Client::connect(&addr, t, opts()).unwrap().get(b"b")), "another peer");
+    let t = access.grant(&log, b"b", Some("127.0.0.1".parse().unwrap())).unwrap().unwrap();
+    assert_eq!(Client::connect(&addr, t, opts()).unwrap().get(b"b").unwrap().unwrap(), frames_for(b"b", 1000));
+
+    let t = access.grant(&log, b"b", None).unwrap().unwrap();
     assert!(access.revoke(&t) && !access.revoke(&t));
     assert!(refused(Client::connect(&addr, t, opts()).unwrap().get(b"b")), "revoked");
 
     let short = Arc::new(transfer::Access::grants_only(Duration::from_millis(1)));
     let short_addr = serve_access(short.clone(), opts());
-    let t = short.grant(&log, b"b").unwrap().unwrap();
+    let t = short.grant(&log, b"b", None).unwrap().unwrap();
     let mut c = Client::connect(&short_addr, t, opts()).unwrap();
     let granted = std::time::Instant::now();
     while granted.elapsed() < Duration::from_millis(2) {
@@ -972,7 +978,7 @@ fn a_grant_serves_its_key_once_as_granted() {
 
     // Every grant above was used, revoked or expired: none is left holding a record.
     assert_eq!(access.live_grants(), 0);
-    let t = access.grant(&log, b"b").unwrap().unwrap();
+    let t = access.grant(&log, b"b", None).unwrap().unwrap();
     assert_eq!(Client::connect(&addr, t, opts()).unwrap().get(b"b").unwrap().unwrap(), frames_for(b"b", 1000));
 }
 
@@ -985,7 +991,7 @@ fn a_grant_does_not_keep_its_log_alive() {
     log.put(b"a", &frames_for(b"a", 1000)).unwrap();
     let access = Arc::new(transfer::Access::grants_only(Duration::from_secs(60)));
     let addr = serve_access(access.clone(), opts());
-    let t = access.grant(&log, b"a").unwrap().unwrap();
+    let t = access.grant(&log, b"a", None).unwrap().unwrap();
     let weak = Arc::downgrade(&log);
     drop(log);
     assert!(weak.upgrade().is_none(), "the grant holds no reference to the log");
@@ -993,7 +999,8 @@ fn a_grant_does_not_keep_its_log_alive() {
 }
 
 /// A request whose head trickles in, a byte at a time within the socket timeout, is cut off once
-/// the whole request is not in within the timeout: it cannot hold a connection place for good.
+/// the whole request is not in within the timeout: it cannot hold a connection place for good, and
+/// the place then serves others.
 #[test]
 fn a_trickled_request_is_cut_off_by_its_deadline() {
     let src = tempfile::tempdir().unwrap();
@@ -1030,6 +1037,28 @@ fn a_trickled_request_is_cut_off_by_its_deadline() {
     assert!(err.contains("receive request") || err.contains("receive key"), "{err}");
     assert!(err.contains("in time"), "{err}");
     assert!(sent < raw_request(&TICKET, b"k").len());
+
+    // Through `serve` with one place: a peer that sends the first byte of a request and stalls
+    // holds the place only until the deadline, and then the place serves another client.
+    let src = tempfile::tempdir().unwrap();
+    let log = log_at(src.path(), Compression::None);
+    log.put(b"k", &frames_for(b"k", 1000)).unwrap();
+    let o = TransferOptions { timeout: Duration::from_millis(500), max_connections: 1, ..opts() };
+    let addr = serve_access(open_to(Arc::new(log)), o.clone());
+    let mut stalled = TcpStream::connect(&addr).unwrap();
+    stalled.write_all(&transfer::greeting()).unwrap();
+    stalled.read_exact(&mut greeting).unwrap();
+    stalled.write_all(&raw_request(&TICKET, b"k")[..1]).unwrap();
+    let served =
+        (0..1000).find_map(|_| match Client::connect(&addr, TICKET, o.clone()).and_then(|mut c| c.get(b"k")) {
+            Ok(got) => Some(got),
+            Err(_) => {
+                std::thread::sleep(Duration::from_millis(10));
+                None
+            }
+        });
+    assert_eq!(served, Some(Some(frames_for(b"k", 1000))), "the stalled request kept the only place");
+    drop(stalled);
 }
 
 /// One peer address cannot take more than `max_connections_per_peer` places: the next connection

@@ -5,15 +5,18 @@
 //!
 //! * a **standing** ticket (id 0) opens every key of the server's source (the CLI's
 //!   `spillway serve --token`);
-//! * a **grant** opens one key, once, for a short time: [`Access::grant`] pins the key's record
-//!   (the value sent is the one granted, whatever happens to the key afterwards) and returns the
-//!   ticket the owner hands to one requester. Redeeming it, revoking it or its expiry drops the pin.
+//! * a **grant** opens one key, once, for a short time, optionally to one peer address only:
+//!   [`Access::grant`] pins the key's record (the value sent is the one granted, whatever happens
+//!   to the key afterwards) and returns the ticket the owner hands to one requester. Redeeming it,
+//!   revoking it or its expiry drops the pin.
 //!
 //! Secrets are compared in constant time; a refused request learns nothing about why it was
-//! refused (unknown id, wrong secret, another key, used, expired all read "not authorized").
+//! refused (unknown id, wrong secret, another key, another peer, used, expired all read "not
+//! authorized").
 
 use std::collections::HashMap;
 use std::fmt;
+use std::net::IpAddr;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
@@ -118,6 +121,8 @@ type FileOf<S> = <<S as Source>::Backend as Backend>::File;
 struct Grant<S: Source> {
     secret: [u8; 16],
     key: Vec<u8>,
+    /// The only peer address the grant may be redeemed from, if any.
+    to: Option<IpAddr>,
     expires: Instant,
     /// The source the value came from: not kept alive by the grant (closing it is not held up by
     /// grants nobody redeems; redeeming one after it closed is refused).
@@ -158,10 +163,11 @@ impl<S: Source> Access<S> {
         self.grants.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// A one-time ticket for `key`'s value in `src` as it is now: its record is pinned (a delete,
-    /// an overwrite or compaction meanwhile does not change what is sent) until the ticket is
-    /// redeemed, revoked or expires. `None` if `src` has no such key.
-    pub fn grant(&self, src: &Arc<S>, key: &[u8]) -> Result<Option<Ticket>> {
+    /// A one-time ticket for `key`'s value in `src` as it is now, to be redeemed from the peer
+    /// address `to` only (any, if `None`): its record is pinned (a delete, an overwrite or
+    /// compaction meanwhile does not change what is sent) until the ticket is redeemed, revoked or
+    /// expires. `None` if `src` has no such key.
+    pub fn grant(&self, src: &Arc<S>, key: &[u8], to: Option<IpAddr>) -> Result<Option<Ticket>> {
         let Some(value) = src.outgoing(key)? else { return Ok(None) };
         let mut raw = [0u8; TICKET_BYTES];
         let now = Instant::now();
@@ -182,6 +188,7 @@ impl<S: Source> Access<S> {
         let g = Grant {
             secret: id.secret,
             key: key.to_vec(),
+            to,
             expires: now + self.lifetime,
             src: Arc::downgrade(src),
             value,
@@ -210,15 +217,18 @@ impl<S: Source> Access<S> {
         self.grants().len()
     }
 
-    /// What a request for `key` with `ticket` may read, or `None` (refused). A grant is used up by
-    /// any attempt to redeem it.
-    pub(crate) fn admit(&self, ticket: &Ticket, key: &[u8]) -> Option<Admitted<S>> {
+    /// What a request for `key` with `ticket` from the peer address `peer` may read, or `None`
+    /// (refused). A grant is used up by any attempt to redeem it.
+    pub(crate) fn admit(&self, ticket: &Ticket, key: &[u8], peer: Option<IpAddr>) -> Option<Admitted<S>> {
         if ticket.id == 0 {
             let (secret, src) = self.standing.as_ref()?;
             return same_secret(secret, &ticket.secret).then(|| Admitted { src: src.clone(), value: None });
         }
         let g = self.grants().remove(&ticket.id)?;
-        let ok = same_secret(&g.secret, &ticket.secret) && g.key == key && g.expires > Instant::now();
+        let ok = same_secret(&g.secret, &ticket.secret)
+            && g.key == key
+            && g.to.is_none_or(|to| Some(to) == peer)
+            && g.expires > Instant::now();
         let src = g.src.upgrade().filter(|_| ok)?;
         Some(Admitted { src, value: Some(g.value) })
     }

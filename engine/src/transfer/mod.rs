@@ -468,6 +468,7 @@ pub fn serve_connection<S: Source>(access: &Access<S>, mut stream: TcpStream, op
     stream.set_read_timeout(Some(opts.timeout)).map_err(|e| io_err("set timeout", e))?;
     stream.set_write_timeout(Some(opts.timeout)).map_err(|e| io_err("set timeout", e))?;
     let _ = stream.set_nodelay(true);
+    let peer = stream.peer_addr().ok().map(|a| a.ip());
     let mut h = [0u8; 8];
     read_by(&mut stream, &mut h, Instant::now() + opts.timeout, opts.timeout)
         .map_err(|e| io_err("receive hello", e))?;
@@ -497,7 +498,7 @@ pub fn serve_connection<S: Source>(access: &Access<S>, mut stream: TcpStream, op
         }
         let mut key = vec![0u8; key_len];
         read_by(&mut stream, &mut key, deadline, opts.timeout).map_err(|e| io_err("receive key", e))?;
-        let Some(admitted) = access.admit(&ticket, &key) else {
+        let Some(admitted) = access.admit(&ticket, &key, peer) else {
             let _ = send_error(&mut stream, NOT_AUTHORIZED);
             return Err(proto(format!("a request with ticket {ticket:?} was refused")));
         };
