@@ -2364,8 +2364,8 @@ impl<B: Backend> SegmentLog<B> {
     /// the footer and the trailer: sealed) before it joins the log. A put, delete or forget of the
     /// key while the value arrives is newer: the streamed record is then dead on arrival (the
     /// record a later recovery would pick agrees: the other operation's sequence number is higher,
-    /// or, after a forget, a spill log may bring either back). Compaction waits meanwhile
-    /// (`WriterState::streams`), since it moves records without changing what they hold.
+    /// or, after a forget, a spill log may bring either back). Compaction may move the key's old
+    /// record meanwhile: a move keeps its sequence number and does not overtake the stream.
     fn put_stream_apart(&self, key: &[u8], meta: &StreamedValue, src: &mut dyn io::Read, len: u64) -> Result<()> {
         let data_start = self.align;
         let size = align_up(padded(data_start + len), self.align)

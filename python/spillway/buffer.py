@@ -1220,7 +1220,8 @@ class SpillBuffer(MutableMapping):
         ``max_spill``) they are written straight into this buffer's log, never held in memory: a
         :class:`ReceivedRecord`. Either way the value stays pickled until a task
         reads it; set it with ``buf[key] = value``. Raises KeyError if the server no longer has it,
-        OSError or SpillwayError if the transfer fails (nothing is kept)."""
+        OSError or SpillwayError if the transfer fails or the value is not ``nbytes`` (nothing is
+        kept)."""
         goal = self._resolve_process_target()
         rss = _rss() if goal is not None else 0
         with self._lock:
@@ -1236,7 +1237,7 @@ class SpillBuffer(MutableMapping):
         t0 = perf_counter()
         if not to_disk:
             try:
-                frames = fetch(address, ticket, remote_key, timeout=timeout)
+                frames = fetch(address, ticket, remote_key, nbytes, timeout=timeout)
                 if frames is None:
                     raise KeyError(key)
                 value = PickledFrames(frames)

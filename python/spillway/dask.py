@@ -207,11 +207,11 @@ def install(
             side = (*side, _peer_ip(comm))
         tickets: list = []
         try:
-            prepared = await _prepare(worker, keys, peer_runs_spillway, side, tickets)
-        except Exception:  # the stock way, then
-            logger.exception("spillway.dask: could not prepare %d keys for %s", len(keys), who)
-            prepared = {}
-        try:
+            try:
+                prepared = await _prepare(worker, keys, peer_runs_spillway, side, tickets)
+            except Exception:  # the stock way, then
+                logger.exception("spillway.dask: could not prepare %d keys for %s", len(keys), who)
+                prepared = {}
             with worker.data.serving(prepared):
                 return await stock_handler(comm, keys=keys, who=who, serializers=serializers, **kwargs)
         finally:
@@ -425,11 +425,15 @@ async def get_data_from_worker(
         # Side-channel fetches that failed: the same values in-band (the sender's pins are gone
         # with its tickets). Keys the second answer lacks are missing, as for any reply without
         # them: dask asks the scheduler where else they are.
-        retry = await get_data_from_worker(
-            rpc, again, worker, who=who, serializers=serializers, _side_channel=False
-        )
-        if retry.get("status") == "OK":
-            data.update(retry["data"])
+        try:
+            retry = await get_data_from_worker(
+                rpc, again, worker, who=who, serializers=serializers, _side_channel=False
+            )
+        except Exception:  # the values that did arrive stand; these keys are missing
+            logger.info("spillway.dask: asking %s again in-band failed", worker, exc_info=True)
+        else:
+            if retry.get("status") == "OK":
+                data.update(retry["data"])
     return response
 
 

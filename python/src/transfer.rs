@@ -137,16 +137,16 @@ impl TransferServer {
         self.close(py)
     }
 
-    /// Stop accepting, wait for the accept loop to end, and drop every grant (idempotent).
-    /// Transfers under way run to their end.
+    /// Stop accepting, cut the transfers under way, drop every grant, and wait for the accept loop
+    /// to end (idempotent): afterwards the server holds no `Log` and no record, so closing a log
+    /// does not wait for a peer.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
+        self.access.close();
         let thread = self.thread.lock().unwrap_or_else(PoisonError::into_inner).take();
         let Some(thread) = thread else { return Ok(()) };
         py.allow_threads(|| {
             let _ = transfer::shutdown_listener(&self.listener);
-            let r = thread.join();
-            self.access.revoke_all();
-            match r {
+            match thread.join() {
                 Ok(r) => r.map_err(to_py),
                 Err(_) => Ok(()), // a panic was reported by the thread itself
             }
@@ -157,43 +157,60 @@ impl TransferServer {
 impl Drop for TransferServer {
     fn drop(&mut self) {
         if self.thread.get_mut().unwrap_or_else(PoisonError::into_inner).is_some() {
+            self.access.close();
             let _ = transfer::shutdown_listener(&self.listener);
         }
     }
 }
 
-fn client_options(timeout: f64, min_bytes_per_sec: u64) -> PyResult<TransferOptions> {
+/// Options of a fetch of a value of `nbytes` (its frames' total, as its sender announced it): the
+/// stored form may be that plus the 64-byte gaps between frames, or lz4's expansion of it, and
+/// nothing larger is accepted (or allocated).
+fn client_options(timeout: f64, min_bytes_per_sec: u64, nbytes: u64) -> PyResult<TransferOptions> {
+    let laid_out = nbytes.saturating_add(64 * spillway::format::MAX_FRAMES as u64);
     Ok(TransferOptions {
         timeout: seconds(timeout, "timeout")?,
         min_bytes_per_sec,
-        max_value_bytes: u64::MAX >> 1,
+        max_value_bytes: laid_out.saturating_add(laid_out / 255 + 16),
         ..TransferOptions::default()
     })
 }
 
-/// Fetch `key` from the server at `(host, port)` with `ticket`, into memory: its frames as
-/// writable memoryviews, checked against the sender's crc. None if the server has no such key.
+/// The error for a received value whose frames do not add up to what its sender announced.
+fn wrong_size(announced: u64, got: u64) -> PyErr {
+    crate::SpillwayError::new_err(format!("the peer announced {announced} bytes and sent a value of {got}"))
+}
+
+/// Fetch `key`, a value of `nbytes` (its frames' total), from the server at `(host, port)` with
+/// `ticket`, into memory: its frames as writable memoryviews, checked against the sender's crc. A
+/// value larger than announced is refused before it is read; one whose frames add up to anything
+/// else is an error. None if the server has no such key.
 #[pyfunction]
-#[pyo3(signature = (address, ticket, key, *, timeout = 30.0, min_bytes_per_sec = 1 << 20))]
+#[pyo3(signature = (address, ticket, key, nbytes, *, timeout = 30.0, min_bytes_per_sec = 1 << 20))]
 fn fetch<'py>(
     py: Python<'py>,
     address: (String, u16),
     ticket: &[u8],
     key: &[u8],
+    nbytes: u64,
     timeout: f64,
     min_bytes_per_sec: u64,
 ) -> PyResult<Option<Bound<'py, PyList>>> {
-    let (ticket, opts) = (ticket_of(ticket)?, client_options(timeout, min_bytes_per_sec)?);
+    let (ticket, opts) = (ticket_of(ticket)?, client_options(timeout, min_bytes_per_sec, nbytes)?);
     let got =
         py.allow_threads(|| Client::connect((address.0.as_str(), address.1), ticket, opts)?.get(key)).map_err(to_py)?;
-    got.map(|frames| frames_to_list(py, frames)).transpose()
+    match got {
+        Some(frames) if frames.total_len() != nbytes => Err(wrong_size(nbytes, frames.total_len())),
+        got => got.map(|frames| frames_to_list(py, frames)).transpose(),
+    }
 }
 
-/// Fetch `key` from the server at `(host, port)` with `ticket` straight into `log` under `as_key`,
-/// in its stored form, never holding the value in memory. Returns the value's payload bytes (as
-/// `Log.put` does), or None if the server has no such key. `nbytes` (the size the sender
-/// announced) is reserved against the log's `max_disk_bytes` first. On any failure nothing is
-/// stored and `as_key`'s old value, if any, stays.
+/// Fetch `key`, a value of `nbytes` (its frames' total), from the server at `(host, port)` with
+/// `ticket` straight into `log` under `as_key`, in its stored form, never holding the value in
+/// memory. Returns the value's payload bytes (as `Log.put` does), or None if the server has no
+/// such key. `nbytes` is reserved against the log's `max_disk_bytes` first; a value larger than
+/// that is refused before it is read, one whose frames add up to anything else is an error. On any
+/// failure nothing is stored and `as_key`'s old value, if any, stays.
 #[pyfunction]
 #[pyo3(signature = (log, address, ticket, key, as_key, nbytes, *, timeout = 30.0, min_bytes_per_sec = 1 << 20))]
 #[allow(clippy::too_many_arguments)] // Python keyword arguments
@@ -208,7 +225,7 @@ fn fetch_into(
     timeout: f64,
     min_bytes_per_sec: u64,
 ) -> PyResult<Option<u64>> {
-    let (ticket, opts) = (ticket_of(ticket)?, client_options(timeout, min_bytes_per_sec)?);
+    let (ticket, opts) = (ticket_of(ticket)?, client_options(timeout, min_bytes_per_sec, nbytes)?);
     let inner = log.inner()?;
     py.allow_threads(|| {
         let _turn = inner.claim(as_key);
@@ -225,9 +242,23 @@ fn fetch_into(
         }
         let received = Client::connect((address.0.as_str(), address.1), ticket, opts)
             .and_then(|mut c| c.get_into(key, &inner.log, as_key))
-            .and_then(|found| match found {
-                true => inner.log.stored_value(as_key).map(|sv| sv.map(|sv| sv.meta.frame_lens.iter().sum::<u64>())),
-                false => Ok(None),
+            .map_err(to_py)
+            .and_then(|found| {
+                if !found {
+                    return Ok(None);
+                }
+                // The record is in the log: it must hold what was announced, or it goes.
+                let got = inner.log.stored_value(as_key).map(|sv| sv.map(|sv| sv.meta.frame_lens.iter().sum::<u64>()));
+                match got {
+                    Ok(Some(n)) if n == nbytes => Ok(Some(n)),
+                    got => {
+                        let _ = if inner.durable { inner.log.delete(as_key) } else { inner.log.forget(as_key) };
+                        match got {
+                            Err(e) => Err(to_py(e)),
+                            Ok(n) => Err(wrong_size(nbytes, n.unwrap_or(0))),
+                        }
+                    }
+                }
             });
         let mut s = inner.sizes();
         if inner.max_disk.is_some() {
@@ -237,7 +268,7 @@ fn fetch_into(
             let old = s.map.insert(as_key.to_vec(), n).unwrap_or(0);
             s.total = s.total - old + n;
         }
-        received.map_err(to_py)
+        received
     })
 }
 

@@ -101,15 +101,32 @@ def test_spilled_values_move_by_the_side_channel_into_memory_and_to_disk():
         assert _pids(client) == pids, "a worker was restarted"
 
 
+class _ForgedTickets:
+    """A transfer server that hands out tickets it never made: every fetch of one is refused."""
+
+    def __init__(self, server):
+        self.server = server
+        self.address = server.address
+
+    def grant(self, log, key, peer=None):
+        return os.urandom(24) if key in log else None
+
+    def revoke(self, ticket):
+        return False
+
+    def close(self):
+        self.server.close()
+
+
 def _break_side_channel(dask_worker):
-    """Close the worker's transfer server but leave it in place: grants are still made, and every
-    fetch of one is refused."""
-    spillway.dask._side[dask_worker][0].close()
+    server, min_bytes = spillway.dask._side[dask_worker]
+    spillway.dask._side[dask_worker] = (_ForgedTickets(server), min_bytes)
 
 
 def test_a_failed_side_fetch_falls_back_in_band():
-    """With the sender's transfer server gone, each value's side fetch is refused and the value is
-    asked for again in-band: everything arrives, intact, and no worker or task is marked failed."""
+    """With the sender's tickets refused by its own server, each value's side fetch fails and the
+    value is asked for again in-band: everything arrives, intact, and no worker or task is marked
+    failed."""
     with _cluster() as cluster, distributed.Client(cluster) as client:
         client.register_plugin(spillway.dask.SpillwayPlugin())
         sender, receiver = sorted(client.scheduler_info()["workers"])

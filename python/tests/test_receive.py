@@ -145,3 +145,21 @@ def test_a_grant_made_for_one_peer_address_is_refused_from_another(make_buffer):
         assert receiver["v"] == bytes(5 * MiB)
         with pytest.raises(ValueError, match="not an IP address"):
             server.grant(log, log_key, "localhost")
+
+
+def test_a_value_that_is_not_the_size_announced_is_refused_and_not_kept(make_buffer):
+    sender = make_buffer(target=1 * MiB, process_target=None)
+    sender["v"] = bytes(range(256)) * (20 * 4096)  # 20 MiB
+    log, log_key, nbytes = sender.disk_record("v")
+    with TransferServer() as server:
+        for target in (64 * MiB, 1 * MiB):  # into memory, then straight to disk
+            receiver = make_buffer(target=target, process_target=None)
+            ticket = server.grant(log, log_key)
+            with pytest.raises(spillway.SpillwayError, match="announced"):
+                receiver.receive("v", server.address, ticket, log_key, nbytes - 1)
+            assert receiver.log.disk_bytes == 0 and len(receiver.log) == 0
+            # Far larger than announced: refused by the header's bound, before it is read.
+            ticket = server.grant(log, log_key)
+            with pytest.raises(spillway.SpillwayError, match="over the limit"):
+                receiver.receive("v", server.address, ticket, log_key, 1000)
+            assert receiver.log.disk_bytes == 0 and len(receiver.log) == 0

@@ -1086,3 +1086,52 @@ fn one_peer_cannot_hold_more_than_its_share_of_connections() {
     });
     assert!(served, "the freed place was never taken again");
 }
+
+/// `Access::close` cuts a value being sent, so that the source is no longer held (a closing log
+/// does not wait for a slow peer), refuses grants and requests from then on, and closes new
+/// connections at once. Expired grants are swept without any request.
+#[test]
+fn closing_an_access_cuts_its_transfers_and_lets_go_of_its_sources() {
+    let src = tempfile::tempdir().unwrap();
+    let log = Arc::new(log_at(src.path(), Compression::None));
+    log.put(b"big", &frames_for(b"big", 32 << 20)).unwrap();
+    let access = Arc::new(transfer::Access::grants_only(Duration::from_secs(60)));
+    let addr = serve_access(access.clone(), TransferOptions { splice_min_bytes: 0, ..opts() });
+    let t = access.grant(&log, b"big", None).unwrap().unwrap();
+    let spare = access.grant(&log, b"big", None).unwrap().unwrap();
+    let mut sock = TcpStream::connect(&addr).unwrap();
+    sock.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    sock.write_all(&transfer::greeting()).unwrap();
+    let mut greeting = [0u8; 8];
+    sock.read_exact(&mut greeting).unwrap();
+    sock.write_all(&raw_request(&t, b"big")).unwrap();
+    let mut first = vec![0u8; 1 << 20];
+    sock.read_exact(&mut first).unwrap(); // the send is under way, and holds the log
+    assert!(Arc::strong_count(&log) > 1);
+    access.close();
+    let mut rest = Vec::new();
+    let _ = sock.read_to_end(&mut rest); // ends (cut), long before 32 MiB
+    assert!(rest.len() < 31 << 20, "the send was not cut: {} more bytes", rest.len());
+    let freed = (0..1000).any(|_| {
+        let one = Arc::strong_count(&log) == 1;
+        if !one {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        one
+    });
+    assert!(freed, "the serving thread still holds the log");
+    assert_eq!(access.live_grants(), 0, "the spare grant went with the close");
+    assert!(access.grant(&log, b"big", None).is_err(), "no grant after close");
+    let refused = Client::connect(&addr, spare, opts()).and_then(|mut c| c.get(b"big"));
+    assert!(refused.is_err(), "a request after close is not served");
+
+    let short = transfer::Access::grants_only(Duration::from_millis(1));
+    for _ in 0..3 {
+        short.grant(&log, b"big", None).unwrap().unwrap();
+    }
+    let granted = std::time::Instant::now();
+    while granted.elapsed() < Duration::from_millis(2) {
+        std::thread::yield_now();
+    }
+    assert_eq!(short.live_grants(), 0, "expired grants are swept");
+}

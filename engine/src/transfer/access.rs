@@ -16,7 +16,8 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::net::IpAddr;
+use std::net::{IpAddr, Shutdown, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
@@ -137,12 +138,44 @@ pub(crate) struct Admitted<S: Source> {
     pub(crate) value: Option<Outgoing<FileOf<S>>>,
 }
 
+/// The grants of an [`Access`], and when the first of them expires (so that expired ones are
+/// swept as soon as there are any, and only then).
+struct Grants<S: Source> {
+    live: HashMap<u64, Grant<S>>,
+    first_expiry: Option<Instant>,
+}
+
+impl<S: Source> Grants<S> {
+    /// Drop the grants that expired (and their pins).
+    fn sweep(&mut self, now: Instant) {
+        if self.first_expiry.is_some_and(|t| t <= now) {
+            self.live.retain(|_, g| g.expires > now);
+            self.first_expiry = self.live.values().map(|g| g.expires).min();
+        }
+    }
+}
+
 /// The tickets a server accepts: an optional standing ticket and one-time grants (see the module
-/// documentation).
+/// documentation); and the connections being served, which [`Access::close`] cuts.
 pub struct Access<S: Source> {
     standing: Option<([u8; 16], Arc<S>)>,
-    grants: Mutex<HashMap<u64, Grant<S>>>,
+    grants: Mutex<Grants<S>>,
     lifetime: Duration,
+    closed: AtomicBool,
+    /// The connections being served (a handle of each), by a number of their own.
+    serving: Mutex<(u64, HashMap<u64, TcpStream>)>,
+}
+
+/// A connection's place in [`Access`]'s `serving`, given back when it drops.
+pub(crate) struct Serving<'a, S: Source> {
+    access: &'a Access<S>,
+    id: u64,
+}
+
+impl<S: Source> Drop for Serving<'_, S> {
+    fn drop(&mut self) {
+        self.access.serving.lock().unwrap_or_else(PoisonError::into_inner).1.remove(&self.id);
+    }
 }
 
 impl<S: Source> Access<S> {
@@ -156,11 +189,48 @@ impl<S: Source> Access<S> {
 
     /// Access to grants only, each valid for `lifetime` after it was made.
     pub fn grants_only(lifetime: Duration) -> Access<S> {
-        Access { standing: None, grants: Mutex::new(HashMap::new()), lifetime }
+        Access {
+            standing: None,
+            grants: Mutex::new(Grants { live: HashMap::new(), first_expiry: None }),
+            lifetime,
+            closed: AtomicBool::new(false),
+            serving: Mutex::new((0, HashMap::new())),
+        }
     }
 
-    fn grants(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Grant<S>>> {
-        self.grants.lock().unwrap_or_else(PoisonError::into_inner)
+    /// The grants, with the expired ones swept.
+    fn grants(&self) -> std::sync::MutexGuard<'_, Grants<S>> {
+        let mut g = self.grants.lock().unwrap_or_else(PoisonError::into_inner);
+        g.sweep(Instant::now());
+        g
+    }
+
+    /// Close: refuse every request from now on, drop every grant, and cut the connections being
+    /// served (a value being sent stops at once), so that nothing holds the sources any longer.
+    /// [`serve`](super::serve) keeps accepting until its listener is shut down, and closes each new
+    /// connection at once.
+    pub fn close(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+        self.revoke_all();
+        let serving = std::mem::take(&mut self.serving.lock().unwrap_or_else(PoisonError::into_inner).1);
+        for stream in serving.values() {
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+    }
+
+    /// Register a connection being served (cut by [`Access::close`]); `None` once closed.
+    pub(crate) fn enter(&self, stream: &TcpStream) -> Option<Serving<'_, S>> {
+        let handle = stream.try_clone().ok()?;
+        let id = {
+            let mut serving = self.serving.lock().unwrap_or_else(PoisonError::into_inner);
+            serving.0 += 1;
+            let id = serving.0;
+            serving.1.insert(id, handle);
+            id
+        };
+        let entered = Serving { access: self, id };
+        // Checked after registering: a close that ran before has not seen this connection.
+        (!self.closed.load(Ordering::SeqCst)).then_some(entered)
     }
 
     /// A one-time ticket for `key`'s value in `src` as it is now, to be redeemed from the peer
@@ -171,17 +241,18 @@ impl<S: Source> Access<S> {
         let Some(value) = src.outgoing(key)? else { return Ok(None) };
         let mut raw = [0u8; TICKET_BYTES];
         let now = Instant::now();
-        let mut grants = self.grants();
-        if grants.len() >= 64 {
-            grants.retain(|_, g| g.expires > now);
+        if self.closed.load(Ordering::SeqCst) {
+            let closed = std::io::Error::new(std::io::ErrorKind::NotConnected, "the transfer server is closed");
+            return Err(Error::io("grant a transfer", None, closed));
         }
-        if grants.len() >= MAX_GRANTS {
+        let mut grants = self.grants();
+        if grants.live.len() >= MAX_GRANTS {
             return Err(Error::Exhausted(format!("{MAX_GRANTS} transfer grants are live")));
         }
         let id = loop {
             random_bytes(&mut raw)?;
             let t = Ticket::from_bytes(&raw).expect("ticket-sized");
-            if t.id != 0 && !grants.contains_key(&t.id) {
+            if t.id != 0 && !grants.live.contains_key(&t.id) {
                 break t;
             }
         };
@@ -193,28 +264,29 @@ impl<S: Source> Access<S> {
             src: Arc::downgrade(src),
             value,
         };
-        grants.insert(id.id, g);
+        grants.first_expiry = Some(grants.first_expiry.map_or(g.expires, |t| t.min(g.expires)));
+        grants.live.insert(id.id, g);
         Ok(Some(id))
     }
 
     /// Drop `ticket`'s grant (and its pin) if it is still live. Returns whether it was.
     pub fn revoke(&self, ticket: &Ticket) -> bool {
         let mut grants = self.grants();
-        match grants.get(&ticket.id) {
-            Some(g) if same_secret(&g.secret, &ticket.secret) => grants.remove(&ticket.id).is_some(),
+        match grants.live.get(&ticket.id) {
+            Some(g) if same_secret(&g.secret, &ticket.secret) => grants.live.remove(&ticket.id).is_some(),
             _ => false,
         }
     }
 
     /// Drop every grant.
     pub fn revoke_all(&self) {
-        let all = std::mem::take(&mut *self.grants());
-        drop(all);
+        let all = std::mem::take(&mut self.grants().live);
+        drop(all); // (the pins go here, outside the lock)
     }
 
-    /// Grants live now (expired ones not yet swept included).
+    /// Grants live now.
     pub fn live_grants(&self) -> usize {
-        self.grants().len()
+        self.grants().live.len()
     }
 
     /// What a request for `key` with `ticket` from the peer address `peer` may read, or `None`
@@ -224,7 +296,10 @@ impl<S: Source> Access<S> {
             let (secret, src) = self.standing.as_ref()?;
             return same_secret(secret, &ticket.secret).then(|| Admitted { src: src.clone(), value: None });
         }
-        let g = self.grants().remove(&ticket.id)?;
+        if self.closed.load(Ordering::SeqCst) {
+            return None;
+        }
+        let g = self.grants().live.remove(&ticket.id)?;
         let ok = same_secret(&g.secret, &ticket.secret)
             && g.key == key
             && g.to.is_none_or(|to| Some(to) == peer)

@@ -465,6 +465,7 @@ const REQUEST_HEAD: usize = 1 + TICKET_BYTES + 4;
 /// byte to its last, must arrive within `opts.timeout`; a request `access` refuses is answered
 /// "not authorized" and ends the connection.
 pub fn serve_connection<S: Source>(access: &Access<S>, mut stream: TcpStream, opts: &TransferOptions) -> Result<()> {
+    let Some(_serving) = access.enter(&stream) else { return Ok(()) }; // closed
     stream.set_read_timeout(Some(opts.timeout)).map_err(|e| io_err("set timeout", e))?;
     stream.set_write_timeout(Some(opts.timeout)).map_err(|e| io_err("set timeout", e))?;
     let _ = stream.set_nodelay(true);
