@@ -41,8 +41,8 @@ pub use backend::{AutoBackend, Backend, BackendKind, PortableBackend, SimBackend
 pub use error::{Error, Result};
 pub use format::MAX_KEY_BYTES;
 pub use log::{
-    CompactStats, Compression, Location, LogOptions, LogStats, RecoveryReport, SegmentLog, StoredValue, StreamedValue,
-    VerifyProblem, MAX_SEGMENT_BYTES, MAX_VALUE_BYTES,
+    CompactStats, CompactionPolicy, Compression, Location, LogOptions, LogStats, RecoveryReport, SegmentLog,
+    StoredValue, StreamedValue, VerifyProblem, MAX_SEGMENT_BYTES, MAX_VALUE_BYTES,
 };
 pub use store::{Codec, CodecError, MetricsSnapshot, Store, StoreConfig, Tier, SPILL_WRITE_BEHIND_BYTES};
 pub use value::Frames;

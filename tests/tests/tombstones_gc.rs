@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use spillway::{Frames, LogOptions, PortableBackend, SegmentLog, SimBackend};
+use spillway::{CompactionPolicy, Frames, LogOptions, PortableBackend, SegmentLog, SimBackend};
 use spillway_tests::{frames_for, Rng};
 
 const SEG: u64 = 64 * 1024;
@@ -72,46 +72,66 @@ fn a_segment_with_nothing_live_is_deleted() {
     }
 }
 
-/// The documented bound (docs/architecture.md): after `compact`, every sealed segment is at least half
-/// live, so disk bytes <= 2 * live bytes + one active segment.
+/// The bound `CompactionPolicy` documents: after `compact`, no closed segment is sparse, so disk
+/// bytes stay within `disk_bound(live)` (twice the live bytes plus one segment by default, 4/3 of them
+/// at 75 percent). The same deletes leave less on disk under the stricter policy.
 #[test]
 fn compaction_brings_disk_use_within_the_documented_bound() {
-    let tmp = tempfile::tempdir().unwrap();
-    let log = SegmentLog::open(PortableBackend::new(), tmp.path(), opts()).unwrap();
-    let mut rng = Rng::new(5);
-    let mut live: BTreeMap<Vec<u8>, usize> = BTreeMap::new();
-    for i in 0..3000 {
-        let k = format!("k-{i}").into_bytes();
-        let s = 200 + rng.below(3000) as usize;
-        log.put(&k, &frames_for(&k, s)).unwrap();
-        live.insert(k, s);
+    let mut after = Vec::new();
+    for policy in [CompactionPolicy::default(), CompactionPolicy { min_live_percent: 75 }] {
+        let tmp = tempfile::tempdir().unwrap();
+        let opts = || LogOptions { compaction: policy, ..opts() };
+        let log = SegmentLog::open(PortableBackend::new(), tmp.path(), opts()).unwrap();
+        let mut rng = Rng::new(5);
+        let mut live: BTreeMap<Vec<u8>, usize> = BTreeMap::new();
+        for i in 0..3000 {
+            let k = format!("k-{i}").into_bytes();
+            let s = 200 + rng.below(3000) as usize;
+            log.put(&k, &frames_for(&k, s)).unwrap();
+            live.insert(k, s);
+        }
+        let full = log.stats();
+        let keys: Vec<Vec<u8>> = live.keys().cloned().collect();
+        for k in keys {
+            if rng.below(10) < 7 {
+                assert!(log.delete(&k).unwrap());
+                live.remove(&k);
+            }
+        }
+        let c = log.compact().unwrap();
+        let s = log.stats();
+        assert!(c.segments_deleted > 0 && c.bytes_freed > 0, "{c:?}");
+        let bound = policy.disk_bound(s.live_bytes, SEG);
+        assert!(s.disk_bytes <= bound, "{policy:?}: disk {} > bound {bound}: {s:?}", s.disk_bytes);
+        assert!(s.disk_bytes < full.disk_bytes, "disk use must drop: before {full:?}, after {s:?}");
+        let on_disk: u64 =
+            std::fs::read_dir(tmp.path().join("segments")).unwrap().map(|e| e.unwrap().metadata().unwrap().len()).sum();
+        assert_eq!(on_disk, s.disk_bytes, "stats must match the files");
+        for (k, sz) in &live {
+            assert_eq!(log.get(k).unwrap(), Some(frames_for(k, *sz)));
+        }
+        drop(log);
+        let log = SegmentLog::open(PortableBackend::new(), tmp.path(), opts()).unwrap();
+        assert_eq!(log.len(), live.len());
+        for (k, sz) in &live {
+            assert_eq!(log.get(k).unwrap(), Some(frames_for(k, *sz)));
+        }
+        assert!(log.verify().unwrap().is_empty());
+        after.push(s.disk_bytes);
     }
-    let full = log.stats();
-    let keys: Vec<Vec<u8>> = live.keys().cloned().collect();
-    for k in keys {
-        if rng.below(10) != 0 {
-            assert!(log.delete(&k).unwrap());
-            live.remove(&k);
+    assert!(after[1] < after[0], "75 percent must leave less on disk than 50: {after:?}");
+}
+
+/// A compaction policy outside 1..=99 percent is refused at open.
+#[test]
+fn a_compaction_policy_out_of_range_is_refused() {
+    for min_live_percent in [0, 100, 255] {
+        let opts = LogOptions { compaction: CompactionPolicy { min_live_percent }, ..opts() };
+        match SegmentLog::open(SimBackend::new(), "/s", opts) {
+            Err(spillway::Error::InvalidConfig(msg)) => assert!(msg.contains("min_live_percent"), "{msg}"),
+            other => panic!("{min_live_percent}: {:?}", other.map(|_| ())),
         }
     }
-    let c = log.compact().unwrap();
-    let s = log.stats();
-    assert!(c.segments_deleted > 0 && c.bytes_freed > 0, "{c:?}");
-    assert!(s.disk_bytes <= 2 * s.live_bytes + SEG, "disk {} > 2 * live {} + {SEG}: {s:?}", s.disk_bytes, s.live_bytes);
-    assert!(s.disk_bytes < full.disk_bytes / 3, "disk use must drop: before {full:?}, after {s:?}");
-    let on_disk: u64 =
-        std::fs::read_dir(tmp.path().join("segments")).unwrap().map(|e| e.unwrap().metadata().unwrap().len()).sum();
-    assert_eq!(on_disk, s.disk_bytes, "stats must match the files");
-    for (k, sz) in &live {
-        assert_eq!(log.get(k).unwrap(), Some(frames_for(k, *sz)));
-    }
-    drop(log);
-    let log = SegmentLog::open(PortableBackend::new(), tmp.path(), opts()).unwrap();
-    assert_eq!(log.len(), live.len());
-    for (k, sz) in &live {
-        assert_eq!(log.get(k).unwrap(), Some(frames_for(k, *sz)));
-    }
-    assert!(log.verify().unwrap().is_empty());
 }
 
 /// A spill-like workload where keys come and go, except one in 40 that stays: every segment keeps

@@ -1,0 +1,249 @@
+//! Compaction: which segments are sparse (the [`CompactionPolicy`]) and relocating their live
+//! records so the segment can be deleted.
+
+use super::*;
+
+/// What [`SegmentLog::compact`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CompactStats {
+    /// Segments rewritten and deleted.
+    pub segments_compacted: u64,
+    /// Records relocated.
+    pub records_moved: u64,
+    /// Bytes relocated.
+    pub bytes_moved: u64,
+    /// Segments deleted (including empty ones).
+    pub segments_deleted: u64,
+    /// Disk bytes released.
+    pub bytes_freed: u64,
+}
+
+/// Which closed segments compaction relocates: the rule behind the log's space bound.
+///
+/// A closed segment is *sparse* when its live bytes, plus the tombstone bytes it must keep, are
+/// less than `min_live_percent` percent of its size (less the bytes already punched out of it).
+/// [`SegmentLog::compact`] relocates the live records of every sparse closed segment and deletes it,
+/// so afterwards every closed segment is at least `min_live_percent` live and
+/// `disk bytes <= live bytes * 100 / min_live_percent + the active segment`
+/// ([`CompactionPolicy::disk_bound`]; docs/architecture.md, "Bound"). The default, 50 percent, bounds
+/// disk use to twice the live bytes plus one segment;
+/// `compaction_brings_disk_use_within_the_documented_bound` (tests/tests/tombstones_gc.rs) checks it.
+/// A higher percentage trades more copying for a tighter bound.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CompactionPolicy {
+    /// Smallest live share, in percent (1..=99), that a closed segment keeps without compaction.
+    pub min_live_percent: u8,
+}
+
+impl Default for CompactionPolicy {
+    fn default() -> Self {
+        CompactionPolicy { min_live_percent: 50 }
+    }
+}
+
+impl CompactionPolicy {
+    /// Whether a closed segment holding `kept` bytes that must stay (live records and needed
+    /// tombstones) out of `size` usable bytes is worth compacting.
+    pub fn is_sparse(&self, kept: u64, size: u64) -> bool {
+        kept as u128 * 100 < size as u128 * self.min_live_percent as u128
+    }
+
+    /// The most disk bytes a log holding `live` bytes uses right after [`SegmentLog::compact`],
+    /// with segments of `segment_bytes`: every closed segment at least `min_live_percent` live, plus
+    /// the active segment.
+    pub fn disk_bound(&self, live: u64, segment_bytes: u64) -> u64 {
+        (live as u128 * 100 / self.min_live_percent.max(1) as u128) as u64 + segment_bytes
+    }
+
+    pub(super) fn validate(&self) -> Result<()> {
+        if (1..=99).contains(&self.min_live_percent) {
+            Ok(())
+        } else {
+            Err(Error::InvalidConfig(format!("compaction min_live_percent {} is not in 1..=99", self.min_live_percent)))
+        }
+    }
+}
+
+impl<B: Backend> SegmentLog<B> {
+    /// The automatic compaction a sealed segment asked for, run after the caller's records are
+    /// written. It is housekeeping: its failure does not fail the write that triggered it (the
+    /// records are published), it is logged, and it is tried again at the next seal.
+    pub(super) fn compact_if_pending(&self, st: &mut WriterState<B::File>) {
+        if st.compact_pending && !st.compacting {
+            st.compact_pending = false;
+            if let Err(e) = self.compact_locked(st) {
+                if self.warn_once(WARN_COMPACT) {
+                    log::warn!("segment log {}: automatic compaction failed: {e}", self.dir.display());
+                }
+            }
+        }
+    }
+
+    pub(super) fn wants_compaction(&self, st: &WriterState<B::File>) -> bool {
+        st.segs.iter().any(|(&id, m)| Self::closed(st, id, m) && self.is_sparse(st, id, m))
+    }
+
+    /// Whether segment `id` takes no more records: sealed, or an unsealed one that recovery found
+    /// behind the newest (its footer did not land before a crash). Such segments can be compacted.
+    pub(super) fn closed(st: &WriterState<B::File>, id: u32, m: &SegMeta) -> bool {
+        m.sealed || st.active.as_ref().is_none_or(|a| a.id != id)
+    }
+
+    pub(super) fn is_sparse(&self, st: &WriterState<B::File>, id: u32, m: &SegMeta) -> bool {
+        if m.unmovable {
+            return false;
+        }
+        let tomb = if Self::tombstones_needed(st, id) { m.tombstone_bytes } else { 0 };
+        self.opts.compaction.is_sparse(m.live_bytes + tomb, m.size - m.punched.min(m.size))
+    }
+
+    /// Relocate the live records of every sealed segment (or unsealed one behind the active one, see
+    /// `closed`) that the [`CompactionPolicy`] finds sparse, then delete it. Afterwards no closed
+    /// segment is sparse, which bounds disk use ([`CompactionPolicy::disk_bound`]).
+    pub fn compact(&self) -> Result<CompactStats> {
+        let mut st = self.writer();
+        self.check_writable()?; // under the lock, as in `sync`
+        self.compact_locked(&mut st)
+    }
+
+    pub(super) fn compact_locked(&self, st: &mut WriterState<B::File>) -> Result<CompactStats> {
+        st.compacting = true;
+        let r = self.compact_inner(st);
+        st.compacting = false;
+        r
+    }
+
+    pub(super) fn compact_inner(&self, st: &mut WriterState<B::File>) -> Result<CompactStats> {
+        let mut stats = CompactStats::default();
+        let before: u64 = st.segs.values().map(|m| m.size).sum();
+        let before_ids: Vec<u32> = st.segs.keys().copied().collect();
+        self.collect_garbage(st)?;
+        let victims: Vec<u32> = st
+            .segs
+            .iter()
+            .filter(|(&id, m)| Self::closed(st, id, m) && self.is_sparse(st, id, m))
+            .map(|(&id, _)| id)
+            .collect();
+        for id in victims {
+            if !st.segs.contains_key(&id) {
+                continue;
+            }
+            let (moved, bytes) = self.relocate_segment(st, id)?;
+            stats.records_moved += moved;
+            stats.bytes_moved += bytes;
+            stats.segments_compacted += 1;
+            self.collect_garbage(st)?;
+        }
+        // Deletions also happen inside appends (a relocation can empty a segment): count by difference.
+        stats.segments_deleted = before_ids.iter().filter(|id| !st.segs.contains_key(id)).count() as u64;
+        let after: u64 = st.segs.values().map(|m| m.size).sum();
+        stats.bytes_freed = before.saturating_sub(after);
+        Ok(stats)
+    }
+
+    /// Copy the live records and needed tombstones of segment `id` to the active segment.
+    pub(super) fn relocate_segment(&self, st: &mut WriterState<B::File>, id: u32) -> Result<(u64, u64)> {
+        let file = match self.files.read().unwrap_or_else(|p| p.into_inner()).get(&id) {
+            Some(f) => f.clone(),
+            None => return Ok((0, 0)),
+        };
+        let mut report = RecoveryReport::default();
+        let scan = self.load_segment(id, &file, &mut report)?;
+        let index_snapshot: Vec<(FooterEntry, bool)> = {
+            let index = self.index.read().unwrap_or_else(|p| p.into_inner());
+            scan.entries
+                .into_iter()
+                .map(|e| {
+                    let keep = if e.flags & format::FLAG_TOMBSTONE != 0 {
+                        // Needed while a segment it shadows exists, unless the key is live again with
+                        // a record whose own (future) tombstone will shadow at least as far back. A key
+                        // deleted and then put again gets a `first_segment` after this tombstone's
+                        // `aux`: dropping the tombstone then let an old copy come back once the new
+                        // record was deleted too (found by the `log_model` fuzz target).
+                        e.aux < id
+                            && st.segs.range(e.aux..id).next().is_some()
+                            && index.get(e.key.as_slice()).is_none_or(|l| first_segment(&st.segs, l) > e.aux)
+                    } else {
+                        index.get(e.key.as_slice()).is_some_and(|l| l.segment == id && l.offset() == e.offset)
+                    };
+                    (e, keep)
+                })
+                .collect()
+        };
+        let mut moved = 0;
+        let mut bytes = 0;
+        // Relocate in bounded batches so memory stays proportional to the batch, not the segment.
+        let mut batch: Vec<(Bytes, u64)> = Vec::new();
+        let mut batch_bytes = 0u64;
+        let flush = |st: &mut WriterState<B::File>, batch: &mut Vec<(Bytes, u64)>| -> Result<()> {
+            let recs: Vec<NewRecord<'_>> = batch
+                .iter()
+                .map(|(b, offset)| {
+                    let header = format::peek_record_header(b).expect("verified before relocation");
+                    NewRecord::Relocated {
+                        bytes: b,
+                        header,
+                        key: &b[header.key_offset()..header.key_offset() + header.key_len as usize],
+                        from: (id, *offset),
+                    }
+                })
+                .collect();
+            self.append(st, recs)?;
+            batch.clear();
+            Ok(())
+        };
+        // Tombstones to keep that could not be moved (damaged): the segment must keep them. Their
+        // count, bytes and oldest shadowed segment. And whether any record to keep could not be.
+        let (mut stuck_tombstones, mut stuck_bytes, mut stuck_shadow) = (0u64, 0u64, u32::MAX);
+        let mut stuck = false;
+        for (e, keep) in index_snapshot {
+            if !keep {
+                continue;
+            }
+            let loc = Location { segment: id, offset: e.offset, len: e.record_len };
+            let raw = self.read_record_bytes(&file, loc)?;
+            let checked = format::decode_record(&raw, self.salt).and_then(|r| {
+                // The index entry of the copy comes from the header, its place from the footer
+                // entry: they must agree (only a crafted footer with a valid crc can differ).
+                entry_matches(&e, &r.header).then_some(()).ok_or(format::DecodeError::Invalid(FOOTER_MISMATCH))
+            });
+            if let Err(err) = checked {
+                // A damaged record stays where it is (its segment is kept) and is reported. A live
+                // value keeps its segment by being live; a tombstone does by its count, below.
+                log::warn!("compaction leaves damaged record in place: {}", err.at(id, e.offset));
+                stuck = true;
+                if e.flags & format::FLAG_TOMBSTONE != 0 {
+                    stuck_tombstones += 1;
+                    stuck_bytes += padded(e.record_len);
+                    stuck_shadow = stuck_shadow.min(e.aux);
+                }
+                continue;
+            }
+            moved += 1;
+            bytes += e.record_len;
+            batch_bytes += e.record_len;
+            batch.push((raw, e.offset));
+            if batch_bytes >= 8 << 20 {
+                flush(st, &mut batch)?;
+                batch_bytes = 0;
+            }
+        }
+        if !batch.is_empty() {
+            flush(st, &mut batch)?;
+        }
+        // Tombstones moved out: this segment's tombstones are no longer needed here, except those
+        // that could not be moved. They stay counted, so the segment (and with it each damaged
+        // tombstone, which recovery still honours through the footer) is kept while they are needed.
+        let pending = st.active.as_ref().is_some_and(|a| a.written_end != a.data_end);
+        if let Some(m) = st.segs.get_mut(&id) {
+            // Copies still pending in memory (write-behind) stand in for this segment's records,
+            // its tombstones included: the segment may go only once they are written.
+            m.superseded_by_pending |= pending;
+            m.tombstones = stuck_tombstones;
+            m.tombstone_bytes = stuck_bytes;
+            m.min_shadow = stuck_shadow;
+            m.unmovable |= stuck;
+        }
+        Ok((moved, bytes))
+    }
+}

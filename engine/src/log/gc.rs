@@ -1,0 +1,230 @@
+//! Reclaiming space: releasing a superseded record from its segment's accounting, punching holes in
+//! closed segments for large dead records, deleting segments with nothing live and no needed
+//! tombstone.
+
+use super::*;
+
+/// Forgotten records at least this large are hole-punched (with `LogOptions::punch_forgotten`).
+pub(super) const PUNCH_MIN_BYTES: u64 = 256 << 10;
+
+impl<B: Backend> SegmentLog<B> {
+    pub(super) fn settle_forgotten(&self, st: &mut WriterState<B::File>) {
+        if !self.any_forgotten.load(Ordering::Acquire) {
+            return;
+        }
+        let locs = {
+            let mut f = lock(&self.forgotten);
+            self.any_forgotten.store(false, Ordering::Release);
+            std::mem::take(&mut *f)
+        };
+        for old in locs {
+            self.release_forgotten(st, old);
+        }
+    }
+
+    /// Account for a forgotten record (its index entry already removed): its segment's live count,
+    /// garbage collection, and the punch that releases its blocks.
+    pub(super) fn release_forgotten(&self, st: &mut WriterState<B::File>, old: Location) {
+        let mut emptied = Vec::new();
+        Self::release(st, old, &mut emptied);
+        if self.poisoned.get().is_some() {
+            return; // read-only: nothing on disk changes any more
+        }
+        if !emptied.is_empty() {
+            self.reclaim(st);
+        }
+        // Punch unless the record's segment is gone: an emptied segment may stay (the active one is
+        // never deleted, and a deletion can fail), and then the record's blocks would stay with it.
+        if self.opts.punch_forgotten
+            && old.len >= PUNCH_MIN_BYTES
+            && st.segs.contains_key(&old.segment)
+            && self.poisoned.get().is_none()
+        {
+            self.punch(st, old);
+        }
+    }
+
+    /// Release the whole blocks inside a forgotten record (`LogOptions::punch_forgotten`): its disk
+    /// space and page-cache pages go at once, as a deleted file's would, instead of staying (dirty) until
+    /// the whole segment dies or is compacted. Only blocks that lie entirely inside the record are
+    /// punched. Neighbouring records, the segment header and the tail block that the next write
+    /// rewrites are never touched. Advisory: a failure is logged once and changes nothing else.
+    pub(super) fn punch(&self, st: &mut WriterState<B::File>, old: Location) {
+        if st.active.as_ref().is_some_and(|a| a.id == old.segment && old.offset >= a.written_end) {
+            return; // pending (write-behind): not in the file yet, nothing to release
+        }
+        if lock(&self.sending).contains_key(&(old.segment, old.offset)) {
+            return; // being sent: its blocks go when the segment does
+        }
+        let Some(file) = self.files.read().unwrap_or_else(|p| p.into_inner()).get(&old.segment).cloned() else {
+            return;
+        };
+        // Keep the record's head (header, frame table, key) readable, so that recovery of a reopened
+        // log still finds the record boundary and steps over it (reporting a damaged payload) instead
+        // of taking the zeros for the end of the segment. One small read finds where the head ends; a
+        // head longer than that (a huge key or frame table) is rare, and its record is not punched.
+        let probe = old.len.min(4 << 10);
+        let start_read = align_down(old.offset, self.read_align);
+        let end_read = align_up(old.offset + probe, self.read_align);
+        let Ok(buf) = self.backend.read_new(
+            &file,
+            start_read,
+            (end_read - start_read) as usize,
+            self.buf_align(end_read - start_read),
+        ) else {
+            return;
+        };
+        let at = (old.offset - start_read) as usize;
+        let Ok(h) = format::peek_record_header(&buf[at..]) else { return };
+        if h.payload_offset() > probe {
+            return;
+        }
+        let start = align_up(old.offset + h.payload_offset(), self.align);
+        let end = align_down(old.offset + old.len, self.align);
+        if end <= start {
+            return;
+        }
+        match self.backend.punch_hole(&file, start, end - start) {
+            Ok(()) => {
+                if let Some(m) = st.segs.get_mut(&old.segment) {
+                    m.punched += end - start;
+                }
+            }
+            Err(e) => {
+                if self.warn_once(WARN_PUNCH) {
+                    log::warn!("cannot punch holes in segment files ({e}); forgotten records keep their space until compaction");
+                }
+            }
+        }
+    }
+
+    /// Garbage collection after a change was published (a write, a delete, a forget): housekeeping,
+    /// whose failure must not fail the change. It is logged, and the dead segment is deleted at a
+    /// later garbage collection.
+    pub(super) fn reclaim(&self, st: &mut WriterState<B::File>) {
+        if let Err(e) = self.collect_garbage(st) {
+            if self.warn_once(WARN_GC) {
+                log::warn!(
+                    "segment log {}: cannot delete a dead segment yet ({e}); retrying at the next garbage collection",
+                    self.dir.display()
+                );
+            }
+        }
+    }
+
+    pub(super) fn superseded_by_pending(st: &mut WriterState<B::File>, old: Location) {
+        if let Some(m) = st.segs.get_mut(&old.segment) {
+            m.superseded_by_pending = true;
+        }
+    }
+
+    pub(super) fn release(st: &mut WriterState<B::File>, old: Location, emptied: &mut Vec<u32>) {
+        if let Some(m) = st.segs.get_mut(&old.segment) {
+            m.live_records -= 1;
+            m.live_bytes -= padded(old.len);
+            if m.live_records == 0 {
+                emptied.push(old.segment);
+            }
+        }
+    }
+
+    /// Whether some tombstone of segment `id` may still shadow an older record.
+    pub(super) fn tombstones_needed(st: &WriterState<B::File>, id: u32) -> bool {
+        let m = &st.segs[&id];
+        // `min_shadow <= id` always (recovery refuses a tombstone that shadows a later segment than
+        // its own); checked anyway, since `range` panics on a reversed range.
+        m.tombstones > 0 && m.min_shadow < id && st.segs.range(m.min_shadow..id).next().is_some()
+    }
+
+    /// Delete every non-active segment with nothing live and no tombstone still needed. Deleting one
+    /// can make another's tombstones unneeded, so repeat until nothing changes.
+    pub(super) fn collect_garbage(&self, st: &mut WriterState<B::File>) -> Result<u64> {
+        let mut deleted = 0;
+        // Segments that could not be deleted this time: the others still go (on a full disk, one that
+        // waits for pending records to be written must not keep the rest from freeing the space).
+        let mut failed: Vec<u32> = Vec::new();
+        let mut first_error = None;
+        loop {
+            // A log made read-only by a failed write or fdatasync changes nothing on disk any more.
+            // Above all, it deletes no segment: deleting one needs the records that replaced its
+            // contents to be durable, and after a failed fdatasync nothing says they are (a retry can
+            // report success for pages the kernel dropped after reporting the first failure). One
+            // failed deletion here may be the fdatasync that poisoned the log.
+            if let Err(e) = self.check_writable() {
+                first_error.get_or_insert(e);
+                break;
+            }
+            let active = st.active.as_ref().map(|a| a.id);
+            let victim = st
+                .segs
+                .iter()
+                .filter(|(&id, m)| Some(id) != active && m.live_records == 0 && !failed.contains(&id))
+                .map(|(&id, _)| id)
+                .find(|&id| !Self::tombstones_needed(st, id));
+            let Some(id) = victim else { break };
+            match self.delete_segment(st, id) {
+                Ok(()) => deleted += 1,
+                Err(e) => {
+                    failed.push(id);
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(deleted),
+        }
+    }
+
+    pub(super) fn delete_segment(&self, st: &mut WriterState<B::File>, id: u32) -> Result<()> {
+        // Never after a failed write or fdatasync: the fdatasync below must not be a retry of one
+        // that failed, and without it the segment may hold the only durable copy of its records.
+        self.check_writable()?;
+        // The records that made this segment dead may still be pending in memory (write-behind:
+        // overwrites, or compaction's copies of its live records): write them before the old copies
+        // disappear, so a process crash cannot lose both. With `durable`, also make them durable,
+        // so a power cut cannot either. Only a segment some of whose records were superseded by
+        // pending ones needs that write: deleting any other must not need a write, because on a full
+        // file system deleting dead segments is how the pending records get room. A log whose data
+        // dies with the process (`discard_existing`) has nothing to lose in a crash at all.
+        let superseded = st.segs.get(&id).is_some_and(|m| m.superseded_by_pending);
+        if superseded && !self.opts.discard_existing {
+            self.flush_pending(st)?;
+        }
+        if self.opts.durable {
+            if superseded {
+                self.sync_active(st)?;
+            } else if let Some(a) = st.active.as_ref().filter(|a| a.dirty) {
+                // What superseded this segment's records is written (or they were deleted): make
+                // it durable without writing what is pending, which a full disk may refuse. `dirty`
+                // stays set, for the pending records.
+                if let Err(e) = self.backend.sync_data(&a.file) {
+                    return Err(self.poison(Error::io("fdatasync", self.seg_path(a.id), e)));
+                }
+            }
+        }
+        if self.opts.durable && st.dir_new_segments {
+            // The records that replaced this segment's may live in a segment created since the
+            // directory's last fsync: its entry must be durable before this unlink can be, or a
+            // power cut could keep the unlink and lose the new file. (File systems that journal
+            // directory operations in order do not need this; nothing promises it.)
+            self.sync_dir_if_dirty(st)?;
+        }
+        let path = self.seg_path(id);
+        match self.backend.remove_file(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            // Still a segment (in `files` and `segs`): a later garbage collection tries again.
+            Err(e) => return Err(Error::io("remove segment", path, e)),
+        }
+        if let Some(file) = self.files.write().unwrap_or_else(|p| p.into_inner()).remove(&id) {
+            // A deleted segment needs no sync. Its handle must go too: while a descriptor is open,
+            // the unlinked file keeps its blocks, and a log that is never synced (a spill store)
+            // would hold every dead segment's disk space until it closed.
+            st.unsynced_sealed.retain(|f| !Arc::ptr_eq(f, &file));
+        }
+        st.segs.remove(&id);
+        st.dir_dirty = true;
+        Ok(())
+    }
+}

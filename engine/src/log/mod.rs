@@ -1,0 +1,510 @@
+//! The segment log: an append-only, checksummed key-value log over fixed-size segment files.
+//!
+//! * Writes go to the *active* segment. A batch of records is encoded into one aligned buffer that
+//!   starts with a copy of the partially filled last block, so small records share blocks and every
+//!   write is aligned (ready for O_DIRECT). `put` returns once the write is in the kernel; `sync`
+//!   makes everything before it durable.
+//! * When the next record does not fit, the active segment is *sealed*: its data is fdatasync'ed,
+//!   then a footer index (one entry per record) and a trailer are written at its end. Opening a store
+//!   reads trailers and footers and scans only unsealed segments.
+//! * The in-memory index maps each live key to its record's location. Per-segment live bytes drive
+//!   garbage collection: a segment with nothing live (and no tombstone still needed) is deleted, and
+//!   [`SegmentLog::compact`] relocates live records out of segments the [`CompactionPolicy`] finds
+//!   sparse (by default, less than half live).
+//!
+//! Where each rule lives:
+//!
+//! | file | owns |
+//! |---|---|
+//! | `mod.rs` | [`SegmentLog`], opening, the writer lock, poisoning after a failed write |
+//! | `options.rs` | [`LogOptions`], [`Compression`] |
+//! | `index.rs` | [`Location`] and the packed index entry |
+//! | `segments.rs` | per-segment accounting, the active segment, rotate / seal / sync |
+//! | `recover.rs` | opening: footers, scans, which record of a key wins, torn tails |
+//! | `scan.rs` | reading a segment record by record, resync past damage |
+//! | `read.rs` | gets, pipelined and async reads, the stored form for sending |
+//! | `write.rs` | puts, deletes, batching, encoding, publishing to the index |
+//! | `gather.rs` | large payloads written from their own frames |
+//! | `write_behind.rs` | small writes held in a pending buffer |
+//! | `stream.rs` | `put_stream`: values read from a socket or file |
+//! | `gc.rs` | releasing dead records, hole punching, deleting empty segments |
+//! | `compact.rs` | the compaction policy and relocation |
+//! | `verify.rs` | stats and read-back verification |
+//!
+//! See `docs/architecture.md` for the write and recovery paths step by step, and `docs/format.md`
+//! for the bytes.
+
+use std::cell::RefCell;
+use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+
+// The index and writer locks come from the sync shim, so the store's loom models see every log call
+// that touches the index (a read racing a removal, for one) as a step to interleave.
+use crate::sync::{AtomicBool, AtomicU64, Mutex, MutexGuard, Ordering, RwLock};
+
+use bytes::Bytes;
+
+use crate::backend::{Backend, BufResult, DirLock, PipelinedRead, PortableBackend};
+use crate::buf::AlignedBuf;
+use crate::error::{Error, Result};
+use crate::format::{self, align_down, align_up, FooterEntry, RecordHeader, Salt, RECORD_ALIGN};
+use crate::key::{IndexKey, KeyHasher, KeyMap};
+use crate::value::Frames;
+
+mod compact;
+mod gather;
+mod gc;
+mod index;
+mod options;
+mod read;
+mod recover;
+mod scan;
+mod segments;
+mod stream;
+mod verify;
+mod write;
+mod write_behind;
+
+pub use self::compact::{CompactStats, CompactionPolicy};
+pub use self::index::Location;
+pub use self::options::{Compression, LogOptions};
+pub use self::read::StoredValue;
+pub use self::recover::RecoveryReport;
+pub use self::stream::StreamedValue;
+pub use self::verify::{LogStats, VerifyProblem};
+pub use self::write_behind::MAX_WRITE_BEHIND_BYTES;
+
+use self::gather::*;
+use self::gc::*;
+use self::index::*;
+use self::read::*;
+use self::recover::*;
+use self::scan::*;
+use self::segments::*;
+use self::stream::*;
+use self::write::*;
+use self::write_behind::*;
+
+/// Name of the sub-directory holding segment files.
+pub const SEGMENTS_DIR: &str = "segments";
+
+/// Smallest accepted segment size.
+pub const MIN_SEGMENT_BYTES: u64 = 64 * 1024;
+
+/// Largest write buffer kept for reuse between writes.
+const MAX_SPARE_BUF: usize = 64 << 20;
+
+/// Memory page size (x86-64, aarch64 with 4 KiB pages): the alignment of O_DIRECT read buffers.
+const PAGE_BYTES: u64 = 4096;
+
+/// Zeros for padding in gathered writes.
+static ZEROS: [u8; 4096] = [0; 4096];
+
+/// `SegmentLog::warned` bits. A full file system is warned about again after a write succeeded.
+const WARN_FULL: u64 = 1;
+
+const WARN_PUNCH: u64 = 2;
+
+const WARN_COMPACT: u64 = 4;
+
+const WARN_GC: u64 = 8;
+
+/// The highest sequence number a log writes: one whose records reach it opens read-only (see
+/// `recover`). Below it, a log's life cannot exhaust the counter (2^63 more writes).
+const SEQ_LIMIT: u64 = 1 << 63;
+
+/// Largest segment size accepted (offsets in the index are 32-bit).
+pub const MAX_SEGMENT_BYTES: u64 = (4 << 30) - (1 << 20);
+
+/// Largest value accepted (record lengths in the index are 32-bit).
+pub const MAX_VALUE_BYTES: u64 = (4 << 30) - (1 << 20);
+
+/// Largest record (value, frame table, key and gaps): the index holds lengths in 32 bits.
+const MAX_RECORD_BYTES: u64 = u32::MAX as u64;
+
+/// Largest segment file the writer makes: a jumbo segment (see `rotate`) for the largest record with
+/// the longest key, at the largest alignment. A segment header claiming more is damage.
+const MAX_SEGMENT_FILE_BYTES: u64 = {
+    const ALIGN: u64 = 65536;
+    let data = align_up(align_up(ALIGN + MAX_RECORD_BYTES, RECORD_ALIGN), ALIGN);
+    let footer_entry = align_up((format::FOOTER_ENTRY_FIXED_LEN + format::MAX_KEY_BYTES) as u64, format::FOOTER_ALIGN);
+    data + align_up(footer_entry + format::TRAILER_LEN as u64, ALIGN)
+};
+
+const _: () = assert!(MAX_SEGMENT_FILE_BYTES >= MAX_SEGMENT_BYTES);
+
+/// The segment log. All methods take `&self` and are safe to call from many threads: writes are
+/// serialized by one writer lock; reads only take the index's read lock for a lookup.
+pub struct SegmentLog<B: Backend = PortableBackend> {
+    backend: B,
+    dir: PathBuf,
+    seg_dir: PathBuf,
+    opts: LogOptions,
+    align: u64,
+    /// Alignment of single-record reads (the O_DIRECT minimum; divides `align`).
+    read_align: u64,
+    index: RwLock<KeyMap<IndexKey, PackedLoc>>,
+    files: RwLock<KeyMap<u32, Arc<B::File>>>,
+    state: Mutex<WriterState<B::File>>,
+    /// Records forgotten while the writer lock was busy (a long write, compaction): their index
+    /// entries are gone at once;
+    /// their space accounting, garbage collection and hole punching wait for the next taker of the
+    /// writer lock ([`SegmentLog::writer`]). So `forget` never waits for a write.
+    forgotten: Mutex<Vec<Location>>,
+    /// `forgotten` is not empty (read without its lock at every writer-lock acquisition).
+    any_forgotten: AtomicBool,
+    /// Records being sent: not punched when forgotten (see [`SendPin`]).
+    sending: SendPins,
+    /// Values streaming into segments of their own (`put_stream`), by key: each stream's sequence
+    /// number, and whether a newer write of its key (a put, a delete, a forget, a stream begun
+    /// later) was published meanwhile, which makes its record dead on arrival.
+    streaming: Mutex<Streams>,
+    /// `streaming` is not empty (read without its lock wherever a key is written).
+    any_streaming: AtomicBool,
+    /// Write-behind: `pending_key(segment, written_end)` while records of the active segment at or
+    /// after `written_end` are pending in its tail, else `NOTHING_PENDING`. Stored before those records
+    /// are published in the index and reset after they are written, so a reader that found a record
+    /// in the index and then sees no pending range for it can read it from the file.
+    pending: AtomicU64,
+    poisoned: OnceLock<String>,
+    /// Warnings already logged (`WARN_*` bits), so that a condition that lasts is logged once per
+    /// log, not once per call.
+    warned: AtomicU64,
+    recovery: RecoveryReport,
+    /// The log's salt (see [`Salt`]): learned from its segments at open, or drawn for a log without
+    /// any; every record head is written and verified with it.
+    salt: Salt,
+    _lock: DirLock,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The writer lock, held (see [`SegmentLog::writer`]). A panic that unwinds while it is held (a bug
+/// in a backend or in the log, part-way through a write) leaves the active segment in a state the
+/// log cannot account for: bytes of an unpublished chunk may be in the file, or still in flight,
+/// and nothing fenced them off as a failed write is fenced. So the log turns read-only, as after a
+/// failed write (`Error::Poisoned` from then on); what it had published stays readable. A panic
+/// caught inside the lock (`put_stream`'s reader) is not this: it is settled, and the lock dropped,
+/// before the panic goes on.
+struct Writer<'a, B: Backend> {
+    st: MutexGuard<'a, WriterState<B::File>>,
+    log: &'a SegmentLog<B>,
+    /// Whether the thread was already unwinding when it took the lock (a drop during a panic):
+    /// then a panic seen at the end is not one of this lock's.
+    panicking: bool,
+}
+
+impl<B: Backend> std::ops::Deref for Writer<'_, B> {
+    type Target = WriterState<B::File>;
+    fn deref(&self) -> &Self::Target {
+        &self.st
+    }
+}
+
+impl<B: Backend> std::ops::DerefMut for Writer<'_, B> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.st
+    }
+}
+
+impl<B: Backend> Drop for Writer<'_, B> {
+    fn drop(&mut self) {
+        if !self.panicking && std::thread::panicking() {
+            let e = io::Error::other("it panicked part-way (a bug in the backend or the log)");
+            self.log.poison(Error::io("write", None, e));
+        }
+    }
+}
+
+fn seg_file_name(id: u32) -> String {
+    format!("{id:08x}.seg")
+}
+
+fn parse_seg_file_name(name: &str) -> Option<u32> {
+    let hex = name.strip_suffix(".seg")?;
+    if hex.len() != 8 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    u32::from_str_radix(hex, 16).ok()
+}
+
+/// Length of `frames` laid out at [`format::FRAME_ALIGN`] boundaries (the uncompressed payload).
+fn laid_out_len(frames: &Frames) -> u64 {
+    format::frame_layout(frames.iter().map(|f| f.len() as u64)).map_or(u64::MAX, |(_, n)| n)
+}
+
+fn padded(len: u64) -> u64 {
+    align_up(len, RECORD_ALIGN)
+}
+
+impl<B: Backend> Drop for SegmentLog<B> {
+    /// Writes what is pending (write-behind), so that a log dropped without `sync` has handed every
+    /// record to the kernel, as without write-behind.
+    fn drop(&mut self) {
+        let mut st = self.writer();
+        if let Err(e) = self.flush_pending(&mut st) {
+            log::error!("segment log {}: pending records not written at close: {e}", self.dir.display());
+        }
+    }
+}
+
+impl<B: Backend> SegmentLog<B> {
+    /// Open (and recover) the log in `dir`, creating it if allowed.
+    pub fn open(backend: B, dir: impl AsRef<Path>, opts: LogOptions) -> Result<Self> {
+        let dir = dir.as_ref().to_path_buf();
+        let seg_dir = dir.join(SEGMENTS_DIR);
+        if !backend.is_dir(&seg_dir) {
+            if !opts.create_if_missing {
+                let reason = if backend.is_dir(&dir) {
+                    "no segments directory".to_string()
+                } else {
+                    "no such directory".to_string()
+                };
+                return Err(Error::NotAStore { path: dir, reason });
+            }
+            backend.create_dir_all(&seg_dir).map_err(|e| Error::io("create store directory", seg_dir.clone(), e))?;
+            // Make the new directories themselves durable.
+            backend.sync_dir(&dir).map_err(|e| Error::io("fsync directory", dir.clone(), e))?;
+        }
+        let lock = backend.lock_dir(&dir).map_err(|e| {
+            if e.kind() == io::ErrorKind::WouldBlock {
+                Error::Locked { path: dir.clone() }
+            } else {
+                Error::io("lock store directory", dir.clone(), e)
+            }
+        })?;
+        if opts.discard_existing {
+            // A spill store's data died with its process: drop it unread (its records may have been
+            // hole-punched, so recovering them would only report damage). Only segment files: anything
+            // else in the directory is not ours to delete (recovery ignores it the same way), and its name
+            // may not even be UTF-8, so the name `list_dir` gives may not open.
+            let names = backend.list_dir(&seg_dir).map_err(|e| Error::io("list segments", seg_dir.clone(), e))?;
+            for name in names {
+                if parse_seg_file_name(&name).is_none() {
+                    log::warn!("ignoring unexpected file {:?} in {}", name, seg_dir.display());
+                    continue;
+                }
+                let path = seg_dir.join(name);
+                backend.remove_file(&path).map_err(|e| Error::io("remove segment", path, e))?;
+            }
+        }
+        let align = match opts.alignment {
+            Some(a) if a.is_power_of_two() && (512..=65536).contains(&a) => a as u64,
+            Some(a) => return Err(Error::InvalidConfig(format!("alignment {a} is not a power of two in 512..=65536"))),
+            None => backend.alignment(&dir).clamp(512, 65536) as u64,
+        };
+        let read_align = (backend.read_alignment(&dir).clamp(format::FRAME_ALIGN as usize, 65536) as u64).min(align);
+        if opts.segment_bytes > MAX_SEGMENT_BYTES || opts.max_value_bytes > MAX_VALUE_BYTES {
+            return Err(Error::InvalidConfig(format!(
+                "segment_bytes {} and max_value_bytes {} must be at most {MAX_SEGMENT_BYTES} and {MAX_VALUE_BYTES}",
+                opts.segment_bytes, opts.max_value_bytes
+            )));
+        }
+        if opts.write_behind_bytes > MAX_WRITE_BEHIND_BYTES {
+            return Err(Error::InvalidConfig(format!(
+                "write_behind_bytes {} is above the maximum {MAX_WRITE_BEHIND_BYTES}",
+                opts.write_behind_bytes
+            )));
+        }
+        opts.compaction.validate()?;
+        if opts.segment_bytes < MIN_SEGMENT_BYTES {
+            return Err(Error::InvalidConfig(format!(
+                "segment_bytes {} is below the minimum {MIN_SEGMENT_BYTES}",
+                opts.segment_bytes
+            )));
+        }
+        let mut opts = opts;
+        opts.segment_bytes = align_up(opts.segment_bytes, align);
+
+        let mut log = SegmentLog {
+            backend,
+            dir,
+            seg_dir,
+            opts,
+            align,
+            read_align,
+            index: RwLock::new(KeyMap::default()),
+            files: RwLock::new(KeyMap::default()),
+            state: Mutex::new(WriterState {
+                active: None,
+                segs: BTreeMap::new(),
+                next_segment: 1,
+                next_seq: 1,
+                epoch: 1,
+                dir_dirty: false,
+                dir_new_segments: false,
+                compact_pending: false,
+                compacting: false,
+                unsynced_sealed: Vec::new(),
+                spare_bufs: Vec::new(),
+            }),
+            forgotten: Mutex::new(Vec::new()),
+            any_forgotten: AtomicBool::new(false),
+            sending: Arc::new(Mutex::new(HashMap::new())),
+            streaming: Mutex::new(HashMap::new()),
+            any_streaming: AtomicBool::new(false),
+            pending: AtomicU64::new(NOTHING_PENDING),
+            poisoned: OnceLock::new(),
+            warned: AtomicU64::new(0),
+            recovery: RecoveryReport::default(),
+            salt: Salt(0),
+            _lock: lock,
+        };
+        log.recover()?;
+        Ok(log)
+    }
+
+    /// The store directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The backend in use.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// I/O alignment in use.
+    pub fn alignment(&self) -> u64 {
+        self.align
+    }
+
+    /// The options in force (segment size rounded to the alignment).
+    pub fn options(&self) -> &LogOptions {
+        &self.opts
+    }
+
+    /// Why the log refuses writes, if an earlier write or fdatasync failed (every write then fails
+    /// with [`Error::Poisoned`]; reads go on, and reopening recovers what was acknowledged). `None`
+    /// while it is writable.
+    pub fn poisoned(&self) -> Option<&str> {
+        self.poisoned.get().map(String::as_str)
+    }
+
+    /// What recovery found at open.
+    pub fn recovery_report(&self) -> &RecoveryReport {
+        &self.recovery
+    }
+
+    fn seg_path(&self, id: u32) -> PathBuf {
+        self.seg_dir.join(seg_file_name(id))
+    }
+
+    fn check_writable(&self) -> Result<()> {
+        match self.poisoned.get() {
+            Some(cause) => Err(Error::Poisoned { cause: cause.clone() }),
+            None => Ok(()),
+        }
+    }
+
+    /// A write of records succeeded: a full file system met later is warned about again.
+    fn wrote(&self) {
+        if self.warned.load(Ordering::Relaxed) & WARN_FULL != 0 {
+            self.warned.fetch_and(!WARN_FULL, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether the warning `bit` is still to be logged for this log (and from now on, is not).
+    fn warn_once(&self, bit: u64) -> bool {
+        self.warned.fetch_or(bit, Ordering::Relaxed) & bit == 0
+    }
+
+    fn poison(&self, e: Error) -> Error {
+        let _ = self.poisoned.set(e.to_string());
+        log::error!("segment log {} is now read-only: {e}", self.dir.display());
+        e
+    }
+
+    /// The error for a failed write of records that were not published (or, for write-behind, are
+    /// still pending in memory). A full file system (ENOSPC, EDQUOT) is an error for this call only:
+    /// the bytes the write may have left lie at or after the segment's published end, which the next
+    /// write of the segment overwrites, so nothing on disk needs undoing, and freeing space (forgetting
+    /// or deleting data) lets the same write succeed. Any other failure (EIO, ...) leaves the file in
+    /// an unknown state and makes the log read-only.
+    fn write_failed(&self, op: &'static str, path: PathBuf, e: io::Error) -> Error {
+        if crate::error::io_no_space(&e) {
+            if self.warn_once(WARN_FULL) {
+                log::warn!(
+                    "segment log {}: {op} failed, the file system is full ({e}); the log stays writable",
+                    self.dir.display()
+                );
+            }
+            return Error::io(op, path, e);
+        }
+        self.poison(Error::io(op, path, e))
+    }
+
+    /// The writer lock, after settling what `forget` left for it while it was busy.
+    fn writer(&self) -> Writer<'_, B> {
+        let mut st = Writer { st: lock(&self.state), log: self, panicking: std::thread::panicking() };
+        self.settle_forgotten(&mut st);
+        st
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::SimBackend;
+
+    fn opts() -> LogOptions {
+        LogOptions { segment_bytes: 64 * 1024, ..Default::default() }
+    }
+
+    #[test]
+    fn put_get_delete_reopen_sim() {
+        let be = SimBackend::new();
+        let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
+        log.put(b"a", &Frames::from(b"one".to_vec())).unwrap();
+        log.put(b"b", &Frames(vec![Bytes::from_static(b"x"), Bytes::from_static(b"yz")])).unwrap();
+        log.put(b"a", &Frames::from(b"two".to_vec())).unwrap();
+        assert!(log.delete(b"b").unwrap());
+        assert!(!log.delete(b"nope").unwrap());
+        assert_eq!(log.get(b"a").unwrap().unwrap().concat(), &b"two"[..]);
+        assert!(log.get(b"b").unwrap().is_none());
+        drop(log);
+        let log = SegmentLog::open(be, "/s", opts()).unwrap();
+        assert_eq!(log.get(b"a").unwrap().unwrap().concat(), &b"two"[..]);
+        assert!(log.get(b"b").unwrap().is_none());
+        assert_eq!(log.keys(), vec![b"a".to_vec()]);
+    }
+
+    #[test]
+    fn get_with_crc_gives_the_laid_out_crc_it_checked() {
+        let values: Vec<Frames> = vec![
+            Frames(vec![Bytes::from_static(b"x"), Bytes::from_static(b"yz"), Bytes::new()]),
+            Frames::from(vec![5u8; 5000]), // one frame of 4 KiB or more: read without its head
+            Frames::from(Vec::<u8>::new()),
+        ];
+        for write_behind_bytes in [0, 1 << 20] {
+            let log = SegmentLog::open(SimBackend::new(), "/s", LogOptions { write_behind_bytes, ..opts() }).unwrap();
+            for (i, v) in values.iter().enumerate() {
+                log.put(format!("k{i}").as_bytes(), v).unwrap();
+            }
+            for (i, v) in values.iter().enumerate() {
+                let (frames, crc) = log.get_with_crc(format!("k{i}").as_bytes()).unwrap().unwrap();
+                assert_eq!(frames.0, v.0);
+                assert_eq!(crc, Some(format::laid_out_crc(v.iter().map(|b| &b[..]))), "value {i}");
+            }
+        }
+        // An lz4 record's crc covers its compressed bytes: none is given.
+        let log =
+            SegmentLog::open(SimBackend::new(), "/z", LogOptions { compression: Compression::Lz4, ..opts() }).unwrap();
+        log.put(b"z", &Frames::from(vec![0u8; 4096])).unwrap();
+        let (frames, crc) = log.get_with_crc(b"z").unwrap().unwrap();
+        assert_eq!(frames.concat(), vec![0u8; 4096]);
+        assert_eq!(crc, None);
+    }
+
+    #[test]
+    fn seg_names() {
+        assert_eq!(parse_seg_file_name(&seg_file_name(0xabc)), Some(0xabc));
+        assert_eq!(parse_seg_file_name("zz.seg"), None);
+        assert_eq!(parse_seg_file_name("0000000g.seg"), None);
+    }
+}

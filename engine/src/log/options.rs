@@ -1,0 +1,85 @@
+//! What a log is opened with: [`LogOptions`] and the [`Compression`] choice.
+
+use super::*;
+
+/// Per-record payload compression.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Compression {
+    /// Store payloads as they are.
+    #[default]
+    None,
+    /// lz4-compress each payload, kept only when it saves at least 1/8 of the bytes.
+    Lz4,
+}
+
+/// Options for [`SegmentLog::open`].
+#[derive(Debug, Clone)]
+pub struct LogOptions {
+    /// Size of each segment file (rounded up to the I/O alignment). A record too large for an empty
+    /// segment gets a segment of its own, sized to fit.
+    pub segment_bytes: u64,
+    /// Payload compression for new records.
+    pub compression: Compression,
+    /// Create the store directory if it does not exist.
+    pub create_if_missing: bool,
+    /// Largest value accepted, in bytes.
+    pub max_value_bytes: u64,
+    /// Compact automatically when a segment is sealed and a closed segment is sparse by `compaction`.
+    pub auto_compact: bool,
+    /// Which closed segments compaction relocates (the default keeps them at least half live).
+    pub compaction: CompactionPolicy,
+    /// With a backend that queues writes (io_uring), a batch is encoded and written in groups of about
+    /// this many bytes, several in flight at once, so encoding overlaps writing. Default 1 MiB.
+    pub write_group_bytes: u64,
+    /// With a backend that writes gathered slices (buffered portable files), a batch holding a value
+    /// of at least this many bytes is written with one `pwritev` straight from the values' buffers,
+    /// without copying them into a staging buffer. Default 256 KiB.
+    pub gather_min_bytes: u64,
+    /// In such a gathered write, large values adding up to at least this many bytes get their crcs
+    /// computed on a helper thread while the write copies them into the page cache, and their record
+    /// heads are written last. Default 4 MiB; `u64::MAX` keeps everything on the calling thread.
+    pub parallel_crc_min_bytes: u64,
+    /// I/O alignment override (power of two, 512..=65536); `None` asks the backend (statx).
+    pub alignment: Option<usize>,
+    /// Release a forgotten record's blocks at once with a hole punch (`fallocate`), for values of
+    /// 256 KiB and more. For logs whose contents die with the process (a spill store), where it frees
+    /// disk space and page cache the way unlinking a file would. A punched record no longer reads back,
+    /// so such a log should not be reopened: the store discards it at open instead.
+    pub punch_forgotten: bool,
+    /// At open, delete whatever segments the directory holds instead of recovering them (after taking
+    /// the directory's lock): for a spill store, whose data dies with its process. Files in
+    /// `segments/` that are not named like segments are left alone (with a warning), as recovery does.
+    pub discard_existing: bool,
+    /// fdatasync on its own where crash consistency needs it: before sealing a segment and before
+    /// deleting one. Turn off for data that dies with the process (a spill store); `sync()` still
+    /// syncs when called.
+    pub durable: bool,
+    /// Write-behind: small batches are kept in memory, encoded, until this many bytes are pending,
+    /// and then written together, so a stream of small puts costs one write per this many bytes
+    /// instead of one per put. 0 (the default) writes every batch before `put` returns. Pending
+    /// records are readable at once (a read of one copies it out of memory); `sync`, sealing a
+    /// segment, `stored_value` and dropping the log write them too. The price: a process crash loses the pending bytes, which a spill store, whose
+    /// data dies with its process anyway, does not mind. At most 64 MiB.
+    pub write_behind_bytes: u64,
+}
+
+impl Default for LogOptions {
+    fn default() -> Self {
+        LogOptions {
+            segment_bytes: 64 << 20,
+            compression: Compression::None,
+            create_if_missing: true,
+            max_value_bytes: MAX_VALUE_BYTES,
+            auto_compact: true,
+            compaction: CompactionPolicy::default(),
+            alignment: None,
+            write_group_bytes: WRITE_GROUP_BYTES,
+            gather_min_bytes: GATHER_MIN_BYTES,
+            parallel_crc_min_bytes: PARALLEL_CRC_MIN_BYTES,
+            punch_forgotten: false,
+            discard_existing: false,
+            durable: true,
+            write_behind_bytes: 0,
+        }
+    }
+}

@@ -1,0 +1,494 @@
+//! Opening a log: list the segment files, learn the salt, read sealed segments' footers, scan the
+//! unsealed ones, settle which record of each key wins (sequence numbers), erase torn tails durably,
+//! and build the index and the segment accounting. The outcome is a [`RecoveryReport`].
+
+use super::*;
+
+/// What recovery found when the log was opened.
+#[derive(Debug, Clone, Default)]
+pub struct RecoveryReport {
+    /// Segments whose footer was used.
+    pub sealed_segments: u32,
+    /// Segments that were scanned record by record.
+    pub scanned_segments: u32,
+    /// Records found (live and dead, tombstones included).
+    pub records: u64,
+    /// Bytes of a torn or garbage tail that were cut off an unsealed segment.
+    pub truncated_bytes: u64,
+    /// Damaged regions found while scanning, as (segment, offset, reason).
+    pub corrupt: Vec<(u32, u64, String)>,
+}
+
+/// Everything recovery learns from one segment.
+pub(super) struct SegmentScan {
+    pub(super) meta: SegMeta,
+    pub(super) entries: Vec<FooterEntry>,
+    pub(super) max_epoch: u32,
+    /// For unsealed segments: bytes of the last partial block before `data_end`.
+    pub(super) tail: Vec<u8>,
+    /// The end of a torn or garbage tail cut off at `data_end` (its bytes are still in the file).
+    pub(super) cut: Option<u64>,
+    /// The last record kept is a sync mark (a `sync` then needs no new one, only an fdatasync).
+    pub(super) ends_with_mark: bool,
+    /// Damaged records that no sync mark follows were dropped (see `scan_segment`), not cut: they
+    /// lie before `data_end`.
+    pub(super) dropped_unsynced: bool,
+    /// Its header decoded (with the log's salt). Records written after a damaged one could not be
+    /// verified by a later open that draws a fresh salt, so such a segment is never continued.
+    pub(super) header_ok: bool,
+    /// Its header block is all zeros and nothing follows it: a segment whose creation a crash cut
+    /// short before the header was written. Not damage, and nothing in it (see `recover`).
+    pub(super) never_written: bool,
+}
+
+impl<B: Backend> SegmentLog<B> {
+    pub(super) fn recover(&mut self) -> Result<()> {
+        let names =
+            self.backend.list_dir(&self.seg_dir).map_err(|e| Error::io("list segments", self.seg_dir.clone(), e))?;
+        let mut ids: Vec<u32> = Vec::new();
+        for name in &names {
+            match parse_seg_file_name(name) {
+                Some(id) => ids.push(id),
+                None => log::warn!("ignoring unexpected file {:?} in {}", name, self.seg_dir.display()),
+            }
+        }
+        ids.sort_unstable();
+
+        let mut report = RecoveryReport::default();
+        let mut opened = Vec::with_capacity(ids.len());
+        for &id in &ids {
+            let path = self.seg_path(id);
+            if self.backend.is_dir(&path) {
+                // Named like a segment, but the log never makes directories: not one of its files,
+                // left alone like any other stray name.
+                log::warn!("{} is a directory, not a segment; leaving it alone", path.display());
+                report.corrupt.push((id, 0, "a directory named like a segment; left alone".into()));
+                continue;
+            }
+            // A segment file that cannot be opened fails the open. Skipping it would be worse than
+            // not opening: its records would not count towards the next sequence number (so new
+            // records could reuse its seqs, and lose to its older ones once it is readable again),
+            // its tombstones would not delete (their keys' older values come back), and its keys
+            // would read as absent or as older values.
+            let file = self.backend.open(&path, false).map_err(|e| Error::io("open segment", path.clone(), e))?;
+            opened.push((id, file));
+        }
+        let salt_learned;
+        (self.salt, salt_learned) = self.learn_salt(&opened)?;
+        let mut scans: BTreeMap<u32, SegmentScan> = BTreeMap::new();
+        let mut max_epoch = 0u32;
+        let mut files = KeyMap::default();
+        for (id, file) in opened {
+            let mut scan = self.load_segment(id, &file, &mut report)?;
+            // The index holds offsets and lengths in 32 bits. A segment may be a little over 4 GiB (a
+            // jumbo segment, whose one record starts at its start), so a record further in, or
+            // longer, is one no writer made: damage, not an entry whose offset would wrap.
+            let before = scan.entries.len();
+            scan.entries.retain(|e| {
+                let addressable = e.offset <= u32::MAX as u64 && e.record_len <= MAX_RECORD_BYTES;
+                if !addressable {
+                    report.corrupt.push((id, e.offset, "a record beyond what the index addresses (32 bits)".into()));
+                }
+                addressable
+            });
+            if scan.entries.len() != before {
+                scan.meta.records = scan.entries.len() as u64;
+            }
+            max_epoch = max_epoch.max(scan.max_epoch);
+            files.insert(id, Arc::new(file));
+            scans.insert(id, scan);
+        }
+        // A newest segment that a crash left before its header was written holds nothing: it goes
+        // (new records go to a new segment, whose header holds the salt). Its id is not reused.
+        if let Some((&last, scan)) = scans.iter().next_back() {
+            if scan.never_written {
+                let path = self.seg_path(last);
+                files.remove(&last);
+                scans.remove(&last);
+                match self.backend.remove_file(&path) {
+                    Ok(()) => log::info!("removed {}: its creation never wrote its header", path.display()),
+                    Err(e) => log::warn!("could not remove {}, whose header was never written: {e}", path.display()),
+                }
+            }
+        }
+
+        // Newest record (highest seq) per key wins; remember the oldest segment each key appears in.
+        struct Winner {
+            seq: u64,
+            segment: u32,
+            offset: u64,
+            len: u64,
+            tombstone: bool,
+            facts: RecordFacts,
+            first_segment: u32,
+        }
+        let mut winners: HashMap<&[u8], Winner> = HashMap::new();
+        let mut max_seq = 0u64;
+        for (&id, scan) in &scans {
+            for e in &scan.entries {
+                max_seq = max_seq.max(e.seq);
+                report.records += 1;
+                let cand = Winner {
+                    seq: e.seq,
+                    segment: id,
+                    offset: e.offset,
+                    len: e.record_len,
+                    tombstone: e.flags & format::FLAG_TOMBSTONE != 0,
+                    facts: RecordFacts::of_entry(e),
+                    first_segment: id,
+                };
+                match winners.get_mut(e.key.as_slice()) {
+                    Some(w) => {
+                        let first = w.first_segment.min(id);
+                        if e.seq > w.seq {
+                            *w = cand;
+                        }
+                        w.first_segment = first;
+                    }
+                    None => {
+                        winners.insert(e.key.as_slice(), cand);
+                    }
+                }
+            }
+        }
+
+        let mut segs: BTreeMap<u32, SegMeta> = scans.iter().map(|(&id, s)| (id, s.meta.clone())).collect();
+        let mut index = KeyMap::with_capacity_and_hasher(winners.len(), KeyHasher::default());
+        for (key, w) in winners {
+            if w.tombstone {
+                continue;
+            }
+            let m = segs.get_mut(&w.segment).expect("winner segment was scanned");
+            m.live_records += 1;
+            m.live_bytes += padded(w.len);
+            let elsewhere = w.first_segment != w.segment;
+            if elsewhere {
+                m.firsts.push((w.offset as u32, w.first_segment));
+            }
+            let loc = Location { segment: w.segment, offset: w.offset, len: w.len };
+            index.insert(IndexKey::from(key), PackedLoc::new(loc, w.facts, elsewhere));
+        }
+        for m in segs.values_mut() {
+            m.firsts.sort_unstable();
+        }
+        for (&id, scan) in &scans {
+            let m = segs.get_mut(&id).expect("scanned");
+            for e in scan.entries.iter().filter(|e| e.flags & format::FLAG_TOMBSTONE != 0) {
+                m.tombstones += 1;
+                m.tombstone_bytes += padded(e.record_len);
+                m.min_shadow = m.min_shadow.min(e.aux);
+            }
+        }
+
+        // The newest segment continues as the active one if it is unsealed.
+        let mut active = None;
+        let mut unsynced_closed = Vec::new();
+        if let Some((&last, scan)) = scans.iter_mut().next_back() {
+            let meta = segs.get(&last).expect("scanned");
+            let footer_len: u64 = scan.entries.iter().map(|e| FooterEntry::encoded_len(e.key.len())).sum();
+            // Sealing needs room for the footer and the trailer after the records (`seal_active`).
+            // The writer keeps that room at every record (`fits`), but records with valid checksums
+            // from elsewhere (a crafted file) need not have left it.
+            let footer_fits = align_up(meta.data_end, self.align)
+                .checked_add(footer_len + format::TRAILER_LEN as u64)
+                .is_some_and(|end| end <= meta.size);
+            // With a salt drawn fresh, what the scan cut may be records of a lost salt (every header
+            // that held it damaged): left as they are, not erased and not written over.
+            let unverifiable = !salt_learned && scan.cut.is_some();
+            if !meta.sealed && (scan.dropped_unsynced || !footer_fits || unverifiable || !scan.header_ok) {
+                // Writing goes on in a new segment. After a dropped record, so that this one's bytes,
+                // and with them what the scan decided, stay as they are: a sync mark written after a
+                // dropped record would make the next scan take it for synced damage, and it would
+                // hide its key's value again. Without room for the footer, because it cannot be
+                // sealed. The segment stays unsealed behind the active one (as after a crash during
+                // sealing): readable, compacted and deleted like any other.
+                log::warn!(
+                    "segment {last} of {}: {}; new records go to a new segment",
+                    self.dir.display(),
+                    if unverifiable {
+                        "no segment header or trailer holds the log's salt, and the segment holds bytes that \
+                         may be records under it (left as they are)"
+                    } else if !scan.header_ok {
+                        "its header is damaged (records after it would not be verifiable once no other \
+                         segment holds the log's salt)"
+                    } else if footer_fits {
+                        "a damaged record no sync followed was dropped"
+                    } else {
+                        "no room for its footer"
+                    }
+                );
+                if self.opts.durable {
+                    // What was recovered from it may be in the page cache only: the next `sync`
+                    // fdatasyncs it, as it would the active segment.
+                    unsynced_closed.push(files.get(&last).expect("opened").clone());
+                }
+            } else if !meta.sealed {
+                let file = files.get(&last).expect("opened").clone();
+                if let (Some(cut_end), true) = (scan.cut, self.opts.durable) {
+                    let end = align_up(cut_end, self.align).min(meta.size);
+                    self.erase_durably(&file, last, meta.data_end, &scan.tail, end)?;
+                }
+                let mut footer = Vec::new();
+                for e in &scan.entries {
+                    format::encode_footer_entry(&mut footer, e);
+                }
+                active = Some(Active {
+                    id: last,
+                    file,
+                    size: meta.size,
+                    data_end: meta.data_end,
+                    tail: std::mem::take(&mut scan.tail),
+                    written_end: meta.data_end,
+                    footer,
+                    footer_entries: scan.entries.len() as u64,
+                    max_epoch: scan.max_epoch,
+                    // Its records may be in the page cache only (a process crash, or a close without
+                    // `sync`): the next sync or seal must fdatasync it.
+                    dirty: self.opts.durable,
+                    last_is_mark: scan.ends_with_mark,
+                });
+            }
+        }
+
+        *self.index.get_mut().unwrap_or_else(|p| p.into_inner()) = index;
+        *self.files.get_mut().unwrap_or_else(|p| p.into_inner()) = files;
+        let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
+        st.next_segment = ids.last().map_or(1, |l| l.saturating_add(1));
+        // A record's seq or epoch at (or near) its maximum leaves no higher one for new records to win
+        // with: such a log opens read-only, its values readable. A writer of this log never gets
+        // there (2^63 writes; 2^32 opens and failed writes), so it is damage that passed the
+        // checksums, and no reason to refuse the values that are there.
+        let (next_seq, epoch) = (max_seq.checked_add(1).filter(|&s| s <= SEQ_LIMIT), max_epoch.checked_add(1));
+        st.next_seq = next_seq.unwrap_or(SEQ_LIMIT);
+        st.epoch = epoch.unwrap_or(u32::MAX);
+        if next_seq.is_none() || epoch.is_none() {
+            let what =
+                if next_seq.is_none() { format!("sequence number {max_seq}") } else { format!("epoch {max_epoch}") };
+            let reason = format!(
+                "a record of {} holds {what}, which leaves no higher one for new records: the log is \
+                 read-only (copy its values into a new log to write again)",
+                self.dir.display()
+            );
+            log::error!("{reason}");
+            let _ = self.poisoned.set(reason);
+        }
+        st.segs = segs;
+        st.active = active;
+        st.unsynced_sealed = unsynced_closed;
+        // The directory entries of the segments found may be unsynced too (a crash before the first
+        // `sync`): a durable log's first sync fsyncs the directory once.
+        st.dir_dirty = self.opts.durable && !ids.is_empty();
+        st.dir_new_segments = st.dir_dirty;
+        if !report.corrupt.is_empty() {
+            log::warn!("recovery of {} found {} damaged region(s)", self.dir.display(), report.corrupt.len());
+        }
+        self.recovery = report;
+        Ok(())
+    }
+
+    /// The log's salt: the one in the newest segment header that decodes or, if no header does, in
+    /// the newest trailer that does; a fresh one for a log that has neither (a new log, or one whose
+    /// only segment's header never landed: a crash before the first `sync`, which is the first
+    /// fdatasync of a segment's header, so none of its records was acknowledged). A segment whose
+    /// header or trailer holds another salt belongs to another log: the open fails on it
+    /// ([`Self::load_segment`]).
+    /// Also returns whether the salt was learned (false: drawn fresh).
+    pub(super) fn learn_salt(&self, segments: &[(u32, B::File)]) -> Result<(Salt, bool)> {
+        let mut trailer_salt = None;
+        for (id, file) in segments.iter().rev() {
+            let path = self.seg_path(*id);
+            let len = self.backend.file_len(file).map_err(|e| Error::io("stat segment", path.clone(), e))?;
+            let len = align_down(len, self.align);
+            if len < self.align {
+                continue;
+            }
+            let head = self.read_aligned(file, 0, self.align as usize, &path)?;
+            if let Ok(h) = format::decode_segment_header(&head) {
+                if h.segment == *id {
+                    return Ok((h.salt, true));
+                }
+            }
+            if trailer_salt.is_none() && len >= 2 * self.align {
+                let last = self.read_aligned(file, len - self.align, self.align as usize, &path)?;
+                if let Ok(t) = format::decode_trailer(&last[self.align as usize - format::TRAILER_LEN..], *id, len) {
+                    trailer_salt = Some(t.salt);
+                }
+            }
+        }
+        Ok(match trailer_salt {
+            Some(salt) => (salt, true),
+            None => (Salt::random(self.dir.as_os_str().as_encoded_bytes()), false),
+        })
+    }
+
+    /// The error for a segment whose header or trailer holds a salt other than the log's.
+    pub(super) fn foreign_segment(&self, id: u32, what: &str) -> Error {
+        Error::Corrupt {
+            segment: id,
+            offset: 0,
+            reason: format!(
+                "its {what} holds another salt than the newest segment's header: segments of different \
+                 logs are in {} (move the other log's out to open this one)",
+                self.seg_dir.display()
+            ),
+        }
+    }
+
+    /// Read a segment's footer if it is sealed, or scan its records if not.
+    pub(super) fn load_segment(&self, id: u32, file: &B::File, report: &mut RecoveryReport) -> Result<SegmentScan> {
+        let path = self.seg_path(id);
+        let file_len = self.backend.file_len(file).map_err(|e| Error::io("stat segment", path.clone(), e))?;
+        let file_len_aligned = align_down(file_len, self.align);
+        // The header tells size, alignment and where data starts; fall back to defaults if damaged.
+        let mut zero_header = None; // an all-zero header block's decode error, reported after the scan
+        let header = if file_len_aligned >= self.align {
+            let buf = self.read_aligned(file, 0, self.align as usize, &path)?;
+            match format::decode_segment_header(&buf) {
+                Ok(h) if h.segment == id && h.salt != self.salt => return Err(self.foreign_segment(id, "header")),
+                Ok(h) if h.segment == id => Some(h),
+                Ok(_) => {
+                    report.corrupt.push((id, 0, "segment header names another segment".into()));
+                    None
+                }
+                Err(format::DecodeError::UnsupportedVersion(v)) => {
+                    return Err(Error::UnsupportedVersion {
+                        what: "segment",
+                        found: v,
+                        supported: format::FORMAT_VERSION as u32,
+                    })
+                }
+                Err(e) if buf.iter().all(|&b| b == 0) => {
+                    zero_header = Some(e);
+                    None
+                }
+                Err(e) => {
+                    report.corrupt.push((id, 0, format!("segment header: {e:?}")));
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let fallback = (align_up(file_len, self.align).max(self.align * 2), self.align);
+        let (size, data_start) = match header {
+            Some(h)
+                if h.segment_bytes % self.align == 0
+                    && h.data_start % RECORD_ALIGN == 0
+                    && h.data_start < h.segment_bytes
+                    // Bounded by what the writer makes: the file is extended to this size below,
+                    // and a crc-valid header (a crafted one) must not have that ask for exabytes.
+                    && h.segment_bytes <= MAX_SEGMENT_FILE_BYTES =>
+            {
+                (h.segment_bytes, h.data_start)
+            }
+            Some(h) => {
+                report.corrupt.push((
+                    id,
+                    0,
+                    format!(
+                        "segment header: impossible geometry (segment_bytes {}, data_start {}, alignment {})",
+                        h.segment_bytes, h.data_start, self.align
+                    ),
+                ));
+                fallback
+            }
+            None => fallback,
+        };
+        let sealed_candidate = file_len >= size;
+        if file_len < size {
+            // A truncated file, or a crash during preallocation: give it its size back so every
+            // aligned read inside the segment succeeds (the lost part reads as zeros).
+            self.backend.allocate(file, size).map_err(|e| Error::io("fallocate", path.clone(), e))?;
+        }
+
+        // Sealed? The trailer is the last TRAILER_LEN bytes of the file.
+        if sealed_candidate {
+            let last_block = self.read_aligned(file, size - self.align, self.align as usize, &path)?;
+            let tb = &last_block[self.align as usize - format::TRAILER_LEN..];
+            if let Ok(t) = format::decode_trailer(tb, id, size) {
+                if t.salt != self.salt {
+                    return Err(self.foreign_segment(id, "trailer"));
+                }
+                if let Some(entries) = self.read_footer(file, id, size, &t, &path)? {
+                    let mut meta = SegMeta::new(size, data_start);
+                    meta.data_end = t.data_end;
+                    meta.sealed = true;
+                    meta.records = entries.len() as u64;
+                    report.sealed_segments += 1;
+                    return Ok(SegmentScan {
+                        meta,
+                        entries,
+                        max_epoch: t.max_epoch,
+                        tail: Vec::new(),
+                        cut: None,
+                        ends_with_mark: false,
+                        dropped_unsynced: false,
+                        header_ok: header.is_some(),
+                        never_written: false,
+                    });
+                }
+                report.corrupt.push((id, t.footer_offset, "footer checksum mismatch; scanning records".into()));
+            }
+        }
+        report.scanned_segments += 1;
+        let mut scan = self.scan_segment(id, file, size, data_start, report)?;
+        scan.header_ok = header.is_some();
+        if let Some(e) = zero_header {
+            if scan.entries.is_empty() && scan.cut.is_none() {
+                scan.never_written = true;
+            } else {
+                report.corrupt.push((id, 0, format!("segment header: {e:?} (all zeros, before records)")));
+            }
+        }
+        Ok(scan)
+    }
+
+    pub(super) fn read_footer(
+        &self,
+        file: &B::File,
+        id: u32,
+        size: u64,
+        t: &format::Trailer,
+        path: &Path,
+    ) -> Result<Option<Vec<FooterEntry>>> {
+        let start = align_down(t.footer_offset, self.align);
+        let end = align_up(t.footer_offset + t.footer_len, self.align);
+        let buf = self.read_aligned(file, start, (end - start) as usize, path)?;
+        let fb = &buf[(t.footer_offset - start) as usize..(t.footer_offset - start + t.footer_len) as usize];
+        if format::footer_crc(fb) != t.footer_crc {
+            return Ok(None);
+        }
+        match format::decode_footer(fb, t.entry_count, size) {
+            // A tombstone's `aux` is at most its own segment (see `format::peek_record_header`); a
+            // footer saying otherwise is not trusted (the scan checks each record on its own).
+            Ok(e) if e.iter().any(|e| e.flags & format::FLAG_TOMBSTONE != 0 && e.aux > id) => {
+                log::warn!("segment {id}: footer lists a tombstone shadowing a later segment; scanning");
+                Ok(None)
+            }
+            Ok(e) => Ok(Some(e)),
+            Err(err) => {
+                log::warn!("segment {id}: footer passes its checksum but does not decode ({err:?}); scanning");
+                Ok(None)
+            }
+        }
+    }
+
+    /// Zero `data_end..end` of a segment that writing continues in (what recovery cut off as a torn
+    /// tail, or what a failed write left past the end; `tail` holds the bytes of the block before
+    /// `data_end`), and sync it, before anything new is written there. The epoch rule rejects a stale
+    /// record only after a newer one: a stale record *at* the published end (the head of a torn
+    /// write, say) would, after a power cut that kept later pages of the next write but not its
+    /// first, be taken for a damaged record in the middle of the log, and win over its key's synced
+    /// value. Only durable logs do this (it runs only after a crash or a failed write). A failed sync
+    /// is an error (an fdatasync is never retried); a failed erase only a warning.
+    pub(super) fn erase_durably(&self, file: &B::File, id: u32, data_end: u64, tail: &[u8], end: u64) -> Result<()> {
+        if end <= data_end {
+            return Ok(());
+        }
+        if let Err(e) = self.erase_aborted(file, data_end - tail.len() as u64, tail, end) {
+            log::warn!("segment {id}: could not erase bytes {data_end}..{end} past the end of its records: {e}");
+            return Ok(());
+        }
+        self.backend.sync_data(file).map_err(|e| Error::io("sync segment", self.seg_path(id), e))
+    }
+}

@@ -1,0 +1,343 @@
+//! Segments as the writer sees them: per-segment accounting (`SegMeta`: live bytes, tombstone
+//! bytes, punched bytes; every change to them goes through its methods), the active segment and the
+//! writer's state, and the segment lifecycle: fit, rotate, seal (footer and trailer), sync.
+
+use super::*;
+
+#[derive(Debug, Clone)]
+pub(super) struct SegMeta {
+    /// File size.
+    pub(super) size: u64,
+    pub(super) data_start: u64,
+    /// End of the record area (`data_start` for empty).
+    pub(super) data_end: u64,
+    pub(super) sealed: bool,
+    pub(super) records: u64,
+    pub(super) live_records: u64,
+    pub(super) live_bytes: u64,
+    pub(super) tombstones: u64,
+    pub(super) tombstone_bytes: u64,
+    /// Smallest `aux` over the segment's tombstones.
+    pub(super) min_shadow: u32,
+    /// Bytes of forgotten records whose blocks were released with a hole punch (they occupy no disk
+    /// space, so compaction does not count them as dead space to reclaim).
+    pub(super) punched: u64,
+    /// Some record of this segment was superseded by a record still pending in memory
+    /// (write-behind): deleting the segment must wait until that record is written.
+    pub(super) superseded_by_pending: bool,
+    /// The oldest segment of live keys of this segment whose oldest segment is an older one (a key
+    /// overwritten while an older copy of it exists, or a record relocated by compaction), as
+    /// (offset, oldest segment), by offset. Their index entries carry `LOC_FIRST`; any other key's
+    /// oldest segment is its record's own. (Kept here, not in every index entry: 4 more bytes per
+    /// entry would make the index's hash table entries 48 bytes instead of 40.) Entries of records
+    /// that died stay until the segment goes.
+    pub(super) firsts: Vec<(u32, u32)>,
+    /// A record compaction had to move (a live value, or a needed tombstone) could not be moved,
+    /// its bytes being damaged, so the segment stays: compaction leaves it alone from then on (it
+    /// would find it sparse and copy its needed tombstones again every time). A damaged live value
+    /// keeps the segment by being live; a damaged tombstone by staying counted, while it is needed.
+    pub(super) unmovable: bool,
+}
+
+impl SegMeta {
+    pub(super) fn new(size: u64, data_start: u64) -> Self {
+        SegMeta {
+            size,
+            data_start,
+            data_end: data_start,
+            sealed: false,
+            records: 0,
+            live_records: 0,
+            live_bytes: 0,
+            tombstones: 0,
+            tombstone_bytes: 0,
+            min_shadow: u32::MAX,
+            punched: 0,
+            superseded_by_pending: false,
+            firsts: Vec::new(),
+            unmovable: false,
+        }
+    }
+}
+
+/// The oldest segment that may hold a record of the key whose live record `p` is (see
+/// [`SegMeta::firsts`]): the tombstone that deletes the key must shadow back to it.
+pub(super) fn first_segment(segs: &BTreeMap<u32, SegMeta>, p: &PackedLoc) -> u32 {
+    if !p.first_elsewhere() {
+        return p.segment;
+    }
+    let at = p.offset() as u32;
+    let found = segs.get(&p.segment).and_then(|m| {
+        let i = m.firsts.binary_search_by_key(&at, |&(o, _)| o).ok()?;
+        Some(m.firsts[i].1)
+    });
+    debug_assert!(found.is_some(), "a LOC_FIRST entry without its segment's note");
+    // Without its note (a bug), the oldest segment there can be: a tombstone then shadows too far
+    // back, which keeps it longer but never lets an old copy come back.
+    found.unwrap_or(0)
+}
+
+/// Note that the live record at `offset` of segment `segment` belongs to a key whose oldest
+/// segment is `first`; returns whether that is another segment (the index entry's `LOC_FIRST`).
+pub(super) fn note_first_segment(segs: &mut BTreeMap<u32, SegMeta>, segment: u32, offset: u64, first: u32) -> bool {
+    if first == segment {
+        return false;
+    }
+    let m = segs.get_mut(&segment).expect("a record's segment has metadata");
+    let at = offset as u32;
+    match m.firsts.last() {
+        Some(&(o, _)) if o >= at => {
+            // Not in offset order (never by the writer, which appends): keep the list sorted.
+            let i = m.firsts.partition_point(|&(o, _)| o < at);
+            if m.firsts.get(i).is_some_and(|&(o, _)| o == at) {
+                m.firsts[i].1 = first;
+            } else {
+                m.firsts.insert(i, (at, first));
+            }
+        }
+        _ => m.firsts.push((at, first)),
+    }
+    true
+}
+
+pub(super) struct Active<F> {
+    pub(super) id: u32,
+    pub(super) file: Arc<F>,
+    pub(super) size: u64,
+    /// Next record offset (64-aligned).
+    pub(super) data_end: u64,
+    /// Bytes `[base, data_end)`, where `base` is `written_end` rounded down to the alignment: the
+    /// partial block the next write rewrites, and any pending (write-behind) records after it.
+    pub(super) tail: Vec<u8>,
+    /// Everything before this offset has been written to the file; records at or after it are pending
+    /// in `tail` (write-behind). Equal to `data_end` when nothing is pending.
+    pub(super) written_end: u64,
+    pub(super) footer: Vec<u8>,
+    pub(super) footer_entries: u64,
+    pub(super) max_epoch: u32,
+    /// Written since the last fdatasync.
+    pub(super) dirty: bool,
+    /// The last record written is a sync mark (another one would prove nothing new).
+    pub(super) last_is_mark: bool,
+}
+
+pub(super) struct WriterState<F> {
+    pub(super) active: Option<Active<F>>,
+    pub(super) segs: BTreeMap<u32, SegMeta>,
+    pub(super) next_segment: u32,
+    pub(super) next_seq: u64,
+    pub(super) epoch: u32,
+    /// Segments were created or deleted since the segments directory was last fsync'ed.
+    pub(super) dir_dirty: bool,
+    /// Segments were created since then (a subset of `dir_dirty`): a segment must not be unlinked
+    /// before their entries are durable (see `delete_segment`).
+    pub(super) dir_new_segments: bool,
+    /// A seal made compaction worthwhile; run it at the end of the current append.
+    pub(super) compact_pending: bool,
+    /// Compaction is running (its own appends must not start another).
+    pub(super) compacting: bool,
+    /// Sealed segments whose footer and trailer are not yet fdatasync'ed (done by the next `sync`).
+    pub(super) unsynced_sealed: Vec<Arc<F>>,
+    /// The last write buffer, kept for reuse.
+    /// Write buffers kept for reuse (a fresh multi-MiB buffer costs a page fault per 4 KiB).
+    pub(super) spare_bufs: Vec<AlignedBuf>,
+}
+
+impl<B: Backend> SegmentLog<B> {
+    /// Room the footer will need for one more entry with this key.
+    pub(super) fn footer_entry_len(key_len: usize) -> u64 {
+        FooterEntry::encoded_len(key_len)
+    }
+
+    /// Whether a record of `len` bytes (and its footer entry) fits in the active segment.
+    pub(super) fn fits(&self, a: &Active<B::File>, len: u64, key_len: usize) -> bool {
+        let data_end = padded(a.data_end + len);
+        let footer = a.footer.len() as u64 + Self::footer_entry_len(key_len);
+        // The index holds offsets in 32 bits: after a jumbo record, nothing more goes in its segment.
+        a.data_end <= u32::MAX as u64 && align_up(data_end, self.align) + footer + format::TRAILER_LEN as u64 <= a.size
+    }
+
+    pub(super) fn sync_active(&self, st: &mut WriterState<B::File>) -> Result<()> {
+        // Records pending under write-behind are part of what must be durable (sealing, `sync`, and
+        // deleting a segment whose contents they superseded all rely on it).
+        self.flush_pending(st)?;
+        if let Some(a) = st.active.as_mut() {
+            if a.dirty {
+                // Never after a failed write or fdatasync (it could report success for lost data).
+                self.check_writable()?;
+                if let Err(e) = self.backend.sync_data(&a.file) {
+                    return Err(self.poison(Error::io("fdatasync", self.seg_path(a.id), e)));
+                }
+                a.dirty = false;
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn sync_dir_if_dirty(&self, st: &mut WriterState<B::File>) -> Result<()> {
+        if st.dir_dirty {
+            if let Err(e) = self.backend.sync_dir(&self.seg_dir) {
+                return Err(self.poison(Error::io("fsync directory", self.seg_dir.clone(), e)));
+            }
+            st.dir_dirty = false;
+            st.dir_new_segments = false;
+        }
+        Ok(())
+    }
+
+    /// Seal the active segment (if any) and create a new one that can hold a record of `len` bytes.
+    pub(super) fn rotate(&self, st: &mut WriterState<B::File>, len: u64, key_len: usize) -> Result<()> {
+        if st.active.is_some() {
+            self.seal_active(st)?;
+            if self.opts.auto_compact && self.wants_compaction(st) {
+                // Run after the caller's records are written, not in the middle of its batch (and
+                // asked for here, so that a failure to create the next segment does not lose it).
+                st.compact_pending = true;
+            }
+        }
+        let data_start = self.align;
+        let need = align_up(padded(data_start + len), self.align)
+            + align_up(Self::footer_entry_len(key_len) + format::TRAILER_LEN as u64, self.align);
+        let size = self.opts.segment_bytes.max(need);
+        let id = st.next_segment;
+        st.next_segment = id.checked_add(1).ok_or_else(|| Error::Exhausted("segment ids".into()))?;
+        let path = self.seg_path(id);
+        let file = self.backend.open(&path, true).map_err(|e| Error::io("create segment", path.clone(), e))?;
+        let cleanup = |e: Error| {
+            let _ = self.backend.remove_file(&path);
+            e
+        };
+        self.backend.allocate(&file, size).map_err(|e| cleanup(Error::io("fallocate", path.clone(), e)))?;
+        let mut hb = AlignedBuf::zeroed(self.align as usize, self.align as usize);
+        let header = format::SegmentHeader {
+            segment: id,
+            segment_bytes: size,
+            align: self.align as u32,
+            epoch: st.epoch,
+            data_start,
+            salt: self.salt,
+        };
+        hb[..format::SEGMENT_HEADER_LEN].copy_from_slice(&format::encode_segment_header(&header));
+        let (r, _) = self.backend.write_at(&file, 0, hb);
+        r.map_err(|e| cleanup(Error::io("write segment header", path.clone(), e)))?;
+        st.dir_dirty = true;
+        st.dir_new_segments = true;
+        let file = Arc::new(file);
+        self.files.write().unwrap_or_else(|p| p.into_inner()).insert(id, file.clone());
+        st.segs.insert(id, SegMeta::new(size, data_start));
+        st.active = Some(Active {
+            id,
+            file,
+            size,
+            data_end: data_start,
+            tail: Vec::new(),
+            written_end: data_start,
+            footer: Vec::new(),
+            footer_entries: 0,
+            max_epoch: st.epoch,
+            dirty: true,
+            last_is_mark: false,
+        });
+        Ok(())
+    }
+
+    /// Write the footer and the trailer of segment `id` (`size` bytes, records up to `data_end`):
+    /// the trailer last (in its own write, or at the end of the only one), so that without it the
+    /// segment is still an unsealed one whose records end at `data_end`.
+    #[allow(clippy::too_many_arguments)] // the segment's facts, from an `Active` or a stream
+    pub(super) fn write_seal(
+        &self,
+        file: &B::File,
+        id: u32,
+        size: u64,
+        data_end: u64,
+        footer: &[u8],
+        entries: u64,
+        max_epoch: u32,
+    ) -> io::Result<()> {
+        let footer_offset = align_up(data_end, self.align);
+        let footer_len = footer.len() as u64;
+        let trailer = format::Trailer {
+            segment: id,
+            max_epoch,
+            footer_offset,
+            footer_len,
+            entry_count: entries,
+            data_end,
+            footer_crc: format::footer_crc(footer),
+            salt: self.salt,
+        };
+        let tb = format::encode_trailer(&trailer);
+        let footer_end = align_up(footer_offset + footer_len, self.align);
+        let trailer_block = size - self.align;
+        let write = |offset: u64, buf: AlignedBuf| -> io::Result<()> { self.backend.write_at(file, offset, buf).0 };
+        if footer_end <= trailer_block {
+            let mut fb = AlignedBuf::zeroed((footer_end - footer_offset) as usize, self.align as usize);
+            fb[..footer.len()].copy_from_slice(footer);
+            let written = if footer_len > 0 { write(footer_offset, fb) } else { Ok(()) };
+            written.and_then(|()| {
+                let mut t = AlignedBuf::zeroed(self.align as usize, self.align as usize);
+                t[self.align as usize - format::TRAILER_LEN..].copy_from_slice(&tb);
+                write(trailer_block, t)
+            })
+        } else {
+            let mut fb = AlignedBuf::zeroed((size - footer_offset) as usize, self.align as usize);
+            fb[..footer.len()].copy_from_slice(footer);
+            let n = fb.len();
+            fb[n - format::TRAILER_LEN..].copy_from_slice(&tb);
+            write(footer_offset, fb)
+        }
+    }
+
+    /// Seal the active segment: data durable first, then footer and trailer.
+    pub(super) fn seal_active(&self, st: &mut WriterState<B::File>) -> Result<()> {
+        self.flush_pending(st)?;
+        if self.opts.durable {
+            self.sync_active(st)?;
+            self.sync_dir_if_dirty(st)?;
+        }
+        let a = st.active.as_ref().expect("active segment to seal");
+        if align_up(a.data_end, self.align) + a.footer.len() as u64 + format::TRAILER_LEN as u64 > a.size {
+            // Never for segments this log wrote (`fits` keeps the room) nor recovered (`recover`
+            // does not continue one without it); an error, not a panic, all the same.
+            return Err(Error::Corrupt {
+                segment: a.id,
+                offset: a.data_end,
+                reason: "no room for the segment's footer and trailer after its records".into(),
+            });
+        }
+        let a = st.active.take().expect("active segment to seal");
+        let written = self.write_seal(&a.file, a.id, a.size, a.data_end, &a.footer, a.footer_entries, a.max_epoch);
+        if let Err(e) = written {
+            // The trailer comes last (in its own write, or at the end of the only one), so without it
+            // the segment is still an unsealed one whose records end at `data_end`: it stays active.
+            let err = self.write_failed("write footer", self.seg_path(a.id), e);
+            st.active = Some(a);
+            return Err(err);
+        }
+        let m = st.segs.get_mut(&a.id).expect("active has metadata");
+        m.sealed = true;
+        st.unsynced_sealed.push(a.file);
+        Ok(())
+    }
+
+    /// Make every record written before this call durable: fdatasync the active segment, and fsync the
+    /// segments directory if segments were created or removed since the last sync.
+    pub fn sync(&self) -> Result<()> {
+        let mut st = self.writer();
+        // Under the writer lock: a sync that failed while this one waited poisoned the log, and a
+        // failed fdatasync must never be retried (it can report success for data that was dropped).
+        self.check_writable()?;
+        if st.active.as_ref().is_some_and(|a| a.dirty && !a.last_is_mark) {
+            self.append(&mut st, vec![NewRecord::SyncMark])?;
+        }
+        self.flush_pending(&mut st)?;
+        self.sync_active(&mut st)?;
+        for f in std::mem::take(&mut st.unsynced_sealed) {
+            if let Err(e) = self.backend.sync_data(&f) {
+                return Err(self.poison(Error::io("fdatasync", self.seg_dir.clone(), e)));
+            }
+        }
+        self.sync_dir_if_dirty(&mut st)
+    }
+}

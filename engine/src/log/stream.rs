@@ -1,0 +1,565 @@
+//! Streamed puts (`put_stream`): a value read from a socket or file. Small values are read into memory
+//! and appended under the writer lock; large ones go to a segment of their own written without the
+//! lock, published only if no newer write of the key overtook them.
+
+use super::*;
+
+/// The stored form of a value arriving from a peer, for [`SegmentLog::put_stream`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamedValue {
+    /// The payload is an lz4 block of the laid-out frames.
+    pub lz4: bool,
+    /// Length of each frame.
+    pub frame_lens: Vec<u64>,
+    /// Length of the laid-out frames ([`format::frame_layout`]).
+    pub raw_len: u64,
+    /// Bytes that follow on the stream.
+    pub stored_len: u64,
+    /// crc32 of those bytes.
+    pub payload_crc: u32,
+}
+
+/// Values streaming into segments of their own, by key: (sequence number, overtaken) of each (see
+/// [`SegmentLog::put_stream`]).
+pub(super) type Streams = HashMap<Vec<u8>, Vec<(u64, bool)>>;
+
+/// `put_stream` reads a value of at most this many stored bytes, or an eighth of a segment if that
+/// is more, into memory, then writes it under the writer lock; a larger one goes into a segment of
+/// its own without the lock. (An eighth of a segment: each segment is an open file, and a stream of
+/// values of a few MiB must not cost a file each.)
+pub(super) const STREAM_BUFFERED_MAX: u64 = 1 << 20;
+
+/// The error of a peer that stopped before the whole value arrived.
+pub(super) fn stopped_early() -> io::Error {
+    io::Error::new(io::ErrorKind::UnexpectedEof, "the sender stopped before the whole value arrived")
+}
+
+/// Fill `buf` from `src` (a value's payload from a peer), retrying interrupted reads.
+pub(super) fn read_payload(src: &mut dyn io::Read, buf: &mut [u8]) -> Result<()> {
+    let mut at = 0;
+    while at < buf.len() {
+        match src.read(&mut buf[at..]) {
+            Ok(0) => return Err(Error::io("receive value", None, stopped_early())),
+            Ok(n) => at += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(Error::io("receive value", None, e)),
+        }
+    }
+    Ok(())
+}
+
+impl<B: Backend> SegmentLog<B> {
+    /// Store a value whose stored form arrives from `src` (a peer's socket), without holding it in
+    /// memory (beyond 1 MiB, or an eighth of a segment) and without holding the writer lock while it
+    /// arrives: a value of at most that many stored bytes is read first, then appended like any
+    /// record; a larger one is written into a segment of its own as the bytes arrive (see
+    /// `put_stream_apart`). The payload checksum is computed on the way, and the key is published
+    /// only when all `meta.stored_len` bytes arrived and match `meta.payload_crc`. On a short read
+    /// (the sender hung up), a read error or a checksum mismatch, nothing becomes visible, nothing
+    /// of the value stays on disk, and the log stays usable. A write of the key published while the
+    /// value arrives wins over it (the streamed record is dead on arrival).
+    pub fn put_stream(&self, key: &[u8], meta: &StreamedValue, src: &mut dyn io::Read) -> Result<()> {
+        if key.len() > format::MAX_KEY_BYTES {
+            return Err(Error::KeyTooLarge { len: key.len(), max: format::MAX_KEY_BYTES });
+        }
+        let invalid = |why: &str| Error::Protocol(format!("streamed value: {why}"));
+        if meta.frame_lens.len() > format::MAX_FRAMES {
+            return Err(invalid("too many frames"));
+        }
+        let laid_out = format::frame_layout(meta.frame_lens.iter().copied()).map(|(_, n)| n);
+        if laid_out != Some(meta.raw_len) {
+            return Err(invalid("frame lengths do not lay out to raw_len"));
+        }
+        if !meta.lz4 && meta.stored_len != meta.raw_len {
+            return Err(invalid("uncompressed value with stored_len != raw_len"));
+        }
+        if meta.lz4 && !format::lz4_lengths_fit(meta.stored_len, meta.raw_len) {
+            return Err(invalid("lz4 lengths that no compression of raw_len has"));
+        }
+        let total: u64 = meta.frame_lens.iter().sum();
+        if total > self.opts.max_value_bytes || meta.stored_len > self.opts.max_value_bytes + (1 << 20) {
+            return Err(Error::ValueTooLarge {
+                len: total.max(meta.stored_len),
+                max: self.opts.max_value_bytes,
+                unit: "bytes",
+            });
+        }
+        let len = format::record_len(meta.frame_lens.len(), key.len(), meta.stored_len);
+        if len > MAX_RECORD_BYTES {
+            return Err(Error::ValueTooLarge { len, max: MAX_RECORD_BYTES, unit: "record bytes" });
+        }
+        if meta.stored_len > STREAM_BUFFERED_MAX.max(self.opts.segment_bytes / 8) {
+            return self.put_stream_apart(key, meta, src, len);
+        }
+        // Small: into memory first, so that the writer lock is held for a write, never for a peer.
+        let mut payload = vec![0u8; meta.stored_len as usize];
+        read_payload(src, &mut payload)?;
+        self.put_stream_locked(key, meta, &mut &payload[..], len)
+    }
+
+    /// The header and the encoded head (header, frame table, key: everything before the payload)
+    /// of a streamed value's record in segment `segment`. A streamed payload is never padded
+    /// (`aux` 0): it is written as it arrives.
+    pub(super) fn streamed_head(
+        &self,
+        key: &[u8],
+        meta: &StreamedValue,
+        segment: u32,
+        epoch: u32,
+        seq: u64,
+    ) -> (RecordHeader, Vec<u8>) {
+        let h = RecordHeader {
+            flags: if meta.lz4 { format::FLAG_LZ4 } else { 0 },
+            frame_count: meta.frame_lens.len() as u16,
+            key_len: key.len() as u32,
+            segment,
+            epoch,
+            payload_crc: meta.payload_crc,
+            seq,
+            raw_len: meta.raw_len,
+            stored_len: meta.stored_len,
+            aux: 0,
+        };
+        let mut head = vec![0u8; h.payload_offset() as usize];
+        format::write_record_head(&mut head, &h, &meta.frame_lens, key, self.salt);
+        (h, head)
+    }
+
+    /// `put_stream` of a value read from `src` while holding the writer lock (its bytes are in
+    /// memory already: see `put_stream`), appended to the active segment.
+    pub(super) fn put_stream_locked(
+        &self,
+        key: &[u8],
+        meta: &StreamedValue,
+        src: &mut dyn io::Read,
+        len: u64,
+    ) -> Result<()> {
+        let mut guard = self.writer();
+        // Checked under the writer lock: a write or fsync that failed while this call waited for
+        // the lock poisoned the log, and nothing may be written (or an fsync retried) after that.
+        self.check_writable()?;
+        let st = &mut *guard;
+        let need_new = match &st.active {
+            Some(a) => !self.fits(a, len, key.len()),
+            None => true,
+        };
+        if need_new {
+            self.rotate(st, len, key.len())?;
+        }
+        // The value is streamed straight to the file, after what is pending (write-behind).
+        self.flush_pending(st)?;
+        let epoch = st.epoch;
+        let seq = st.next_seq;
+        st.next_seq += 1;
+        let align = self.align as usize;
+        let a = st.active.as_ref().expect("active after rotate");
+        let (id, start, old_tail) = (a.id, a.data_end, a.tail.clone());
+        let base = align_down(start, self.align);
+        let (h, head) = self.streamed_head(key, meta, id, epoch, seq);
+        let po = head.len();
+
+        const CHUNK: usize = 1 << 20;
+        // Chunks are written `fill` bytes at a time (a multiple of the alignment); the extra block of
+        // capacity leaves room for the last record's padding.
+        let fill = CHUNK.max(align_up((old_tail.len() + po) as u64, self.align) as usize);
+        let cap = fill + align;
+        let mut buf = self.backend.alloc_buf(cap, align);
+        buf.set_len(0);
+        buf.extend_from_slice(&old_tail);
+        buf.extend_from_slice(&head);
+        let mut buf_base = base;
+        let mut crc = crc32fast::Hasher::new();
+        let mut left = meta.stored_len;
+        let file = &a.file;
+        let end = start + len;
+        // A panic of the caller's reader is caught, so that what this value wrote is erased below
+        // like after any other failure, and then goes on unwinding.
+        let mut panicked: Option<Box<dyn std::any::Any + Send>> = None;
+        let result: Result<()> = (|| {
+            loop {
+                // Fill the buffer from the peer, then write it whole (it is a multiple of `align`).
+                while left > 0 && buf.len() < fill {
+                    let at = buf.len();
+                    let want = ((fill - at) as u64).min(left) as usize;
+                    buf.set_len(at + want);
+                    let read =
+                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| src.read(&mut buf[at..at + want])));
+                    let n = match read {
+                        Ok(Ok(n)) => n,
+                        Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => {
+                            buf.set_len(at);
+                            continue;
+                        }
+                        Ok(Err(e)) => {
+                            buf.set_len(at);
+                            return Err(Error::io("receive value", None, e));
+                        }
+                        Err(panic) => {
+                            buf.set_len(at);
+                            panicked = Some(panic);
+                            return Err(Error::io("receive value", None, io::Error::other("the reader panicked")));
+                        }
+                    };
+                    buf.set_len(at + n);
+                    if n == 0 && want > 0 {
+                        return Err(Error::io(
+                            "receive value",
+                            None,
+                            io::Error::new(
+                                io::ErrorKind::UnexpectedEof,
+                                "the sender stopped before the whole value arrived",
+                            ),
+                        ));
+                    }
+                    crc.update(&buf[at..at + n]);
+                    left -= n as u64;
+                }
+                if left == 0 {
+                    break;
+                }
+                let (r, b) =
+                    self.backend.write_at(file, buf_base, std::mem::replace(&mut buf, AlignedBuf::zeroed(0, align)));
+                buf = b;
+                r.map_err(|e| self.write_failed("write segment", self.seg_path(id), e))?;
+                buf_base += buf.len() as u64;
+                buf.set_len(0);
+            }
+            Ok(())
+        })();
+        let result = result.and_then(|()| {
+            let actual = crc.finalize();
+            if actual != meta.payload_crc {
+                // Bad bytes from the peer, not damage on disk (the record is zeroed below): segment 0.
+                return Err(Error::ChecksumMismatch {
+                    segment: 0,
+                    offset: 0,
+                    what: "streamed value payload",
+                    expected: meta.payload_crc,
+                    actual,
+                });
+            }
+            // Last piece: pad the record and the block, write, keep the new tail block.
+            let at = buf.len();
+            let rec_end = (end - buf_base) as usize;
+            debug_assert_eq!(at, rec_end);
+            let block_end = (align_up(padded(end), self.align) - buf_base) as usize;
+            buf.set_len(block_end.max(at));
+            buf[at..].fill(0);
+            let (r, b) =
+                self.backend.write_at(file, buf_base, std::mem::replace(&mut buf, AlignedBuf::zeroed(0, align)));
+            buf = b;
+            r.map_err(|e| self.write_failed("write segment", self.seg_path(id), e))
+        });
+        if let Err(e) = result {
+            // Nothing was published: erase what this value wrote, so neither the next records nor
+            // recovery ever see a partial record.
+            let erase_end = align_up(end, self.align).min(buf_base + buf.capacity() as u64);
+            let erased = self.erase_aborted(file, base, &old_tail, erase_end);
+            self.fence_failed_write(st, None); // (erased just above)
+            let failed = match erased {
+                Err(we) => self.write_failed("erase an aborted value", self.seg_path(id), we),
+                Ok(()) if self.opts.durable && self.poisoned.get().is_none() => {
+                    // As in `erase_durably`: the aborted record's head sat at the published end.
+                    let file = st.active.as_ref().expect("still active").file.clone();
+                    match self.backend.sync_data(&file) {
+                        Err(se) => self.poison(Error::io("sync segment", self.seg_path(id), se)),
+                        Ok(()) => e,
+                    }
+                }
+                Ok(()) => e,
+            };
+            if let Some(panic) = panicked {
+                drop(guard);
+                std::panic::resume_unwind(panic);
+            }
+            return Err(failed);
+        }
+        // The record's padding is part of the tail block the next write rewrites.
+        let pend = padded(end);
+        let tail_start = align_down(pend, self.align);
+        let tail = buf[(tail_start - buf_base) as usize..(pend - buf_base) as usize].to_vec();
+        let empty = Frames::default();
+        let rec = NewRecord::Value { key, frames: &empty };
+        let chunk = [Prepared { rec, payload: Payload::Empty, len, pad: 0, align_head: 0 }];
+        self.publish_chunk(st, &chunk, &[Placed::new(start, &h)], pend, tail, epoch, false)?;
+        self.compact_if_pending(st);
+        Ok(())
+    }
+
+    /// `put_stream` of a large value: into a segment of its own, created for it, without the writer
+    /// lock (taken only to reserve the segment id and the sequence number, then to publish), so that
+    /// writes go on while the value arrives. The segment is written whole (its header, the record,
+    /// the footer and the trailer: sealed) before it joins the log. A put, delete or forget of the
+    /// key while the value arrives is newer: the streamed record is then dead on arrival (the
+    /// record a later recovery would pick agrees: the other operation's sequence number is higher,
+    /// or, after a forget, a spill log may bring either back). Compaction may move the key's old
+    /// record meanwhile: a move keeps its sequence number and does not overtake the stream.
+    pub(super) fn put_stream_apart(
+        &self,
+        key: &[u8],
+        meta: &StreamedValue,
+        src: &mut dyn io::Read,
+        len: u64,
+    ) -> Result<()> {
+        let data_start = self.align;
+        let size = align_up(padded(data_start + len), self.align)
+            + align_up(Self::footer_entry_len(key.len()) + format::TRAILER_LEN as u64, self.align);
+        let (id, seq, epoch) = {
+            let mut st = self.writer();
+            self.check_writable()?;
+            let id = st.next_segment;
+            st.next_segment = id.checked_add(1).ok_or_else(|| Error::Exhausted("segment ids".into()))?;
+            let seq = st.next_seq;
+            st.next_seq += 1;
+            // Registered under the writer lock: every write of the key published after this one
+            // has a larger sequence number and marks it.
+            lock(&self.streaming).entry(key.to_vec()).or_default().push((seq, false));
+            self.any_streaming.store(true, Ordering::Release);
+            (id, seq, st.epoch)
+        };
+        let path = self.seg_path(id);
+        let written = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.write_streamed_segment(&path, id, size, key, meta, seq, epoch, src)
+        }));
+        let mut guard = self.writer();
+        let st = &mut *guard;
+        let (file, h) = match written {
+            Ok(Ok(w)) => w,
+            Ok(Err(e)) => {
+                self.stream_ended(key, seq);
+                return Err(e);
+            }
+            Err(panic) => {
+                // (Its file may be there: a reader that panics is the caller's bug, and the
+                // segment goes like any torn one at the next open if this removal fails.)
+                let _ = self.backend.remove_file(&path);
+                self.stream_ended(key, seq);
+                drop(guard);
+                std::panic::resume_unwind(panic);
+            }
+        };
+        if let Err(e) = self.check_writable() {
+            // Poisoned meanwhile: the log changes nothing on disk any more, and takes no segment.
+            drop(file);
+            let _ = self.backend.remove_file(&path);
+            self.stream_ended(key, seq);
+            return Err(e);
+        }
+        let file = Arc::new(file);
+        st.dir_dirty = true;
+        st.dir_new_segments = true;
+        self.files.write().unwrap_or_else(|p| p.into_inner()).insert(id, file.clone());
+        let mut m = SegMeta::new(size, data_start);
+        m.data_end = padded(data_start + len);
+        m.sealed = true;
+        m.records = 1;
+        st.segs.insert(id, m);
+        st.unsynced_sealed.push(file);
+        let mut emptied = Vec::new();
+        {
+            let mut index = self.index.write().unwrap_or_else(|p| p.into_inner());
+            // Under the index lock, as `forget` marks streams: none can come between.
+            let overtaken = self.stream_ended(key, seq);
+            if !overtaken {
+                // A write of the key, for the streams of it that began before this one.
+                self.written_meanwhile(key, seq);
+                let loc = Location { segment: id, offset: data_start, len };
+                let first = index.get(key).map_or(id, |o| first_segment(&st.segs, o).min(id));
+                let elsewhere = note_first_segment(&mut st.segs, id, data_start, first);
+                let facts = RecordFacts::of(h.flags, h.frame_count, h.payload_crc, h.aux, h.stored_len);
+                if let Some(old) = index.insert(IndexKey::from(key), PackedLoc::new(loc, facts, elsewhere)) {
+                    Self::release(st, old.into(), &mut emptied);
+                }
+                let m = st.segs.get_mut(&id).expect("inserted above");
+                m.live_records = 1;
+                m.live_bytes = padded(len);
+            }
+        }
+        self.wrote();
+        // The old record's segment, or this one if a newer operation made it dead on arrival.
+        self.reclaim(st);
+        Ok(())
+    }
+
+    /// A write of `key` with sequence number `seq` (`u64::MAX`: a forget, newer than everything)
+    /// was published: the streams of `key` that began before it are overtaken.
+    pub(super) fn written_meanwhile(&self, key: &[u8], seq: u64) {
+        if !self.any_streaming.load(Ordering::Acquire) {
+            return;
+        }
+        if let Some(streams) = lock(&self.streaming).get_mut(key) {
+            for (s, overtaken) in streams.iter_mut() {
+                *overtaken |= *s < seq;
+            }
+        }
+    }
+
+    /// The stream of `key` with sequence number `seq` is over: forget it. Returns whether a newer
+    /// write of its key overtook it.
+    pub(super) fn stream_ended(&self, key: &[u8], seq: u64) -> bool {
+        let mut streaming = lock(&self.streaming);
+        let Some(streams) = streaming.get_mut(key) else { return false };
+        let i = streams.iter().position(|&(s, _)| s == seq).expect("registered by put_stream_apart");
+        let (_, overtaken) = streams.swap_remove(i);
+        if streams.is_empty() {
+            streaming.remove(key);
+            if streaming.is_empty() {
+                self.any_streaming.store(false, Ordering::Release);
+            }
+        }
+        overtaken
+    }
+
+    /// The segment of a `put_stream_apart`: created at `path`, its header, the record (its payload
+    /// from `src`, checked against `meta.payload_crc`), made durable first in a durable log, then
+    /// its footer and trailer. On failure the file is removed (it was never part of the log).
+    #[allow(clippy::too_many_arguments)] // one value's record, as `put_stream_apart` placed it
+    pub(super) fn write_streamed_segment(
+        &self,
+        path: &Path,
+        id: u32,
+        size: u64,
+        key: &[u8],
+        meta: &StreamedValue,
+        seq: u64,
+        epoch: u32,
+        src: &mut dyn io::Read,
+    ) -> Result<(B::File, RecordHeader)> {
+        let file = self.backend.open(path, true).map_err(|e| Error::io("create segment", path.to_path_buf(), e))?;
+        let data_start = self.align;
+        let align = self.align as usize;
+        // As on every write path: a full file system fails this call alone, any other failure
+        // makes the log read-only (see `write_failed`).
+        let io_err = |op: &'static str| move |e: io::Error| self.write_failed(op, path.to_path_buf(), e);
+        let written = (|| -> Result<RecordHeader> {
+            self.backend.allocate(&file, size).map_err(io_err("fallocate"))?;
+            let mut hb = AlignedBuf::zeroed(align, align);
+            let header = format::SegmentHeader {
+                segment: id,
+                segment_bytes: size,
+                align: align as u32,
+                epoch,
+                data_start,
+                salt: self.salt,
+            };
+            hb[..format::SEGMENT_HEADER_LEN].copy_from_slice(&format::encode_segment_header(&header));
+            self.backend.write_at(&file, 0, hb).0.map_err(io_err("write segment header"))?;
+            let (h, head) = self.streamed_head(key, meta, id, epoch, seq);
+            let po = head.len();
+            const CHUNK: usize = 1 << 20;
+            // Pieces of `fill` bytes (a multiple of the alignment), the last one padded.
+            let fill = CHUNK.max(align_up(po as u64, self.align) as usize);
+            let mut buf = self.backend.alloc_buf(fill + align, align);
+            buf.set_len(0);
+            buf.extend_from_slice(&head);
+            let (mut at, mut left) = (data_start, meta.stored_len);
+            let mut crc = crc32fast::Hasher::new();
+            loop {
+                while left > 0 && buf.len() < fill {
+                    let from = buf.len();
+                    let want = ((fill - from) as u64).min(left) as usize;
+                    buf.set_len(from + want);
+                    let n = match src.read(&mut buf[from..]) {
+                        Ok(0) => {
+                            buf.set_len(from);
+                            return Err(Error::io("receive value", None, stopped_early()));
+                        }
+                        Ok(n) => n,
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => 0,
+                        Err(e) => {
+                            buf.set_len(from);
+                            return Err(Error::io("receive value", None, e));
+                        }
+                    };
+                    buf.set_len(from + n);
+                    crc.update(&buf[from..from + n]);
+                    left -= n as u64;
+                }
+                if left == 0 {
+                    break;
+                }
+                let (r, b) =
+                    self.backend.write_at(&file, at, std::mem::replace(&mut buf, AlignedBuf::zeroed(0, align)));
+                buf = b;
+                r.map_err(io_err("write segment"))?;
+                at += buf.len() as u64;
+                buf.set_len(0);
+            }
+            let actual = crc.finalize();
+            if actual != meta.payload_crc {
+                // Bad bytes from the peer, not damage on disk: segment 0.
+                let what = "streamed value payload";
+                return Err(Error::ChecksumMismatch {
+                    segment: 0,
+                    offset: 0,
+                    what,
+                    expected: meta.payload_crc,
+                    actual,
+                });
+            }
+            let end = buf.len();
+            buf.set_len(align_up(end as u64, self.align) as usize);
+            buf[end..].fill(0);
+            self.backend.write_at(&file, at, buf).0.map_err(io_err("write segment"))?;
+            if self.opts.durable {
+                self.backend.sync_data(&file).map_err(io_err("sync segment"))?;
+            }
+            let mut footer = Vec::new();
+            let entry = FooterEntry {
+                key: key.to_vec(),
+                flags: h.flags & format::FLAG_LZ4,
+                frame_count: h.frame_count,
+                payload_crc: h.payload_crc,
+                offset: data_start,
+                record_len: h.record_len(),
+                seq,
+                aux: 0,
+            };
+            format::encode_footer_entry(&mut footer, &entry);
+            let data_end = padded(data_start + h.record_len());
+            self.write_seal(&file, id, size, data_end, &footer, 1, epoch).map_err(io_err("write footer"))?;
+            Ok(h)
+        })();
+        match written {
+            Ok(h) => Ok((file, h)),
+            Err(e) => {
+                drop(file);
+                let _ = self.backend.remove_file(path);
+                Err(e)
+            }
+        }
+    }
+
+    /// Erase `base..end` of the active segment after an aborted `put_stream`: the block at `base` gets
+    /// the previous tail back (published records) and zeros after it; the rest is punched out, which
+    /// needs no free space (zero writes into blocks the aborted write never reached would, on a full
+    /// disk), or zeroed where the file system cannot punch.
+    pub(super) fn erase_aborted(&self, file: &B::File, base: u64, old_tail: &[u8], end: u64) -> io::Result<()> {
+        let align = self.align as usize;
+        let mut pos = base;
+        if !old_tail.is_empty() {
+            let mut z = AlignedBuf::zeroed(align, align);
+            z[..old_tail.len()].copy_from_slice(old_tail);
+            self.backend.write_at(file, base, z).0?;
+            pos += self.align;
+        }
+        if pos >= end {
+            return Ok(());
+        }
+        match self.backend.punch_hole(file, pos, end - pos) {
+            Err(e) if e.kind() == io::ErrorKind::Unsupported => {}
+            r => return r,
+        }
+        const CHUNK: u64 = 1 << 20;
+        let mut z = AlignedBuf::zeroed(CHUNK.min(end - pos) as usize, align);
+        while pos < end {
+            let n = (end - pos).min(CHUNK) as usize;
+            z.set_len(n);
+            let (r, b) = self.backend.write_at(file, pos, z);
+            z = b;
+            r?;
+            pos += n as u64;
+        }
+        Ok(())
+    }
+}
