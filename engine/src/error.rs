@@ -106,6 +106,15 @@ pub enum Error {
     /// A bounded resource is used up (live transfer grants, a counter): nothing was done; it may
     /// succeed once some is given back.
     Exhausted(String),
+    /// A value's record was removed or replaced (a racing `remove` or `put`) between finding it and
+    /// reading it. Not damage: the store's readers start over and never pass it on.
+    Vanished {
+        /// The key, lossily printed.
+        key: String,
+    },
+    /// An internal invariant did not hold (a bug in spillway, not bad input or bad bytes): the call
+    /// failed and changed nothing it could not undo.
+    Internal(String),
     /// The codec failed to serialize or deserialize a value.
     Codec {
         /// `"serialize"` or `"deserialize"`.
@@ -142,6 +151,8 @@ impl Error {
             | Error::InvalidConfig(_)
             | Error::Protocol(_)
             | Error::Exhausted(_)
+            | Error::Vanished { .. }
+            | Error::Internal(_)
             | Error::NotPersisted { .. } => self.to_string(),
         }
     }
@@ -220,6 +231,8 @@ impl fmt::Display for Error {
             Error::InvalidConfig(msg) => write!(f, "invalid configuration: {msg}"),
             Error::Protocol(msg) => write!(f, "transfer protocol: {msg}"),
             Error::Exhausted(what) => write!(f, "used up: {what}"),
+            Error::Vanished { key } => write!(f, "{key:?} was removed while being read"),
+            Error::Internal(msg) => write!(f, "internal error (a bug in spillway): {msg}"),
             Error::NotPersisted { keys } => {
                 write!(f, "{keys} value(s) could not be written to disk and are held only in memory")
             }

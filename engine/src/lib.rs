@@ -7,6 +7,8 @@
 //! This crate is layered:
 //!
 //! * [`format`](mod@format): the byte layout of segment files (records, footers, trailers), and nothing else.
+//! * [`stored`]: the stored form of a value (its frames laid out, maybe one lz4 block), which the log,
+//!   the store and the transfer protocol all write and read through.
 //! * [`backend`]: the I/O backends the log runs on: io_uring ([`UringBackend`](backend::UringBackend)),
 //!   [`PortableBackend`] (`pread`/`pwrite`), [`SimBackend`] (in memory, with fault injection and power
 //!   cuts), and [`AutoBackend`], which picks io_uring and falls back to portable where it is unavailable.
@@ -31,6 +33,7 @@ pub mod log;
 mod sigpipe;
 pub mod slot;
 pub mod store;
+pub mod stored;
 pub mod sync;
 pub mod task;
 pub mod transfer;
@@ -44,7 +47,9 @@ pub use log::{
     CompactStats, CompactionPolicy, Compression, Location, LogOptions, LogStats, RecoveryReport, SegmentLog,
     StoredValue, StreamedValue, VerifyProblem, MAX_SEGMENT_BYTES, MAX_VALUE_BYTES,
 };
-pub use store::{Codec, CodecError, MetricsSnapshot, Store, StoreConfig, Tier, SPILL_WRITE_BEHIND_BYTES};
+pub use store::{
+    Activity, Codec, CodecError, EvictionPolicy, MetricsSnapshot, Store, StoreConfig, Tier, SPILL_WRITE_BEHIND_BYTES,
+};
 pub use value::Frames;
 
 /// The README's Rust examples, compiled by `cargo test` (as doctests) so they stay true to the API.

@@ -22,7 +22,7 @@ fuzz_target!(|data: &[u8]| {
             // serve exactly that. An lz4 block that does not decode is stored as received (a known
             // limit, docs/architecture.md): reading it is then an error, never other bytes.
             let mut src = stored;
-            match spillway::transfer::read_stored_form(&meta, &mut src, 1 << 20) {
+            match spillway::stored::read(&meta, &mut src, 1 << 20) {
                 Ok(want) => assert_eq!(log.get(b"k").unwrap(), Some(want), "stored other bytes"),
                 Err(_) => assert!(meta.lz4 && log.get(b"k").is_err(), "undecodable, yet served"),
             }

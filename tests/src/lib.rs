@@ -3,6 +3,8 @@
 use bytes::Bytes;
 use spillway::Frames;
 
+pub mod store;
+
 /// A deterministic pseudo-random generator (xorshift64*), so a child process and its parent can agree
 /// on a value's bytes from its key alone.
 pub struct Rng(u64);

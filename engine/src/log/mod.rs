@@ -52,6 +52,7 @@ use crate::buf::AlignedBuf;
 use crate::error::{Error, Result};
 use crate::format::{self, align_down, align_up, FooterEntry, RecordHeader, Salt, RECORD_ALIGN};
 use crate::key::{IndexKey, KeyHasher, KeyMap};
+use crate::stored;
 use crate::value::Frames;
 
 mod compact;

@@ -105,24 +105,13 @@ pub(super) fn decode_read_with_crc(raw: Bytes, loc: Location, key: &[u8], salt: 
     }
     let h = r.header;
     let po = h.payload_offset() as usize;
-    let data: Bytes = if h.is_lz4() {
-        let mut out = AlignedBuf::zeroed(h.raw_len as usize, 64);
-        match lz4_flex::block::decompress_into(r.payload, &mut out) {
-            Ok(n) if n as u64 == h.raw_len => out.freeze(),
-            Ok(_) | Err(_) => {
-                return Err(Error::Corrupt {
-                    segment: loc.segment,
-                    offset: loc.offset,
-                    reason: "lz4 payload does not decompress to its recorded length".into(),
-                })
-            }
-        }
-    } else {
-        raw.slice(po..po + h.stored_len as usize)
-    };
-    let (offsets, _) = format::frame_layout(r.frame_lens.iter().copied()).expect("checked when decoding");
-    let frames = r.frame_lens.iter().zip(offsets).map(|(&l, at)| data.slice(at as usize..(at + l) as usize)).collect();
-    Ok((Frames(frames), (!h.is_lz4()).then_some(h.payload_crc)))
+    let payload = raw.slice(po..po + h.stored_len as usize);
+    let frames = stored::decode(payload, h.is_lz4(), h.raw_len, &r.frame_lens).map_err(|m| Error::Corrupt {
+        segment: loc.segment,
+        offset: loc.offset,
+        reason: m.reason().into(),
+    })?;
+    Ok((frames, (!h.is_lz4()).then_some(h.payload_crc)))
 }
 
 impl<B: Backend> SegmentLog<B> {
@@ -382,7 +371,7 @@ impl<B: Backend> SegmentLog<B> {
     /// piece at a time, for a sender that must not hold a whole value in memory.
     pub fn read_stored_part(&self, sv: &StoredValue<B::File>, from: u64, len: u64) -> Result<Bytes> {
         if from.checked_add(len).is_none_or(|end| end > sv.meta.stored_len) {
-            return Err(Error::InvalidConfig(format!(
+            return Err(Error::Internal(format!(
                 "bytes {from}..+{len} are outside a payload of {}",
                 sv.meta.stored_len
             )));

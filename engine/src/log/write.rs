@@ -237,9 +237,7 @@ impl<B: Backend> SegmentLog<B> {
                 let raw = laid_out_len(frames);
                 let frames: &'a Frames = frames;
                 if self.opts.compression == Compression::Lz4 && raw >= MIN_COMPRESS_BYTES {
-                    let mut joined = vec![0u8; raw as usize];
-                    format::lay_out_frames(&mut joined, frames.iter().map(|f| &f[..]));
-                    let c = lz4_flex::block::compress(&joined);
+                    let (c, _) = stored::compress(frames);
                     if (c.len() as u64) <= raw - raw / 8 {
                         let n = c.len() as u64;
                         (Payload::Compressed(c), frames.len(), n)

@@ -31,14 +31,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-
 use crate::backend::Backend;
-use crate::buf::AlignedBuf;
 use crate::error::{Error, Result};
 use crate::format::{self, MAX_FRAMES, MAX_KEY_BYTES};
 use crate::log::{SegmentLog, StoredValue, StreamedValue};
 use crate::store::{Codec, Store, Tier};
+use crate::stored;
 use crate::value::Frames;
 
 /// Protocol version spoken by this build.
@@ -809,7 +807,7 @@ impl Client {
     /// frames (bounded by `max_value_bytes`, checked when the header was read).
     fn receive_whole(&mut self, m: &StreamedValue) -> Result<Frames> {
         let allowance = self.opts.allowance(m.stored_len);
-        read_stored_form(m, &mut Paced::new(&mut self.stream, allowance), self.opts.max_value_bytes)
+        stored::read(m, &mut Paced::new(&mut self.stream, allowance), self.opts.max_value_bytes)
     }
 
     /// Fetch `key` straight into `log` under `as_key`, in stored form, never holding the value in
@@ -822,23 +820,15 @@ impl Client {
         })
     }
 
-    /// Fetch `key` into `store` under the same key. A receiver at or under its target keeps the value
-    /// in memory, serialized (deserialized only when a task asks for it); one over its target stores
-    /// it straight into its log without holding it in memory ([`Store::put_stream`]). Returns whether
+    /// Fetch `key` into `store` under the same key ([`Store::receive`] decides between memory and
+    /// disk). Returns whether
     /// the server had the key; on any failure nothing is stored, and the key's old value, if any,
     /// stays.
     pub fn get_into_store<C: Codec, B: Backend>(&mut self, key: &[u8], store: &Store<C, B>) -> Result<bool> {
         self.guarded(|c| {
             let Some(m) = c.request(key)? else { return Ok(false) };
-            let total: u64 = m.frame_lens.iter().sum();
-            if store.memory_bytes().saturating_add(total) <= store.config().target_bytes {
-                let allowance = c.opts.allowance(m.stored_len);
-                store.put_received(key, &m, &mut Paced::new(&mut c.stream, allowance))?;
-            } else {
-                let allowance = c.opts.allowance(m.stored_len);
-                store.put_stream(key, &m, &mut Paced::new(&mut c.stream, allowance))?;
-            }
-            Ok(true)
+            let allowance = c.opts.allowance(m.stored_len);
+            store.receive(key, &m, &mut Paced::new(&mut c.stream, allowance)).map(|()| true)
         })
     }
 
@@ -907,33 +897,4 @@ pub fn encode_value_response(meta: &StreamedValue) -> Vec<u8> {
 /// The greeting both sides send first.
 pub fn greeting() -> [u8; 8] {
     hello()
-}
-
-/// Read the stored form `m` announces from `src` into memory (at most `max` bytes), verify its
-/// checksum, decompress it and cut it into frames.
-pub fn read_stored_form(m: &StreamedValue, src: &mut dyn Read, max: u64) -> Result<Frames> {
-    if m.stored_len > max {
-        return Err(proto(format!("value of {} stored bytes is over the limit of {max}", m.stored_len)));
-    }
-    let mut buf = AlignedBuf::zeroed(m.stored_len as usize, format::FRAME_ALIGN as usize);
-    src.read_exact(&mut buf).map_err(|e| io_err("receive value", e))?;
-    let actual = format::payload_crc(&buf);
-    if actual != m.payload_crc {
-        return Err(received_crc_mismatch("received value", m.payload_crc, actual));
-    }
-    let data: Bytes = if m.lz4 {
-        let mut out = AlignedBuf::zeroed(m.raw_len as usize, format::FRAME_ALIGN as usize);
-        match lz4_flex::block::decompress_into(&buf, &mut out) {
-            Ok(n) if n as u64 == m.raw_len => out.freeze(),
-            _ => return Err(proto("lz4 payload does not decompress to its announced length")),
-        }
-    } else {
-        buf.freeze()
-    };
-    let (offsets, laid_out) =
-        format::frame_layout(m.frame_lens.iter().copied()).ok_or_else(|| proto("frame lengths overflow"))?;
-    if laid_out != m.raw_len || (!m.lz4 && m.stored_len != m.raw_len) {
-        return Err(proto("frame lengths do not lay out to the announced length"));
-    }
-    Ok(Frames(m.frame_lens.iter().zip(offsets).map(|(&l, at)| data.slice(at as usize..(at + l) as usize)).collect()))
 }

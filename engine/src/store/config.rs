@@ -1,0 +1,91 @@
+//! What a store is opened with: [`StoreConfig`], and the [`EvictionPolicy`] that says how room is
+//! made when memory is over the target.
+
+use super::*;
+
+/// Store configuration.
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    /// Memory weight above which least-recently-used entries are demoted.
+    pub target_bytes: u64,
+    /// Most bytes of spilled data on disk; `None` for no limit.
+    pub max_spill_bytes: Option<u64>,
+    /// Keep demoted values lz4-compressed in memory before spilling them to disk.
+    pub compress_in_memory: bool,
+    /// fdatasync after every spill batch (otherwise only `flush` syncs).
+    pub sync_spills: bool,
+    /// The segment log's options (segment size, on-disk compression, ...). The default defers
+    /// [`SPILL_WRITE_BEHIND_BYTES`] of small spill batches ([`LogOptions::write_behind_bytes`]);
+    /// a persistent store never defers writes.
+    pub log: LogOptions,
+    /// Keep the contents across reopen: what was spilled, and after [`Store::flush`] everything
+    /// (values held only in memory are not written until they are evicted or flushed). When false
+    /// (a worker's spill store, whose data dies with it), records left by an earlier process are
+    /// discarded at open and removals write no tombstones.
+    pub persistent: bool,
+    /// How room is made when memory is over the target.
+    pub eviction: EvictionPolicy,
+}
+
+/// How the store makes room when memory is over `target_bytes`: the rules of eviction, in one place.
+///
+/// * Victims are taken least recently used first; an entry in use (being written, received or
+///   materialized) or one the disk refused (`stuck`, retried when disk space frees) is passed over.
+/// * A round demotes each victim one tier: an object to serialized frames in memory (compressed with
+///   `compress_in_memory`), frames to a record on disk. Frames whose disk record is still current are
+///   dropped without a write.
+/// * A value heavier than the target goes straight to disk when put, and is served from there
+///   without being promoted.
+/// * A round evicts the excess over the target plus a *slack*, so that spill writes come in batches
+///   rather than one per put: [`EvictionPolicy::slack`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EvictionPolicy {
+    /// The most a round evicts below the target: the slack is `min(target / 16, max_slack_bytes)`.
+    /// 0 evicts exactly down to the target, as dask's own store does. Default 4 MiB.
+    pub max_slack_bytes: u64,
+}
+
+impl Default for EvictionPolicy {
+    fn default() -> Self {
+        EvictionPolicy { max_slack_bytes: 4 << 20 }
+    }
+}
+
+impl EvictionPolicy {
+    /// How far below `target` a round of eviction goes.
+    pub fn slack(&self, target: u64) -> u64 {
+        (target / 16).min(self.max_slack_bytes)
+    }
+
+    /// How many bytes a round evicts when `pending` bytes of memory (not counting writes in flight)
+    /// are held against `target`: 0 at or under the target.
+    pub fn excess(&self, pending: u64, target: u64) -> u64 {
+        if pending <= target {
+            0
+        } else {
+            pending - target + self.slack(target)
+        }
+    }
+}
+
+/// Default write-behind budget of a spill store's log ([`LogOptions::write_behind_bytes`]). Small
+/// spill batches (a low target evicts a few values at a time) are written together, 2 MiB at a
+/// time: fewer writes, and the page cache keeps what they wrote in large folios, which later reads
+/// copy out faster (a 4 KiB get 4.0-4.4 -> 3.5 µs, a 64 KiB get 10.7-11.1 -> 8.6 µs with a 256 KiB
+/// target; `docs/benchmarks.md`). The pending bytes live in the log's tail, outside the store's
+/// memory accounting, and read back from there.
+pub const SPILL_WRITE_BEHIND_BYTES: u64 = 2 << 20;
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig {
+            target_bytes: 1 << 30,
+            max_spill_bytes: None,
+            compress_in_memory: false,
+            sync_spills: false,
+            log: LogOptions { write_behind_bytes: SPILL_WRITE_BEHIND_BYTES, ..LogOptions::default() },
+            persistent: false,
+            eviction: EvictionPolicy::default(),
+        }
+    }
+}

@@ -1,0 +1,478 @@
+//! Eviction: planning a round under the lock (LRU victims, the [`EvictionPolicy`]), carrying it out
+//! without the lock (serialize, compress, write a batch), and settling it under the lock again;
+//! `max_spill`, failed spills and stuck entries.
+
+use super::*;
+
+/// Entries looked at per eviction round.
+pub(super) const EVICT_SCAN: usize = 256;
+
+/// Eviction rounds (each with its spill write) one call to `enforce` runs at most.
+pub(super) const ENFORCE_ROUNDS: usize = 16;
+
+/// An object to demote to serialized form, planned under the store's lock and serialized without it
+/// (the object stays readable in its slot meanwhile).
+pub(super) struct Demotion<V> {
+    pub(super) key: Arc<[u8]>,
+    pub(super) value: sync::Arc<V>,
+    /// Identifies the entry, as in [`Planned`].
+    pub(super) slot: Arc<Slot<V, Error>>,
+    pub(super) weight: u64,
+    /// The entry's LRU tick when planned: a get meanwhile makes it recent, and it is not demoted.
+    pub(super) tick: u64,
+}
+
+/// What one eviction round leaves to do without the store's lock.
+pub(super) struct Plan<V> {
+    pub(super) writes: Vec<Planned<V>>,
+    pub(super) demotions: Vec<Demotion<V>>,
+}
+
+impl<V> Plan<V> {
+    pub(super) fn is_empty(&self) -> bool {
+        self.writes.is_empty() && self.demotions.is_empty()
+    }
+}
+
+/// A key a persistent store's `flush` is to write: the key, the slot that identifies its entry (a
+/// `remove` or a new `put` replaces it), and whether that is still the entry the flush listed when
+/// it began (what it promises to make durable).
+pub(super) type Listed<V> = (Arc<[u8]>, Arc<Slot<V, Error>>, bool);
+
+/// What is left to do once each key of a written batch is settled (see `Store::end_settle`).
+pub(super) struct Settled<'r> {
+    /// The write's result.
+    pub(super) result: &'r Result<()>,
+    /// The batch's first key, to report a failure that followed a write that landed.
+    pub(super) first: Option<&'r Arc<[u8]>>,
+    /// Some record landed.
+    pub(super) landed: bool,
+    /// Space reserved against max_spill was given back.
+    pub(super) freed: bool,
+    /// Keys to mark stuck.
+    pub(super) stuck: Vec<Arc<[u8]>>,
+    /// Keys whose new record nobody wants (removed or replaced meanwhile).
+    pub(super) stale: Vec<Arc<[u8]>>,
+    /// The write's panic, to go on with.
+    pub(super) panicked: Option<Box<dyn std::any::Any + Send>>,
+}
+
+/// One value of a spill batch, planned under the store's lock and written without it.
+pub(super) struct Planned<V> {
+    pub(super) key: Arc<[u8]>,
+    /// The value's frames, or its compressed block (decompressed without the lock, for the write).
+    pub(super) data: Source,
+    /// Serialized length (what the write puts on disk before any on-disk compression).
+    pub(super) raw: u64,
+    /// Identifies the entry that was planned: a `remove` or a new `put` meanwhile replaces it.
+    pub(super) slot: Arc<Slot<V, Error>>,
+    pub(super) weight: u64,
+}
+
+impl<C: Codec, B: Backend> Store<C, B> {
+    /// Do a round's plan with the store's lock released: serialize (and compress) the objects to
+    /// demote, write the planned batch. Then settle each entry under the lock again.
+    ///
+    /// Meanwhile gets read the values from memory (objects from their slots, frames from their
+    /// entries), and eviction skips the keys. A written entry removed or replaced meanwhile leaves a
+    /// record nobody wants, which is dropped from the log; one promoted by a get meanwhile stays in
+    /// memory and keeps the record as its disk copy; one whose record did not land stays in memory,
+    /// stuck, and the failure is reported. An object is demoted only if its entry is unchanged and
+    /// was not read meanwhile; one that fails to serialize stays in memory, stuck and reported, unless
+    /// it is `protect` (the value being put), whose key is then forgotten and the error returned.
+    pub(super) fn spill<'a>(
+        &'a self,
+        inner: MutexGuard<'a, Inner<C::Value>>,
+        plan: Plan<C::Value>,
+        protect: Option<&Arc<Slot<C::Value, Error>>>,
+    ) -> (MutexGuard<'a, Inner<C::Value>>, Option<Error>) {
+        drop(inner);
+        let Plan { writes: batch, demotions } = plan;
+        let serialized: Vec<Result<(Frames, Option<Compressed>)>> = demotions
+            .iter()
+            .map(|d| {
+                let frames = self.serialize(&d.key, &d.value)?;
+                let compressed = self.cfg.compress_in_memory.then(|| {
+                    let t = Instant::now();
+                    let c = compress(&frames);
+                    self.metrics.record(Activity::Compress, frames.total_len(), t);
+                    c
+                });
+                Ok((frames, compressed))
+            })
+            .collect();
+        // A compressed value is written decompressed (the log compresses on its own if configured).
+        // A value the log cannot store (too large, too many frames) fails alone, before the write:
+        // in the batch it would fail every other value with it.
+        let data: Vec<Result<Frames>> = batch
+            .iter()
+            .map(|p| {
+                let f = match &p.data {
+                    Source::Frames(f) => f.clone(),
+                    Source::Compressed(c) => {
+                        let t = Instant::now();
+                        let f = decompress(c)?;
+                        self.metrics.record(Activity::Decompress, f.total_len(), t);
+                        f
+                    }
+                    Source::Disk => unreachable!("only in-memory values are planned for writing"),
+                };
+                self.log.validate(&p.key, &f).map(|()| f)
+            })
+            .collect();
+        let items: Vec<(&[u8], &Frames)> =
+            batch.iter().zip(&data).filter_map(|(p, d)| d.as_ref().ok().map(|f| (&*p.key, f))).collect();
+        let (result, panicked) = self.write_batch(&items);
+        let mut inner = self.lock();
+        let mut protect_failed = None;
+        // Keys this round failed to spill: marked stuck at the end, after any unsticking.
+        let mut stuck: Vec<Arc<[u8]>> = Vec::new();
+        for (d, r) in demotions.into_iter().zip(serialized) {
+            inner.writing.remove(&d.key);
+            inner.writing_weight -= d.weight;
+            let same = inner.map.get(&d.key).is_some_and(|e| Arc::ptr_eq(&e.slot, &d.slot));
+            match r {
+                Err(err) if protect.is_some_and(|p| Arc::ptr_eq(p, &d.slot)) => {
+                    if same {
+                        // In memory (no disk copy), so dropping it touches no log record.
+                        let _ = self.drop_entry(&mut inner, &d.key);
+                    }
+                    protect_failed = Some(err);
+                }
+                Err(err) => {
+                    if same {
+                        self.metrics.spill_failures.fetch_add(1, Ordering::Relaxed);
+                        let e = inner.map.get_mut(&d.key).expect("present");
+                        if !std::mem::replace(&mut e.logged_serialize, true) {
+                            log::error!("Failed to serialize {:?}; keeping it in memory: {err}", key_str(&d.key));
+                        }
+                        stuck.push(d.key.clone());
+                    }
+                }
+                Ok((frames, compressed)) => {
+                    let unchanged =
+                        same && inner.map.get(&d.key).is_some_and(|e| e.tier == Tier::Materialized && e.tick == d.tick);
+                    // `evict` fails if a reader is inside the slot's fast path this instant: skip.
+                    if !unchanged || d.slot.evict().is_none() {
+                        continue;
+                    }
+                    Self::modify_entry(&mut inner, &d.key, |ne| match compressed {
+                        Some(c) => {
+                            ne.weight = c.block.len() as u64;
+                            ne.compressed = Some(Box::new(c));
+                            ne.tier = Tier::Compressed;
+                        }
+                        None => {
+                            ne.weight = frames.total_len();
+                            ne.frames = Some(frames);
+                            ne.tier = Tier::Serialized;
+                        }
+                    });
+                }
+            }
+        }
+        let mut freed = false;
+        let mut landed = false;
+        let mut stale: Vec<Arc<[u8]>> = Vec::new();
+        for (p, d) in batch.iter().zip(&data) {
+            let raw = p.raw;
+            inner.writing.remove(&p.key);
+            inner.writing_weight -= p.weight;
+            inner.writing_raw -= raw;
+            let ours = inner.map.get(&p.key).is_some_and(|e| Arc::ptr_eq(&e.slot, &p.slot));
+            match (ours, self.log.location(&p.key)) {
+                (true, Some(loc)) => {
+                    Self::note_landed(&mut inner, &p.key, raw, loc.len, false);
+                    landed = true;
+                }
+                (true, None) => {
+                    let err = match d {
+                        Err(e) => e.clone(),
+                        Ok(_) => result.clone().err().unwrap_or_else(|| vanished(&p.key)),
+                    };
+                    self.spill_failed(&mut inner, &p.key, &err);
+                    stuck.push(p.key.clone());
+                }
+                (false, Some(_)) => {
+                    stale.push(p.key.clone());
+                    freed = true;
+                }
+                (false, None) => freed |= result.is_ok(),
+            }
+        }
+        let first = batch.first().map(|p| &p.key);
+        let inner = self.end_settle(inner, Settled { result: &result, first, landed, freed, stuck, stale, panicked });
+        (inner, protect_failed)
+    }
+
+    /// A record of `key` (`raw` serialized bytes, `len` in the log) landed: the entry gets its disk
+    /// copy, and a serialized or compressed entry moves to the disk tier: every such entry for a
+    /// spill, only one heavier than the target (which lives on disk) with `only_large`, for a flush.
+    pub(super) fn note_landed(inner: &mut Inner<C::Value>, key: &Arc<[u8]>, raw: u64, len: u64, only_large: bool) {
+        Self::modify_entry(inner, key, |ne| {
+            if (ne.large || !only_large) && matches!(ne.tier, Tier::Serialized | Tier::Compressed) {
+                ne.tier = Tier::Disk;
+                ne.frames = None;
+                ne.compressed = None;
+                ne.weight = 0;
+            }
+            ne.disk_raw = raw;
+            ne.disk_bytes = len;
+        });
+    }
+
+    /// Write a batch (spill or flush) with the store's lock released. A panic in the write (a bug in
+    /// a backend) must not leave the batch's keys marked as being written: their puts and `flush`
+    /// would wait for them forever. So it becomes an I/O error for the batch, which then settles as
+    /// a failed write, and the panic is handed back to go on after that ([`Self::end_settle`]).
+    pub(super) fn write_batch(
+        &self,
+        items: &[(&[u8], &Frames)],
+    ) -> (Result<()>, Option<Box<dyn std::any::Any + Send>>) {
+        if items.is_empty() {
+            return (Ok(()), None);
+        }
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.write_disk(items))) {
+            Ok(r) => (r, None),
+            Err(p) => {
+                let msg = format!("the write panicked: {}", panic_message(&*p));
+                (Err(Error::io("spill write", None, std::io::Error::other(msg))), Some(p))
+            }
+        }
+    }
+
+    /// The end of settling a written batch, once each key is settled (`spill`, `persist_round`).
+    pub(super) fn end_settle<'a>(
+        &'a self,
+        mut inner: MutexGuard<'a, Inner<C::Value>>,
+        s: Settled<'_>,
+    ) -> MutexGuard<'a, Inner<C::Value>> {
+        if let (Err(e), true, Some(key)) = (s.result, s.landed, s.first) {
+            // The records were written (and stay readable), but what followed failed: the sync of
+            // `sync_spills`. Reported like any failed spill.
+            self.spill_failed(&mut inner, key, e);
+        }
+        if s.freed {
+            // Space reserved against max_spill for a record nobody wants any more is free again.
+            Self::unstick(&mut inner);
+        }
+        for k in s.stuck {
+            Self::set_stuck(&mut inner, &k);
+        }
+        self.written.notify_all();
+        // Last, with every key of the batch settled and its waiters woken: dropping a record writes
+        // a tombstone in a persistent store, a backend write that may fail (or panic) on its own.
+        // Still under the lock, so that no new record of the key can be written before the drop.
+        for k in s.stale {
+            self.drop_stale_record(&k);
+        }
+        if let Some(p) = s.panicked {
+            drop(inner);
+            std::panic::resume_unwind(p);
+        }
+        inner
+    }
+
+    pub(super) fn spill_allowed(&self, inner: &mut Inner<C::Value>, bytes: u64) -> bool {
+        match self.cfg.max_spill_bytes {
+            Some(max) if inner.disk_raw + inner.writing_raw + bytes > max => {
+                self.metrics.max_spill_refusals.fetch_add(1, Ordering::Relaxed);
+                if log_due(&mut inner.logged_full) {
+                    log::warn!("Spill file on disk reached capacity; keeping data in memory");
+                }
+                false
+            }
+            _ => true,
+        }
+    }
+
+    pub(super) fn spill_failed(&self, inner: &mut Inner<C::Value>, key: &[u8], err: &Error) {
+        self.metrics.spill_failures.fetch_add(1, Ordering::Relaxed);
+        if log_due(&mut inner.logged_disk) {
+            log::error!("Spill to disk failed; keeping data in memory ({:?}: {err})", key_str(key));
+        }
+    }
+
+    pub(super) fn serialize(&self, key: &[u8], v: &C::Value) -> Result<Frames> {
+        let t = Instant::now();
+        // A panicking codec is a failed serialize: `spill` runs it with keys marked as being written,
+        // and unwinding out of it would leave them marked (their puts waiting forever).
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.codec.serialize(v)))
+            .unwrap_or_else(|panic| Err(format!("the codec panicked: {}", panic_message(&*panic)).into()));
+        let f = r.map_err(|e| Error::Codec { op: "serialize", key: key_str(key), source: Arc::from(e) })?;
+        self.metrics.record(Activity::Serialize, f.total_len(), t);
+        Ok(f)
+    }
+
+    pub(super) fn write_disk(&self, items: &[(&[u8], &Frames)]) -> Result<()> {
+        let t = Instant::now();
+        let bytes: u64 = items.iter().map(|(_, f)| f.total_len()).sum();
+        self.log.put_many(items)?;
+        // Written (and readable) even if the sync below fails: counted either way.
+        let synced = if self.cfg.sync_spills { self.log.sync() } else { Ok(()) };
+        let m = self.metrics.counter(Activity::DiskWrite);
+        m.count.fetch_add(items.len() as u64, Ordering::Relaxed);
+        m.bytes.fetch_add(bytes, Ordering::Relaxed);
+        m.ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        synced
+    }
+
+    /// Demote least-recently-used entries until memory, not counting what is being written to disk
+    /// right now, is at or below the target. Spill writes run with the lock released (see
+    /// `Store::spill`); the caller's guard is consumed. `protect` is the slot of the value being
+    /// inserted: if *its* serialization fails, it is forgotten and the error returned.
+    ///
+    /// Memory can exceed the target by the writes in flight: at most one batch per thread inside
+    /// `enforce`, each about the [`EvictionPolicy::slack`] over the excess it was planned for.
+    pub(super) fn enforce<'a>(
+        &'a self,
+        mut inner: MutexGuard<'a, Inner<C::Value>>,
+        protect: Option<&Arc<Slot<C::Value, Error>>>,
+    ) -> Result<()> {
+        // Bounded: with the lock released during writes, other threads keep adding; each of them
+        // enforces the target for its own puts.
+        for _ in 0..ENFORCE_ROUNDS {
+            let pending = inner.mem_bytes.saturating_sub(inner.writing_weight);
+            let excess = self.cfg.eviction.excess(pending, self.cfg.target_bytes);
+            if excess == 0 {
+                break;
+            }
+            let (freed, plan) = self.evict_round(&mut inner, excess, None)?;
+            if plan.is_empty() {
+                if freed == 0 {
+                    break; // nothing evictable: everything left is stuck, in use or being written
+                }
+                continue;
+            }
+            let (guard, protect_failed) = self.spill(inner, plan, protect);
+            inner = guard;
+            if let Some(err) = protect_failed {
+                return Err(err);
+            }
+        }
+        Ok(())
+    }
+
+    /// One eviction round over the LRU order (or over the single key `only`): drops values that
+    /// still have their disk copy, and plans the demotion of objects and the spill writes of
+    /// serialized values, without doing them (`Store::spill` does). Returns the weight freed or
+    /// planned, and the plan (its keys already marked as being written).
+    pub(super) fn evict_round(
+        &self,
+        inner: &mut Inner<C::Value>,
+        excess: u64,
+        only: Option<&Arc<[u8]>>,
+    ) -> Result<(u64, Plan<C::Value>)> {
+        let mut demotions = Vec::new();
+        let mut freed = 0u64;
+        let mut batch: Vec<(Arc<[u8]>, Source, u64, u64)> = Vec::new();
+        // Walk the LRU order lazily from the oldest tick: a round usually needs one or two entries,
+        // and collecting EVICT_SCAN candidates up front cost a lookup and an Arc clone each, on every
+        // put or promotion above the target. Entries re-attached below keep their tick, which the
+        // cursor has passed, so none is visited twice.
+        let mut cursor = 0u64;
+        let mut scanned = 0usize;
+        let mut single = only.cloned();
+        while freed < excess && scanned < EVICT_SCAN {
+            let key = if only.is_some() {
+                let Some(k) = single.take() else { break };
+                k
+            } else {
+                let Some((&tick, key)) = inner.lru.range(cursor..).next() else { break };
+                cursor = tick + 1;
+                key.clone()
+            };
+            let Some(e) = inner.map.get(&key) else { continue };
+            if e.stuck || e.tier == Tier::Disk || inner.writing.contains_key(&key) {
+                continue;
+            }
+            scanned += 1;
+            // A value that still has its disk copy (it was read back) is dropped from memory for free.
+            if e.disk_bytes > 0 {
+                if e.tier == Tier::Materialized && e.slot.evict().is_none() {
+                    continue;
+                }
+                freed += Self::modify_entry(inner, &key, |ne| {
+                    let w = ne.weight;
+                    ne.tier = Tier::Disk;
+                    ne.weight = 0;
+                    ne.frames = None;
+                    ne.compressed = None;
+                    w
+                });
+                continue;
+            }
+            // Step 1: object -> serialized (-> compressed), planned here and done without the lock.
+            if e.tier == Tier::Materialized {
+                let Some(value) = e.slot.try_get() else { continue };
+                let d = Demotion { key: key.clone(), value, slot: e.slot.clone(), weight: e.weight, tick: e.tick };
+                freed += d.weight;
+                Self::begin_write(inner, key.clone());
+                inner.writing_weight += d.weight;
+                demotions.push(d);
+                continue;
+            }
+            // Step 2: serialized / compressed -> disk (batched below).
+            let (data, raw) = match (&e.frames, &e.compressed) {
+                (Some(f), _) => (Source::Frames(f.clone()), f.total_len()),
+                (None, Some(c)) => (Source::Compressed(c.clone()), c.frame_lens.iter().sum()),
+                (None, None) => continue,
+            };
+            freed += e.weight;
+            batch.push((key.clone(), data, raw, e.weight));
+        }
+        if batch.is_empty() {
+            return Ok((freed, Plan { writes: Vec::new(), demotions }));
+        }
+        // max_spill: keep what does not fit in memory.
+        let mut planned = Vec::with_capacity(batch.len());
+        let mut bytes = 0u64;
+        for (k, data, raw, weight) in batch {
+            if self.spill_allowed(inner, bytes + raw) {
+                bytes += raw;
+                let slot = inner.map[&k].slot.clone();
+                planned.push(Planned { key: k, data, raw, slot, weight });
+            } else {
+                freed = freed.saturating_sub(inner.map[&k].weight);
+                Self::set_stuck(inner, &k);
+            }
+        }
+        for p in &planned {
+            Self::mark_writing(inner, p);
+        }
+        Ok((freed, Plan { writes: planned, demotions }))
+    }
+
+    /// Spill the least-recently-used memory-resident entry to disk (for a worker's memory monitor).
+    /// Returns the memory weight freed; 0 when nothing could be evicted. Never fails for a spill
+    /// problem (the entry then stays in memory and the condition is reported).
+    pub fn evict(&self) -> Result<u64> {
+        let mut inner = self.lock();
+        let Some(key) = inner
+            .lru
+            .values()
+            .find(|k| !inner.writing.contains_key(*k) && inner.map.get(*k).is_some_and(|e| !e.stuck))
+            .cloned()
+        else {
+            return Ok(0);
+        };
+        let (weight, slot) = {
+            let e = &inner.map[&key];
+            (e.weight, e.slot.clone())
+        };
+        // Demote this one entry all the way: object -> serialized -> disk.
+        for _ in 0..2 {
+            let live =
+                inner.map.get(&key).is_some_and(|e| Arc::ptr_eq(&e.slot, &slot) && e.tier != Tier::Disk && !e.stuck);
+            if !live || inner.writing.contains_key(&key) {
+                break;
+            }
+            let (_, plan) = self.evict_round(&mut inner, weight.max(1), Some(&key))?;
+            if !plan.is_empty() {
+                inner = self.spill(inner, plan, None).0;
+            }
+        }
+        let left = inner.map.get(&key).filter(|e| Arc::ptr_eq(&e.slot, &slot)).map_or(0, |e| e.weight);
+        Ok(weight.saturating_sub(left))
+    }
+}

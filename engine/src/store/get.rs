@@ -1,0 +1,416 @@
+//! Gets: the per-key slot that deserializes once, reading back from disk (one read, or a batch of
+//! pipelined reads for `get_many`), async gets, and `get_serialized` (frames, never an object).
+
+use super::*;
+
+/// The error of a read whose record was removed from the log after the reader looked the key up (a
+/// racing `remove`); readers then start over, so callers never see it.
+pub(super) fn vanished(key: &[u8]) -> Error {
+    Error::Vanished { key: key_str(key) }
+}
+
+/// How a get goes on after looking the key up.
+pub(super) enum GetStart<V> {
+    /// Answered under the lock: the ready value, or `None` for an absent key.
+    Done(Option<sync::Arc<V>>),
+    /// Materialize through `slot` from `source`.
+    Read { key: Arc<[u8]>, slot: Arc<Slot<V, Error>>, source: Source },
+}
+
+/// How a `get_serialized` goes on after looking the key up.
+pub(super) enum SerStart<V> {
+    /// Answered under the lock (`None`: absent key).
+    Done(Option<Frames>),
+    /// A materialized value without frames: serialize it, outside the lock.
+    Object(Arc<[u8]>, sync::Arc<V>),
+    /// Read from `source`.
+    Read { key: Arc<[u8]>, slot: Arc<Slot<V, Error>>, source: Source, large: bool },
+}
+
+/// Where a reader finds the bytes of a non-materialized entry.
+pub(super) enum Source {
+    Frames(Frames),
+    Compressed(Box<Compressed>),
+    Disk,
+}
+
+/// Reads in flight at once in [`Store::get_many`] (on io_uring).
+pub const GET_MANY_DEPTH: usize = 32;
+
+/// Keys per batch of [`Store::get_many`]: what is read before being materialized.
+pub const GET_MANY_BATCH: usize = 4 * GET_MANY_DEPTH;
+
+impl<C: Codec, B: Backend> Store<C, B> {
+    /// The materialized value of `key`, deserializing it (exactly once, whatever the concurrency) if it
+    /// is held serialized. A value read back from disk is promoted to memory unless it is heavier than
+    /// the target.
+    ///
+    /// A get that races a `remove` (or a new `put`) of the key returns the old value, `None` or the new
+    /// value, never an error caused by the race: if reading fails and the entry it was reading has been
+    /// removed or replaced meanwhile, the get starts over.
+    pub fn get(&self, key: &[u8]) -> Result<Option<sync::Arc<C::Value>>> {
+        loop {
+            let (k, slot, source) = match self.begin_get(key)? {
+                GetStart::Done(v) => return Ok(v),
+                GetStart::Read { key, slot, source } => (key, slot, source),
+            };
+            let got = slot.get_or_materialize(|| {
+                let frames = self.fetch(&k, source)?;
+                self.deserialize(&k, frames)
+            });
+            if let Some(v) = self.finish_get(&k, &slot, got)? {
+                return Ok(Some(v));
+            }
+        }
+    }
+
+    /// The async form of [`Store::get`], over the same slots: the same value, the same single
+    /// deserialize shared with concurrent sync and async callers. A disk read runs as a future (on
+    /// io_uring the driver thread does it and the calling task is not blocked). Then the polling thread
+    /// deserializes, because that is CPU work. If another caller is deserializing the same value at that
+    /// moment, the polling thread waits for it rather than deserializing twice. Dropping the future
+    /// part-way is safe: the backend keeps the read's buffer until the kernel is done with it, and
+    /// nothing of the store changes until the read has completed.
+    pub async fn get_async(&self, key: &[u8]) -> Result<Option<sync::Arc<C::Value>>> {
+        loop {
+            let (k, slot, source) = match self.begin_get(key)? {
+                GetStart::Done(v) => return Ok(v),
+                GetStart::Read { key, slot, source } => (key, slot, source),
+            };
+            // Read the bytes without holding anything, unless another caller has already started
+            // materializing (then its result is waited for and no read is needed).
+            let frames = match source {
+                Source::Disk if slot.state() == crate::slot::SlotState::Idle => Some(self.fetch_disk_async(&k).await),
+                _ => None,
+            };
+            let got = slot.get_or_materialize(|| {
+                let frames = match frames {
+                    Some(f) => f?,
+                    None => self.fetch(&k, source)?,
+                };
+                self.deserialize(&k, frames)
+            });
+            if let Some(v) = self.finish_get(&k, &slot, got)? {
+                return Ok(Some(v));
+            }
+        }
+    }
+
+    /// The values of `keys`, in order, as [`Store::get`] would return them one by one (the same
+    /// single deserialize, the same promotion). Where reads wait for the device
+    /// ([`Backend::pipelines_reads`]: io_uring with O_DIRECT), the values on disk are read together,
+    /// up to [`GET_MANY_DEPTH`] in flight ([`SegmentLog::get_pipelined`]), in batches of
+    /// [`GET_MANY_BATCH`] keys: 3.4x the rate of single gets for 4 KiB values here. Otherwise it is
+    /// the gets one after another, which is faster for reads served from the page cache. For a task
+    /// that needs many inputs, or a peer asking for many keys. Each key gets its own result, so one
+    /// damaged record does not hide the others.
+    pub fn get_many(&self, keys: &[&[u8]]) -> Vec<Result<Option<sync::Arc<C::Value>>>> {
+        // A key listed more than once is got once and answered from that: a value heavier than the
+        // target is not kept in memory, so a second get of it would read and deserialize it again.
+        let mut first: HashMap<&[u8], usize> = HashMap::with_capacity(keys.len());
+        let unique: Vec<&[u8]> = keys
+            .iter()
+            .copied()
+            .filter(|k| {
+                let n = first.len();
+                *first.entry(k).or_insert(n) == n
+            })
+            .collect();
+        let got: Vec<Result<Option<sync::Arc<C::Value>>>> = if !self.log.backend().pipelines_reads() {
+            unique.iter().map(|k| self.get(k)).collect()
+        } else {
+            // In batches: the bytes read for a batch are held until its values are materialized, so
+            // a long key list must not hold all of its values' bytes at once.
+            unique.chunks(GET_MANY_BATCH).flat_map(|batch| self.get_batch(batch)).collect()
+        };
+        if unique.len() == keys.len() {
+            return got;
+        }
+        keys.iter().map(|k| got[first[k]].clone()).collect()
+    }
+
+    /// One batch of [`Store::get_many`]: the disk values read together, then materialized.
+    pub(super) fn get_batch(&self, keys: &[&[u8]]) -> Vec<Result<Option<sync::Arc<C::Value>>>> {
+        enum Plan<V> {
+            Done(Result<Option<sync::Arc<V>>>),
+            /// Read from disk in the batch (index into `batch`).
+            Batched(Arc<[u8]>, Arc<Slot<V, Error>>, usize),
+            /// Anything else (in memory, or already being materialized): as `get` does.
+            Single,
+        }
+        let mut batch: Vec<Vec<u8>> = Vec::new();
+        let mut batched_slots: HashMap<*const Slot<C::Value, Error>, usize> = HashMap::new();
+        let plans: Vec<Plan<C::Value>> = keys
+            .iter()
+            .map(|key| match self.begin_get(key) {
+                Err(e) => Plan::Done(Err(e)),
+                Ok(GetStart::Done(v)) => Plan::Done(Ok(v)),
+                Ok(GetStart::Read { key: k, slot, source: Source::Disk })
+                    if slot.state() == crate::slot::SlotState::Idle =>
+                {
+                    // A key listed twice is read once.
+                    let at = *batched_slots.entry(Arc::as_ptr(&slot)).or_insert_with(|| {
+                        batch.push(k.to_vec());
+                        batch.len() - 1
+                    });
+                    Plan::Batched(k, slot, at)
+                }
+                Ok(GetStart::Read { .. }) => Plan::Single,
+            })
+            .collect();
+        let mut read: Vec<Option<Result<Frames>>> = (0..batch.len()).map(|_| None).collect();
+        if !batch.is_empty() {
+            let positions: HashMap<&[u8], usize> = batch.iter().enumerate().map(|(i, k)| (&k[..], i)).collect();
+            let t = Instant::now();
+            let mut keys_iter = batch.clone().into_iter();
+            let r = self.log.get_pipelined(GET_MANY_DEPTH, &mut keys_iter, &mut |k, res| {
+                let i = positions[&k[..]];
+                read[i] = Some(res.and_then(|f| f.ok_or_else(|| vanished(&k))));
+            });
+            // Disk-read time is the batch's wall time, shared out over its reads.
+            let m = self.metrics.counter(Activity::DiskRead);
+            let ok: Vec<u64> = read.iter().flatten().filter_map(|r| r.as_ref().ok().map(|f| f.total_len())).collect();
+            m.count.fetch_add(ok.len() as u64, Ordering::Relaxed);
+            m.bytes.fetch_add(ok.iter().sum(), Ordering::Relaxed);
+            m.ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            if let Err(e) = r {
+                // The pipeline itself failed (its ring could not be set up): what was not read yet
+                // is read one by one below.
+                log::warn!("batched read failed ({e}); reading one by one");
+            }
+        }
+        plans
+            .into_iter()
+            .zip(keys)
+            .map(|(plan, key)| match plan {
+                Plan::Done(r) => r,
+                Plan::Single => self.get(key),
+                Plan::Batched(k, slot, at) => {
+                    // The frames read in the batch, unless someone else materializes first (then
+                    // theirs is the value, as for any get).
+                    let frames = read[at].take();
+                    let got = slot.get_or_materialize(|| {
+                        let frames = match frames {
+                            Some(f) => f?,
+                            None => self.fetch(&k, Source::Disk)?,
+                        };
+                        self.deserialize(&k, frames)
+                    });
+                    match self.finish_get(&k, &slot, got) {
+                        Ok(Some(v)) => Ok(Some(v)),
+                        // Removed or replaced meanwhile, and the read failed: start over, as get does.
+                        Ok(None) => self.get(key),
+                        Err(e) => Err(e),
+                    }
+                }
+            })
+            .collect()
+    }
+
+    /// First half of a get, under the store's lock: the value if it is ready (or the key absent),
+    /// otherwise what to materialize it from.
+    pub(super) fn begin_get(&self, key: &[u8]) -> Result<GetStart<C::Value>> {
+        let mut inner = self.lock();
+        let Some((k, e)) = inner.map.get_key_value(key) else { return Ok(GetStart::Done(None)) };
+        let k = k.clone();
+        if let Some(v) = e.slot.try_get() {
+            Self::touch(&mut inner, &k);
+            return Ok(GetStart::Done(Some(v)));
+        }
+        let source = match (e.tier, &e.frames, &e.compressed) {
+            (Tier::Disk, ..) => Source::Disk,
+            (_, Some(f), _) => Source::Frames(f.clone()),
+            (_, None, Some(c)) => Source::Compressed(c.clone()),
+            // A materialized entry always has a ready slot while the store lock is held.
+            _ => return Err(Error::Internal(format!("{:?}: materialized entry without a value", key_str(key)))),
+        };
+        let slot = e.slot.clone();
+        if e.tier != Tier::Disk {
+            Self::touch(&mut inner, &k); // (disk entries are not in the LRU: no second lookup)
+        }
+        Ok(GetStart::Read { key: k, slot, source })
+    }
+
+    pub(super) fn deserialize(&self, key: &[u8], frames: Frames) -> Result<C::Value> {
+        let t = Instant::now();
+        let n = frames.total_len();
+        let v = self.codec.deserialize(frames).map_err(|e| Error::Codec {
+            op: "deserialize",
+            key: key_str(key),
+            source: Arc::from(e),
+        })?;
+        self.metrics.record(Activity::Deserialize, n, t);
+        Ok(v)
+    }
+
+    /// Second half of a get: `None` to start over (the entry was removed or replaced while it was
+    /// being read, and the read failed); otherwise the value, after promoting it (or, for a large
+    /// value, letting the caller keep the only reference).
+    pub(super) fn finish_get(
+        &self,
+        k: &Arc<[u8]>,
+        slot: &Arc<Slot<C::Value, Error>>,
+        got: Result<sync::Arc<C::Value>>,
+    ) -> Result<Option<sync::Arc<C::Value>>> {
+        let mut inner = self.lock();
+        let current = inner.map.get(k).filter(|e| Arc::ptr_eq(&e.slot, slot));
+        let v = match got {
+            Ok(v) => v,
+            Err(_) if current.is_none() => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let Some(e) = current else { return Ok(Some(v)) };
+        // Already promoted by another reader of the same materialization; or promoted and then evicted
+        // again (slot idle) between our materialization and this lock: then the entry stays where it is,
+        // since promoting it would leave a materialized entry without a value.
+        if e.tier == Tier::Materialized || e.slot.state() != crate::slot::SlotState::Ready {
+            return Ok(Some(v));
+        }
+        let weight = self.codec.size_of(&v);
+        if e.large || weight > self.cfg.target_bytes {
+            // Served without promotion: a value heavier than the target (as bytes, or as the object
+            // its bytes deserialize to) stays where it is, as a `put` of it would go to disk.
+            e.slot.evict();
+            return Ok(Some(v));
+        }
+        let tick = inner.next_tick;
+        inner.next_tick += 1;
+        // A value read back from disk keeps its disk copy (disk_* fields unchanged): evicting it again
+        // costs no write.
+        Self::modify_entry(&mut inner, k, |ne| {
+            ne.tier = Tier::Materialized;
+            ne.frames = None;
+            ne.compressed = None;
+            ne.weight = weight;
+            ne.stuck = false;
+            ne.tick = tick;
+        });
+        self.enforce(inner, None)?;
+        Ok(Some(v))
+    }
+
+    /// Read `key`'s record from the log as a future (see [`SegmentLog::get_async`]).
+    async fn fetch_disk_async(&self, key: &[u8]) -> Result<Frames> {
+        let t = Instant::now();
+        let f = self.log.get_async(key).await?.ok_or_else(|| vanished(key))?;
+        self.metrics.record(Activity::DiskRead, f.total_len(), t);
+        Ok(f)
+    }
+
+    pub(super) fn fetch(&self, key: &[u8], source: Source) -> Result<Frames> {
+        match source {
+            Source::Frames(f) => {
+                let t = Instant::now();
+                self.metrics.record(Activity::MemoryRead, f.total_len(), t);
+                Ok(f)
+            }
+            Source::Compressed(c) => {
+                let t = Instant::now();
+                let f = decompress(&c)?;
+                self.metrics.record(Activity::Decompress, f.total_len(), t);
+                Ok(f)
+            }
+            Source::Disk => {
+                let t = Instant::now();
+                let f = self.log.get(key)?.ok_or_else(|| vanished(key))?;
+                self.metrics.record(Activity::DiskRead, f.total_len(), t);
+                Ok(f)
+            }
+        }
+    }
+
+    /// The serialized frames of `key`, never deserializing: for data that is only passing through (to a
+    /// peer). A materialized value is serialized (its object stays); a value on disk is read and, unless
+    /// heavier than the target, promoted to the serialized tier.
+    pub fn get_serialized(&self, key: &[u8]) -> Result<Option<Frames>> {
+        loop {
+            let (k, slot, source, large) = match self.begin_get_serialized(key)? {
+                SerStart::Done(f) => return Ok(f),
+                SerStart::Object(k, v) => return self.serialize(&k, &v).map(Some),
+                SerStart::Read { key, slot, source, large } => (key, slot, source, large),
+            };
+            let was_disk = matches!(source, Source::Disk);
+            let got = self.fetch(&k, source);
+            if !was_disk {
+                return got.map(Some); // in-memory sources cannot vanish under a reader
+            }
+            if let Some(f) = self.finish_get_serialized(&k, &slot, large, got)? {
+                return Ok(Some(f));
+            }
+        }
+    }
+
+    /// The async form of [`Store::get_serialized`]: a disk read runs as a future; nothing is
+    /// deserialized. Dropping the future part-way is safe (see [`Store::get_async`]).
+    pub async fn get_serialized_async(&self, key: &[u8]) -> Result<Option<Frames>> {
+        loop {
+            let (k, slot, source, large) = match self.begin_get_serialized(key)? {
+                SerStart::Done(f) => return Ok(f),
+                SerStart::Object(k, v) => return self.serialize(&k, &v).map(Some),
+                SerStart::Read { key, slot, source, large } => (key, slot, source, large),
+            };
+            if !matches!(source, Source::Disk) {
+                return self.fetch(&k, source).map(Some);
+            }
+            let got = self.fetch_disk_async(&k).await;
+            if let Some(f) = self.finish_get_serialized(&k, &slot, large, got)? {
+                return Ok(Some(f));
+            }
+        }
+    }
+
+    /// First half of `get_serialized`, under the store's lock.
+    pub(super) fn begin_get_serialized(&self, key: &[u8]) -> Result<SerStart<C::Value>> {
+        let mut inner = self.lock();
+        let Some((k, e)) = inner.map.get_key_value(key) else { return Ok(SerStart::Done(None)) };
+        let k = k.clone();
+        let large = e.large;
+        let slot = e.slot.clone();
+        let source = match (e.tier, &e.frames, &e.compressed) {
+            (Tier::Disk, ..) => Source::Disk,
+            (_, Some(f), _) => Source::Frames(f.clone()),
+            (_, None, Some(c)) => Source::Compressed(c.clone()),
+            (Tier::Materialized, None, None) => match e.slot.try_get() {
+                Some(v) => {
+                    Self::touch(&mut inner, &k);
+                    return Ok(SerStart::Object(k, v)); // serialized outside the lock
+                }
+                None => Source::Disk, // unreachable in practice: materialized entries have a value
+            },
+            _ => Source::Disk,
+        };
+        Self::touch(&mut inner, &k);
+        Ok(SerStart::Read { key: k, slot, source, large })
+    }
+
+    /// Second half of `get_serialized` after a disk read: `None` to start over (the entry was removed
+    /// or replaced while being read, and the read failed); otherwise the frames, after promoting them
+    /// to the serialized tier unless the value is heavier than the target.
+    pub(super) fn finish_get_serialized(
+        &self,
+        k: &Arc<[u8]>,
+        slot: &Arc<Slot<C::Value, Error>>,
+        large: bool,
+        got: Result<Frames>,
+    ) -> Result<Option<Frames>> {
+        let mut inner = self.lock();
+        let current = inner.map.get(k).is_some_and(|e| Arc::ptr_eq(&e.slot, slot));
+        let frames = match got {
+            Ok(f) => f,
+            Err(_) if !current => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        if !large && current && inner.map.get(k).is_some_and(|e| e.tier == Tier::Disk) {
+            let tick = inner.next_tick;
+            inner.next_tick += 1;
+            Self::modify_entry(&mut inner, k, |ne| {
+                ne.tier = Tier::Serialized;
+                ne.weight = frames.total_len();
+                ne.frames = Some(frames.clone());
+                ne.tick = tick;
+            }); // keeps its disk copy, like `get`
+            self.enforce(inner, None)?;
+        }
+        Ok(Some(frames))
+    }
+}

@@ -1,0 +1,195 @@
+//! Metrics: the [`Activity`] counters (count, bytes, time), and [`MetricsSnapshot`] with the
+//! accounting, in Prometheus text with dask's names.
+
+use super::*;
+
+/// What the store spends its time on: each has a count, bytes and time in the metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Activity {
+    /// `Codec::serialize` of an object being spilled.
+    Serialize,
+    /// lz4 compression of frames kept in memory (`compress_in_memory`).
+    Compress,
+    /// Writing records to the log.
+    DiskWrite,
+    /// Reading records back from the log.
+    DiskRead,
+    /// Decompressing an in-memory lz4 block.
+    Decompress,
+    /// `Codec::deserialize` on a get.
+    Deserialize,
+    /// A get served from serialized frames in memory.
+    MemoryRead,
+}
+
+impl Activity {
+    /// Every activity, in the order metrics list them.
+    pub const ALL: [Activity; 7] = [
+        Activity::Serialize,
+        Activity::Compress,
+        Activity::DiskWrite,
+        Activity::DiskRead,
+        Activity::Decompress,
+        Activity::Deserialize,
+        Activity::MemoryRead,
+    ];
+
+    /// The activity's name in metrics (`disk-write`, ...), as dask names its spill activities.
+    pub fn name(self) -> &'static str {
+        match self {
+            Activity::Serialize => "serialize",
+            Activity::Compress => "compress",
+            Activity::DiskWrite => "disk-write",
+            Activity::DiskRead => "disk-read",
+            Activity::Decompress => "decompress",
+            Activity::Deserialize => "deserialize",
+            Activity::MemoryRead => "memory-read",
+        }
+    }
+}
+
+/// Count, bytes and time of one activity.
+#[derive(Debug, Default)]
+pub(super) struct Counter {
+    pub(super) count: AtomicU64,
+    pub(super) bytes: AtomicU64,
+    pub(super) ns: AtomicU64,
+}
+
+impl Counter {
+    pub(super) fn add(&self, bytes: u64, since: Instant) {
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.ns.fetch_add(since.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    }
+    pub(super) fn snap(&self) -> ActivityStats {
+        ActivityStats {
+            count: self.count.load(Ordering::Relaxed),
+            bytes: self.bytes.load(Ordering::Relaxed),
+            ns: self.ns.load(Ordering::Relaxed),
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+pub(super) struct Metrics {
+    pub(super) acts: [Counter; Activity::ALL.len()],
+    pub(super) max_spill_refusals: AtomicU64,
+    pub(super) spill_failures: AtomicU64,
+}
+
+impl Metrics {
+    pub(super) fn counter(&self, a: Activity) -> &Counter {
+        &self.acts[a as usize]
+    }
+    /// Count one `a` of `bytes` that started at `since`.
+    pub(super) fn record(&self, a: Activity, bytes: u64, since: Instant) {
+        self.counter(a).add(bytes, since);
+    }
+}
+
+/// Count, bytes and nanoseconds of one activity.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ActivityStats {
+    /// Times it happened.
+    pub count: u64,
+    /// Bytes it processed (serialized size).
+    pub bytes: u64,
+    /// Nanoseconds spent.
+    pub ns: u64,
+}
+
+/// A snapshot of the store's metrics.
+#[derive(Debug, Clone, Default)]
+pub struct MetricsSnapshot {
+    /// Per activity (`serialize`, `compress`, `disk-write`, `disk-read`, `decompress`, `deserialize`,
+    /// `memory-read`).
+    pub activities: Vec<(&'static str, ActivityStats)>,
+    /// Memory weight per tier (disk: bytes of records).
+    pub tier_bytes: Vec<(&'static str, u64)>,
+    /// Entries per tier.
+    pub tier_entries: Vec<(&'static str, u64)>,
+    /// Total memory weight.
+    pub memory_bytes: u64,
+    /// Serialized size of what is on disk.
+    pub spilled_memory_bytes: u64,
+    /// Bytes on disk for what is spilled.
+    pub spilled_disk_bytes: u64,
+    /// Spills refused because `max_spill_bytes` would be exceeded.
+    pub max_spill_refusals: u64,
+    /// Evictions that failed (serialize or disk error) and kept the value in memory.
+    pub spill_failures: u64,
+}
+
+impl MetricsSnapshot {
+    /// The stats of activity `a`.
+    pub fn of(&self, a: Activity) -> ActivityStats {
+        self.activity(a.name())
+    }
+
+    /// The activity with this name ([`Activity::name`]).
+    pub fn activity(&self, name: &str) -> ActivityStats {
+        self.activities.iter().find(|(n, _)| *n == name).map(|(_, a)| *a).unwrap_or_default()
+    }
+
+    /// Prometheus text exposition, with dask's metric names where they exist.
+    pub fn prometheus(&self) -> String {
+        let mut s = String::new();
+        s.push_str(
+            "# HELP spillway_spill_count_total Operations per activity.\n# TYPE spillway_spill_count_total counter\n",
+        );
+        for (n, a) in &self.activities {
+            s.push_str(&format!("spillway_spill_count_total{{activity=\"{n}\"}} {}\n", a.count));
+        }
+        s.push_str(
+            "# HELP spillway_spill_bytes_total Bytes per activity.\n# TYPE spillway_spill_bytes_total counter\n",
+        );
+        for (n, a) in &self.activities {
+            s.push_str(&format!("spillway_spill_bytes_total{{activity=\"{n}\"}} {}\n", a.bytes));
+        }
+        s.push_str("# HELP spillway_spill_time_seconds_total Seconds per activity.\n# TYPE spillway_spill_time_seconds_total counter\n");
+        for (n, a) in &self.activities {
+            s.push_str(&format!("spillway_spill_time_seconds_total{{activity=\"{n}\"}} {:.9}\n", a.ns as f64 / 1e9));
+        }
+        s.push_str("# HELP spillway_memory_bytes Memory weight per tier.\n# TYPE spillway_memory_bytes gauge\n");
+        for (n, b) in &self.tier_bytes {
+            s.push_str(&format!("spillway_memory_bytes{{tier=\"{n}\"}} {b}\n"));
+        }
+        s.push_str("# HELP spillway_entries Entries per tier.\n# TYPE spillway_entries gauge\n");
+        for (n, c) in &self.tier_entries {
+            s.push_str(&format!("spillway_entries{{tier=\"{n}\"}} {c}\n"));
+        }
+        s.push_str(&format!(
+            "# TYPE spillway_spilled_bytes gauge\nspillway_spilled_bytes{{kind=\"memory\"}} {}\nspillway_spilled_bytes{{kind=\"disk\"}} {}\n",
+            self.spilled_memory_bytes, self.spilled_disk_bytes
+        ));
+        s.push_str(&format!(
+            "# TYPE spillway_max_spill_refusals_total counter\nspillway_max_spill_refusals_total {}\n",
+            self.max_spill_refusals
+        ));
+        s.push_str(&format!(
+            "# TYPE spillway_spill_failures_total counter\nspillway_spill_failures_total {}\n",
+            self.spill_failures
+        ));
+        s
+    }
+}
+
+impl<C: Codec, B: Backend> Store<C, B> {
+    /// A snapshot of the metrics and the current accounting. The accounting is read under the store's
+    /// lock and is consistent; the activity counters are read one after another while other threads may
+    /// be bumping them, so two counters of one snapshot need not be from the same instant.
+    pub fn metrics(&self) -> MetricsSnapshot {
+        let inner = self.lock();
+        MetricsSnapshot {
+            activities: Activity::ALL.iter().map(|&a| (a.name(), self.metrics.counter(a).snap())).collect(),
+            tier_bytes: TIERS.iter().map(|t| (t.name(), inner.tier_bytes[t.idx()])).collect(),
+            tier_entries: TIERS.iter().map(|t| (t.name(), inner.tier_count[t.idx()])).collect(),
+            memory_bytes: inner.mem_bytes,
+            spilled_memory_bytes: inner.disk_raw,
+            spilled_disk_bytes: inner.disk_bytes,
+            max_spill_refusals: self.metrics.max_spill_refusals.load(Ordering::Relaxed),
+            spill_failures: self.metrics.spill_failures.load(Ordering::Relaxed),
+        }
+    }
+}

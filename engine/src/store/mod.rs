@@ -1,0 +1,251 @@
+//! The three-tier store: materialized objects, serialized frames in memory (optionally lz4), and
+//! records in the segment log on disk. Data that arrives serialized stays serialized until a task asks
+//! for the object; then it is deserialized exactly once (see [`crate::slot`]).
+//!
+//! ## Tiers and weights
+//! * **materialized**: an `Arc<V>`, weight `codec.size_of(v)` (an estimate, as dask's `sizeof`);
+//! * **serialized**: frames in memory, weight = their exact byte length;
+//! * **compressed**: one lz4 block of the frames (with `compress_in_memory`), weight = its length;
+//! * **disk**: a record in the segment log, weight 0.
+//!
+//! Above `target_bytes`, least-recently-used entries are demoted object -> serialized (-> compressed)
+//! -> disk, on the calling thread, before `put` returns: a producer pays for the eviction it causes
+//! (dask measured that spilling asynchronously without back-pressure made workers reach their pause
+//! threshold sooner). Only values the disk refuses (`max_spill` reached, a full or failed disk, a
+//! serialize failure) stay above the target; they are retried when this store frees disk space
+//! (a removed or replaced spilled value) or when one of them is read. A value heavier than the target goes
+//! straight to disk and is served from there without being promoted.
+//!
+//! ## Failures
+//! `max_spill` full, a serialize failure or a disk failure while evicting *another* key keep that key
+//! in memory (logged, counted in the metrics) and never fail the caller: "Spill file on disk reached
+//! capacity" and "Spill to disk failed" at most every 10 s each, a serialize failure once per entry. A serialize failure of the
+//! key being inserted fails that `put` and the store forgets the key. Nothing is dropped silently.
+//!
+//! ## Locking
+//! One mutex guards the key map, the LRU order and the accounting; it is held for lookups, LRU updates
+//! and eviction decisions, and never during disk I/O, (de)serialization or (de)compression. An
+//! eviction round is planned under the lock (its keys marked as being written), carried out without
+//! it (objects serialized, values written, see `Store::spill`), and settled under it again.
+//! Materialization happens in the per-key [`Slot`], whose ready path is lock-free.
+//!
+//! ## Where each rule lives
+//!
+//! | file | owns |
+//! |---|---|
+//! | `mod.rs` | [`Store`], the [`Codec`] trait, opening, lookups |
+//! | `config.rs` | [`StoreConfig`], [`EvictionPolicy`] |
+//! | `entry.rs` | entries, [`Tier`]s, the totals and the LRU order |
+//! | `put.rs` | `put`, `put_serialized`, `remove`, heavy values straight to disk |
+//! | `evict.rs` | eviction rounds: plan, write, settle; `max_spill`, stuck entries |
+//! | `receive.rs` | [`Store::receive`] and `put_stream`: values arriving in stored form |
+//! | `get.rs` | `get`, `get_many`, `get_async`, `get_serialized`; deserialize once |
+//! | `persist.rs` | `flush` of a persistent store |
+//! | `metrics.rs` | [`Activity`] counters and [`MetricsSnapshot`] |
+//! | `check.rs` | `check_accounting` |
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+
+use crate::backend::{Backend, PortableBackend};
+use crate::error::{Error, Result};
+use crate::key::{KeyMap, KeySet};
+use crate::log::{LogOptions, SegmentLog, StreamedValue};
+use crate::slot::Slot;
+use crate::stored;
+// Locks, counters and the values' `Arc` come from the sync shim, so the loom models in `loom-tests/`
+// run this code as it is (keys and slots are plain `Arc`s: only their contents are shared state).
+use crate::sync::{self, AtomicU64, Condvar, Mutex, MutexGuard, Ordering};
+use crate::value::Frames;
+
+mod check;
+mod config;
+mod entry;
+mod evict;
+mod get;
+mod metrics;
+mod persist;
+mod put;
+mod receive;
+
+pub use self::config::{EvictionPolicy, StoreConfig, SPILL_WRITE_BEHIND_BYTES};
+pub use self::entry::Tier;
+pub use self::get::{GET_MANY_BATCH, GET_MANY_DEPTH};
+pub use self::metrics::{Activity, ActivityStats, MetricsSnapshot};
+
+use self::entry::*;
+use self::evict::*;
+use self::get::*;
+use self::metrics::*;
+
+/// A codec's error.
+pub type CodecError = Box<dyn std::error::Error + Send + Sync>;
+
+/// How values cross the engine boundary.
+pub trait Codec: Send + Sync + 'static {
+    /// The materialized type.
+    type Value: Send + Sync + 'static;
+    /// Serialize a value into frames (a small header plus large buffers, kept apart). A panic here is
+    /// caught and handled as a serialize error: it often runs while evicting some other caller's
+    /// value, and must not leave that eviction half done.
+    fn serialize(&self, value: &Self::Value) -> std::result::Result<Frames, CodecError>;
+    /// Rebuild a value from frames; the frames' buffers may be kept without copying.
+    fn deserialize(&self, frames: Frames) -> std::result::Result<Self::Value, CodecError>;
+    /// Memory weight of a materialized value in bytes.
+    fn size_of(&self, value: &Self::Value) -> u64;
+}
+
+/// The three-tier store. All methods take `&self`; share it across threads with an `Arc`.
+pub struct Store<C: Codec, B: Backend = PortableBackend> {
+    codec: C,
+    log: SegmentLog<B>,
+    cfg: StoreConfig,
+    inner: Mutex<Inner<C::Value>>,
+    /// Signalled (with `inner`) whenever a spill write lands.
+    written: Condvar,
+    metrics: Metrics,
+}
+
+/// "Reached capacity" and "Spill to disk failed" are each logged at most this often (as the Python
+/// `SpillBuffer` does).
+const LOG_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Whether a rate-limited message last logged at `last` is due again; if so, `last` becomes now.
+fn log_due(last: &mut Option<Instant>) -> bool {
+    if last.is_some_and(|t| t.elapsed() < LOG_EVERY) {
+        return false;
+    }
+    *last = Some(Instant::now());
+    true
+}
+
+/// The text of a panic's payload, if it has one.
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> &str {
+    match payload.downcast_ref::<&'static str>() {
+        Some(s) => s,
+        None => payload.downcast_ref::<String>().map_or("(no message)", |s| s.as_str()),
+    }
+}
+
+fn key_str(k: &[u8]) -> String {
+    String::from_utf8_lossy(k).into_owned()
+}
+
+impl<C: Codec, B: Backend> Store<C, B> {
+    /// Open a store in `dir`. A persistent store (`cfg.persistent`) finds the records already in
+    /// the log as disk-tier entries; a spill store (the default) discards them and starts empty. A
+    /// spill store's log never fsyncs (`cfg.log.durable` is ignored), and releases a removed value's
+    /// blocks at once.
+    pub fn open(codec: C, backend: B, dir: impl AsRef<Path>, cfg: StoreConfig) -> Result<Self> {
+        // A spill store's data dies with the process: the log need not fsync on its own.
+        // It also starts empty (`discard_existing`) and releases a removed value's blocks at once
+        // (`punch_forgotten`), as unlinking a file per key would.
+        let log_opts = LogOptions {
+            durable: cfg.log.durable && cfg.persistent,
+            punch_forgotten: cfg.log.punch_forgotten || !cfg.persistent,
+            discard_existing: cfg.log.discard_existing || !cfg.persistent,
+            // A put into a persistent store is in the file when it returns (a process crash keeps it).
+            write_behind_bytes: if cfg.persistent { 0 } else { cfg.log.write_behind_bytes },
+            ..cfg.log.clone()
+        };
+        let log = SegmentLog::open(backend, dir, log_opts)?;
+        let mut inner = Inner {
+            map: KeyMap::default(),
+            lru: BTreeMap::new(),
+            next_tick: 0,
+            mem_bytes: 0,
+            tier_bytes: [0; 4],
+            tier_count: [0; 4],
+            disk_bytes: 0,
+            disk_raw: 0,
+            logged_full: None,
+            logged_disk: None,
+            stuck: KeySet::default(),
+            writing: KeyMap::default(),
+            next_write: 0,
+            receiving: KeySet::default(),
+            writing_weight: 0,
+            writing_raw: 0,
+            streams: KeyMap::default(),
+        };
+        for k in log.keys() {
+            let len = log.location(&k).map_or(0, |l| l.len);
+            let mut e = Entry::new(Slot::new(), Tier::Disk, 0);
+            e.disk_raw = len;
+            e.disk_bytes = len;
+            // (the record's length: its serialized size plus a header, close enough to keep a value
+            // heavier than the target on disk when it is read, as it was before the reopen)
+            e.large = len > cfg.target_bytes;
+            inner.count_in(Acct::of(&e));
+            inner.map.insert(Arc::from(k.as_slice()), e);
+        }
+        Ok(Store { codec, log, cfg, inner: Mutex::new(inner), written: Condvar::new(), metrics: Metrics::default() })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner<C::Value>> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The underlying segment log.
+    pub fn log(&self) -> &SegmentLog<B> {
+        &self.log
+    }
+
+    /// The codec.
+    pub fn codec(&self) -> &C {
+        &self.codec
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &StoreConfig {
+        &self.cfg
+    }
+
+    /// Whether `key` is stored (in any tier).
+    pub fn contains(&self, key: &[u8]) -> bool {
+        self.lock().map.contains_key(key)
+    }
+
+    /// Number of keys.
+    pub fn len(&self) -> usize {
+        self.lock().map.len()
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// All keys (unordered).
+    pub fn keys(&self) -> Vec<Vec<u8>> {
+        self.lock().map.keys().map(|k| k.to_vec()).collect()
+    }
+
+    /// The tier `key` is in.
+    pub fn tier(&self, key: &[u8]) -> Option<Tier> {
+        self.lock().map.get(key).map(|e| e.tier)
+    }
+
+    /// Total memory weight.
+    pub fn memory_bytes(&self) -> u64 {
+        self.lock().mem_bytes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A store's memory per key is mostly its map bucket (key handle and entry), one per key of
+    /// every tier, so a million spilled keys cost a million of them: keep it within 96 bytes (it was
+    /// 152 with the compressed block inline).
+    #[test]
+    fn entries_stay_small() {
+        let bucket = std::mem::size_of::<(Arc<[u8]>, Entry<Bytes>)>();
+        assert!(bucket <= 96, "a map bucket takes {bucket} bytes");
+    }
+}

@@ -1,0 +1,229 @@
+//! `flush` of a persistent store: every value held only in memory is written and synced.
+
+use super::*;
+
+/// Passes of a persistent store's `flush` (write a disk copy of everything, wait for the writes)
+/// while values are left in memory without their disk copy.
+pub(super) const FLUSH_PASSES: usize = 4;
+
+impl<C: Codec, B: Backend> Store<C, B> {
+    /// Make everything spilled so far durable (fdatasync of the log), spill writes in flight
+    /// included (they are waited for; writes that start meanwhile are not).
+    ///
+    /// A persistent store first writes a disk copy of every value it holds only in memory when the
+    /// call begins, and keeps the value in memory (its later eviction then costs no write; a value
+    /// heavier than the target goes to the disk tier), so that once `flush` returns its contents as
+    /// of the call survive a crash and reopen; without a flush, only what was spilled does. Values
+    /// that cannot be written (`max_spill` reached, a full disk, a serialize failure) stay in memory,
+    /// readable, and `flush` then fails with [`Error::NotPersisted`] after syncing the rest. It ends
+    /// by enforcing the memory target (values kept above it can now be dropped for free).
+    pub fn flush(&self) -> Result<()> {
+        let mut inner = self.lock();
+        if !self.cfg.persistent {
+            inner = self.wait_for_writes(inner);
+            drop(inner);
+            return self.log.sync();
+        }
+        // An explicit request to persist: values refused before are tried again.
+        Self::unstick(&mut inner);
+        // What this flush must write: the values held only in memory when it began (values put
+        // meanwhile are the next flush's). Each is written by this flush, or by another thread's
+        // eviction while this flush waits for it.
+        let mut pending: Vec<Listed<C::Value>> = inner
+            .map
+            .iter()
+            .filter(|(_, e)| e.tier != Tier::Disk && e.disk_bytes == 0)
+            .map(|(k, e)| (k.clone(), e.slot.clone(), true))
+            .collect();
+        // Several passes: a key another thread was writing (or demoting, object -> frames, which
+        // leaves it in memory) is skipped, waited for, and tried again. Bounded, in case other
+        // threads' evictions keep demoting the same keys.
+        for _ in 0..FLUSH_PASSES {
+            for chunk in pending.chunks(EVICT_SCAN) {
+                inner = self.persist_round(inner, chunk);
+                // Let other threads in between rounds.
+                drop(inner);
+                inner = self.lock();
+            }
+            inner = self.wait_for_writes(inner);
+            // Still to write: the listed keys still held only in memory, with whatever value they
+            // hold now (a failed transfer brings an old value back under a new slot; a key replaced
+            // meanwhile is written with its new value), and keys a transfer has set aside right now
+            // (it may bring the old value back).
+            pending.retain_mut(|(k, slot, original)| match inner.map.get(k) {
+                Some(e) if e.tier != Tier::Disk && e.disk_bytes == 0 => {
+                    if !Arc::ptr_eq(slot, &e.slot) {
+                        *slot = e.slot.clone();
+                        *original = false;
+                    }
+                    true
+                }
+                Some(_) => false,
+                None => inner.streams.contains_key(k),
+            });
+            if pending.iter().all(|(k, ..)| inner.map.get(k).is_some_and(|e| e.stuck)) {
+                break;
+            }
+        }
+        // Values that replaced a listed one meanwhile were written if they could be, but are not
+        // this flush's promise: only the listed values count.
+        let only_in_memory = pending
+            .iter()
+            .filter(|(k, slot, original)| *original && inner.map.get(k).is_some_and(|e| Arc::ptr_eq(&e.slot, slot)))
+            .count();
+        // A value the flush wrote may have been kept in memory above the target (refused by
+        // max_spill until now): it can be dropped for free now.
+        let enforced = self.enforce(inner, None);
+        self.log.sync()?;
+        enforced?;
+        match only_in_memory {
+            0 => Ok(()),
+            keys => Err(Error::NotPersisted { keys }),
+        }
+    }
+
+    /// Wait for the spill writes that started before this call.
+    pub(super) fn wait_for_writes<'a>(
+        &'a self,
+        mut inner: MutexGuard<'a, Inner<C::Value>>,
+    ) -> MutexGuard<'a, Inner<C::Value>> {
+        let now = inner.next_write;
+        while inner.writing.values().any(|&w| w < now) {
+            inner = self.written.wait(inner).unwrap_or_else(|p| p.into_inner());
+        }
+        inner
+    }
+
+    /// For a persistent store's `flush`: write a disk copy of each value of `keys` (each with the
+    /// slot that identifies its entry) that is still held only in memory, leaving it in memory. A
+    /// key removed or replaced since, stuck, or being written by another thread is skipped.
+    /// Serialization and the write run without the store's lock, the keys marked as being written
+    /// (eviction skips them, a direct write of one waits).
+    ///
+    /// Settled as a spill batch is: a value removed or replaced meanwhile leaves a record nobody wants,
+    /// which is dropped; one whose record did not land (max_spill, a full disk, a serialize failure)
+    /// stays as it was, stuck and reported. A value heavier than the target goes to the disk tier,
+    /// where it lives.
+    pub(super) fn persist_round<'a>(
+        &'a self,
+        mut inner: MutexGuard<'a, Inner<C::Value>>,
+        keys: &[Listed<C::Value>],
+    ) -> MutexGuard<'a, Inner<C::Value>> {
+        enum Copy<V> {
+            Object(sync::Arc<V>),
+            Frames(Frames),
+            Compressed(Box<Compressed>),
+        }
+        struct Job<V> {
+            key: Arc<[u8]>,
+            /// Identifies the entry, as in [`Planned`].
+            slot: Arc<Slot<V, Error>>,
+            copy: Copy<V>,
+        }
+        let mut todo: Vec<Job<C::Value>> = Vec::new();
+        for (key, slot, _) in keys {
+            let Some(e) = inner.map.get(key).filter(|e| Arc::ptr_eq(&e.slot, slot)) else { continue };
+            if e.stuck || e.disk_bytes > 0 || inner.writing.contains_key(key) {
+                continue;
+            }
+            let copy = match (e.tier, &e.frames, &e.compressed) {
+                (Tier::Materialized, ..) => match e.slot.try_get() {
+                    Some(v) => Copy::Object(v),
+                    None => continue,
+                },
+                (Tier::Disk, ..) => continue,
+                (_, Some(f), _) => Copy::Frames(f.clone()),
+                (_, None, Some(c)) => Copy::Compressed(c.clone()),
+                (_, None, None) => continue,
+            };
+            Self::begin_write(&mut inner, key.clone());
+            todo.push(Job { key: key.clone(), slot: slot.clone(), copy });
+        }
+        if todo.is_empty() {
+            return inner;
+        }
+        drop(inner);
+        let data: Vec<Result<Frames>> = todo
+            .iter()
+            .map(|Job { key: k, copy, .. }| {
+                let f = match copy {
+                    Copy::Object(v) => self.serialize(k, v)?,
+                    Copy::Frames(f) => f.clone(),
+                    Copy::Compressed(c) => {
+                        let t = Instant::now();
+                        let f = decompress(c)?;
+                        self.metrics.record(Activity::Decompress, f.total_len(), t);
+                        f
+                    }
+                };
+                self.log.validate(k, &f).map(|()| f)
+            })
+            .collect();
+        // max_spill: reserve what is written, as an eviction's batch does.
+        let mut inner = self.lock();
+        let mut reserved = 0u64;
+        let allowed: Vec<bool> = data
+            .iter()
+            .map(|d| match d {
+                Ok(f) if self.spill_allowed(&mut inner, reserved + f.total_len()) => {
+                    reserved += f.total_len();
+                    true
+                }
+                _ => false,
+            })
+            .collect();
+        inner.writing_raw += reserved;
+        drop(inner);
+        let items: Vec<(&[u8], &Frames)> = todo
+            .iter()
+            .zip(&data)
+            .zip(&allowed)
+            .filter_map(|((j, d), &ok)| d.as_ref().ok().filter(|_| ok).map(|f| (&*j.key, f)))
+            .collect();
+        let (result, panicked) = self.write_batch(&items);
+        let mut inner = self.lock();
+        inner.writing_raw -= reserved;
+        let mut stuck: Vec<Arc<[u8]>> = Vec::new();
+        let mut stale: Vec<Arc<[u8]>> = Vec::new();
+        let mut freed = false;
+        let mut landed = false;
+        for ((Job { key, slot, .. }, d), &ok) in todo.iter().zip(&data).zip(&allowed) {
+            inner.writing.remove(key);
+            let ours = inner.map.get(key).is_some_and(|e| Arc::ptr_eq(&e.slot, slot));
+            let loc = if ok { self.log.location(key) } else { None };
+            match (ours, loc) {
+                (true, Some(loc)) => {
+                    let raw = d.as_ref().map_or(0, |f| f.total_len());
+                    Self::note_landed(&mut inner, key, raw, loc.len, true);
+                    landed = true;
+                }
+                (true, None) => {
+                    match d {
+                        Err(err @ Error::Codec { .. }) => {
+                            self.metrics.spill_failures.fetch_add(1, Ordering::Relaxed);
+                            let e = inner.map.get_mut(key).expect("present");
+                            if !std::mem::replace(&mut e.logged_serialize, true) {
+                                log::error!("Failed to serialize {:?}; keeping it in memory: {err}", key_str(key));
+                            }
+                        }
+                        Err(err) => self.spill_failed(&mut inner, key, err),
+                        // Refused by max_spill (counted and logged there).
+                        Ok(_) if !ok => {}
+                        Ok(_) => {
+                            let err = result.clone().err().unwrap_or_else(|| vanished(key));
+                            self.spill_failed(&mut inner, key, &err);
+                        }
+                    }
+                    stuck.push(key.clone());
+                }
+                (false, Some(_)) => {
+                    stale.push(key.clone());
+                    freed = true;
+                }
+                (false, None) => freed |= ok && result.is_ok(),
+            }
+        }
+        let first = todo.first().map(|j| &j.key);
+        self.end_settle(inner, Settled { result: &result, first, landed, freed, stuck, stale, panicked })
+    }
+}

@@ -1,0 +1,100 @@
+//! Puts and removes: `put` (an object), `put_serialized` (frames), a value heavier than the
+//! target straight to disk (`put_large`), and waiting for a key's write in flight.
+
+use super::*;
+
+impl<C: Codec, B: Backend> Store<C, B> {
+    /// Store a materialized value. If it is heavier than the target it is serialized and written to disk
+    /// at once; a serialize failure then fails this call and the key is forgotten.
+    pub fn put(&self, key: &[u8], value: C::Value) -> Result<()> {
+        let weight = self.codec.size_of(&value);
+        if weight > self.cfg.target_bytes {
+            let frames = match self.serialize(key, &value) {
+                Ok(f) => f,
+                Err(e) => {
+                    // As for a value that fails when its eviction serializes it: the key is forgotten,
+                    // not left holding its previous value.
+                    let mut inner = self.lock();
+                    let _ = self.drop_entry(&mut inner, key);
+                    return Err(e);
+                }
+            };
+            return self.put_large(self.lock(), key, frames);
+        }
+        let mut inner = self.lock();
+        let e = Entry::new(Slot::ready(sync::Arc::new(value)), Tier::Materialized, weight);
+        let slot = e.slot.clone();
+        self.insert(&mut inner, key, e)?;
+        self.enforce(inner, Some(&slot))
+    }
+
+    /// Store serialized frames (data from a peer or from disk): they stay serialized until a `get`.
+    pub fn put_serialized(&self, key: &[u8], frames: Frames) -> Result<()> {
+        let mut inner = self.lock();
+        if frames.total_len() > self.cfg.target_bytes {
+            return self.put_large(inner, key, frames);
+        }
+        let e = Entry::serialized(frames, false);
+        let slot = e.slot.clone();
+        self.insert(&mut inner, key, e)?;
+        self.enforce(inner, Some(&slot))
+    }
+
+    /// A value heavier than the target: straight to disk, written outside the lock like any spill
+    /// (meanwhile it is served from memory). If it cannot be written (max_spill, disk error) it stays
+    /// in memory, serialized, and the condition is reported.
+    pub(super) fn put_large<'a>(
+        &'a self,
+        inner: MutexGuard<'a, Inner<C::Value>>,
+        key: &[u8],
+        frames: Frames,
+    ) -> Result<()> {
+        let raw = frames.total_len();
+        let mut inner = self.wait_unwritten(inner, key);
+        let e = Entry::serialized(frames.clone(), true);
+        let slot = e.slot.clone();
+        let k = self.insert(&mut inner, key, e)?;
+        if !self.spill_allowed(&mut inner, raw) {
+            Self::set_stuck(&mut inner, &k);
+            return Ok(());
+        }
+        let planned = Planned { key: k, data: Source::Frames(frames), raw, slot, weight: raw };
+        Self::mark_writing(&mut inner, &planned);
+        drop(self.spill(inner, Plan { writes: vec![planned], demotions: Vec::new() }, None));
+        Ok(())
+    }
+
+    /// Wait (releasing the lock) until no spill write of `key` is running: a value written to the log
+    /// directly must not race an older value's write of the same key.
+    pub(super) fn wait_unwritten<'a>(
+        &'a self,
+        mut inner: MutexGuard<'a, Inner<C::Value>>,
+        key: &[u8],
+    ) -> MutexGuard<'a, Inner<C::Value>> {
+        while inner.writing.contains_key(key) || inner.receiving.contains(key) {
+            inner = self.written.wait(inner).unwrap_or_else(|p| p.into_inner());
+        }
+        inner
+    }
+
+    /// `key` is being written (to the log, outside the store's lock) from now on.
+    pub(super) fn begin_write(inner: &mut Inner<C::Value>, key: Arc<[u8]>) {
+        let ticket = inner.next_write;
+        inner.next_write += 1;
+        inner.writing.insert(key, ticket);
+    }
+
+    pub(super) fn mark_writing(inner: &mut Inner<C::Value>, p: &Planned<C::Value>) {
+        Self::begin_write(inner, p.key.clone());
+        inner.writing_weight += p.weight;
+        inner.writing_raw += p.raw;
+    }
+
+    /// Delete `key` from every tier. Returns whether it existed.
+    pub fn remove(&self, key: &[u8]) -> Result<bool> {
+        // A spill write of the key in flight is not waited for: its record is dropped when it
+        // settles (a tombstone in a persistent store), and `flush` waits for that.
+        let mut inner = self.lock();
+        self.drop_entry(&mut inner, key)
+    }
+}
