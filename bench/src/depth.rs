@@ -18,7 +18,8 @@ use rand::rngs::SmallRng;
 use rand::Rng;
 use spillway::{AutoBackend, Frames, SegmentLog};
 
-use crate::{key, Args, Rw, Side};
+use crate::log_jobs::{key, Side};
+use crate::{Args, LogOp};
 
 fn more(args: &Args, issued: u64, nkeys: u64, deadline: Option<Instant>) -> bool {
     if deadline.is_some_and(|d| Instant::now() >= d) {
@@ -31,7 +32,7 @@ fn more(args: &Args, issued: u64, nkeys: u64, deadline: Option<Instant>) -> bool
 pub(crate) struct Job<'a> {
     pub log: &'a Arc<SegmentLog<AutoBackend>>,
     pub args: &'a Args,
-    pub rw: Rw,
+    pub rw: LogOp,
     /// Index of the job thread (its key range).
     pub job: usize,
     /// Keys per job thread.
@@ -58,7 +59,7 @@ pub(crate) fn reads(j: &Job<'_>, rng: &mut SmallRng) -> Result<(Side, Side)> {
         if !more(args, issued, nkeys, deadline) {
             return None;
         }
-        let k = if rw == Rw::Read { key(job, issued % nkeys) } else { key(job, rng.gen_range(0..nkeys)) };
+        let k = if rw == LogOp::Read { key(job, issued % nkeys) } else { key(job, rng.gen_range(0..nkeys)) };
         issued += 1;
         started_ref.borrow_mut().entry(k.clone()).or_default().push_back(Instant::now());
         Some(k)
@@ -100,7 +101,9 @@ pub(crate) fn writes(j: &Job<'_>, rng: &mut SmallRng, value: &Frames) -> Result<
     while more(args, issued, nkeys, deadline) {
         let n = if args.time_based { args.iodepth as u64 } else { (args.iodepth as u64).min(nkeys - issued) };
         let keys: Vec<Vec<u8>> = (0..n)
-            .map(|j| if rw == Rw::Write { key(job, (issued + j) % nkeys) } else { key(job, rng.gen_range(0..nkeys)) })
+            .map(
+                |j| if rw == LogOp::Write { key(job, (issued + j) % nkeys) } else { key(job, rng.gen_range(0..nkeys)) },
+            )
             .collect();
         let items: Vec<(&[u8], &Frames)> = keys.iter().map(|k| (&k[..], value)).collect();
         let t = Instant::now();

@@ -116,7 +116,7 @@ const RECYCLE_SLOTS: usize = 8;
 /// is a large-chunk allocation that coalesces with its neighbours and sweeps the fast bins first; in
 /// a get-then-remove loop of 4 KiB values glibc was 13% of the samples, and recycling (with the
 /// slot's smaller allocation, see `slot.rs`) took a get + remove from 3.92-4.24 to 3.57-3.77 µs (see
-/// `docs/benchmarks.md`, session 7, for the loop and the `spillway-bench` command that shows it).
+/// `docs/benchmarks.md`, "Measured choices in the read path", for the loop and the command that shows it).
 /// Only exact layouts are reused, so a recycled allocation is freed with the layout it was made with.
 struct Recycled(Vec<(Layout, NonNull<u8>)>);
 
@@ -535,7 +535,7 @@ mod tests {
     use super::*;
 
     /// A size whose rounding (up to the alignment, or the carving slack) overflows panics, as
-    /// `Vec` does: it used to wrap to a small allocation behind a buffer claiming the huge length.
+    /// `Vec` does: wrapping would leave a small allocation behind a buffer claiming the huge length.
     #[test]
     fn sizes_that_overflow_panic_instead_of_wrapping() {
         for (cap, align) in [(usize::MAX, 4096), (usize::MAX - 63, 64), (usize::MAX - 10, 16)] {

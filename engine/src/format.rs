@@ -49,7 +49,7 @@
 //! Records start at multiples of 64 in the file and segment data starts aligned, so every frame read
 //! back into an aligned buffer starts 64-byte aligned: consumers (numpy, Arrow) wrap it without a copy,
 //! and SIMD code sees the same alignment whichever tier the value comes from (numpy's float sums
-//! depend on it, so unaligned frames made results differ in the last bit from dask's own store).
+//! depend on it, so unaligned frames would make results differ in the last bit from dask's own store).
 //!
 //! footer entry (40 B + key, padded to 8 = FOOTER_ALIGN)
 //!    0   4  key_len     4  1 flags (LZ4, TOMBSTONE)   5  1 reserved   6  2 frame_count

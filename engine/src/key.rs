@@ -7,7 +7,7 @@ use std::hash::{Hash, Hasher};
 /// The hasher of every map keyed by a key or a segment id: foldhash, seeded per map. Keys come from
 /// the worker's own task graph and its peers, not from an adversary, so SipHash's DoS resistance
 /// buys nothing here, while it cost 5-8% of a spilled 4 KiB get + remove (its hashing of short keys
-/// showed at the top of the profile; see docs/benchmarks.md, session 14).
+/// showed at the top of the profile; docs/benchmarks.md, "Measured choices in the read path").
 pub(crate) type KeyHasher = foldhash::fast::RandomState;
 
 /// A map with [`KeyHasher`].

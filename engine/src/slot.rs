@@ -57,7 +57,7 @@ struct Wait<V, E> {
     /// deserialize it again. Cleared when the last waiter leaves.
     success: Option<(u64, Arc<V>)>,
     /// The most recent failed attempt and its error. Boxed: failures are rare, and inline the error
-    /// made a store entry's `Arc<Slot>` a 128-byte allocation, which glibc frees through its
+    /// would make a store entry's `Arc<Slot>` a 128-byte allocation, which glibc frees through its
     /// coalescing path once its per-thread cache is full (fast bins stop at 120-byte requests), as
     /// it is when a worker removes many keys. Boxed, it is 72 bytes.
     failure: Option<Box<(u64, E)>>,

@@ -259,7 +259,7 @@ fn metrics_counters_sum_exactly() {
 /// Two gets of a key held serialized race `evict`. One get can promote the value, the eviction can
 /// demote it again (the slot is emptied), and the second get then finishes with the value it shared.
 /// It must not promote the entry a second time: that would leave a materialized entry whose slot
-/// holds nothing (a random stress test found this).
+/// holds nothing.
 #[test]
 fn two_gets_race_evict() {
     bounded().check(|| {

@@ -108,7 +108,7 @@ def micro_one(kind: str, size: int, n: int, args) -> dict:
 
     Every dirty page of the system is written back (``os.sync``, untimed) before the spill, so that
     it does not pay for the writeback of what the phase before it wrote (left to chance, the kernel
-    throttled whichever writer came next); and before the unspill with ``--written-back``."""
+    throttles whichever writer comes next); and before the unspill with ``--written-back``."""
     directory = tempfile.mkdtemp(prefix=f"bench-{kind}-", dir=args.dir)
     store = make_store(kind, directory, args)
     try:

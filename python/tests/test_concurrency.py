@@ -273,9 +273,10 @@ class BlockingPut:
 
 def test_an_object_read_again_while_its_frames_are_spilled_is_spilled_once(make_buffer):
     """Frames that unpickle to an object heavier than target are spilled by their first reader. A
-    second reader, served from the weak cache while that write is in flight, used to mark the key
-    for spilling again: the first reader then pickled the key's (now empty) value into a second
-    record and raised KeyError, or, after ``evict()``, every later eviction raised KeyError."""
+    second reader, served from the weak cache while that write is in flight, does not mark the key
+    for spilling again: the first reader would then pickle the key's (by then empty) value into a
+    second record and raise KeyError, or, after ``evict()``, every later eviction would raise
+    KeyError."""
     from spillway import buffer
 
     obj = list(range(100_000))
@@ -352,8 +353,8 @@ def _in_thread(fn):
 def test_a_read_from_disk_racing_a_promotion_finds_the_key_where_it_went(make_buffer, how):
     """A reader of a spilled key (``get_serialized``, a peer's path; ``items()``) whose record is
     deleted under it, because another thread brought the key back into memory, reads it from
-    memory: it used to raise KeyError for a key that is there (or, for a large record, report it
-    as damaged)."""
+    memory instead of raising KeyError for a key that is there (or, for a large record, reporting
+    it as damaged)."""
     import pickle
 
     buf = make_buffer(target=1 << 20)
@@ -419,8 +420,8 @@ def test_a_light_key_set_while_the_older_keys_are_busy_is_not_spilled_by_its_own
 ):
     """The only older key in memory is being unpickled (it cannot be spilled meanwhile) when a
     light key pushes memory above target. As in dask (zict.LRU spills the LRU head, never the key
-    just set unless it is heavier than target), the new key stays in memory: it used to be spilled
-    by its own set, and, if it could not be pickled, forgotten with a PickleError that dask raises
+    just set unless it is heavier than target), the new key stays in memory: spilled by its own
+    set, it would, if it could not be pickled, be forgotten with a PickleError that dask raises
     only for values heavier than target."""
     from spillway import buffer
 
@@ -451,9 +452,9 @@ def test_a_key_dropped_or_read_while_being_spilled_stops_counting_as_leaving_mem
     make_buffer, how
 ):
     """While a key is being written to disk its weight counts as leaving memory. If it is deleted,
-    or unpickled back into an object, meanwhile, it no longer is (the write is thrown away): its
-    weight used to keep counting until the write returned, so the sets made meanwhile spilled too
-    little, and nothing spilled the rest afterwards."""
+    or unpickled back into an object, meanwhile, it no longer is (the write is thrown away): were
+    its weight to keep counting until the write returned, the sets made meanwhile would spill too
+    little, and nothing would spill the rest afterwards."""
     from spillway import buffer
 
     buf = make_buffer(target=1000)
@@ -567,9 +568,9 @@ class Weighs:
 
 def test_a_heavy_object_read_from_held_frames_does_not_share_their_memory(make_buffer):
     """Frames held in memory that unpickle to an object heavier than target are spilled, and the
-    object is handed out. It used to be built on the writeable frames themselves, handed out (to
-    the other readers, through the weak cache) before or while those frames were written: a task
-    mutating its input in place changed (or tore) the record being written."""
+    object is handed out. It is not built on the writeable frames themselves: such an object, handed
+    out (to the other readers, through the weak cache) before or while those frames are written,
+    would let a task mutating its input in place change (or tear) the record being written."""
     import gc
 
     np = pytest.importorskip("numpy")
@@ -603,8 +604,8 @@ def test_a_heavy_object_read_from_held_frames_does_not_share_their_memory(make_b
 
 def test_a_peeked_object_does_not_share_the_memory_of_frames_held_in_memory(make_buffer):
     """``fast[k]`` (and ``items()``, ``values()``) build the object of frames held in memory
-    without moving them. Built on the frames' writeable memory, an in-place change by the caller
-    reached the stored value, and later its record."""
+    without moving them, not on the frames' writeable memory: built on it, an in-place change by
+    the caller would reach the stored value, and later its record."""
     np = pytest.importorskip("numpy")
     from spillway import buffer
 

@@ -164,8 +164,9 @@ def test_log_has_its_docstring():
 
 def test_close_waits_for_a_put_running_on_another_thread(tmp_path):
     """``close()`` returns only once the log is closed, after the operations already running on
-    other threads: SpillBuffer removes the directory right after ``close()``, and used to remove it
-    under a running put, which then failed to create its segment file."""
+    other threads: SpillBuffer removes the directory right after ``close()``, so a close that
+    returned earlier would have it removed under a running put, which would then fail to create its
+    segment file."""
     path = tmp_path / "log"
     log = Log(str(path), segment_bytes=64 << 10)
     started, release = threading.Event(), threading.Event()
@@ -195,7 +196,7 @@ def test_close_waits_for_a_put_running_on_another_thread(tmp_path):
     closer.start()
     second = threading.Thread(target=log.close)  # a second close waits as well
     second.start()
-    closer.join(timeout=0.5)  # with the bug, close and the removal are done by now
+    closer.join(timeout=0.5)  # a close that did not wait would be done by now, the removal too
     second.join(timeout=0.5)
     closed_under_the_put = not closer.is_alive()
     second_returned_early = not second.is_alive()
@@ -251,7 +252,7 @@ def test_close_of_another_log_from_inside_a_put_waits_for_that_log(tmp_path):
     putter = threading.Thread(target=lambda: log2.put(b"k", frames2()))
     putter.start()
     assert started.wait(30)
-    # Lets the put on log 2 go on a little later; with the bug, the close below has returned by then.
+    # Lets the put on log 2 go on a little later: by then, a close that did not wait has returned.
     threading.Timer(0.5, release.set).start()
 
     def frames1():
@@ -280,8 +281,8 @@ def test_sync_makes_puts_durable_and_fails_after_close(tmp_path):
 
 def test_concurrent_puts_and_deletes_of_one_key_keep_sizes_with_the_log(tmp_path):
     """A put and a delete of the same key on two threads: whatever order they take, the sizes the
-    log reports agree with what it holds (a delete between a put's write and its bookkeeping left a
-    size for a key the log no longer had)."""
+    log reports agree with what it holds (a delete between a put's write and its bookkeeping must
+    not leave a size for a key the log no longer has)."""
     log = Log(str(tmp_path / "log"), max_disk_bytes=1 << 30)
     for i in range(300):
         barrier = threading.Barrier(2)
@@ -319,11 +320,11 @@ def test_empty_frames_are_stored(tmp_path):
 def test_a_forked_child_can_read_and_close_its_parents_io_uring_log(tmp_path):
     """A process forked while a log runs on io_uring (a task that forks, multiprocessing's fork
     start method) inherits the log but not its driver thread, and maps the parent's ring. Reads and
-    writes run inline (pread/pwrite), so they work; closing the log (as the child's exit does, in
-    the buffer's finalizer) joined the driver thread, which does not exist in the child, and never
-    returned. Now a child's close leaves the parent's ring and thread alone, anything the child's
-    copy would send to the ring fails at once instead (the engine's async reads), the parent's log
-    is untouched, and a log the child opens itself works."""
+    writes run inline (pread/pwrite), so they work. Closing the log (as the child's exit does, in
+    the buffer's finalizer) must not join the driver thread, which does not exist in the child: the
+    join would never return. A child's close leaves the parent's ring and thread alone, anything the
+    child's copy would send to the ring fails at once instead (the engine's async reads), the
+    parent's log is untouched, and a log the child opens itself works."""
     import select
     import signal
 

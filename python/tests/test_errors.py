@@ -465,8 +465,8 @@ def test_a_value_the_log_refuses_is_a_disk_error_not_an_exception(make_buffer, c
 
 def test_keys_can_be_deleted_after_close(make_buffer):
     """After ``close()`` (the log and its directory are gone), deleting a spilled key or clearing
-    the buffer forgets the keys without raising: ``del`` used to raise ValueError ("closed") after
-    the key was already gone, and ``clear()`` stopped at the first spilled key."""
+    the buffer forgets the keys without raising: ``del`` raises no ValueError ("closed") once the
+    key is gone, and ``clear()`` does not stop at the first spilled key."""
     buf = make_buffer(target=1 << 20)
     for k in "abc":
         buf[k] = bytes(1000)
@@ -500,7 +500,7 @@ class CountingGets(LogWrapper):
 def test_a_record_missing_from_the_log_is_an_error_not_an_endless_retry(make_buffer, how):
     """A key on disk whose record the log no longer has (and no other thread moved): reading it
     raises SpillwayError. Readers start over when a record vanishes because another thread deleted,
-    replaced or promoted the key; when nothing changed they used to start over forever
+    replaced or promoted the key; when nothing changed, starting over would go on forever
     (``__getitem__``) or until RecursionError (``get_serialized``, ``items()``)."""
     buf = make_buffer(target=1 << 20)
     buf["k"] = ("k", bytes(1000))  # tuples take no weak references: reads go to the log

@@ -1,7 +1,7 @@
 //! Reads of a value without its head. A single-frame, uncompressed value is read as its payload
 //! alone and checked against the payload crc the index keeps (from the write, a footer entry or a
 //! recovery scan); the writer starts a payload of 4 KiB or more at a multiple of 512 in the file, so
-//! that a 4 KiB value is one 4096-byte, sector-aligned read (with its head it was 4608 bytes, which
+//! that a 4 KiB value is one 4096-byte, sector-aligned read (with its head it would be 4608 bytes, which
 //! this machine's disk serves at 0.8x the IOPS). Any other value is read whole, head included.
 
 use bytes::Bytes;

@@ -351,7 +351,7 @@ fn a_streamed_value_of_n_bytes_that_meets_a_full_disk_fails_alone(n: usize) {
     assert_eq!(log.get(b"after").unwrap(), Some(frames_for(b"after", 1000)));
 
     // Any other write error while a value streams in makes the log read-only, as on every write path
-    // (it did not: the log stayed writable over a file in an unknown state). Reads go on.
+    // (a log that stayed writable would go on over a file in an unknown state). Reads go on.
     an_eio_during_a_stream_makes_the_log_read_only(&payload, &meta);
 }
 
@@ -508,8 +508,8 @@ fn a_failed_sync_of_the_erase_after_a_full_disk_makes_the_log_read_only() {
 
 /// After a reopen, what was recovered may be in the page cache only (the process crashed, or the log
 /// was closed without `sync`): records of the segment that writing continues in, and the directory
-/// entries of the segments. A `sync` right after the reopen makes them durable. (It did nothing: the
-/// recovered segment counted as synced.)
+/// entries of the segments. A `sync` right after the reopen makes them durable. (Were the recovered
+/// segment counted as synced, that `sync` would do nothing.)
 #[test]
 fn a_sync_after_a_reopen_makes_what_was_recovered_durable() {
     let be = SimBackend::new();
@@ -532,10 +532,10 @@ fn a_sync_after_a_reopen_makes_what_was_recovered_durable() {
 }
 
 /// A batch whose first group of writes failed while a later group landed leaves records beyond a
-/// zero gap. They were never acknowledged. Recovery used to stop at the gap without counting their
-/// epoch, so the next life wrote with the same epoch and lower sequence numbers; once its records
-/// came close, a later scan resynced onto the old ones, accepted them, and the old value of `k`
-/// won over the one put and synced after it.
+/// zero gap. They were never acknowledged. Recovery stops at the gap and counts their epoch: without
+/// it, the next life would write with the same epoch and lower sequence numbers; once its records
+/// came close, a later scan would resync onto the old ones, accept them, and the old value of `k`
+/// would win over the one put and synced after it.
 #[test]
 fn records_beyond_a_failed_group_never_come_back_over_newer_values() {
     let be = SimBackend::new();

@@ -1,5 +1,5 @@
 //! The seed corpus of the `record_decode` fuzz target holds records of this build's format: a seed
-//! that no longer decodes (after a format change) would leave the fuzzer to start from nothing.
+//! that does not decode (one of another format version) would leave the fuzzer to start from nothing.
 
 use spillway::format;
 

@@ -59,7 +59,8 @@ fn forgetting_a_large_record_releases_its_blocks_on_disk() {
 
 /// A large value alone in the active segment (a spill of one big value, then its unspill): forgetting
 /// it empties the segment, which is not deleted while it is active, so its blocks are punched all
-/// the same. (They stayed, on disk and dirty in the page cache, until the next write sealed it.)
+/// the same. (Otherwise they would stay, on disk and dirty in the page cache, until the next write
+/// sealed it.)
 #[test]
 fn forgetting_the_last_record_of_the_active_segment_releases_its_blocks() {
     let tmp = tempfile::tempdir().unwrap();
@@ -122,7 +123,7 @@ fn discard_existing_opens_empty() {
 }
 
 /// Discarding deletes segment files only. A file of someone else's in `segments/` is left alone,
-/// also one whose name is not UTF-8 (its lossy name would not open, and the open failed on it).
+/// also one whose name is not UTF-8 (its lossy name would not open, which would fail the open).
 #[test]
 fn discard_existing_leaves_other_files_alone() {
     use std::os::unix::ffi::OsStrExt;
@@ -174,8 +175,8 @@ fn a_failed_punch_changes_nothing_but_the_space() {
 
 /// A value being sent to a peer (`stored_value`, then reads of its payload from the file) whose key
 /// is forgotten meanwhile is still sent whole: the punch that would release its blocks waits for the
-/// segment to go. It used to zero them under the sender, which the receiver took for damage. A key
-/// forgotten before its stored form is taken is absent.
+/// segment to go. Punching them at once would zero them under the sender, which the receiver would
+/// take for damage. A key forgotten before its stored form is taken is absent.
 #[test]
 fn a_record_being_sent_is_not_punched_under_the_sender() {
     let be = SimBackend::new();

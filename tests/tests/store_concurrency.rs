@@ -41,7 +41,7 @@ fn concurrent_gets_of_one_key_deserialize_once() {
 /// Four threads run a random mix of every operation over a few keys, with a target small enough that
 /// values move between all tiers. A value's first byte names its key and generation, so a read can
 /// check it belongs to the key it asked for. No operation may fail (a get racing a remove of a spilled
-/// key once reported a "vanished" error), and the accounting must end exact. A persistent store also
+/// key must not report a "vanished" error), and the accounting must end exact. A persistent store also
 /// flushes now and then (writing disk copies of values other threads are evicting, reading and
 /// removing), and after a last flush its contents survive a power cut.
 #[test]

@@ -136,8 +136,8 @@ fn a_backend_panic_while_spilling_leaves_no_key_waiting_for_its_write() {
             assert_eq!(*s.get(&[i]).unwrap().unwrap(), val(i, 2000), "write_behind={write_behind}: key {i}");
         }
         // A flush waits for every spill write older than itself: with a key still marked as being
-        // written it would never return. Bounded here, so that the bug fails the test instead of
-        // hanging it. It returns an error: the log refuses to sync after the panic.
+        // written it would never return. Bounded here, so that a key left marked fails the test
+        // instead of hanging it. It returns an error: the log refuses to sync after the panic.
         let (tx, rx) = std::sync::mpsc::channel();
         let flusher = s.clone();
         std::thread::spawn(move || tx.send(flusher.flush().is_ok()).unwrap());
@@ -264,8 +264,8 @@ fn a_failed_deserialize_reports_the_error_and_keeps_the_bytes() {
 }
 
 /// A value the log cannot store (here larger than its `max_value_bytes`) fails its eviction alone:
-/// the other values planned for the same write still go to disk. It used to fail the whole batch,
-/// leaving every value in it stuck in memory and counted as a failed spill.
+/// the other values planned for the same write still go to disk. Failing the whole batch would
+/// leave every value in it stuck in memory and counted as a failed spill.
 #[test]
 fn a_value_the_log_refuses_does_not_fail_the_others_spilled_with_it() {
     let mut c = cfg(9_000);
@@ -284,7 +284,7 @@ fn a_value_the_log_refuses_does_not_fail_the_others_spilled_with_it() {
 }
 
 /// A value re-read while `max_spill` refuses its eviction is marked stuck again on every round:
-/// the list of stuck keys holds each key once (it grew by one per round, without bound).
+/// the list of stuck keys holds each key once (one entry per round would grow it without bound).
 #[test]
 fn stuck_keys_are_listed_once_however_often_they_are_refused() {
     let s = open_max_spill(0, 1_000);

@@ -1,6 +1,6 @@
 //! What the store logs when it keeps data in memory (its own test binary: the logger is global to the
 //! process). Each condition is logged in dask's words, and one condition does not silence another: a
-//! full `max_spill` before a disk failure used to leave the disk failure unlogged.
+//! disk failure after a full `max_spill` is logged too.
 
 use std::sync::Mutex;
 

@@ -149,8 +149,8 @@ fn a_spill_store_starts_empty_and_a_persistent_one_keeps_deletes() {
 /// a crash and reopen: values that were never evicted, and a small value that overwrote a spilled
 /// one (whose old record is tombstoned at once, so without the flush the key would come back
 /// neither old nor new). The values stay in memory, in their tiers, with a disk copy: reading them
-/// reads nothing from disk, and evicting them afterwards writes nothing (the flush used to evict
-/// everything, leaving every later get a disk read).
+/// reads nothing from disk, and evicting them afterwards writes nothing (a flush that evicted
+/// everything would leave every later get a disk read).
 #[test]
 fn a_persistent_flush_writes_what_is_held_only_in_memory() {
     let be = SimBackend::new();

@@ -58,9 +58,9 @@ fn an_aborted_stream_gives_its_max_spill_space_back() {
 
 /// A value streaming in from a peer holds the log's writer lock for as long as the peer takes. A
 /// remove (or overwrite) of a spilled key meanwhile must not wait for it while holding the store's
-/// lock: that stalled every get and put of the store until the transfer ended, however slow the
-/// peer. Here the peer, mid-value, waits for another thread to remove a spilled key and read
-/// another one (bounded wait, so a regression fails instead of hanging).
+/// lock: that would stall every get and put of the store until the transfer ended, however slow
+/// the peer. Here the peer, mid-value, waits for another thread to remove a spilled key and read
+/// another one (bounded wait, so that a remove that does wait fails the test instead of hanging it).
 #[test]
 fn removing_a_spilled_key_does_not_wait_for_a_value_streaming_in() {
     struct Peer<'a> {
@@ -172,8 +172,8 @@ fn transfer_between_stores_by_tier_without_deserializing() {
 }
 
 /// A transfer streamed straight to disk (the receiver is over its target) that the peer cuts off
-/// leaves the receiver's old value of the key as it was, in memory or on disk: it used to be
-/// dropped when the transfer started.
+/// leaves the receiver's old value of the key as it was, in memory or on disk: it is not dropped
+/// when the transfer starts.
 #[test]
 fn a_failed_transfer_into_a_store_keeps_the_old_value() {
     use spillway::transfer::{self, Client, TransferOptions};
@@ -295,8 +295,8 @@ fn put_stream_over_a_spilled_key_counts_only_the_difference_against_max_spill() 
 }
 
 /// A value held in memory that no log checked, with more frames than the wire format carries, is
-/// answered with an ERROR the client reads, and the connection stays in step: the server used to
-/// send it, and the client rejected the header as malformed and dropped the connection.
+/// answered with an ERROR the client reads, and the connection stays in step: were it sent, the
+/// client would reject the header as malformed and drop the connection.
 #[test]
 fn a_value_in_memory_over_the_wire_limits_is_refused_by_the_server_not_the_client() {
     use spillway::transfer::{self, Client, TransferOptions};
@@ -362,7 +362,7 @@ fn a_failed_put_stream_over_a_spilled_value_does_not_overshoot_max_spill() {
 /// A get that started before a transfer set the key's old value aside materializes that value
 /// meanwhile and finds no entry to promote. When the transfer fails, the old value comes back as it
 /// was: on disk, not with the object that get left in its slot (memory nobody accounted for, which
-/// later gets returned without ever reading the disk again).
+/// later gets would return without ever reading the disk again).
 #[test]
 fn a_failed_transfer_brings_the_old_value_back_without_a_stray_object() {
     struct HangsUp {

@@ -169,7 +169,7 @@ fn a_value_read_back_from_disk_is_evicted_again_without_a_write() {
 
 /// A value whose object is heavier than the target, though its serialized bytes are light, is
 /// served by `get` without promotion, as a `put` of the object would have kept it on disk:
-/// promoting it pushed every other entry down a tier, then demoted the value itself.
+/// promoting it would push every other entry down a tier, then demote the value itself.
 #[test]
 fn a_get_does_not_promote_an_object_heavier_than_the_target() {
     let (s, _) = open(10_000);

@@ -162,8 +162,8 @@ fn automatic_compaction_keeps_a_churning_store_bounded() {
 
 /// A key deleted, put again and deleted again must stay deleted after compaction and reopen. The
 /// first tombstone shadows the key's oldest copy; the re-put record's own tombstone shadows only
-/// segments from the re-put on. Compaction used to drop the first tombstone while the key was live
-/// again, so the oldest copy came back (found by the `log_model` fuzz target).
+/// segments from the re-put on. Compaction must not drop the first tombstone because the key is
+/// live again: the oldest copy would come back (a case the `log_model` fuzz target reaches).
 #[test]
 fn a_reput_key_deleted_again_stays_deleted_after_compaction() {
     let be = SimBackend::new();
@@ -253,9 +253,9 @@ fn deleted_files_held_open(dir: &std::path::Path) -> usize {
 }
 
 /// A deleted segment's file is closed: while a descriptor stays open, an unlinked file keeps its
-/// blocks. Sealed segments wait for the next `sync` to fdatasync their footers, and a log that is
-/// never synced (a spill store's) used to keep every dead segment's descriptor, and its disk space,
-/// until it closed.
+/// blocks. Sealed segments wait for the next `sync` to fdatasync their footers; were their files
+/// kept open until then, a log that is never synced (a spill store's) would keep every dead
+/// segment's descriptor, and its disk space, until it closed.
 #[test]
 fn deleted_segments_give_their_disk_space_back_without_a_sync() {
     for durable in [false, true] {
@@ -277,7 +277,7 @@ fn deleted_segments_give_their_disk_space_back_without_a_sync() {
 
 /// A power cut between sealing a segment and the next `sync` can leave the segment without its
 /// footer: recovery finds it unsealed, behind the newest one. Compaction takes it like a sealed one,
-/// so the space bound holds. (It skipped it until all of it was dead.)
+/// so the space bound holds. (Skipping it until all of it is dead would break the bound.)
 #[test]
 fn an_unsealed_segment_behind_the_active_one_is_compacted() {
     use spillway::Backend;
@@ -320,8 +320,8 @@ fn an_unsealed_segment_behind_the_active_one_is_compacted() {
 /// A segment deleted right after a reopen, while what superseded its records sits in the segment
 /// that writing continues in, unsynced (the process crashed, or closed without `sync`); then a
 /// `sync`. A power cut after it must find the new values: the deletion is durable by then, so the
-/// old copies are gone for good. (The recovered segment counted as synced: the `sync` made the
-/// deletion durable but not the new values, and every key was lost.)
+/// old copies are gone for good. (Were the recovered segment counted as synced, the `sync` would
+/// make the deletion durable but not the new values, and every key would be lost.)
 #[test]
 fn a_segment_deleted_after_a_reopen_loses_nothing_once_synced() {
     let be = SimBackend::new();
@@ -407,11 +407,11 @@ fn deletes_survive_a_reopen(be: SimBackend) -> SegmentLog<SimBackend> {
     log
 }
 
-/// A tombstone that compaction cannot move (its bytes are damaged) keeps its segment: compaction
-/// used to skip it with a warning, count the segment's tombstones as moved and delete the segment,
-/// and the deleted key's older value came back at the next open. The footer still lists the
-/// tombstone, and recovery honours it. The segment's other tombstones are moved once: later
-/// compactions leave the segment alone (they copied them again every time).
+/// A tombstone that compaction cannot move (its bytes are damaged) keeps its segment: skipping it
+/// with a warning, counting the segment's tombstones as moved and deleting the segment would bring
+/// the deleted key's older value back at the next open. The footer still lists the tombstone, and
+/// recovery honours it. The segment's other tombstones are moved once: later compactions leave the
+/// segment alone instead of copying them again every time.
 #[test]
 fn a_damaged_tombstone_keeps_its_segment_through_compaction() {
     let be = SimBackend::new();
@@ -433,8 +433,8 @@ fn a_damaged_tombstone_keeps_its_segment_through_compaction() {
 
 /// A live value that compaction cannot move (its bytes are damaged) keeps its segment, as a
 /// damaged tombstone does. The segment's other records, its needed tombstones included, are moved
-/// once; later compactions leave the segment alone. They used to find it sparse again every time
-/// and copy its tombstones again (the tombstones are still needed, and the damaged value still
+/// once; later compactions leave the segment alone instead of finding it sparse again every time
+/// and copying its tombstones again (the tombstones are still needed, and the damaged value still
 /// keeps the segment).
 #[test]
 fn a_damaged_live_value_does_not_make_every_compaction_copy_its_tombstones() {

@@ -132,7 +132,7 @@ fn the_connection_survives_an_error_response_but_not_a_short_one() {
 
 /// A value the receiving log refuses before reading its payload (a key too long to store under, here)
 /// leaves the payload unread on the connection: the connection must not be used again, or the next
-/// request reads payload bytes as its response (a payload byte of 1 was a false "not found").
+/// request reads payload bytes as its response (a payload byte of 1 would be a false "not found").
 #[test]
 fn a_value_refused_by_the_receiving_log_leaves_the_connection_unusable() {
     let payload = vec![1u8; 5000]; // 1 = NOT_FOUND, were it read as a status
@@ -402,7 +402,7 @@ fn values_arrive_intact_from_o_direct_segments() {
 /// A signal handler that runs on the serving thread or the receiving thread in the middle of a
 /// value (a profiler's timer, SIGCHLD) does not cut the value short: a socket call on a socket with
 /// timeouts is never restarted after a handler, whatever SA_RESTART, so the splices and reads get
-/// EINTR, and they used to give up on it.
+/// EINTR, which they retry instead of giving up.
 #[test]
 fn signal_handlers_running_mid_value_do_not_cut_it_short() {
     extern "C" fn nothing(_: libc::c_int) {}
@@ -471,8 +471,8 @@ fn signal_handlers_running_mid_value_do_not_cut_it_short() {
 }
 
 /// A key that is rewritten while a peer asks for it is sent (its old or new value), never
-/// answered NOT_FOUND: the server looked the key up, pinned the record, saw that the key had
-/// moved meanwhile and reported it absent.
+/// answered NOT_FOUND (as a server would that looked the key up, pinned the record, then saw that
+/// the key had moved meanwhile and reported it absent).
 #[test]
 fn a_key_rewritten_while_it_is_requested_is_never_reported_absent() {
     let src = tempfile::tempdir().unwrap();
@@ -548,7 +548,7 @@ fn a_client_hanging_up_mid_splice_does_not_kill_the_server_with_sigpipe() {
 /// A sender that trickles a value (a byte every 20 ms, each well within the socket timeout) is cut
 /// off once the value is not through within `timeout + size / min_bytes_per_sec`; the receiving
 /// log, whose writer lock the stream holds, takes other puts again. Without the bound, the transfer
-/// (and the lock) was held for as long as the trickle lasted.
+/// (and the lock) would be held for as long as the trickle lasted.
 #[test]
 fn a_trickling_sender_is_cut_off_and_the_receiving_log_goes_on() {
     let announced = 1 << 20;

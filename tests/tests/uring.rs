@@ -444,8 +444,8 @@ fn auto_backend_passes_the_write_strategy_through() {
 }
 
 /// io_uring's direct files are laid out and read at the same O_DIRECT alignment as the portable
-/// backend's (they used to take the buffered answer, only the file system block, for layout), and
-/// the auto backend answers as the backend it wraps.
+/// backend's (not at the buffered answer, only the file system block), and the auto backend answers
+/// as the backend it wraps.
 #[test]
 fn direct_files_get_the_same_alignment_on_every_file_backend() {
     let Some(be) = backend("direct_files_get_the_same_alignment", true) else { return };
@@ -462,8 +462,8 @@ fn direct_files_get_the_same_alignment_on_every_file_backend() {
 }
 
 /// A file opened by one io_uring backend and used with another goes to that file: its registered
-/// slot number belongs to the first backend's file table, and the second used to submit it against
-/// its own table, where the same slot holds a file of its own (the write landed there).
+/// slot number belongs to the first backend's file table. Submitted against the second's own table,
+/// where the same slot holds a file of its own, the write would land in that file.
 #[test]
 fn a_file_of_one_backend_used_with_another_reaches_the_right_file() {
     let Some(a) = backend("a_file_of_one_backend_used_with_another", false) else { return };

@@ -226,10 +226,11 @@ fn dio_align_of(offset_align: u32, mem_align: u32) -> Option<usize> {
 /// Writes into reserved blocks need no block allocation on the way. Measured here on ext4, buffered
 /// `pwrite`s of 128 KiB / 1 MiB / 16 MiB into a fresh file (1 GiB, best of 8 rounds) took
 /// 20 / 166 / 2240 µs into a fallocated file against 29 / 226 / 3180 µs into a sparse or growing one,
-/// and store spills went 13-36% faster (docs/benchmarks.md, session 8). On a file system too full
-/// for the whole segment, the file is extended sparsely instead, so that the records that still fit
-/// can be written: the full disk then shows up as an ENOSPC from a write, which fails only that call
-/// (for O_DIRECT files too: a direct write into a hole allocates its blocks on the way).
+/// and store spills went 13-36% faster (docs/benchmarks.md, "Measured choices in the write path").
+/// On a file system too full for the whole segment, the file is extended sparsely instead, so that
+/// the records that still fit can be written: the full disk then shows up as an ENOSPC from a write,
+/// which fails only that call (for O_DIRECT files too: a direct write into a hole allocates its
+/// blocks on the way).
 pub fn allocate_file(file: &File, len: u64) -> io::Result<()> {
     use rustix::io::Errno;
     match rustix::fs::fallocate(file, FallocateFlags::empty(), 0, len) {
@@ -284,7 +285,7 @@ mod tests {
     use super::*;
 
     /// A device with 8 or 16 KiB logical blocks reports that as its O_DIRECT alignment; reads at a
-    /// smaller one (the old 4096 cap) fail with EINVAL there.
+    /// smaller one (4096, say, were the alignment capped at that) fail with EINVAL there.
     #[test]
     fn dio_alignment_keeps_large_device_blocks() {
         assert_eq!(dio_align_of(512, 4), Some(512));

@@ -1250,8 +1250,9 @@ mod tests {
     }
 
     /// Dropping the backend cancels reads that would otherwise never complete, also one sent just
-    /// before the drop and taken by the driver in the same pass that sees the shutdown (its cancel
-    /// was pushed before that pass submitted the read, so the drop waited for it forever).
+    /// before the drop and taken by the driver in the same pass that sees the shutdown (its cancel is
+    /// pushed after that pass submits the read: pushed before, it would miss the read, and the drop
+    /// would wait for it forever).
     #[test]
     fn dropping_the_backend_cancels_reads_sent_just_before() {
         if !kernel_at_least(5, 19) {

@@ -158,8 +158,8 @@ impl<B: Backend> SegmentLog<B> {
                         // Needed while a segment it shadows exists, unless the key is live again with
                         // a record whose own (future) tombstone will shadow at least as far back. A key
                         // deleted and then put again gets a `first_segment` after this tombstone's
-                        // `aux`: dropping the tombstone then let an old copy come back once the new
-                        // record was deleted too (found by the `log_model` fuzz target).
+                        // `aux`: dropping the tombstone then would let an old copy come back once the
+                        // new record is deleted too (a case the `log_model` fuzz target reaches).
                         e.aux < id
                             && st.segs.range(e.aux..id).next().is_some()
                             && index.get(e.key.as_slice()).is_none_or(|l| first_segment(&st.segs, l) > e.aux)

@@ -246,8 +246,8 @@ impl<B: Backend> SegmentLog<B> {
         }
         // A damaged record with valid records after it, but no sync mark, was never synced either,
         // and is dropped (the torn record of a batch whose later group of writes landed, or that a
-        // power cut or a SIGKILL with io_uring writes in flight cut short). Kept, it had the highest
-        // seq of its key and hid the key's synced value behind a checksum error.
+        // power cut or a SIGKILL with io_uring writes in flight cut short). Kept, it would have the
+        // highest seq of its key and hide the key's synced value behind a checksum error.
         //
         // The rule: a record is acknowledged as durable only by a `sync` that returned, and `sync`
         // writes a sync mark after the records it covers (before its fdatasync). So a damaged record
@@ -397,7 +397,7 @@ impl<B: Backend> SegmentLog<B> {
     ///
     /// Where the sync marks are is learned once per segment (`marks`, by the first search); each
     /// search then only walks to the first record after its zeros. Walking to the next sync mark
-    /// each time cost a full pass per zeroed region of a segment with one sync mark at its end.
+    /// each time would cost a full pass per zeroed region of a segment with one sync mark at its end.
     pub(super) fn search_past_clean_end(
         &self,
         win: &mut ScanWindow<'_, B>,

@@ -544,9 +544,9 @@ impl<B: Backend> SegmentLog<B> {
             return b;
         }
         // Room to grow: the next batch of same-sized values needs a little more or less depending on
-        // where the last one ended in its block. Without the slack, writing 8 MiB values alternated
-        // between reusing the buffer and allocating (and faulting in) a fresh one; profiled in a dask
-        // worker, that was a quarter of the spill time.
+        // where the last one ended in its block. Without the slack, writing 8 MiB values would
+        // alternate between reusing the buffer and allocating (and faulting in) a fresh one; profiled
+        // in a dask worker, that was a quarter of the spill time.
         st.spare_bufs.truncate(WRITES_IN_FLIGHT);
         let cap = (needed + (needed / 8).max(64 << 10)).min(MAX_SPARE_BUF.max(needed));
         let mut b = self.backend.alloc_buf(cap, self.align as usize);

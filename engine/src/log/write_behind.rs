@@ -58,7 +58,7 @@ impl<B: Backend> SegmentLog<B> {
         let needed = (align_up(data_end, self.align) - base) as usize;
         let r = if self.backend.gathers_writes() {
             // Buffered files: straight from the tail, no copy into a staging buffer first (the tail
-            // holds every pending byte, encoded once; copying it again cost as much as encoding).
+            // holds every pending byte, encoded once; copying it again costs as much as encoding).
             let mut parts: Vec<&[u8]> = vec![&a.tail];
             let mut zeros = needed - a.tail.len();
             while zeros > 0 {

@@ -241,8 +241,8 @@ mod tests {
     use super::*;
 
     /// A store's memory per key is mostly its map bucket (key handle and entry), one per key of
-    /// every tier, so a million spilled keys cost a million of them: keep it within 96 bytes (it was
-    /// 152 with the compressed block inline).
+    /// every tier, so a million spilled keys cost a million of them: keep it within 96 bytes (it would
+    /// be 152 with the compressed block inline).
     #[test]
     fn entries_stay_small() {
         let bucket = std::mem::size_of::<(Arc<[u8]>, Entry<Bytes>)>();

@@ -1,27 +1,26 @@
-//! Crash-safety findings of a review of the segment log, one test (or two) per finding. Each test
-//! failed before its fix.
+//! Recovery's edge cases, one test (or two) per case:
 //!
-//! * A: garbage collection never retries an fdatasync that failed, nor deletes a segment after one.
-//! * F1: a tombstone whose `aux` names a later segment than its own is damage, not a panic.
-//! * D: a segment file that cannot be opened fails the open; it is not skipped.
-//! * C: a zeroed region inside synced records is damage: the records after it are kept.
-//! * B: a damaged record that no sync mark follows was never synced: its key keeps its synced value.
-//! * E: a damaged live value does not make every compaction copy its segment's tombstones again.
-//! * F2: a segment header with an absurd `segment_bytes` is damage, not an allocation of that size.
-//! * F3: a recovered segment with no room left for its footer is not sealed (and does not panic).
-//! * G: many zeroed regions in front of one sync mark cost an open a bounded number of passes.
-//! * H: a record forged inside a value (crc32-valid, as its author can make it) is not taken for one
+//! * garbage collection never retries an fdatasync that failed, nor deletes a segment after one.
+//! * a tombstone whose `aux` names a later segment than its own is damage, not a panic.
+//! * a segment file that cannot be opened fails the open; it is not skipped.
+//! * a zeroed region inside synced records is damage: the records after it are kept.
+//! * a damaged record that no sync mark follows was never synced: its key keeps its synced value.
+//! * a damaged live value does not make every compaction copy its segment's tombstones again.
+//! * a segment header with an absurd `segment_bytes` is damage, not an allocation of that size.
+//! * a recovered segment with no room left for its footer is not sealed (and does not panic).
+//! * many zeroed regions in front of one sync mark cost an open a bounded number of passes.
+//! * a record forged inside a value (crc32-valid, as its author can make it) is not taken for one
 //!   when recovery searches the value's bytes after a torn head.
-//! * I: a record whose seq or epoch is at its maximum opens the log read-only instead of failing
-//!   every open (epoch) or wrapping the next seq to 0 (seq).
-//! * J: a segment of another log (another salt) fails the open with an error that says so.
-//! * K: a record past 4 GiB into a segment (which the index cannot address) is damage; its offset
-//!   no longer wraps to another record's.
-//! * L: a store of the previous format version (3, before the salt) is refused with an error that
+//! * a record whose seq or epoch is at its maximum opens the log read-only instead of failing every
+//!   open (epoch) or wrapping the next seq to 0 (seq).
+//! * a segment of another log (another salt) fails the open with an error that says so.
+//! * a record past 4 GiB into a segment (which the index cannot address) is damage; its offset does
+//!   not wrap to another record's.
+//! * a store of the previous format version (3, which has no salt) is refused with an error that
 //!   names both versions, and nothing in it is changed.
-//! * M: a log whose only salt was in a header now damaged keeps the bytes it can no longer verify:
-//!   they are neither erased nor written over.
-//! * N: a segment whose header is damaged is never continued: records written after it would not
+//! * a log whose only salt is in a damaged header keeps the bytes it cannot verify: they are neither
+//!   erased nor written over.
+//! * a segment whose header is damaged is never continued: records written after it would not
 //!   verify once no segment held the salt.
 
 use std::path::PathBuf;
@@ -43,10 +42,10 @@ fn one(key: &[u8], n: usize) -> Frames {
     Frames::from(value_for(key, n))
 }
 
-/// A: an fdatasync that fails while garbage collection deletes a dead segment poisons the log, and
-/// garbage collection stops there. It used to go on to the next dead segment, fdatasync again (a
-/// retry can report success for pages the kernel dropped after the first failure) and delete it,
-/// while the records that replaced its contents may be lost.
+/// An fdatasync that fails while garbage collection deletes a dead segment poisons the log, and
+/// garbage collection stops there: going on to the next dead segment would fdatasync again (a retry
+/// can report success for pages the kernel dropped after the first failure) and delete it, while
+/// the records that replaced its contents may be lost.
 #[test]
 fn a_failed_fdatasync_during_garbage_collection_deletes_nothing_more() {
     let be = SimBackend::new();
@@ -118,9 +117,9 @@ fn tombstone_of(be: &SimBackend, id: u32, key: &[u8]) -> (u64, RecordHeader, Vec
     (at, h, head)
 }
 
-/// F1 (scanned segment): a tombstone whose header passes its crc but whose `aux` names a segment
-/// after its own made `BTreeMap::range` panic (in `stats`, garbage collection and compaction). It is
-/// damage, reported with its location.
+/// In a scanned segment: a tombstone whose header passes its crc but whose `aux` names a segment
+/// after its own would make `BTreeMap::range` panic (in `stats`, garbage collection and compaction).
+/// It is damage, reported with its location.
 #[test]
 fn a_tombstone_shadowing_a_later_segment_is_damage_not_a_panic() {
     let be = SimBackend::new();
@@ -146,7 +145,7 @@ fn a_tombstone_shadowing_a_later_segment_is_damage_not_a_panic() {
     log.sync().unwrap();
 }
 
-/// F1 (sealed segment): the same `aux` in a footer entry (footer and trailer crcs valid). The footer
+/// In a sealed segment: the same `aux` in a footer entry (footer and trailer crcs valid). The footer
 /// is not trusted; the segment is scanned, where the tombstone's own record is intact.
 #[test]
 fn a_footer_entry_shadowing_a_later_segment_is_damage_not_a_panic() {
@@ -192,9 +191,9 @@ fn a_footer_entry_shadowing_a_later_segment_is_damage_not_a_panic() {
     log.sync().unwrap();
 }
 
-/// D: a segment file that cannot be opened (an EIO from `open`) fails the open with an error naming
-/// it. It used to be skipped: its sequence numbers were then reused, and once it was readable again
-/// its older records won over newer writes (and its tombstones were lost meanwhile). Once it opens
+/// A segment file that cannot be opened (an EIO from `open`) fails the open with an error naming
+/// it. Skipping it would reuse its sequence numbers, and once it was readable again its older
+/// records would win over newer writes (and its tombstones would be lost meanwhile). Once it opens
 /// again, everything is there.
 #[test]
 fn a_segment_that_cannot_be_opened_fails_the_open() {
@@ -232,9 +231,9 @@ fn a_directory_named_like_a_segment_is_left_alone() {
     assert_eq!(log.get(b"a").unwrap(), Some(one(b"a", 100)));
 }
 
-/// C: a zeroed region (two whole blocks and more) inside synced records looks like the clean end of
-/// the segment. The search past it used to take every record beyond for an orphan of a failed batch,
-/// cut them and erase them durably: synced records, erased at open. A sync mark beyond the zeros
+/// A zeroed region (two whole blocks and more) inside synced records looks like the clean end of
+/// the segment, and a search past it could take every record beyond for an orphan of a failed batch
+/// and erase it durably: synced records, erased at open. A sync mark beyond the zeros
 /// (of this segment, at an epoch no lower than the records before them) proves they are damage, not
 /// an end: the region is reported, and the records after it are kept.
 #[test]
@@ -269,12 +268,12 @@ fn zeroed_blocks_inside_synced_records_do_not_erase_the_records_after_them() {
     }
 }
 
-/// B: a batch whose first group of writes was torn while its second landed (io_uring: group 2 is
+/// A batch whose first group of writes was torn while its second landed (io_uring: group 2 is
 /// submitted before group 1's result is reaped; a power cut or a SIGKILL with writes in flight does
 /// the same) leaves a torn record of `k` followed by an intact record. The torn record is not the
-/// end of the log, so it was kept as damage, with the highest seq: `k` read as a checksum error
-/// instead of its synced value. No sync mark follows it, so it was never synced: it is dropped, and
-/// `k` keeps its synced value, at this open and at every later one.
+/// end of the log, but keeping it as damage, with the highest seq, would make `k` read as a checksum
+/// error instead of its synced value. No sync mark follows it, so it was never synced: it is
+/// dropped, and `k` keeps its synced value, at this open and at every later one.
 #[test]
 fn a_torn_record_of_a_failed_batch_does_not_hide_the_synced_value() {
     let be = SimBackend::new();
@@ -308,8 +307,8 @@ fn a_torn_record_of_a_failed_batch_does_not_hide_the_synced_value() {
     }
 }
 
-/// B, the other side: damage to a record that a sync mark follows is damage to synced data. It is
-/// reported when the key is read, never replaced by an older value.
+/// The other side of the case above: damage to a record that a sync mark follows is damage to
+/// synced data. It is reported when the key is read, never replaced by an older value.
 #[test]
 fn damage_to_a_synced_record_of_the_unsealed_segment_is_an_error_not_an_older_value() {
     let be = SimBackend::new();
@@ -328,9 +327,9 @@ fn damage_to_a_synced_record_of_the_unsealed_segment_is_an_error_not_an_older_va
     assert_eq!(log.get(b"after").unwrap(), Some(one(b"after", 100)));
 }
 
-/// F2: a segment header with a valid crc and an absurd `segment_bytes` was believed: the file was
-/// extended to that size (an allocation of that much, here one that cannot even be asked for). A
-/// size beyond the largest segment the writer makes (a jumbo segment for the largest record) is
+/// A segment header with a valid crc and an absurd `segment_bytes` must not be believed: the file
+/// would be extended to that size (an allocation of that much, here one that cannot even be asked
+/// for). A size beyond the largest segment the writer makes (a jumbo segment for the largest record) is
 /// damage: reported, and the file's own length is used instead.
 #[test]
 fn a_segment_header_with_an_absurd_size_is_damage() {
@@ -375,9 +374,9 @@ fn crafted_record(key: &[u8], value: &[u8], segment: u32, epoch: u32, seq: u64, 
     b
 }
 
-/// F3: the writer keeps room for a segment's footer at every record, but a recovered unsealed
+/// The writer keeps room for a segment's footer at every record, but a recovered unsealed
 /// segment's records can leave less (records with valid checksums and long keys, written by no
-/// writer of this log). Sealing it panicked (`copy_from_slice` of a footer longer than the room
+/// writer of this log). Sealing it would panic (`copy_from_slice` of a footer longer than the room
 /// left). It is not continued instead: it stays unsealed, its records readable, and new records go
 /// to a new segment.
 #[test]
@@ -423,10 +422,10 @@ fn a_recovered_segment_without_room_for_its_footer_is_not_sealed() {
     log.compact().unwrap();
 }
 
-/// G: a segment with many zeroed regions in front of its one sync mark (damage, or a segment built
-/// to slow an open down). Each region looks like a clean end, and the search past it walked to the
-/// sync mark, reading the rest of the segment again and checksumming every payload on the way: one
-/// pass per region, an open quadratic in the segment's size. The marks are now found once per
+/// A segment with many zeroed regions in front of its one sync mark (damage, or a segment built
+/// to slow an open down). Each region looks like a clean end; a search past it that walked to the
+/// sync mark, reading the rest of the segment again and checksumming every payload on the way, would
+/// make one pass per region, an open quadratic in the segment's size. The marks are found once per
 /// segment, and each search walks only to the first record after its zeros.
 #[test]
 fn many_zeroed_regions_before_one_sync_mark_cost_an_open_a_bounded_number_of_passes() {
@@ -463,7 +462,7 @@ fn many_zeroed_regions_before_one_sync_mark_cost_an_open_a_bounded_number_of_pas
     assert_eq!(report.corrupt.len(), n / 2, "one zeroed region per zeroed record");
 }
 
-/// H: the head of a value's record is torn (garbage where it should be; its payload landed), so
+/// The head of a value's record is torn (garbage where it should be; its payload landed), so
 /// recovery searches the record's bytes for the next record. The value's author filled it with
 /// records for another key with a winning seq, their checksums right for every salt they could
 /// guess. None is taken: the key keeps its value. The same records made with the log's salt (what
@@ -502,10 +501,10 @@ fn a_record_forged_inside_a_value_is_not_taken_for_one_after_a_torn_head() {
     }
 }
 
-/// I: a record (crc-valid: damage, or the work of someone who can write the segment files) whose seq
-/// is `u64::MAX` made the next seq wrap to 0, so that every later write lost to older records; one
-/// whose epoch is `u32::MAX` failed every later open ("epoch counter exhausted"). Either now opens
-/// the log read-only, every value readable, and keeps opening.
+/// A record (crc-valid: damage, or the work of someone who can write the segment files) whose seq
+/// is `u64::MAX` would make the next seq wrap to 0, so that every later write lost to older records;
+/// one whose epoch is `u32::MAX` would fail every later open ("epoch counter exhausted"). Either
+/// opens the log read-only instead, every value readable, and keeps opening.
 #[test]
 fn a_record_with_an_exhausted_seq_or_epoch_opens_the_log_read_only() {
     for (seq, epoch) in [(u64::MAX, 1), (1 << 63, 1), (7, u32::MAX)] {
@@ -543,7 +542,7 @@ fn a_record_with_an_exhausted_seq_or_epoch_opens_the_log_read_only() {
     assert_eq!(log.get(b"max").unwrap(), Some(one(b"max", 10)), "the new record wins");
 }
 
-/// J: a segment file copied in from another log: its records verify with its own salt only, so
+/// A segment file copied in from another log: its records verify with its own salt only, so
 /// taking it for one of this log's would lose them all. The open fails and says why.
 #[test]
 fn a_segment_of_another_log_fails_the_open_with_an_error_that_says_so() {
@@ -574,10 +573,10 @@ fn a_segment_of_another_log_fails_the_open_with_an_error_that_says_so() {
     assert_eq!(log.get(b"a").unwrap(), Some(one(b"a", 100)));
 }
 
-/// K: the index holds offsets in 32 bits, and a segment header may claim a little over 4 GiB (a
+/// The index holds offsets in 32 bits, and a segment header may claim a little over 4 GiB (a
 /// jumbo segment's size). A footer (trailer and footer crcs valid) that lists a record past 4 GiB
-/// had it indexed at its offset modulo 2^32: here another key's record, whose bytes a read of the
-/// far key then returned (a panic in debug builds). It is damage now, and the other records read.
+/// would have it indexed at its offset modulo 2^32: here another key's record, whose bytes a read of
+/// the far key would then return (a panic in debug builds). It is damage, and the other records read.
 /// A real file, sparse: the 4 GiB cost no disk and no memory.
 #[test]
 fn a_record_past_what_the_index_addresses_is_damage() {
@@ -641,7 +640,7 @@ fn a_record_past_what_the_index_addresses_is_damage() {
     assert_eq!(log.get(b"b").unwrap(), Some(one(b"b", 100)));
 }
 
-/// L: a segment header of format version 3 (before the salt), its crc valid: the open fails with
+/// A segment header of format version 3 (which has no salt), its crc valid: the open fails with
 /// `UnsupportedVersion` naming both versions, and leaves the file as it was.
 #[test]
 fn a_store_of_the_previous_format_version_is_refused_with_a_clear_error() {
@@ -665,10 +664,10 @@ fn a_store_of_the_previous_format_version_is_refused_with_a_clear_error() {
     assert!(be.file_contents(&seg_path(1)).unwrap() == before, "the refused store is left as it was");
 }
 
-/// M: the log's one segment, its header block zeroed (the only copy of the salt: an unsealed segment
-/// has no trailer). Its records cannot be verified under a fresh salt, and a durable log used to
-/// erase them as a torn tail and write over them. They are left as they are, and writing goes on in
-/// a new segment.
+/// The log's one segment, its header block zeroed (the only copy of the salt: an unsealed segment
+/// has no trailer). Its records cannot be verified under a fresh salt, so a durable log could take
+/// them for a torn tail, erase them and write over them. They are left as they are, and writing goes
+/// on in a new segment.
 #[test]
 fn records_under_a_lost_salt_are_left_as_they_are() {
     let be = SimBackend::new();
@@ -692,11 +691,11 @@ fn records_under_a_lost_salt_are_left_as_they_are() {
     assert!(be.file_contents(&seg_path(1)).unwrap()[4096..] == before[4096..]);
 }
 
-/// N: the log's one segment has a torn header and no records (a crash right after it was created).
-/// Continued with a salt drawn at that open, its new records were written under a salt no header
-/// held, and the next open (drawing another) could verify none of them: acknowledged values lost.
-/// The empty segment is removed (it was reported as damage at every open, and `verify` with it),
-/// and writing goes on in a new segment, whose header holds the salt.
+/// The log's one segment has a torn header and no records (a crash right after it was created).
+/// Continued with a salt drawn at that open, its new records would be written under a salt no
+/// header held, and the next open (drawing another) could verify none of them: acknowledged values
+/// lost. The empty segment is removed (kept, it would be reported as damage at every open, and by
+/// `verify`), and writing goes on in a new segment, whose header holds the salt.
 #[test]
 fn a_segment_with_a_damaged_header_is_not_continued() {
     let be = SimBackend::new();
