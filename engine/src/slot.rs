@@ -20,7 +20,7 @@
 //! attempt it waits for; a failed attempt records its error under the mutex, and every thread waiting
 //! for *that* attempt returns the same error. The deserialize itself runs with no lock held.
 //!
-//! All atomics, locks and cells come from [`crate::sync`], so `loom-tests/` model-checks this code as
+//! All atomics, locks and cells come from `crate::sync`, so `loom-tests/` model-checks this code as
 //! it is. This module contains `unsafe` for the value cell; each site names its invariant.
 #![allow(unsafe_code)]
 

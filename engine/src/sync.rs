@@ -6,13 +6,13 @@
 
 #[cfg(not(spillway_loom))]
 pub use std::sync::{
-    atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering},
+    atomic::{AtomicBool, AtomicU64, Ordering},
     Arc, Condvar, Mutex, MutexGuard, RwLock,
 };
 
 #[cfg(spillway_loom)]
 pub use loom::sync::{
-    atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering},
+    atomic::{AtomicBool, AtomicU64, Ordering},
     Arc, Condvar, Mutex, MutexGuard, RwLock,
 };
 

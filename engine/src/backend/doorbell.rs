@@ -1,6 +1,6 @@
 //! The sleep/wake handshake between the io_uring driver thread and the threads that queue requests
 //! for it. It is the driver's one piece of lock-free shared state, kept apart so that `loom-tests/`
-//! can model it as it is (its atomic comes from [`crate::sync`]).
+//! can model it as it is (its atomic comes from `crate::sync`).
 //!
 //! The driver only sleeps in the kernel after announcing it with `idle = true` and then finding the
 //! request queue empty; a sender first queues, then clears `idle` and rings (an `eventfd` write) only
