@@ -1,0 +1,189 @@
+//! The client: [`Client`] connects, greets, and fetches values into memory, into a log, into a
+//! store ([`Store::receive`]) or to a writer, checking every announced length and checksum.
+
+use super::*;
+
+/// A connection to a spillway server.
+pub struct Client {
+    pub(super) stream: TcpStream,
+    pub(super) opts: TransferOptions,
+    /// Sent with every request.
+    pub(super) ticket: Ticket,
+    /// Set after an error that may have left part of a response unread: the connection is out of
+    /// step and every later call fails instead of misreading.
+    pub(super) broken: bool,
+    /// The last request ended with a whole ERROR response: the connection is still in step.
+    pub(super) answered_error: bool,
+    /// The current request has been (or may have been) sent: after that, a failure leaves the
+    /// connection in step only if it was a whole ERROR response.
+    pub(super) sent: bool,
+}
+
+impl Client {
+    /// Connect (within `opts.timeout`) and exchange the protocol greeting. Requests carry `ticket`
+    /// (see [`Client::set_ticket`]).
+    pub fn connect(addr: impl ToSocketAddrs, ticket: Ticket, opts: TransferOptions) -> Result<Client> {
+        let addrs: Vec<_> = addr.to_socket_addrs().map_err(|e| io_err("resolve address", e))?.collect();
+        let mut last = io::Error::new(io::ErrorKind::InvalidInput, "no address to connect to");
+        for a in addrs {
+            match TcpStream::connect_timeout(&a, opts.timeout) {
+                Ok(mut stream) => {
+                    stream.set_read_timeout(Some(opts.timeout)).map_err(|e| io_err("set timeout", e))?;
+                    stream.set_write_timeout(Some(opts.timeout)).map_err(|e| io_err("set timeout", e))?;
+                    let _ = stream.set_nodelay(true);
+                    stream.write_all(&hello()).map_err(|e| io_err("send hello", e))?;
+                    let mut h = [0u8; 8];
+                    stream.read_exact(&mut h).map_err(|e| io_err("receive hello", e))?;
+                    check_hello(&h)?;
+                    return Ok(Client { stream, opts, ticket, broken: false, answered_error: false, sent: false });
+                }
+                Err(e) => last = e,
+            }
+        }
+        Err(io_err("connect", last))
+    }
+
+    /// The ticket later requests carry (a grant is good for one request).
+    pub fn set_ticket(&mut self, ticket: Ticket) {
+        self.ticket = ticket;
+    }
+
+    /// Run `f` (one request and its response), marking the connection unusable if it fails midway.
+    pub(super) fn guarded<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+        if self.broken {
+            return Err(proto("the connection is unusable after an earlier error; connect again"));
+        }
+        self.answered_error = false;
+        self.sent = false;
+        let r = f(self);
+        // A request refused before it was sent, or answered by a whole ERROR response, leaves the
+        // stream in step: the connection goes on. Any other failure may have left it mid-message
+        // (a value its receiver refused before reading the payload, for one).
+        if r.is_err() && std::mem::take(&mut self.sent) && !std::mem::take(&mut self.answered_error) {
+            self.broken = true;
+            let _ = self.stream.shutdown(Shutdown::Both);
+        }
+        r
+    }
+
+    pub(super) fn request(&mut self, key: &[u8]) -> Result<Option<StreamedValue>> {
+        if key.len() > MAX_KEY_BYTES {
+            return Err(Error::KeyTooLarge { len: key.len(), max: MAX_KEY_BYTES });
+        }
+        let mut req = vec![OP_GET];
+        req.extend_from_slice(&self.ticket.to_bytes());
+        req.extend_from_slice(&(key.len() as u32).to_le_bytes());
+        req.extend_from_slice(key);
+        self.sent = true;
+        self.stream.write_all(&req).map_err(|e| io_err("send request", e))?;
+        let mut st = [0u8; 1];
+        self.stream.read_exact(&mut st).map_err(|e| io_err("receive response", e))?;
+        match st[0] {
+            ST_VALUE => read_value_header(&mut self.stream, self.opts.max_value_bytes).map(Some),
+            ST_NOT_FOUND => Ok(None),
+            ST_ERROR => {
+                let mut l = [0u8; 4];
+                self.stream.read_exact(&mut l).map_err(|e| io_err("receive error", e))?;
+                let len = u32::from_le_bytes(l) as usize;
+                let mut msg = vec![0u8; len.min(MAX_ERROR_BYTES)];
+                self.stream.read_exact(&mut msg).map_err(|e| io_err("receive error", e))?;
+                // A server never sends more than MAX_ERROR_BYTES; past that the rest is unread.
+                self.answered_error = len <= MAX_ERROR_BYTES;
+                Err(proto(format!("server error: {}", String::from_utf8_lossy(&msg))))
+            }
+            other => Err(proto(format!("unknown response status {other}"))),
+        }
+    }
+
+    /// Fetch `key` into memory (verified, decompressed). `None` if the server does not have it.
+    pub fn get(&mut self, key: &[u8]) -> Result<Option<Frames>> {
+        self.guarded(|c| c.get_inner(key))
+    }
+
+    pub(super) fn get_inner(&mut self, key: &[u8]) -> Result<Option<Frames>> {
+        let Some(m) = self.request(key)? else { return Ok(None) };
+        self.receive_whole(&m).map(Some)
+    }
+
+    /// Read the stored payload announced by `m` into memory, verify it, decompress it, cut it into
+    /// frames (bounded by `max_value_bytes`, checked when the header was read).
+    pub(super) fn receive_whole(&mut self, m: &StreamedValue) -> Result<Frames> {
+        let allowance = self.opts.allowance(m.stored_len);
+        stored::read(m, &mut Paced::new(&mut self.stream, allowance), self.opts.max_value_bytes)
+    }
+
+    /// Fetch `key` straight into `log` under `as_key`, in stored form, never holding the value in
+    /// memory. Returns whether the server had it; on any failure nothing is stored.
+    pub fn get_into<B: Backend>(&mut self, key: &[u8], log: &SegmentLog<B>, as_key: &[u8]) -> Result<bool> {
+        self.guarded(|c| {
+            let Some(m) = c.request(key)? else { return Ok(false) };
+            let allowance = c.opts.allowance(m.stored_len);
+            log.put_stream(as_key, &m, &mut Paced::new(&mut c.stream, allowance)).map(|()| true)
+        })
+    }
+
+    /// Fetch `key` into `store` under the same key ([`Store::receive`] decides between memory and
+    /// disk). Returns whether
+    /// the server had the key; on any failure nothing is stored, and the key's old value, if any,
+    /// stays.
+    pub fn get_into_store<C: Codec, B: Backend>(&mut self, key: &[u8], store: &Store<C, B>) -> Result<bool> {
+        self.guarded(|c| {
+            let Some(m) = c.request(key)? else { return Ok(false) };
+            let allowance = c.opts.allowance(m.stored_len);
+            store.receive(key, &m, &mut Paced::new(&mut c.stream, allowance)).map(|()| true)
+        })
+    }
+
+    /// Fetch `key` and write its frames, back to back, to `out`, streaming uncompressed values in
+    /// pieces. The checksum is checked at the end: on a mismatch the bytes are already written and
+    /// the error says so. Returns whether the server had the key.
+    pub fn get_to(&mut self, key: &[u8], out: &mut dyn Write) -> Result<bool> {
+        self.guarded(|c| c.get_to_inner(key, out))
+    }
+
+    pub(super) fn get_to_inner(&mut self, key: &[u8], out: &mut dyn Write) -> Result<bool> {
+        let Some(m) = self.request(key)? else { return Ok(false) };
+        if m.lz4 {
+            // An lz4 block decompresses only whole: bounded by `max_value_bytes`.
+            for f in self.receive_whole(&m)?.iter() {
+                out.write_all(f).map_err(|e| io_err("write output", e))?;
+            }
+            return Ok(true);
+        }
+        let (offsets, _) = format::frame_layout(m.frame_lens.iter().copied()).expect("checked");
+        // Payload positions that belong to frames (the rest is alignment padding).
+        let spans: Vec<(u64, u64)> = m.frame_lens.iter().zip(offsets).map(|(&l, at)| (at, at + l)).collect();
+        let mut crc = crc32fast::Hasher::new();
+        let mut buf = vec![0u8; PIPE_BYTES];
+        let mut pos = 0u64;
+        let mut src = Paced::new(&mut self.stream, self.opts.allowance(m.stored_len));
+        while pos < m.stored_len {
+            let want = ((m.stored_len - pos) as usize).min(buf.len());
+            let n = match src.read(&mut buf[..want]) {
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(io_err("receive value", e)),
+            };
+            if n == 0 {
+                return Err(io_err(
+                    "receive value",
+                    io::Error::new(io::ErrorKind::UnexpectedEof, "the sender stopped before the whole value arrived"),
+                ));
+            }
+            crc.update(&buf[..n]);
+            let (lo, hi) = (pos, pos + n as u64);
+            for &(a, b) in &spans {
+                let (s, e) = (a.max(lo), b.min(hi));
+                if s < e {
+                    out.write_all(&buf[(s - lo) as usize..(e - lo) as usize]).map_err(|e| io_err("write output", e))?;
+                }
+            }
+            pos = hi;
+        }
+        let actual = crc.finalize();
+        if actual != m.payload_crc {
+            return Err(received_crc_mismatch("received value (already written out)", m.payload_crc, actual));
+        }
+        Ok(true)
+    }
+}

@@ -1,0 +1,461 @@
+//! The server: what it serves ([`Source`]: a log's records or a store's values, [`Outgoing`]),
+//! accepting within the connection limits, reading requests by their deadlines, checking tickets
+//! ([`Access`]), and the send paths: `splice` (file -> pipe -> socket) or copy, 1 MiB at a time.
+
+use super::*;
+
+/// Bytes moved per splice round (the pipe is resized to this where the system allows).
+pub(super) const PIPE_BYTES: usize = 1 << 20;
+
+/// What a server sends values from: a [`SegmentLog`] (everything on disk) or a [`Store`] (values on
+/// disk, serialized in memory, or materialized).
+pub trait Source: Send + Sync + 'static {
+    /// The backend of the log that holds spilled values.
+    type Backend: Backend;
+    /// That log.
+    fn log(&self) -> &SegmentLog<Self::Backend>;
+    /// How `key`'s value goes on the wire, or `None` if there is no such key.
+    fn outgoing(&self, key: &[u8]) -> Result<Option<Outgoing<<Self::Backend as Backend>::File>>>;
+}
+
+/// A value on its way out.
+pub enum Outgoing<F> {
+    /// In the log: the stored form is sent as it is on disk (spliced when large).
+    Stored(StoredValue<F>),
+    /// In memory: the frames are sent from their buffers, laid out as on disk (uncompressed).
+    Frames(Frames),
+}
+
+impl<B: Backend> Source for SegmentLog<B> {
+    type Backend = B;
+    fn log(&self) -> &SegmentLog<B> {
+        self
+    }
+    fn outgoing(&self, key: &[u8]) -> Result<Option<Outgoing<B::File>>> {
+        match self.stored_value(key) {
+            Ok(v) => Ok(v.map(Outgoing::Stored)),
+            // A record pending under write-behind that the log could not write (it is poisoned, or
+            // the file system is full) is only in memory: send it from there.
+            Err(e) if matches!(e, Error::Poisoned { .. }) || e.is_no_space() => {
+                Ok(self.get(key)?.map(Outgoing::Frames))
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+impl<C: Codec, B: Backend> Source for Store<C, B> {
+    type Backend = B;
+    fn log(&self) -> &SegmentLog<B> {
+        Store::log(self)
+    }
+    /// A spilled value is sent from its segment (never read back into memory); a value in memory is
+    /// sent from its serialized frames (a materialized one is serialized once for this).
+    fn outgoing(&self, key: &[u8]) -> Result<Option<Outgoing<B::File>>> {
+        if self.tier(key) == Some(Tier::Disk) {
+            match Store::log(self).stored_value(key) {
+                Ok(Some(sv)) => return Ok(Some(Outgoing::Stored(sv))),
+                // Only in memory (write-behind, and the log could not write it): served below.
+                Ok(None) => {}
+                Err(e) if matches!(e, Error::Poisoned { .. }) || e.is_no_space() => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(self.get_serialized(key)?.map(Outgoing::Frames))
+    }
+}
+
+/// Connections over `max_connections` that [`serve`] answers "too many connections" at once, each
+/// from a short-lived thread (it waits up to a second for the client's greeting). Beyond that, such
+/// connections are closed unanswered: a flood costs no more than this many threads.
+pub const MAX_REFUSING: usize = 8;
+
+/// Serve what `access` lets through on `listener`: one thread per connection, at most
+/// `opts.max_connections` at once and `opts.max_connections_per_peer` from one address.
+/// Returns `Ok(())` once the listener is shut down ([`shutdown_listener`] on a clone of it, from
+/// another thread), or the error if `accept` fails in a way that will not pass (the descriptor is
+/// not a listening socket). Failures that concern one connection or pass (an aborted handshake,
+/// out of descriptors or memory) are logged and serving goes on.
+pub fn serve<S: Source>(access: Arc<Access<S>>, listener: TcpListener, opts: TransferOptions) -> Result<()> {
+    /// A place in a count of threads (`max_connections`, [`MAX_REFUSING`]), given back when the
+    /// thread ends however it ends (a panic included), or with its closure if it never starts.
+    struct Held(Arc<AtomicUsize>);
+    impl Drop for Held {
+        fn drop(&mut self) {
+            self.0.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+    /// A place in the count of one peer address's connections.
+    struct PeerHeld(Arc<Mutex<HashMap<IpAddr, usize>>>, IpAddr);
+    impl Drop for PeerHeld {
+        fn drop(&mut self) {
+            let mut peers = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some(n) = peers.get_mut(&self.1) {
+                *n -= 1;
+                if *n == 0 {
+                    peers.remove(&self.1);
+                }
+            }
+        }
+    }
+    let active = Arc::new(AtomicUsize::new(0));
+    let refusing = Arc::new(AtomicUsize::new(0));
+    let peers: Arc<Mutex<HashMap<IpAddr, usize>>> = Arc::default();
+    loop {
+        let (stream, peer) = match listener.accept() {
+            Ok(c) => c,
+            // shutdown(2) on a listening socket makes accept fail with EINVAL: the way to stop.
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => return Ok(()),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EBADF | libc::ENOTSOCK | libc::EOPNOTSUPP)) => {
+                return Err(io_err("accept", e));
+            }
+            Err(e) => {
+                // Out of descriptors, an aborted handshake...: this connection only. Back off a little
+                // so a persistent condition does not spin.
+                log::warn!("transfer: accept failed: {e}");
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+        };
+        let peer_held = {
+            let mut p = peers.lock().unwrap_or_else(PoisonError::into_inner);
+            let n = p.entry(peer.ip()).or_insert(0);
+            if *n < opts.max_connections_per_peer {
+                *n += 1;
+                Some(PeerHeld(peers.clone(), peer.ip()))
+            } else {
+                None
+            }
+        };
+        let why = match &peer_held {
+            None => Some("too many connections from this peer"),
+            Some(_) if active.fetch_add(1, Ordering::SeqCst) >= opts.max_connections => {
+                active.fetch_sub(1, Ordering::SeqCst);
+                Some("too many connections")
+            }
+            Some(_) => None,
+        };
+        if let Some(why) = why {
+            drop(peer_held);
+            if refusing.fetch_add(1, Ordering::SeqCst) >= MAX_REFUSING {
+                // A flood: close it unanswered rather than start a thread per connection.
+                refusing.fetch_sub(1, Ordering::SeqCst);
+                log::debug!("transfer: closing {peer}: {why}, and too many being refused");
+                continue;
+            }
+            // Refusing waits for the client's greeting (up to a second): not on the accept loop.
+            let held = Held(refusing.clone());
+            let refused = std::thread::Builder::new().name("spillway-refuse".into()).spawn(move || {
+                let _held = held;
+                let mut stream = stream;
+                let _ = refuse(&mut stream, why);
+            });
+            if let Err(e) = refused {
+                log::warn!("transfer: cannot start a thread to refuse {peer}: {e}");
+            }
+            continue;
+        }
+        let (access, opts, held) = (access.clone(), opts.clone(), (Held(active.clone()), peer_held));
+        let spawned = std::thread::Builder::new().name(format!("spillway-serve-{peer}")).spawn(move || {
+            let _held = held;
+            if let Err(e) = serve_connection(&access, stream, &opts) {
+                log::info!("transfer: connection from {peer} ended: {e}");
+            }
+        });
+        if let Err(e) = spawned {
+            log::warn!("transfer: cannot start a thread for {peer}: {e}");
+        }
+    }
+}
+
+/// Stop a [`serve`] loop running on `listener` (or on another handle of the same socket, such as the
+/// one `TcpListener::try_clone` gives): `accept` then fails with EINVAL and `serve` returns `Ok`.
+/// Connections being served run to their end.
+pub fn shutdown_listener(listener: &TcpListener) -> io::Result<()> {
+    rustix::net::shutdown(listener, rustix::net::Shutdown::Read).map_err(io::Error::from)
+}
+
+pub(super) fn refuse(stream: &mut TcpStream, why: &str) -> io::Result<()> {
+    // Read the client's greeting first: closing with unread data would reset the connection and the
+    // client might never see the reason.
+    stream.set_read_timeout(Some(Duration::from_secs(1)))?;
+    let mut h = [0u8; 8];
+    let _ = stream.read_exact(&mut h);
+    send_refusal(stream, why)
+}
+
+/// Greeting and ERROR `why`, for a client whose greeting was read.
+pub(super) fn send_refusal(stream: &mut TcpStream, why: &str) -> io::Result<()> {
+    let mut out = hello().to_vec();
+    out.push(ST_ERROR);
+    out.extend_from_slice(&(why.len() as u32).to_le_bytes());
+    out.extend_from_slice(why.as_bytes());
+    stream.write_all(&out)
+}
+
+/// Fill `buf` from `stream` before `deadline` (each read waits at most until then, and at most
+/// `timeout`): a peer that trickles a message a byte at a time cannot stretch it past the deadline.
+pub(super) fn read_by(stream: &mut TcpStream, buf: &mut [u8], deadline: Instant, timeout: Duration) -> io::Result<()> {
+    let mut at = 0;
+    let result = loop {
+        if at == buf.len() {
+            break Ok(());
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            break Err(io::Error::new(io::ErrorKind::TimedOut, "the request was not through in time"));
+        }
+        if let Err(e) = stream.set_read_timeout(Some(left.min(timeout))) {
+            break Err(e);
+        }
+        match stream.read(&mut buf[at..]) {
+            Ok(0) => break Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the peer closed mid-request")),
+            Ok(n) => at += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {}
+            Err(e) => break Err(e),
+        }
+    };
+    stream.set_read_timeout(Some(timeout))?;
+    result
+}
+
+/// Serve one connection until the peer closes it (`Ok`) or breaks the protocol (`Err`, after an
+/// error response where one can still be sent). The greeting, and each request from its first
+/// byte to its last, must arrive within `opts.timeout`; a request `access` refuses is answered
+/// "not authorized" and ends the connection.
+pub fn serve_connection<S: Source>(access: &Access<S>, mut stream: TcpStream, opts: &TransferOptions) -> Result<()> {
+    let Some(_serving) = access.enter(&stream) else { return Ok(()) }; // closed
+    stream.set_read_timeout(Some(opts.timeout)).map_err(|e| io_err("set timeout", e))?;
+    stream.set_write_timeout(Some(opts.timeout)).map_err(|e| io_err("set timeout", e))?;
+    let _ = stream.set_nodelay(true);
+    let peer = stream.peer_addr().ok().map(|a| a.ip());
+    let mut h = [0u8; 8];
+    read_by(&mut stream, &mut h, Instant::now() + opts.timeout, opts.timeout)
+        .map_err(|e| io_err("receive hello", e))?;
+    if let Err(e) = check_hello(&h) {
+        let _ = send_refusal(&mut stream, &e.to_string()); // its greeting was just read
+        return Err(e);
+    }
+    stream.write_all(&hello()).map_err(|e| io_err("send hello", e))?;
+    let mut pipe = None;
+    loop {
+        let mut req = [0u8; REQUEST_HEAD];
+        match stream.read(&mut req[..1]) {
+            Ok(0) => return Ok(()), // the client is done
+            Ok(_) => {}
+            // A signal handler ran: a socket with timeouts is never restarted, whatever SA_RESTART.
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(io_err("receive request", e)),
+        }
+        let deadline = Instant::now() + opts.timeout;
+        read_by(&mut stream, &mut req[1..], deadline, opts.timeout).map_err(|e| io_err("receive request", e))?;
+        let ticket = Ticket::from_bytes(&req[1..1 + TICKET_BYTES]).expect("ticket-sized");
+        let key_len = u32::from_le_bytes(req[1 + TICKET_BYTES..].try_into().expect("4 bytes")) as usize;
+        if req[0] != OP_GET || key_len > MAX_KEY_BYTES {
+            let e = proto(format!("malformed request (op {}, key of {key_len} bytes)", req[0]));
+            let _ = send_error(&mut stream, &e.to_string());
+            return Err(e);
+        }
+        let mut key = vec![0u8; key_len];
+        read_by(&mut stream, &mut key, deadline, opts.timeout).map_err(|e| io_err("receive key", e))?;
+        let Some(admitted) = access.admit(&ticket, &key, peer) else {
+            let _ = send_error(&mut stream, NOT_AUTHORIZED);
+            return Err(proto(format!("a request with ticket {ticket:?} was refused")));
+        };
+        let outgoing = match admitted.value {
+            Some(v) => Ok(Some(v)),
+            None => admitted.src.outgoing(&key),
+        };
+        send_outgoing(admitted.src.log(), &mut stream, opts, &mut pipe, outgoing)?;
+    }
+}
+
+/// Answer one request with `outgoing` (the source's answer for its key): VALUE, NOT_FOUND or ERROR.
+pub(super) fn send_outgoing<B: Backend>(
+    log: &SegmentLog<B>,
+    stream: &mut TcpStream,
+    opts: &TransferOptions,
+    pipe: &mut Option<Pipe>,
+    outgoing: Result<Option<Outgoing<B::File>>>,
+) -> Result<()> {
+    let sv = match outgoing {
+        Ok(Some(Outgoing::Stored(sv))) if sv.meta.stored_len <= opts.max_value_bytes => sv,
+        Ok(Some(Outgoing::Stored(sv))) => {
+            return send_error(stream, &format!("value of {} bytes is over the limit", sv.meta.stored_len));
+        }
+        Ok(Some(Outgoing::Frames(frames))) => {
+            // A value held in memory was never checked by a log: the frame count and the laid-out
+            // length (frames plus their 64-byte gaps) are what a client checks.
+            let laid_out = format::frame_layout(frames.iter().map(|f| f.len() as u64)).map(|(_, n)| n);
+            return match laid_out {
+                _ if frames.len() > format::MAX_FRAMES => {
+                    let msg = format!("value of {} frames is over the limit of {}", frames.len(), format::MAX_FRAMES);
+                    send_error(stream, &msg)
+                }
+                Some(n) if n <= opts.max_value_bytes => {
+                    send_frames(&mut Paced::new(stream, opts.allowance(n)), &frames)
+                }
+                _ => send_error(stream, &format!("value of {} bytes is over the limit", frames.total_len())),
+            };
+        }
+        Ok(None) => return stream.write_all(&[ST_NOT_FOUND]).map_err(|e| io_err("send response", e)),
+        Err(e) => {
+            // The peer learns what failed; the server's log says where (paths stay here).
+            log::warn!("transfer: serving a value failed: {e}");
+            return send_error(stream, &e.peer_message());
+        }
+    };
+    stream.write_all(&encode_value_response(&sv.meta)).map_err(|e| io_err("send value header", e))?;
+    // splice(2) reads an O_DIRECT file with direct I/O, which refuses the payload's offset (only
+    // 64-byte aligned): splice from a buffered descriptor of the same file instead (copy if there
+    // is none). Looked at only for a value that is to be spliced.
+    let fd = log.backend().as_fd(&sv.file).filter(|_| !opts.copy && sv.meta.stored_len >= opts.splice_min_bytes);
+    let direct =
+        fd.is_some_and(|fd| rustix::fs::fcntl_getfl(fd).map_or(true, |f| f.contains(rustix::fs::OFlags::DIRECT)));
+    let buffered = match fd {
+        Some(fd) if direct => reopen_buffered(fd).ok(),
+        _ => None,
+    };
+    let splice_fd = match &buffered {
+        Some(f) => Some(std::os::fd::AsFd::as_fd(f)),
+        None if direct => None,
+        None => fd,
+    };
+    let deadline = opts.allowance(sv.meta.stored_len).map(|a| Instant::now() + a);
+    let sent = match splice_fd {
+        Some(fd) => {
+            if pipe.is_none() {
+                *pipe = Some(make_pipe().map_err(|e| io_err("create pipe", e))?);
+            }
+            let (r, w) = pipe.as_ref().expect("just made");
+            splice_out(fd, sv.payload_offset, sv.meta.stored_len, r, w, stream, deadline)
+                .map_err(|e| io_err("splice value", e))
+        }
+        None => copy_out(log, &sv, stream, deadline),
+    };
+    if sent.is_err() {
+        // Part of the value may have gone out (or be stuck in the pipe): the connection cannot
+        // continue in step.
+        let _ = stream.shutdown(Shutdown::Both);
+    }
+    sent
+}
+
+/// The copy path: the stored payload read and written [`PIPE_BYTES`] at a time (never the whole
+/// value in memory), within `deadline`.
+pub(super) fn copy_out<B: Backend>(
+    log: &SegmentLog<B>,
+    sv: &StoredValue<B::File>,
+    stream: &mut TcpStream,
+    deadline: Option<Instant>,
+) -> Result<()> {
+    let mut at = 0u64;
+    while at < sv.meta.stored_len {
+        check_deadline(deadline).map_err(|e| io_err("send value", e))?;
+        let n = (sv.meta.stored_len - at).min(PIPE_BYTES as u64);
+        let part = log.read_stored_part(sv, at, n)?;
+        stream.write_all(&part).map_err(|e| io_err("send value", e))?;
+        at += n;
+    }
+    Ok(())
+}
+
+/// Send in-memory frames as an uncompressed VALUE: the same layout as on disk (each frame at a
+/// 64-byte boundary, zeros between), written from the frames' own buffers.
+pub(super) fn send_frames(stream: &mut impl Write, frames: &Frames) -> Result<()> {
+    const ZEROS: [u8; format::FRAME_ALIGN as usize] = [0; format::FRAME_ALIGN as usize];
+    let frame_lens: Vec<u64> = frames.iter().map(|f| f.len() as u64).collect();
+    let (offsets, total) = format::frame_layout(frame_lens.iter().copied()).expect("in-memory frames fit");
+    let mut crc = crc32fast::Hasher::new();
+    let mut at = 0u64;
+    for (f, &o) in frames.iter().zip(&offsets) {
+        crc.update(&ZEROS[..(o - at) as usize]);
+        crc.update(f);
+        at = o + f.len() as u64;
+    }
+    let meta = StreamedValue { lz4: false, frame_lens, raw_len: total, stored_len: total, payload_crc: crc.finalize() };
+    stream.write_all(&encode_value_response(&meta)).map_err(|e| io_err("send value header", e))?;
+    let mut at = 0u64;
+    for (f, &o) in frames.iter().zip(&offsets) {
+        stream.write_all(&ZEROS[..(o - at) as usize]).map_err(|e| io_err("send value", e))?;
+        stream.write_all(f).map_err(|e| io_err("send value", e))?;
+        at = o + f.len() as u64;
+    }
+    Ok(())
+}
+
+pub(super) fn send_error(stream: &mut TcpStream, msg: &str) -> Result<()> {
+    let mut cut = msg.len().min(MAX_ERROR_BYTES);
+    while !msg.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    let msg = &msg.as_bytes()[..cut];
+    let mut out = vec![ST_ERROR];
+    out.extend_from_slice(&(msg.len() as u32).to_le_bytes());
+    out.extend_from_slice(msg);
+    stream.write_all(&out).map_err(|e| io_err("send error response", e))
+}
+
+pub(super) type Pipe = (std::os::fd::OwnedFd, std::os::fd::OwnedFd);
+
+pub(super) fn make_pipe() -> io::Result<Pipe> {
+    let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
+    // Larger pipes move more per splice; the system may cap the size (fs.pipe-max-size).
+    let _ = rustix::pipe::fcntl_setpipe_size(&w, PIPE_BYTES);
+    Ok((r, w))
+}
+
+/// A new, buffered (not O_DIRECT) read-only descriptor of the file behind `fd`, through
+/// `/proc/self/fd` (which works for a segment already unlinked, too).
+pub(super) fn reopen_buffered(fd: std::os::fd::BorrowedFd<'_>) -> io::Result<std::fs::File> {
+    use std::os::fd::AsRawFd;
+    std::fs::File::open(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+}
+
+/// `len` bytes at `offset` of `file` into `sock`, through the pipe, never through user memory.
+pub(super) fn splice_out(
+    file: std::os::fd::BorrowedFd<'_>,
+    offset: u64,
+    len: u64,
+    r: &std::os::fd::OwnedFd,
+    w: &std::os::fd::OwnedFd,
+    sock: &TcpStream,
+    deadline: Option<Instant>,
+) -> io::Result<()> {
+    use rustix::pipe::{splice, SpliceFlags};
+    let _held = crate::sigpipe::SigpipeHeld::new();
+    let mut off = offset;
+    let mut left = len;
+    while left > 0 {
+        check_deadline(deadline)?;
+        let want = (left as usize).min(PIPE_BYTES);
+        // EINTR (a signal handler ran) retries: splice is never restarted after a handler.
+        let n = match splice(file, Some(&mut off), w, None, want, SpliceFlags::empty()) {
+            Ok(n) => n,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
+        };
+        if n == 0 {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "segment file shorter than its record"));
+        }
+        let mut in_pipe = n;
+        // MORE (MSG_MORE) only while more of the value follows: on the last piece it would hold the
+        // final partial segment back (about 200 ms per value for values of a pipe or less).
+        let flags = if left > n as u64 { SpliceFlags::MORE } else { SpliceFlags::empty() };
+        while in_pipe > 0 {
+            check_deadline(deadline)?;
+            let m = match splice(r, None, sock, None, in_pipe, flags) {
+                Ok(m) => m,
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(e) => return Err(e.into()),
+            };
+            if m == 0 {
+                return Err(io::Error::new(io::ErrorKind::WriteZero, "peer closed the connection"));
+            }
+            in_pipe -= m;
+        }
+        left -= n as u64;
+    }
+    Ok(())
+}
