@@ -246,6 +246,8 @@ pub fn run(args: &Args, op: Option<LogOp>, store_dir: &std::path::Path) -> Resul
             CompressArg::Lz4 => Compression::Lz4,
         },
         durable: args.durable,
+        discard_existing: args.spill_log,
+        recycle_segments: args.spill_log && args.recycle_segments,
         ..Default::default()
     };
     let backend = AutoBackend::new(args.backend, args.direct).context("starting the I/O backend")?;

@@ -208,6 +208,14 @@ struct Args {
     /// a spill store does not need durability, and fio does not fsync unless asked either.
     #[arg(long)]
     durable: bool,
+    /// Open the log as a spill store's: discard what the directory holds, and reuse the files of
+    /// deleted segments for new ones (`LogOptions::recycle_segments`) with `--recycle-segments 1`
+    /// (the default), or unlink them and create new ones with `--recycle-segments 0`.
+    #[arg(long)]
+    spill_log: bool,
+    /// With `--spill-log`: reuse the files of deleted segments (1) or not (0).
+    #[arg(long, default_value = "true", action = clap::ArgAction::Set, value_parser = parse_bool01)]
+    recycle_segments: bool,
     /// Keys for `--rw open`'s index-memory measurement.
     #[arg(long, default_value_t = 1_000_000)]
     keys: u64,
@@ -238,6 +246,8 @@ fn check_options(matches: &ArgMatches, rw: Option<Job>) -> Result<()> {
         "segment_size",
         "keep",
         "durable",
+        "spill_log",
+        "recycle_segments",
     ];
     // A log job reads --invalidate if it reads what a layout wrote, --rwmixread if it mixes.
     let log_job = |name: &'static str, invalidate: bool, mix: bool| {

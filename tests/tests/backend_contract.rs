@@ -159,6 +159,21 @@ fn contract<B: Backend>(name: &str, b: &B, dir: &Path) {
     drop(lock);
     drop(b.lock_dir(&sub).expect("a released lock can be taken again"));
 
+    // rename moves the name (the file keeps its bytes), or is unsupported.
+    let moved = sub.join("g");
+    match b.rename(&path, &moved) {
+        Ok(()) => {
+            let names = b.list_dir(&sub).unwrap();
+            assert!(names.contains(&"g".to_string()) && !names.contains(&"f".to_string()), "{}", at("rename"));
+            let g = b.open(&moved, false).unwrap();
+            // (Past the hole punched above.)
+            let got = read(b, &g, 6 * align as u64, 2 * align, align).unwrap();
+            assert!(got == want[2 * align..4 * align], "{}", at("a renamed file keeps its bytes"));
+            b.rename(&moved, &path).unwrap();
+        }
+        Err(e) => assert_eq!(e.kind(), io::ErrorKind::Unsupported, "{}", at(&format!("rename: {e}"))),
+    }
+
     // remove_file unlinks the name.
     drop(f);
     b.remove_file(&path).unwrap();

@@ -187,6 +187,12 @@ impl Backend for AutoBackend {
             _ => std::fs::remove_file(path),
         }
     }
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        match self {
+            AutoBackend::Sim(s) => s.rename(from, to),
+            _ => std::fs::rename(from, to),
+        }
+    }
     fn sync_dir(&self, path: &Path) -> io::Result<()> {
         match self {
             AutoBackend::Sim(s) => s.sync_dir(path),

@@ -120,6 +120,13 @@ pub trait Backend: Send + Sync + 'static {
     fn open(&self, path: &Path, create: bool) -> io::Result<Self::File>;
     /// Remove a file.
     fn remove_file(&self, path: &Path) -> io::Result<()>;
+    /// Give a file another name (replacing nothing: the log renames only to names not in use). Like
+    /// a creation or a removal, durable after [`Backend::sync_dir`]. Unsupported by default, which
+    /// keeps a log from reusing the files of deleted segments.
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        let _ = (from, to);
+        Err(io::ErrorKind::Unsupported.into())
+    }
     /// Make directory entry changes (creations, removals) durable.
     fn sync_dir(&self, path: &Path) -> io::Result<()>;
     /// Current length of a file.

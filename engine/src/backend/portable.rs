@@ -99,6 +99,10 @@ impl Backend for PortableBackend {
         std::fs::remove_file(path)
     }
 
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        std::fs::rename(from, to)
+    }
+
     fn sync_dir(&self, path: &Path) -> io::Result<()> {
         File::open(path)?.sync_all()
     }

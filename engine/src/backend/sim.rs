@@ -469,6 +469,16 @@ impl Backend for SimBackend {
         st.names.remove(path).map(|_| ()).ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))
     }
 
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        if let Some(kind) = self.check(OpKind::Remove) {
+            return Err(Self::fault_error(kind));
+        }
+        let mut st = self.lock();
+        let inode = st.names.remove(from).ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
+        st.names.insert(to.to_path_buf(), inode);
+        Ok(())
+    }
+
     fn sync_dir(&self, path: &Path) -> io::Result<()> {
         if let Some(kind) = self.check(OpKind::Sync) {
             return Err(Self::fault_error(kind));

@@ -654,6 +654,9 @@ impl Backend for UringBackend {
     fn remove_file(&self, path: &Path) -> io::Result<()> {
         self.portable.remove_file(path)
     }
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        self.portable.rename(from, to)
+    }
     fn sync_dir(&self, path: &Path) -> io::Result<()> {
         self.portable.sync_dir(path)
     }

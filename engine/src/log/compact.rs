@@ -228,6 +228,9 @@ impl<B: Backend> SegmentLog<B> {
                 batch_bytes = 0;
             }
         }
+        // Every record is read: let go of the file before the last batch is published, which may
+        // delete the segment (and keep its file for reuse, which a handle held here would prevent).
+        drop(file);
         if !batch.is_empty() {
             flush(st, &mut batch)?;
         }

@@ -1,6 +1,6 @@
 //! Reclaiming space: releasing a superseded record from its segment's accounting, punching holes in
 //! closed segments for large dead records, deleting segments with nothing live and no needed
-//! tombstone.
+//! tombstone, or keeping their files to become new segments (`LogOptions::recycle_segments`).
 
 use super::*;
 
@@ -210,6 +210,9 @@ impl<B: Backend> SegmentLog<B> {
             // directory operations in order do not need this; nothing promises it.)
             self.sync_dir_if_dirty(st)?;
         }
+        if self.keep_as_spare(st, id) {
+            return Ok(());
+        }
         let path = self.seg_path(id);
         match self.backend.remove_file(&path) {
             Ok(()) => {}
@@ -226,5 +229,29 @@ impl<B: Backend> SegmentLog<B> {
         st.segs.remove(&id);
         st.dir_dirty = true;
         Ok(())
+    }
+
+    /// With `recycle_segments`, keep the file of dead segment `id` for a new segment instead of
+    /// unlinking it, if it has the usual size and nothing else holds it (a reader that looked it up
+    /// before it died, a value being sent from it): its bytes are overwritten when it is reused.
+    pub(super) fn keep_as_spare(&self, st: &mut WriterState<B::File>, id: u32) -> bool {
+        if !self.opts.recycle_segments
+            || st.spare_files.len() >= MAX_SPARE_FILES
+            || st.segs.get(&id).is_none_or(|m| m.size != self.opts.segment_bytes)
+        {
+            return false;
+        }
+        let mut files = self.files.write().unwrap_or_else(|p| p.into_inner());
+        let Some(file) = files.get(&id) else { return false };
+        let unsynced = st.unsynced_sealed.iter().filter(|f| Arc::ptr_eq(f, file)).count();
+        if Arc::strong_count(file) != 1 + unsynced {
+            return false;
+        }
+        let file = files.remove(&id).expect("looked up above");
+        drop(files);
+        st.unsynced_sealed.retain(|f| !Arc::ptr_eq(f, &file));
+        st.segs.remove(&id);
+        st.spare_files.push(SpareFile { id, file });
+        true
     }
 }

@@ -27,7 +27,7 @@
 //! | `gather.rs` | large payloads written from their own frames |
 //! | `write_behind.rs` | small writes held in a pending buffer |
 //! | `stream.rs` | `put_stream`: values read from a socket or file |
-//! | `gc.rs` | releasing dead records, hole punching, deleting empty segments |
+//! | `gc.rs` | releasing dead records, hole punching, deleting empty segments or keeping their files for reuse |
 //! | `compact.rs` | the compaction policy and relocation |
 //! | `verify.rs` | stats and read-back verification |
 //!
@@ -251,6 +251,10 @@ impl<B: Backend> Drop for SegmentLog<B> {
         if let Err(e) = self.flush_pending(&mut st) {
             log::error!("segment log {}: pending records not written at close: {e}", self.dir.display());
         }
+        // Files kept for reuse hold nothing live: they go with the log.
+        for spare in std::mem::take(&mut st.spare_files) {
+            let _ = self.backend.remove_file(&self.seg_path(spare.id));
+        }
     }
 }
 
@@ -313,6 +317,11 @@ impl<B: Backend> SegmentLog<B> {
             )));
         }
         opts.compaction.validate()?;
+        if opts.recycle_segments && !opts.discard_existing {
+            return Err(Error::InvalidConfig(
+                "recycle_segments needs discard_existing: a reused file keeps old bytes recovery would read".into(),
+            ));
+        }
         if opts.segment_bytes < MIN_SEGMENT_BYTES {
             return Err(Error::InvalidConfig(format!(
                 "segment_bytes {} is below the minimum {MIN_SEGMENT_BYTES}",
@@ -343,6 +352,7 @@ impl<B: Backend> SegmentLog<B> {
                 compacting: false,
                 unsynced_sealed: Vec::new(),
                 spare_bufs: Vec::new(),
+                spare_files: Vec::new(),
             }),
             forgotten: Mutex::new(Vec::new()),
             any_forgotten: AtomicBool::new(false),

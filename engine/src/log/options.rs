@@ -50,6 +50,14 @@ pub struct LogOptions {
     /// the directory's lock): for a spill store, whose data dies with its process. Files in
     /// `segments/` that are not named like segments are left alone (with a warning), as recovery does.
     pub discard_existing: bool,
+    /// Reuse the files of deleted segments as new segments (up to `MAX_SPARE_SEGMENTS` kept, renamed
+    /// when reused) instead of unlinking them and creating and preallocating new ones. Overwriting
+    /// blocks that were written before costs the file system nothing beyond the write, while a fresh
+    /// preallocated file costs a creation, an unwritten-extent conversion on every write, and an
+    /// unlink (a discard, on file systems mounted with `discard`) when it dies. A reused file keeps
+    /// the bytes of its earlier life past what is written, so only a log that is never recovered may
+    /// do it: it requires `discard_existing`. Needs [`Backend::rename`] (otherwise files are unlinked).
+    pub recycle_segments: bool,
     /// fdatasync on its own where crash consistency needs it: before sealing a segment and before
     /// deleting one. Turn off for data that dies with the process (a spill store); `sync()` still
     /// syncs when called.
@@ -78,6 +86,7 @@ impl Default for LogOptions {
             parallel_crc_min_bytes: PARALLEL_CRC_MIN_BYTES,
             punch_forgotten: false,
             discard_existing: false,
+            recycle_segments: false,
             durable: true,
             write_behind_bytes: 0,
         }

@@ -141,7 +141,21 @@ pub(super) struct WriterState<F> {
     /// The last write buffer, kept for reuse.
     /// Write buffers kept for reuse (a fresh multi-MiB buffer costs a page fault per 4 KiB).
     pub(super) spare_bufs: Vec<AlignedBuf>,
+    /// Files of deleted segments kept for reuse (`LogOptions::recycle_segments`), still under their
+    /// old names, each `segment_bytes` long and open with no other handle.
+    pub(super) spare_files: Vec<SpareFile<F>>,
 }
+
+/// The file of a deleted segment, kept to become a new segment.
+pub(super) struct SpareFile<F> {
+    /// The id it had (its file is still named after it).
+    pub(super) id: u32,
+    pub(super) file: Arc<F>,
+}
+
+/// Most files of deleted segments kept for reuse: segments die about as fast as new ones are needed,
+/// so a few cover the gap between a delete and the next rotation.
+pub(super) const MAX_SPARE_FILES: usize = 4;
 
 impl<B: Backend> SegmentLog<B> {
     /// Room the footer will need for one more entry with this key.
@@ -202,12 +216,18 @@ impl<B: Backend> SegmentLog<B> {
         let id = st.next_segment;
         st.next_segment = id.checked_add(1).ok_or_else(|| Error::Exhausted("segment ids".into()))?;
         let path = self.seg_path(id);
-        let file = self.backend.open(&path, true).map_err(|e| Error::io("create segment", path.clone(), e))?;
         let cleanup = |e: Error| {
             let _ = self.backend.remove_file(&path);
             e
         };
-        self.backend.allocate(&file, size).map_err(|e| cleanup(Error::io("fallocate", path.clone(), e)))?;
+        let file = match self.reuse_spare_file(st, &path, size) {
+            Some(file) => file,
+            None => {
+                let file = self.backend.open(&path, true).map_err(|e| Error::io("create segment", path.clone(), e))?;
+                self.backend.allocate(&file, size).map_err(|e| cleanup(Error::io("fallocate", path.clone(), e)))?;
+                Arc::new(file)
+            }
+        };
         let mut hb = AlignedBuf::zeroed(self.align as usize, self.align as usize);
         let header = format::SegmentHeader {
             segment: id,
@@ -222,7 +242,6 @@ impl<B: Backend> SegmentLog<B> {
         r.map_err(|e| cleanup(Error::io("write segment header", path.clone(), e)))?;
         st.dir_dirty = true;
         st.dir_new_segments = true;
-        let file = Arc::new(file);
         self.files.write().unwrap_or_else(|p| p.into_inner()).insert(id, file.clone());
         st.segs.insert(id, SegMeta::new(size, data_start));
         st.active = Some(Active {
@@ -239,6 +258,37 @@ impl<B: Backend> SegmentLog<B> {
             last_is_mark: false,
         });
         Ok(())
+    }
+
+    /// The file of a deleted segment, renamed to `path`, for a new segment of `size` bytes: `None`
+    /// if none is kept or the size differs (a segment sized for one large record). A file that
+    /// cannot be renamed is unlinked instead.
+    pub(super) fn reuse_spare_file(
+        &self,
+        st: &mut WriterState<B::File>,
+        path: &Path,
+        size: u64,
+    ) -> Option<Arc<B::File>> {
+        if size != self.opts.segment_bytes {
+            return None;
+        }
+        while let Some(spare) = st.spare_files.pop() {
+            let old = self.seg_path(spare.id);
+            match self.backend.rename(&old, path) {
+                Ok(()) => return Some(spare.file),
+                Err(e) => {
+                    if self.warn_once(WARN_GC) {
+                        log::warn!(
+                            "segment log {}: reusing {} failed ({e}); unlinking it",
+                            self.dir.display(),
+                            old.display()
+                        );
+                    }
+                    let _ = self.backend.remove_file(&old);
+                }
+            }
+        }
+        None
     }
 
     /// Write the footer and the trailer of segment `id` (`size` bytes, records up to `data_end`):

@@ -24,6 +24,9 @@ pub struct LogStats {
     pub disk_bytes: u64,
     /// Bytes used by records in all segments.
     pub used_bytes: u64,
+    /// Files of deleted segments kept for reuse (`LogOptions::recycle_segments`); their bytes count
+    /// in `disk_bytes`.
+    pub spare_files: u64,
 }
 
 /// A problem found by [`SegmentLog::verify`].
@@ -57,6 +60,8 @@ impl<B: Backend> SegmentLog<B> {
             s.tombstones += m.tombstones;
             s.disk_bytes += m.size;
         }
+        s.spare_files = st.spare_files.len() as u64;
+        s.disk_bytes += s.spare_files * self.opts.segment_bytes;
         s
     }
 

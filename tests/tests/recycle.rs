@@ -1,0 +1,200 @@
+//! Reusing the files of deleted segments (`LogOptions::recycle_segments`): a spill log that keeps
+//! overwriting its keys writes into files it has written before instead of creating, preallocating
+//! and unlinking one per segment, and still reads back exactly what it holds.
+
+use std::io;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use spillway::backend::{BufResult, DirLock, Fault, FaultKind, FaultOp};
+use spillway::buf::AlignedBuf;
+use spillway::{Backend, Error, Frames, LogOptions, PortableBackend, SegmentLog, SimBackend};
+use spillway_tests::value_for;
+
+const SEG: u64 = 256 << 10;
+
+fn spill_opts(recycle: bool) -> LogOptions {
+    LogOptions {
+        segment_bytes: SEG,
+        discard_existing: true,
+        durable: false,
+        recycle_segments: recycle,
+        ..Default::default()
+    }
+}
+
+/// A real disk that counts the file creations, preallocations, removals and renames the log asks for.
+#[derive(Default)]
+struct Counting {
+    inner: PortableBackend,
+    n: Arc<Counts>,
+}
+
+#[derive(Default)]
+struct Counts {
+    creates: AtomicU64,
+    allocates: AtomicU64,
+    removes: AtomicU64,
+    renames: AtomicU64,
+}
+
+impl Backend for Counting {
+    type File = std::fs::File;
+    fn name(&self) -> &'static str {
+        "counting"
+    }
+    fn create_dir_all(&self, p: &Path) -> io::Result<()> {
+        self.inner.create_dir_all(p)
+    }
+    fn is_dir(&self, p: &Path) -> bool {
+        self.inner.is_dir(p)
+    }
+    fn list_dir(&self, p: &Path) -> io::Result<Vec<String>> {
+        self.inner.list_dir(p)
+    }
+    fn open(&self, p: &Path, create: bool) -> io::Result<Self::File> {
+        if create {
+            self.n.creates.fetch_add(1, Ordering::Relaxed);
+        }
+        self.inner.open(p, create)
+    }
+    fn remove_file(&self, p: &Path) -> io::Result<()> {
+        self.n.removes.fetch_add(1, Ordering::Relaxed);
+        self.inner.remove_file(p)
+    }
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        self.n.renames.fetch_add(1, Ordering::Relaxed);
+        self.inner.rename(from, to)
+    }
+    fn sync_dir(&self, p: &Path) -> io::Result<()> {
+        self.inner.sync_dir(p)
+    }
+    fn file_len(&self, f: &Self::File) -> io::Result<u64> {
+        self.inner.file_len(f)
+    }
+    fn allocate(&self, f: &Self::File, len: u64) -> io::Result<()> {
+        self.n.allocates.fetch_add(1, Ordering::Relaxed);
+        self.inner.allocate(f, len)
+    }
+    fn read_at(&self, f: &Self::File, offset: u64, buf: AlignedBuf) -> BufResult {
+        self.inner.read_at(f, offset, buf)
+    }
+    fn write_at(&self, f: &Self::File, offset: u64, buf: AlignedBuf) -> BufResult {
+        self.inner.write_at(f, offset, buf)
+    }
+    fn sync_data(&self, f: &Self::File) -> io::Result<()> {
+        self.inner.sync_data(f)
+    }
+    fn lock_dir(&self, dir: &Path) -> io::Result<DirLock> {
+        self.inner.lock_dir(dir)
+    }
+    fn alignment(&self, dir: &Path) -> usize {
+        self.inner.alignment(dir)
+    }
+}
+
+/// Total size of the segment files in `dir`.
+fn segment_bytes_on_disk(dir: &Path) -> u64 {
+    std::fs::read_dir(dir.join("segments")).unwrap().map(|e| e.unwrap().metadata().unwrap().len()).sum()
+}
+
+fn value(key: &[u8], round: u32) -> Frames {
+    let mut tagged = key.to_vec();
+    tagged.extend_from_slice(&round.to_le_bytes());
+    Frames::from(value_for(&tagged, 20 << 10))
+}
+
+/// Overwrite 16 keys of 20 KiB round after round: every old segment dies. With recycling, the log
+/// creates and preallocates a few files and then renames the files of dead segments into new ones;
+/// without it, every segment is a new file, preallocated, and unlinked when it dies. Either way every
+/// key reads its newest value, `verify` is clean, and `stats` counts the bytes the files hold.
+#[test]
+fn a_spill_log_overwriting_its_keys_reuses_the_files_of_dead_segments() {
+    let mut counts = Vec::new();
+    for recycle in [true, false] {
+        let tmp = tempfile::tempdir().unwrap();
+        let be = Counting::default();
+        let n = be.n.clone();
+        let log = SegmentLog::open(be, tmp.path(), spill_opts(recycle)).unwrap();
+        for round in 0..60u32 {
+            for k in 0..16u32 {
+                let key = format!("k{k}").into_bytes();
+                log.put(&key, &value(&key, round)).unwrap();
+            }
+        }
+        for k in 0..16u32 {
+            let key = format!("k{k}").into_bytes();
+            assert_eq!(log.get(&key).unwrap(), Some(value(&key, 59)), "recycle {recycle}: key {k}");
+        }
+        assert!(log.verify().unwrap().is_empty(), "recycle {recycle}: {:?}", log.verify());
+        let s = log.stats();
+        assert_eq!(s.disk_bytes, segment_bytes_on_disk(tmp.path()), "recycle {recycle}: stats must count every file");
+        drop(log);
+        let files = std::fs::read_dir(tmp.path().join("segments")).unwrap().count() as u64;
+        assert_eq!(files, s.segments, "recycle {recycle}: files kept for reuse go with the log");
+        let c = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        counts.push((c(&n.creates), c(&n.allocates), c(&n.removes), c(&n.renames)));
+    }
+    let (with, without) = (counts[0], counts[1]);
+    // 60 rounds of 320 KiB go through about 75 segments of 256 KiB.
+    assert!(without.0 >= 60 && without.1 >= 60 && without.2 >= 55 && without.3 == 0, "without: {without:?}");
+    assert!(with.0 <= 8 && with.1 <= 8 && with.3 >= 55, "with: {with:?}");
+}
+
+/// A value being sent from a segment keeps that segment's file out of reuse: when the segment dies
+/// meanwhile, its file is unlinked as usual (and stays readable through the held handle), never
+/// written over, so the send reads the bytes it was promised.
+#[test]
+fn a_segment_being_sent_from_is_not_reused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let be = Counting::default();
+    let n = be.n.clone();
+    let log = SegmentLog::open(be, tmp.path(), spill_opts(true)).unwrap();
+    let want = Frames::from(value_for(b"sent", 20 << 10));
+    log.put(b"sent", &want).unwrap();
+    let sv = log.stored_value(b"sent").unwrap().unwrap();
+    for round in 0..40u32 {
+        for k in 0..16u32 {
+            let key = format!("k{k}").into_bytes();
+            log.put(&key, &value(&key, round)).unwrap();
+        }
+        if round == 0 {
+            assert!(log.delete(b"sent").unwrap());
+        }
+    }
+    assert!(n.renames.load(Ordering::Relaxed) >= 30, "the other dead segments' files were reused");
+    let stored = log.read_stored(&sv).unwrap();
+    assert!(stored[..] == want.concat()[..], "the held segment was written over");
+}
+
+/// Reuse is refused for a log that may be recovered: a reused file keeps old bytes past its end.
+#[test]
+fn recycling_needs_a_log_that_is_never_recovered() {
+    let opts = LogOptions { discard_existing: false, ..spill_opts(true) };
+    match SegmentLog::open(SimBackend::new(), "/s", opts) {
+        Err(Error::InvalidConfig(msg)) => assert!(msg.contains("discard_existing"), "{msg}"),
+        other => panic!("{:?}", other.map(|_| ())),
+    }
+}
+
+/// A rename that fails (the first one here) costs the reuse, not the write:
+/// the spare file is unlinked, a new segment is created, and every value stays readable.
+#[test]
+fn a_failed_rename_falls_back_to_a_new_file() {
+    let be = SimBackend::new();
+    let log = SegmentLog::open(be.clone(), "/s", spill_opts(true)).unwrap();
+    for k in 0..16u32 {
+        log.put(format!("k{k}").as_bytes(), &Frames::from(vec![1u8; 20 << 10])).unwrap();
+    }
+    be.inject(Fault { op: FaultOp::Remove, after: 0, kind: FaultKind::Eio, sticky: false });
+    for round in 0..30u8 {
+        for k in 0..16u32 {
+            log.put(format!("k{k}").as_bytes(), &Frames::from(vec![round; 20 << 10])).unwrap();
+        }
+    }
+    for k in 0..16u32 {
+        assert_eq!(log.get(format!("k{k}").as_bytes()).unwrap(), Some(Frames::from(vec![29u8; 20 << 10])));
+    }
+    assert!(log.verify().unwrap().is_empty());
+}
