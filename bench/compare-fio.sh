@@ -9,6 +9,10 @@
 # next, so each job runs fio and spillway back to back N times and the median of the N ratios is the
 # job's result. Jobs (the io_uring issue's targets in brackets):
 #   seqwrite-1M-qd16    sequential write, 1 MiB blocks, 16 in flight      [>= 0.9x fio bandwidth]
+#   sustained-1M-qd16   the same writes for 2x the runtime over --size of keys (overwrites, dead
+#                       segments), spillway as a spill log (`--spill-log`) vs fio overwriting its
+#                       file for as long                                 [>= 0.9x fio bandwidth]
+#   sustained-no-reuse  the same with `--recycle-segments 0` (each segment a new file; no target)
 #   randread-64K-qd16   random read, 64 KiB blocks, 16 in flight          [>= 0.9x fio bandwidth]
 #   randread-4K-qd32    random read, 4 KiB blocks, 32 in flight           [>= 0.8x fio IOPS]
 #   uring-vs-portable   spillway randread 4K QD32 on io_uring vs the portable backend run with the
@@ -82,6 +86,18 @@ for ((i = 1; i <= ROUNDS; i++)); do
     row seqwrite-1M-qd16 "$i" "$(field "$DIR/seqwrite-1M-qd16.fio.json" write bw_bytes)" \
         "$(field "$DIR/seqwrite-1M-qd16.spill.json" write bw_bytes)" MB/s 1e6
 
+    # Sustained: time-based writes over --size of keys, so after the first pass every write replaces
+    # a value and old segments die (spillway as a spill store's log, reusing dead segments' files,
+    # and without that reuse), against fio overwriting its file for as long.
+    run_fio sustained-1M-qd16 write 1M 16 --runtime="$((2 * RUNTIME))" --time_based
+    run_spill sustained-1M-qd16 --backend uring --direct --rw write --bs 1MiB --iodepth 16 --size "${SIZE_MB}MiB" \
+        --spill-log --runtime "$((2 * RUNTIME))" --time-based
+    sf=$(field "$DIR/sustained-1M-qd16.fio.json" write bw_bytes)
+    row sustained-1M-qd16 "$i" "$sf" "$(field "$DIR/sustained-1M-qd16.spill.json" write bw_bytes)" MB/s 1e6
+    run_spill sustained-no-reuse --backend uring --direct --rw write --bs 1MiB --iodepth 16 --size "${SIZE_MB}MiB" \
+        --spill-log --recycle-segments 0 --runtime "$((2 * RUNTIME))" --time-based
+    row sustained-no-reuse "$i" "$sf" "$(field "$DIR/sustained-no-reuse.spill.json" write bw_bytes)" MB/s 1e6
+
     run_fio randread-64K-qd16 randread 64k 16 --runtime="$RUNTIME" --time_based
     run_spill randread-64K-qd16 --backend uring --direct --rw randread --bs 64KiB --iodepth 16 --size "${SIZE_MB}MiB" \
         --runtime "$RUNTIME" --time-based
@@ -105,7 +121,7 @@ done
 echo "(uring-vs-*: the baseline column is spillway on the portable backend, same options / 32 threads)"
 echo
 printf '%-20s %8s  %s\n' job median "ratios"
-for job in seqwrite-1M-qd16 randread-64K-qd16 randread-4K-qd32 uring-vs-portable uring-vs-32threads; do
+for job in seqwrite-1M-qd16 sustained-1M-qd16 sustained-no-reuse randread-64K-qd16 randread-4K-qd32 uring-vs-portable uring-vs-32threads; do
     # shellcheck disable=SC2086
     printf '%-20s %8s  %s\n' "$job" "$(median ${RATIOS[$job]})" "${RATIOS[$job]# }"
 done

@@ -291,6 +291,9 @@ fn main() -> Result<()> {
         bail!("--bs, --size and --numjobs must be positive");
     }
     check_options(&matches, args.rw)?;
+    if matches.value_source("recycle_segments") == Some(ValueSource::CommandLine) && !args.spill_log {
+        bail!("--recycle-segments applies only with --spill-log");
+    }
     if args.rw == Some(Job::Log(LogOp::Randrw)) && args.iodepth > 1 {
         bail!("--iodepth above 1 is not supported for randrw (reads and writes would not mix in flight)");
     }

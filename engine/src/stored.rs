@@ -82,16 +82,34 @@ pub fn decode(stored: Bytes, lz4: bool, raw_len: u64, frame_lens: &[u64]) -> Res
     cut(&data, frame_lens)
 }
 
-/// Read the stored form `m` announces from `src` into memory (at most `max` stored bytes), check it
-/// against the announced checksum, and decode it. A source that breaks its announcement (too long,
+/// Check what `m` announces before anything is allocated for it: at most `MAX_FRAMES` frames whose
+/// lengths lay out to `raw_len`; an uncompressed value stored as it is; an lz4 block whose length
+/// some compression of `raw_len` bytes can have (so `raw_len` is bounded by the stored length).
+pub fn check_announced(m: &StreamedValue) -> Result<()> {
+    let invalid = |why: &str| Err(Error::Protocol(format!("announced value: {why}")));
+    if m.frame_lens.len() > format::MAX_FRAMES {
+        return invalid("too many frames");
+    }
+    if format::frame_layout(m.frame_lens.iter().copied()).map(|(_, n)| n) != Some(m.raw_len) {
+        return invalid("frame lengths do not lay out to raw_len");
+    }
+    if !m.lz4 && m.stored_len != m.raw_len {
+        return invalid("uncompressed value with stored_len != raw_len");
+    }
+    if m.lz4 && !format::lz4_lengths_fit(m.stored_len, m.raw_len) {
+        return invalid("lz4 lengths that no compression of raw_len has");
+    }
+    Ok(())
+}
+
+/// Read the stored form `m` announces from `src` into memory (at most `max` stored bytes;
+/// [`check_announced`] first), check it against the announced checksum, and decode it. A source that breaks its announcement (too long,
 /// a wrong checksum, a block that does not decode) is an error and yields nothing.
 pub fn read(m: &StreamedValue, src: &mut dyn Read, max: u64) -> Result<Frames> {
     if m.stored_len > max {
         return Err(Error::Protocol(format!("value of {} stored bytes is over the limit of {max}", m.stored_len)));
     }
-    if !m.lz4 && m.stored_len != m.raw_len {
-        return Err(Error::Protocol("uncompressed value whose stored length differs from its length".into()));
-    }
+    check_announced(m)?;
     let mut buf = AlignedBuf::zeroed(m.stored_len as usize, format::FRAME_ALIGN as usize);
     src.read_exact(&mut buf).map_err(|e| Error::io("receive value", None, e))?;
     let actual = format::payload_crc(&buf);

@@ -198,3 +198,66 @@ fn a_failed_rename_falls_back_to_a_new_file() {
     }
     assert!(log.verify().unwrap().is_empty());
 }
+
+/// Fill a spill log with 16 keys of 20 KiB over `rounds` rounds of overwrites.
+fn churn<B: Backend>(log: &SegmentLog<B>, rounds: std::ops::Range<u32>) {
+    for round in rounds {
+        for k in 0..16u32 {
+            let key = format!("k{k}").into_bytes();
+            log.put(&key, &value(&key, round)).unwrap();
+        }
+    }
+}
+
+/// A segment a value was handed out from for sending is unlinked when it dies, never reused, even
+/// after the `StoredValue` is gone: a splice leaves references to the file's pages in the socket,
+/// which writing over the file would change. So is one an async read still holds.
+#[test]
+fn segments_sent_from_or_read_asynchronously_are_unlinked_not_reused() {
+    for how in ["sent", "async read"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let be = Counting::default();
+        let n = be.n.clone();
+        let log = SegmentLog::open(be, tmp.path(), spill_opts(true)).unwrap();
+        let want = Frames::from(value_for(b"held", 20 << 10));
+        log.put(b"held", &want).unwrap();
+        let pending = match how {
+            "sent" => {
+                drop(log.stored_value(b"held").unwrap().unwrap());
+                None
+            }
+            _ => Some(log.get_async(b"held")),
+        };
+        churn(&log, 0..1);
+        assert!(log.delete(b"held").unwrap());
+        let removes = n.removes.load(Ordering::Relaxed);
+        churn(&log, 1..40);
+        assert!(n.renames.load(Ordering::Relaxed) >= 30, "{how}: the other dead segments were reused");
+        assert!(n.removes.load(Ordering::Relaxed) > removes, "{how}: the held segment was unlinked");
+        if let Some(fut) = pending {
+            assert_eq!(spillway::task::block_on(fut).unwrap(), Some(want), "{how}");
+        }
+        assert!(log.verify().unwrap().is_empty());
+    }
+}
+
+/// Kept files give their space back before the log preallocates a segment they cannot become (one
+/// sized for a record larger than a segment).
+#[test]
+fn kept_files_are_released_before_a_larger_segment_is_made() {
+    let tmp = tempfile::tempdir().unwrap();
+    let log = SegmentLog::open(PortableBackend::new(), tmp.path(), spill_opts(true)).unwrap();
+    churn(&log, 0..20);
+    // Let the live keys' segments die too, with no new writes to take their files.
+    for k in 0..16u32 {
+        assert!(log.delete(format!("k{k}").as_bytes()).unwrap());
+    }
+    churn(&log, 0..1);
+    assert!(log.stats().spare_files > 0, "{:?}", log.stats());
+    let big = Frames::from(value_for(b"big", 2 * SEG as usize));
+    log.put(b"big", &big).unwrap();
+    let s = log.stats();
+    assert_eq!(s.spare_files, 0, "{s:?}");
+    assert_eq!(s.disk_bytes, segment_bytes_on_disk(tmp.path()));
+    assert_eq!(log.get(b"big").unwrap(), Some(big));
+}

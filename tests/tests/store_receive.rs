@@ -492,3 +492,33 @@ fn a_failed_remove_during_a_transfer_does_not_drop_the_received_value() {
     assert_eq!(*s.get(b"k").unwrap().unwrap(), val(b'n', 6_000), "the failed remove did not win");
     s.check_accounting().unwrap();
 }
+
+/// `Store::receive` checks what it is told before allocating for it: an lz4 value announcing far
+/// more bytes than any compression of its stored length could give, frame lengths that do not lay
+/// out to the announced length, or an uncompressed value stored longer than it is, are each a
+/// `Protocol` error; nothing is read from the source and nothing is stored.
+#[test]
+fn a_forged_announcement_is_refused_before_anything_is_allocated() {
+    let (s, _) = open(1 << 20);
+    let lie = |lz4: bool, frame_lens: Vec<u64>, raw_len: u64, stored_len: u64| spillway::StreamedValue {
+        lz4,
+        frame_lens,
+        raw_len,
+        stored_len,
+        payload_crc: 0,
+    };
+    for meta in [
+        lie(true, vec![1 << 40], 1 << 40, 100),
+        lie(false, vec![10, 10], 20, 20),
+        lie(false, vec![100], 100, 200),
+        lie(false, vec![u64::MAX, 2], 1, 1),
+    ] {
+        let mut src: &[u8] = &[0u8; 256];
+        match s.receive(b"k", &meta, &mut src) {
+            Err(spillway::Error::Protocol(_)) => {}
+            other => panic!("{meta:?}: {other:?}"),
+        }
+        assert_eq!(src.len(), 256, "{meta:?}: read from the source");
+        assert!(!s.contains(b"k"));
+    }
+}

@@ -50,7 +50,7 @@ impl CompactionPolicy {
 
     /// The most disk bytes a log holding `live` bytes uses right after [`SegmentLog::compact`],
     /// with segments of `segment_bytes`: every closed segment at least `min_live_percent` live, plus
-    /// the active segment.
+    /// the active segment (with `LogOptions::recycle_segments`, plus up to 4 files kept for reuse).
     pub fn disk_bound(&self, live: u64, segment_bytes: u64) -> u64 {
         (live as u128 * 100 / self.min_live_percent.max(1) as u128) as u64 + segment_bytes
     }

@@ -236,11 +236,16 @@ impl<B: Backend> SegmentLog<B> {
     /// before it died, a value being sent from it): its bytes are overwritten when it is reused.
     pub(super) fn keep_as_spare(&self, st: &mut WriterState<B::File>, id: u32) -> bool {
         if !self.opts.recycle_segments
+            || st.no_rename
             || st.spare_files.len() >= MAX_SPARE_FILES
             || st.segs.get(&id).is_none_or(|m| m.size != self.opts.segment_bytes)
         {
             return false;
         }
+        if lock(&self.sent_from).remove(&id) {
+            return false;
+        }
+        let punched = st.segs.get(&id).is_some_and(|m| m.punched > 0);
         let mut files = self.files.write().unwrap_or_else(|p| p.into_inner());
         let Some(file) = files.get(&id) else { return false };
         let unsynced = st.unsynced_sealed.iter().filter(|f| Arc::ptr_eq(f, file)).count();
@@ -251,7 +256,7 @@ impl<B: Backend> SegmentLog<B> {
         drop(files);
         st.unsynced_sealed.retain(|f| !Arc::ptr_eq(f, &file));
         st.segs.remove(&id);
-        st.spare_files.push(SpareFile { id, file });
+        st.spare_files.push(SpareFile { id, file, punched });
         true
     }
 }

@@ -112,6 +112,8 @@ const WARN_PUNCH: u64 = 2;
 const WARN_COMPACT: u64 = 4;
 
 const WARN_GC: u64 = 8;
+/// A kept segment file could not be reused.
+const WARN_REUSE: u64 = 16;
 
 /// The highest sequence number a log writes: one whose records reach it opens read-only (see
 /// `recover`). Below it, a log's life cannot exhaust the counter (2^63 more writes).
@@ -159,6 +161,11 @@ pub struct SegmentLog<B: Backend = PortableBackend> {
     any_forgotten: AtomicBool,
     /// Records being sent: not punched when forgotten (see [`SendPin`]).
     sending: SendPins,
+    /// Segments some value was handed out from for sending (`stored_value`). Their files are never
+    /// reused for new segments: a `splice` into a socket leaves references to the file's pages in
+    /// the socket's queue after it returns, and writing over the file would change what the peer
+    /// still receives.
+    sent_from: Mutex<std::collections::BTreeSet<u32>>,
     /// Values streaming into segments of their own (`put_stream`), by key: each stream's sequence
     /// number, and whether a newer write of its key (a put, a delete, a forget, a stream begun
     /// later) was published meanwhile, which makes its record dead on arrival.
@@ -353,10 +360,12 @@ impl<B: Backend> SegmentLog<B> {
                 unsynced_sealed: Vec::new(),
                 spare_bufs: Vec::new(),
                 spare_files: Vec::new(),
+                no_rename: false,
             }),
             forgotten: Mutex::new(Vec::new()),
             any_forgotten: AtomicBool::new(false),
             sending: Arc::new(Mutex::new(HashMap::new())),
+            sent_from: Mutex::new(std::collections::BTreeSet::new()),
             streaming: Mutex::new(HashMap::new()),
             any_streaming: AtomicBool::new(false),
             pending: AtomicU64::new(NOTHING_PENDING),

@@ -50,7 +50,7 @@ pub struct LogOptions {
     /// the directory's lock): for a spill store, whose data dies with its process. Files in
     /// `segments/` that are not named like segments are left alone (with a warning), as recovery does.
     pub discard_existing: bool,
-    /// Reuse the files of deleted segments as new segments (up to `MAX_SPARE_SEGMENTS` kept, renamed
+    /// Reuse the files of deleted segments as new segments (up to 4 kept, renamed
     /// when reused) instead of unlinking them and creating and preallocating new ones. Overwriting
     /// blocks that were written before costs the file system nothing beyond the write, while a fresh
     /// preallocated file costs a creation, an unwritten-extent conversion on every write, and an

@@ -234,7 +234,9 @@ impl<B: Backend> SegmentLog<B> {
                     self.backend.alloc_buf((plan.end - plan.start) as usize, self.buf_align(plan.end - plan.start));
                 self.backend.read_at_async(&file, plan.start, buf)
             });
-            Ok((plan, from_memory, read, self.seg_path(plan.loc.segment)))
+            // The handle goes with the future until the read completes: a segment file something
+            // holds is never reused for another segment (`keep_as_spare`) while the read is in flight.
+            Ok((plan, from_memory, read.map(|r| (r, file)), self.seg_path(plan.loc.segment)))
         });
         let key = key.to_vec();
         let salt = self.salt;
@@ -243,10 +245,11 @@ impl<B: Backend> SegmentLog<B> {
                 return Ok(None);
             };
             let (plan, from_memory, read, path) = started?;
-            let Some(read) = read else {
+            let Some((read, file)) = read else {
                 return decode_read(from_memory.expect("a pending record"), plan.loc, &key, salt).map(Some);
             };
             let (r, buf) = read.await;
+            drop(file);
             r.map_err(|e| Error::io("read segment", path, e))?;
             plan.finish(buf.freeze(), &key, salt).map(Some)
         }
@@ -317,7 +320,12 @@ impl<B: Backend> SegmentLog<B> {
             let pin = SendPin::new(&self.sending, (loc.segment, loc.offset));
             match self.location(key) {
                 None => return Ok(None),
-                Some(l) if (l.segment, l.offset) == (loc.segment, loc.offset) => break (loc, file, pin),
+                Some(l) if (l.segment, l.offset) == (loc.segment, loc.offset) => {
+                    if self.opts.recycle_segments {
+                        lock(&self.sent_from).insert(loc.segment);
+                    }
+                    break (loc, file, pin);
+                }
                 // Rewritten (a put, or compaction moving it) meanwhile: the new record is looked up.
                 Some(_) if tries < 64 => tries += 1,
                 Some(_) => {

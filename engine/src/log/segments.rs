@@ -142,15 +142,20 @@ pub(super) struct WriterState<F> {
     /// Write buffers kept for reuse (a fresh multi-MiB buffer costs a page fault per 4 KiB).
     pub(super) spare_bufs: Vec<AlignedBuf>,
     /// Files of deleted segments kept for reuse (`LogOptions::recycle_segments`), still under their
-    /// old names, each `segment_bytes` long and open with no other handle.
+    /// old names, each `segment_bytes` long.
     pub(super) spare_files: Vec<SpareFile<F>>,
+    /// The backend cannot rename files: dead segments are unlinked, not kept.
+    pub(super) no_rename: bool,
 }
 
-/// The file of a deleted segment, kept to become a new segment.
+/// The file of a deleted segment, kept to become a new segment. Nothing reads it: it was kept only
+/// when the log's handle was the last one, and it is out of the `files` map.
 pub(super) struct SpareFile<F> {
     /// The id it had (its file is still named after it).
     pub(super) id: u32,
     pub(super) file: Arc<F>,
+    /// Holes were punched in it (forgotten large records): its blocks are reserved again on reuse.
+    pub(super) punched: bool,
 }
 
 /// Most files of deleted segments kept for reuse: segments die about as fast as new ones are needed,
@@ -223,8 +228,16 @@ impl<B: Backend> SegmentLog<B> {
         let file = match self.reuse_spare_file(st, &path, size) {
             Some(file) => file,
             None => {
+                if size != self.opts.segment_bytes {
+                    // A segment sized for one large record: kept files cannot become it.
+                    self.release_spare_files(st);
+                }
                 let file = self.backend.open(&path, true).map_err(|e| Error::io("create segment", path.clone(), e))?;
-                self.backend.allocate(&file, size).map_err(|e| cleanup(Error::io("fallocate", path.clone(), e)))?;
+                let mut reserved = self.backend.allocate(&file, size);
+                if reserved.as_ref().is_err_and(crate::error::io_no_space) && self.release_spare_files(st) {
+                    reserved = self.backend.allocate(&file, size);
+                }
+                reserved.map_err(|e| cleanup(Error::io("fallocate", path.clone(), e)))?;
                 Arc::new(file)
             }
         };
@@ -274,10 +287,13 @@ impl<B: Backend> SegmentLog<B> {
         }
         while let Some(spare) = st.spare_files.pop() {
             let old = self.seg_path(spare.id);
-            match self.backend.rename(&old, path) {
+            let reserved = if spare.punched { self.backend.allocate(&spare.file, size) } else { Ok(()) };
+            match reserved.and_then(|()| self.backend.rename(&old, path)) {
                 Ok(()) => return Some(spare.file),
                 Err(e) => {
-                    if self.warn_once(WARN_GC) {
+                    if e.kind() == io::ErrorKind::Unsupported {
+                        st.no_rename = true;
+                    } else if self.warn_once(WARN_REUSE) {
                         log::warn!(
                             "segment log {}: reusing {} failed ({e}); unlinking it",
                             self.dir.display(),
@@ -289,6 +305,17 @@ impl<B: Backend> SegmentLog<B> {
             }
         }
         None
+    }
+
+    /// Unlink every file kept for reuse, giving its disk space back: before a new file is
+    /// preallocated where the space may be short (a segment sized for one large record, a full file
+    /// system). Whether there was any.
+    pub(super) fn release_spare_files(&self, st: &mut WriterState<B::File>) -> bool {
+        let any = !st.spare_files.is_empty();
+        for spare in std::mem::take(&mut st.spare_files) {
+            let _ = self.backend.remove_file(&self.seg_path(spare.id));
+        }
+        any
     }
 
     /// Write the footer and the trailer of segment `id` (`size` bytes, records up to `data_end`):

@@ -62,21 +62,8 @@ impl<B: Backend> SegmentLog<B> {
         if key.len() > format::MAX_KEY_BYTES {
             return Err(Error::KeyTooLarge { len: key.len(), max: format::MAX_KEY_BYTES });
         }
-        let invalid = |why: &str| Error::Protocol(format!("streamed value: {why}"));
-        if meta.frame_lens.len() > format::MAX_FRAMES {
-            return Err(invalid("too many frames"));
-        }
-        let laid_out = format::frame_layout(meta.frame_lens.iter().copied()).map(|(_, n)| n);
-        if laid_out != Some(meta.raw_len) {
-            return Err(invalid("frame lengths do not lay out to raw_len"));
-        }
-        if !meta.lz4 && meta.stored_len != meta.raw_len {
-            return Err(invalid("uncompressed value with stored_len != raw_len"));
-        }
-        if meta.lz4 && !format::lz4_lengths_fit(meta.stored_len, meta.raw_len) {
-            return Err(invalid("lz4 lengths that no compression of raw_len has"));
-        }
-        let total: u64 = meta.frame_lens.iter().sum();
+        stored::check_announced(meta)?;
+        let total: u64 = meta.frame_lens.iter().sum(); // laid out within u64: checked above
         if total > self.opts.max_value_bytes || meta.stored_len > self.opts.max_value_bytes + (1 << 20) {
             return Err(Error::ValueTooLarge {
                 len: total.max(meta.stored_len),
@@ -432,7 +419,12 @@ impl<B: Backend> SegmentLog<B> {
         // makes the log read-only (see `write_failed`).
         let io_err = |op: &'static str| move |e: io::Error| self.write_failed(op, path.to_path_buf(), e);
         let written = (|| -> Result<RecordHeader> {
-            self.backend.allocate(&file, size).map_err(io_err("fallocate"))?;
+            let mut reserved = self.backend.allocate(&file, size);
+            if reserved.as_ref().is_err_and(crate::error::io_no_space) && self.release_spare_files(&mut self.writer()) {
+                // Files kept for reuse held the space this stream's own segment needs.
+                reserved = self.backend.allocate(&file, size);
+            }
+            reserved.map_err(io_err("fallocate"))?;
             let mut hb = AlignedBuf::zeroed(align, align);
             let header = format::SegmentHeader {
                 segment: id,

@@ -105,7 +105,8 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// readable meanwhile. A `put` or `remove` of the key while the bytes arrive wins: the received
     /// value is dropped. On any failure nothing is stored and the key's old value, if any, stays.
     pub fn receive(&self, key: &[u8], meta: &StreamedValue, src: &mut dyn std::io::Read) -> Result<()> {
-        let total: u64 = meta.frame_lens.iter().sum();
+        stored::check_announced(meta)?;
+        let total: u64 = meta.frame_lens.iter().sum(); // laid out within u64: checked above
         let inner = self.lock();
         if inner.mem_bytes.saturating_add(total) <= self.cfg.target_bytes {
             self.receive_serialized(inner, key, meta, src, false)
