@@ -103,18 +103,9 @@ Differences from dask's ``SpillBuffer``
 
 Serialization
 -------------
-``pickle`` protocol 5 with out-of-band buffers (``cloudpickle`` as a fallback when plain pickle
-fails and cloudpickle is installed, as dask does): frames are ``[header, *buffers]``, handed to the
-log without joining them. Reading uses ``pickle.loads(frames[0], buffers=frames[1:])``, so a numpy
-array read back is built directly on the buffer the log returned.
-
-A top-level numpy array (exactly ``numpy.ndarray``, contiguous, of a plain dtype) is pickled as a
-call to ``spillway.buffer._array_from_buffer`` with the array's buffer out of band: the same
-out-of-band buffer as numpy's own reducer gives, in half the time (which matters for small values).
-That header depends only on the dtype, shape and memory order, and a worker spills many chunks of
-one kind, so it is pickled once per kind and reused (up to 1024 kinds); reading back frames whose
-header is a known one builds the array directly instead of running the unpickler. Unpickling such
-frames elsewhere (e.g. from :meth:`SpillBuffer.get_serialized`) needs spillway to be importable.
+:mod:`spillway.codec`: ``pickle`` protocol 5 with out-of-band buffers (frames ``[header,
+*buffers]``, handed to the log without joining them), the cloudpickle fallback, and the numpy fast
+path whose header is pickled once per kind of array.
 
 Read-only buffers: ``Log.get`` returns writable memoryviews over a read buffer private to that call,
 so arrays unspilled from disk are writeable without a copy, as dask's are. Frames kept in memory
@@ -156,7 +147,6 @@ import logging
 import math
 import numbers
 import os
-import pickle
 import re
 import shutil
 import sys
@@ -168,17 +158,8 @@ from collections.abc import Hashable, ItemsView, Iterator, Mapping, MutableMappi
 from time import monotonic, perf_counter, thread_time
 from typing import Any, Literal, NamedTuple
 
+from spillway import codec
 from spillway._core import Corrupt, DiskFull, Log, SpillwayError, fetch, fetch_into, frames_crc
-
-try:
-    from dask.sizeof import sizeof as _dask_sizeof
-except ImportError:  # pragma: no cover - dask is optional
-    _dask_sizeof = None
-
-try:
-    import cloudpickle as _cloudpickle
-except ImportError:  # pragma: no cover - cloudpickle is optional
-    _cloudpickle = None
 
 __all__ = [
     "PickleError",
@@ -195,9 +176,6 @@ logger = logging.getLogger("spillway")
 MAX_SPILL_MESSAGE = "Spill file on disk reached capacity; keeping data in memory"
 DISK_ERROR_MESSAGE = "Spill to disk failed; keeping data in memory"
 PICKLE_ERROR_MESSAGE = "Failed to pickle %r"
-
-#: Weight of a value whose ``sizeof`` raised (as ``distributed.sizeof.safe_sizeof``).
-SIZEOF_FALLBACK_BYTES = 1_000_000
 
 #: Encoded keys longer than this are shortened to a prefix and a digest (log keys are bounded).
 MAX_ENCODED_KEY_BYTES = 512
@@ -389,159 +367,6 @@ class PickleError(TypeError):
         return f"Failed to pickle {self.key!r}"
 
 
-def _sizeof(value: object) -> int:
-    if _dask_sizeof is None:
-        return sys.getsizeof(value)
-    try:
-        return int(_dask_sizeof(value))
-    except Exception:
-        logger.warning(
-            "Sizeof calculation for object of type %r failed; defaulting to %d bytes",
-            type(value).__qualname__,
-            SIZEOF_FALLBACK_BYTES,
-            exc_info=True,
-        )
-        return SIZEOF_FALLBACK_BYTES
-
-
-def _dumps(value: object) -> list:
-    """``[header, *out-of-band buffers]``; each buffer a 1-D, C-contiguous byte view."""
-    if _is_plain_array(value):
-        return _dumps_array(value)
-    buffers: list = []
-    try:
-        header = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
-    except Exception:
-        if _cloudpickle is None:
-            raise
-        buffers = []
-        header = _cloudpickle.dumps(value, protocol=5, buffer_callback=buffers.append)
-    return [header, *(b.raw() for b in buffers)]
-
-
-#: Most array headers remembered (distinct dtype, shape and order); the caches restart when full.
-_ARRAY_HEADERS_MAX = 1024
-#: (dtype.str, shape, order) -> the pickle header of a plain array of that kind (its buffer is out of
-#: band, so the header depends on nothing else), and the reverse map (to (dtype, shape, order)).
-_array_headers: dict = {}
-_array_specs: dict = {}
-
-
-def _dumps_array(a: object) -> list:
-    """``_dumps`` of a plain numpy array. A worker spills many chunks of the same dtype and shape, so
-    the header is pickled once per kind and reused: the same bytes as pickling every time, in a
-    fraction of the time. Its reverse lookup lets :func:`_loads` skip the unpickler."""
-    order = "C" if a.flags.c_contiguous else "F"
-    spec = (a.dtype.str, a.shape, order)
-    header = _array_headers.get(spec)
-    if header is None:
-        buffers: list = []
-        header = pickle.dumps(_PlainArray(a), protocol=5, buffer_callback=buffers.append)
-        if len(_array_headers) >= _ARRAY_HEADERS_MAX:
-            _array_headers.clear()
-            _array_specs.clear()
-        _array_headers[spec] = header
-        _array_specs[header] = (a.dtype, a.shape, order)
-    return [header, _array_buffer(a, order).raw()]
-
-
-def _array_buffer(a: object, order: str) -> pickle.PickleBuffer:
-    """The memory of a contiguous array, without a copy."""
-    if a.dtype.kind in "mM":  # the buffer protocol refuses datetimes: export their bytes instead
-        a = a.reshape(-1, order=order).view("u1")
-    return pickle.PickleBuffer(a)
-
-
-def _is_plain_array(value: object) -> bool:
-    """A contiguous numpy.ndarray (not a subclass) of a dtype that its ``.str`` describes fully."""
-    np = sys.modules.get("numpy")
-    return (
-        np is not None
-        and type(value) is np.ndarray
-        and value.dtype.kind in "biufcmMSU"
-        and (value.flags.c_contiguous or value.flags.f_contiguous)
-    )
-
-
-def _array_from_buffer(buffer: object, dtype: str, shape: tuple, order: str) -> object:
-    import numpy
-
-    return numpy.frombuffer(buffer, dtype=dtype).reshape(shape, order=order)
-
-
-class _PlainArray:
-    """Pickles a plain numpy array as ``_array_from_buffer(<out-of-band buffer>, dtype, shape,
-    order)``: the same out-of-band buffer as numpy's own reducer gives, in half the time, which
-    matters for small values."""
-
-    __slots__ = ("array",)
-
-    def __init__(self, array: object):
-        self.array = array
-
-    def __reduce__(self) -> tuple:
-        a = self.array
-        order = "C" if a.flags.c_contiguous else "F"
-        return _array_from_buffer, (_array_buffer(a, order), a.dtype.str, a.shape, order)
-
-
-def _loads(frames: list, writeable: bool) -> object:
-    if len(frames) == 2 and len(frames[0]) < 256:
-        spec = _array_specs.get(bytes(frames[0]))
-        if spec is not None:  # a header _dumps_array made: what unpickling it would do, directly
-            buffer = frames[1]
-            if writeable and memoryview(buffer).readonly:
-                buffer = bytearray(buffer)
-            return _array_from_spec(buffer, spec)
-    buffers = frames[1:]
-    if writeable:
-        buffers = [bytearray(b) if memoryview(b).readonly else b for b in buffers]
-    return pickle.loads(frames[0], buffers=buffers)
-
-
-def _spillway_only(frames: list) -> bool:
-    """Whether unpickling ``frames`` needs spillway (a header of the numpy fast path, see
-    ``_dumps_array``): such a header is small and names ``_array_from_buffer``."""
-    header = frames[0] if frames else b""
-    return len(header) < 256 and (
-        bytes(header) in _array_specs or b"_array_from_buffer" in bytes(header)
-    )
-
-
-def _shares_writeable_memory(frames: list) -> bool:
-    """Whether ``_loads(frames, ...)`` may build an object on (and so able to mutate) the memory of
-    ``frames``: it uses writeable out-of-band buffers as they are."""
-    return any(not memoryview(b).readonly for b in frames[1:])
-
-
-def _private_copies(frames: list) -> list:
-    """``frames`` with every writeable out-of-band buffer copied: what ``_loads`` builds on them
-    shares no memory that can be mutated with ``frames``."""
-    return [frames[0], *(b if memoryview(b).readonly else bytearray(b) for b in frames[1:])]
-
-
-def _array_from_spec(buffer: object, spec: tuple) -> object:
-    dtype, shape, order = spec
-    a = sys.modules["numpy"].frombuffer(buffer, dtype=dtype)
-    return a if len(shape) == 1 else a.reshape(shape, order=order)
-
-
-def _byte_frame(frame: object) -> object:
-    """``frame`` as a buffer of bytes the log accepts: bytes and bytearray as they are, any other
-    contiguous buffer (numpy array, memoryview of any format) as a 1-D byte view of it, no copy."""
-    if isinstance(frame, (bytes, bytearray)):
-        return frame
-    view = memoryview(frame)  # TypeError if not a buffer
-    if view.format == "B" and view.ndim == 1 and view.c_contiguous:
-        return frame
-    if not view.contiguous:
-        raise ValueError("frames must be contiguous buffers")
-    return pickle.PickleBuffer(view).raw()
-
-
-def _frame_bytes(frames: list) -> int:
-    return sum(memoryview(f).nbytes for f in frames)
-
 
 # --------------------------------------------------------------------------------------------------
 # State
@@ -560,10 +385,10 @@ class PickledFrames:
         self.frames = frames
 
     def __sizeof__(self) -> int:
-        return _frame_bytes(self.frames)
+        return codec.frame_bytes(self.frames)
 
     def __repr__(self) -> str:
-        return f"<PickledFrames: {len(self.frames)} frames, {_frame_bytes(self.frames)} bytes>"
+        return f"<PickledFrames: {len(self.frames)} frames, {codec.frame_bytes(self.frames)} bytes>"
 
 
 class ReceivedRecord:
@@ -1015,7 +840,7 @@ class SpillBuffer(MutableMapping):
         if type(value) is ReceivedRecord:
             self._adopt(key, value)
             return
-        weight = _sizeof(value)
+        weight = codec.sizeof(value)
         self._insert(key, _Entry(_OBJECT, value, weight), heavy=weight > self.target)
 
     def __getitem__(self, key: Hashable) -> object:
@@ -1079,17 +904,17 @@ class SpillBuffer(MutableMapping):
                 ):  # (lz4) before anything is built on the frames, which it may change
                     crc = frames_crc(frames)
                 # The log's memoryviews are writeable already: nothing to copy.
-                obj = _loads(frames, False)
+                obj = codec.loads(frames, False)
             else:
                 t1 = perf_counter()
-                obj = _loads(frames, self.writeable)
-                weight = _sizeof(obj)
-                if weight > self.target and _shares_writeable_memory(frames):
+                obj = codec.loads(frames, self.writeable)
+                weight = codec.sizeof(obj)
+                if weight > self.target and codec.shares_writeable_memory(frames):
                     # Too heavy to keep: these frames stay (and are written to disk) while the
                     # object is handed out, and may be being written already. Built on them, a task
                     # mutating the object in place would change, or tear, the record. Build it
                     # again on copies (heavy values only; a light object replaces its frames).
-                    obj = _loads(_private_copies(frames), self.writeable)
+                    obj = codec.loads(codec.private_copies(frames), self.writeable)
             seconds = perf_counter() - t1
         except BaseException as error:
             with self._lock:
@@ -1186,10 +1011,10 @@ class SpillBuffer(MutableMapping):
         They are held in memory, weighed by their byte length, until spilled or unpickled by
         :meth:`__getitem__`; with ``serialized_in_memory=False``, or if heavier than ``target``,
         they are written to disk at once. The buffers are kept, not copied."""
-        frames = [_byte_frame(f) for f in frames]
+        frames = [codec.byte_frame(f) for f in frames]
         if not frames:
             raise ValueError("frames must hold at least the pickle header")
-        weight = _frame_bytes(frames)
+        weight = codec.frame_bytes(frames)
         heavy = weight > self.target or not self.serialized_in_memory
         self._insert(key, _Entry(_FRAMES, frames, weight), heavy=heavy)
 
@@ -1247,7 +1072,7 @@ class SpillBuffer(MutableMapping):
             # Counted as coming until the caller is done with it (it was set, or dropped).
             weakref.finalize(value, self._arrived, nbytes)
             with self._lock:
-                self._digest_io("receive-memory", _frame_bytes(frames), perf_counter() - t0)
+                self._digest_io("receive-memory", codec.frame_bytes(frames), perf_counter() - t0)
             return value
         try:
             with self._lock:  # the number and the log together, as in _put
@@ -1429,7 +1254,7 @@ class SpillBuffer(MutableMapping):
                 t0 = thread_time()
                 frames = value if tier is _FRAMES else self._pickle(key, value)
                 if tier is _OBJECT and self._note_pickle_rate(
-                    type(value), _frame_bytes(frames), thread_time() - t0
+                    type(value), codec.frame_bytes(frames), thread_time() - t0
                 ):
                     # Checking a copy of it would cost a pickle as slow as this one: evicting it
                     # will write it instead (and nothing is written ahead that may be deleted).
@@ -1653,7 +1478,7 @@ class SpillBuffer(MutableMapping):
             return copy[0], copy[1], 0.0
         if self.max_spill is False:
             return self._put(key, frames)
-        nbytes = _frame_bytes(frames)
+        nbytes = codec.frame_bytes(frames)
         with self._lock:  # reserve the space, so that concurrent spills cannot overshoot together
             if self._spilled_disk + self._reserved_disk + nbytes > self.max_spill:
                 raise DiskFull(f"spilling {nbytes} bytes would exceed max_spill={self.max_spill}")
@@ -1767,7 +1592,7 @@ class SpillBuffer(MutableMapping):
         ``frames_crc`` of the frames ``obj`` was read from (the key then keeps its record as a
         copy)."""
         if weight is None:
-            weight = _sizeof(obj)
+            weight = codec.sizeof(obj)
         memory_changed = False
         old_log_key = b""  # the record to delete once the lock is released
         try:
@@ -1873,7 +1698,7 @@ class SpillBuffer(MutableMapping):
     def _pickle(self, key: Hashable, value: object) -> list:
         t0 = perf_counter()
         try:
-            frames = _dumps(value)
+            frames = codec.dumps(value)
         except Exception as error:
             raise PickleError(key) from error
         self._digest_locked("serialize", perf_counter() - t0, "seconds")
@@ -1950,16 +1775,16 @@ class SpillBuffer(MutableMapping):
         if tier is _FRAMES:
             # The frames stay (and may be spilled later): an object built on their writeable memory
             # would let a caller's in-place change reach the stored value and its record.
-            if _shares_writeable_memory(value):
-                value = _private_copies(value)
-            return _loads(value, self.writeable)
+            if codec.shares_writeable_memory(value):
+                value = codec.private_copies(value)
+            return codec.loads(value, self.writeable)
         if value is not None:  # still alive elsewhere
             return value
         try:
             frames = self._read(key, log_key)
         except _RecordGone:
             return self._peek(key)  # moved meanwhile: from where it is now
-        return _loads(frames, False)  # the log's memoryviews are writeable
+        return codec.loads(frames, False)  # the log's memoryviews are writeable
 
 
 class _TierView(Mapping):

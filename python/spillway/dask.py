@@ -77,6 +77,7 @@ from distributed.protocol.utils import host_array_from_buffers, merge_memoryview
 from distributed.utils import offload
 
 from spillway import buffer as _buffer
+from spillway import codec
 from spillway._core import TransferServer
 from spillway.buffer import PickledFrames, SpillBuffer
 
@@ -311,13 +312,13 @@ def _serialized_values(
             continue
         except Exception:  # (logged as stock dask would: the stock handler reads it and fails)
             continue
-        if not peer_runs_spillway and _buffer._spillway_only(frames):
-            out[key] = _buffer._loads(frames, False)  # the array: dask serializes it
+        if not peer_runs_spillway and codec.spillway_only(frames):
+            out[key] = codec.loads(frames, False)  # the array: dask serializes it
             continue
         out[key] = _to_serialized(frames)
         if tiers[key] != "object":
             sent += 1
-            nbytes += _buffer._frame_bytes(frames)
+            nbytes += codec.frame_bytes(frames)
     if side_sent:
         buf._digest_locked("send-side", side_sent, "count")
         buf._digest_locked("send-side", side_bytes, "bytes")
@@ -415,7 +416,7 @@ async def get_data_from_worker(
         else:
             data[key] = PickledFrames(frames)
             kept += 1
-            nbytes += _buffer._frame_bytes(frames)
+            nbytes += codec.frame_bytes(frames)
     if kept:
         buf = me.data
         buf._digest_locked("receive-serialized", kept, "count")

@@ -9,7 +9,7 @@ from collections.abc import MutableMapping
 import pytest
 
 import spillway
-from spillway.buffer import _sizeof
+from spillway.codec import sizeof as _sizeof
 
 try:
     from dask.sizeof import sizeof
@@ -277,7 +277,7 @@ def test_sizeof_failure_weighs_one_megabyte_and_warns(make_buffer, caplog_spillw
         pytest.skip("needs dask.sizeof")
     buf = make_buffer()
     buf["x"] = NoSize()
-    assert buf.fast.total_weight == spillway.buffer.SIZEOF_FALLBACK_BYTES
+    assert buf.fast.total_weight == spillway.codec.SIZEOF_FALLBACK_BYTES
     assert any("Sizeof calculation" in r.getMessage() for r in caplog_spillway.records)
 
 

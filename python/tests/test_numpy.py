@@ -132,7 +132,7 @@ def test_arrays_round_trip(make_buffer, kind):
 
 
 def test_array_frames_are_plain_pickle_with_one_header_per_kind(make_buffer, monkeypatch):
-    from spillway import buffer as module
+    from spillway import codec as module
 
     # Start from empty caches: the first array of a kind is pickled, the next ones reuse its header.
     monkeypatch.setattr(module, "_array_headers", {})
@@ -157,7 +157,7 @@ def test_array_frames_are_plain_pickle_with_one_header_per_kind(make_buffer, mon
 
 
 def test_array_header_cache_is_bounded(make_buffer, monkeypatch):
-    from spillway import buffer as module
+    from spillway import codec as module
 
     monkeypatch.setattr(module, "_ARRAY_HEADERS_MAX", 4)
     monkeypatch.setattr(module, "_array_headers", {})
