@@ -227,7 +227,7 @@ fn a_spill_store_releases_removed_values_blocks_at_once() {
 fn eviction_goes_as_far_below_the_target_as_the_policy_says() {
     let target = 1 << 20;
     let mut lowest = Vec::new();
-    for policy in [EvictionPolicy { max_slack_bytes: 0 }, EvictionPolicy::default()] {
+    for policy in [EvictionPolicy { max_slack_bytes: 0, ..EvictionPolicy::default() }, EvictionPolicy::default()] {
         let c = StoreConfig { eviction: policy, ..cfg(target) };
         let s = Store::open(TestCodec::default(), SimBackend::new(), "/s", c).unwrap();
         let mut low = u64::MAX;

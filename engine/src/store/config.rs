@@ -32,26 +32,44 @@ pub struct StoreConfig {
 /// * Victims are taken least recently used first; an entry in use (being written, received or
 ///   materialized) or one the disk refused (`stuck`, retried when disk space frees) is passed over.
 /// * A round demotes each victim one tier: an object to serialized frames in memory (compressed with
-///   `compress_in_memory`), frames to a record on disk. Frames whose disk record is still current are
-///   dropped without a write.
+///   `compress_in_memory`), frames to a record on disk; with [`EvictionPolicy::direct_to_disk`] an
+///   object goes to disk in the same round. Frames whose disk record is still current are dropped
+///   without a write.
 /// * A value heavier than the target goes straight to disk when put, and is served from there
-///   without being promoted.
+///   without being promoted. If it cannot be written, the other values are evicted instead.
 /// * A round evicts the excess over the target plus a *slack*, so that spill writes come in batches
 ///   rather than one per put: [`EvictionPolicy::slack`].
+/// * With [`EvictionPolicy::keep_own_key`], the eviction a `put` runs never takes the value being
+///   put.
+///
+/// [`EvictionPolicy::dask`] is dask's `SpillBuffer` (zict's LRU over a pickling file store).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EvictionPolicy {
     /// The most a round evicts below the target: the slack is `min(target / 16, max_slack_bytes)`.
     /// 0 evicts exactly down to the target, as dask's own store does. Default 4 MiB.
     pub max_slack_bytes: u64,
+    /// An evicted object is serialized and written to disk in one round, never held as frames in
+    /// memory in between (dask's store has no such tier). Default false.
+    pub direct_to_disk: bool,
+    /// The eviction a `put` of a value not heavier than the target runs passes over that value, even
+    /// when everything older is in use: memory stays above the target until a later round, as in
+    /// dask (zict's LRU evicts from its head; the value just put is its tail). Default false.
+    pub keep_own_key: bool,
 }
 
 impl Default for EvictionPolicy {
     fn default() -> Self {
-        EvictionPolicy { max_slack_bytes: 4 << 20 }
+        EvictionPolicy { max_slack_bytes: 4 << 20, direct_to_disk: false, keep_own_key: false }
     }
 }
 
 impl EvictionPolicy {
+    /// dask's rules: no slack (evict exactly down to the target), objects straight to disk, and a
+    /// put never evicts the value it puts.
+    pub fn dask() -> Self {
+        EvictionPolicy { max_slack_bytes: 0, direct_to_disk: true, keep_own_key: true }
+    }
+
     /// How far below `target` a round of eviction goes.
     pub fn slack(&self, target: u64) -> u64 {
         (target / 16).min(self.max_slack_bytes)

@@ -41,6 +41,15 @@ pub(super) struct Compressed {
     pub(super) raw_len: u64,
 }
 
+/// An entry's slot: its value once materialized, and what tells one entry of a key from the next.
+pub(super) type EntrySlot<V> = Arc<Slot<V, Error>>;
+
+/// A weak handle on an evicted object ([`Codec::keep_weak`]), for the entry of `slot`.
+pub(super) struct WeakHandle<V> {
+    pub(super) slot: EntrySlot<V>,
+    pub(super) revive: Revive<V>,
+}
+
 pub(super) struct Entry<V> {
     pub(super) slot: Arc<Slot<V, Error>>,
     pub(super) tier: Tier,
@@ -63,6 +72,9 @@ pub(super) struct Entry<V> {
     pub(super) stuck: bool,
     /// Its serialize failure was logged (once per entry, as dask logs a pickle error once per key).
     pub(super) logged_serialize: bool,
+    /// Its evicted object was found alive and got back ([`Codec::keep_weak`]): the object may have
+    /// changed since it was written, so its record is no copy of it.
+    pub(super) revived: bool,
 }
 
 impl<V> Entry<V> {
@@ -79,6 +91,7 @@ impl<V> Entry<V> {
             large: false,
             stuck: false,
             logged_serialize: false,
+            revived: false,
         }
     }
 
@@ -121,6 +134,9 @@ pub(super) struct Inner<V> {
     pub(super) writing_raw: u64,
     /// Keys a `put_stream` is receiving right now (absent from `map` meanwhile).
     pub(super) streams: KeyMap<Arc<[u8]>, Stream>,
+    /// Weak handles on evicted objects ([`Codec::keep_weak`]), with the slot of the entry they
+    /// belong to.
+    pub(super) weak: KeyMap<Arc<[u8]>, WeakHandle<V>>,
 }
 
 /// A `put_stream` in progress.
@@ -272,6 +288,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
         // Listed keys that are no longer stuck (a get promoted them) leave the list here too.
         if !inner.stuck.is_empty() {
             inner.stuck.remove(key);
+        }
+        if !inner.weak.is_empty() {
+            inner.weak.remove(key);
         }
         Some(e)
     }

@@ -22,15 +22,29 @@ pub(super) struct Demotion<V> {
     pub(super) tick: u64,
 }
 
+/// An object an eviction round let go of (its entry, identified by its slot, keeps a disk copy).
+pub(super) struct Released<V> {
+    pub(super) key: Arc<[u8]>,
+    pub(super) slot: EntrySlot<V>,
+    pub(super) value: sync::Arc<V>,
+}
+
 /// What one eviction round leaves to do without the store's lock.
 pub(super) struct Plan<V> {
     pub(super) writes: Vec<Planned<V>>,
     pub(super) demotions: Vec<Demotion<V>>,
+    /// Objects the round let go of (they had a disk copy), to take weak handles on
+    /// ([`Codec::keep_weak`]) once the lock is released.
+    pub(super) released: Vec<Released<V>>,
 }
 
 impl<V> Plan<V> {
+    pub(super) fn new(writes: Vec<Planned<V>>) -> Self {
+        Plan { writes, demotions: Vec::new(), released: Vec::new() }
+    }
+
     pub(super) fn is_empty(&self) -> bool {
-        self.writes.is_empty() && self.demotions.is_empty()
+        self.writes.is_empty() && self.demotions.is_empty() && self.released.is_empty()
     }
 }
 
@@ -69,6 +83,18 @@ pub(super) struct Planned<V> {
     pub(super) weight: u64,
 }
 
+/// What became of an object planned for demotion, once serialized without the lock.
+pub(super) enum Demoted {
+    /// It failed to serialize.
+    Failed(Error),
+    /// Its frames (and lz4 block, with `compress_in_memory`), to hold in memory.
+    InMemory(Frames, Option<Compressed>),
+    /// Its frames, written in this round's batch ([`EvictionPolicy::direct_to_disk`]).
+    ToDisk(Frames),
+    /// Not written: the log refuses the value (the error), or max_spill has no room for it (`None`).
+    Refused(Option<Error>),
+}
+
 impl<C: Codec, B: Backend> Store<C, B> {
     /// Do a round's plan with the store's lock released: serialize (and compress) the objects to
     /// demote, write the planned batch. Then settle each entry under the lock again.
@@ -87,20 +113,50 @@ impl<C: Codec, B: Backend> Store<C, B> {
         protect: Option<&Arc<Slot<C::Value, Error>>>,
     ) -> (MutexGuard<'a, Inner<C::Value>>, Option<Error>) {
         drop(inner);
-        let Plan { writes: batch, demotions } = plan;
-        let serialized: Vec<Result<(Frames, Option<Compressed>)>> = demotions
+        let Plan { writes: batch, demotions, released } = plan;
+        let direct = self.cfg.eviction.direct_to_disk;
+        // Weak handles on the objects leaving memory, taken here because a codec may need a lock of
+        // its own for them (the GIL).
+        let released: Vec<_> = released
+            .into_iter()
+            .filter_map(|r| self.codec.keep_weak(&r.value).map(|revive| (r.key, WeakHandle { slot: r.slot, revive })))
+            .collect();
+        let mut weak: Vec<Option<Revive<C::Value>>> =
+            demotions.iter().map(|d| self.codec.keep_weak(&d.value)).collect();
+        let mut demoted: Vec<Demoted> = demotions
             .iter()
-            .map(|d| {
-                let frames = self.serialize(&d.key, &d.value)?;
-                let compressed = self.cfg.compress_in_memory.then(|| {
-                    let t = Instant::now();
-                    let c = compress(&frames);
-                    self.metrics.record(Activity::Compress, frames.total_len(), t);
-                    c
-                });
-                Ok((frames, compressed))
+            .map(|d| match self.serialize(&d.key, &d.value) {
+                Err(e) => Demoted::Failed(e),
+                Ok(frames) if direct => match self.log.validate(&d.key, &frames) {
+                    Ok(()) => Demoted::ToDisk(frames),
+                    Err(e) => Demoted::Refused(Some(e)),
+                },
+                Ok(frames) => {
+                    let compressed = self.cfg.compress_in_memory.then(|| {
+                        let t = Instant::now();
+                        let c = compress(&frames);
+                        self.metrics.record(Activity::Compress, frames.total_len(), t);
+                        c
+                    });
+                    Demoted::InMemory(frames, compressed)
+                }
             })
             .collect();
+        if demoted.iter().any(|d| matches!(d, Demoted::ToDisk(_))) {
+            // Objects going straight to disk are reserved against max_spill now that their size is
+            // known (the round planned them without it).
+            let mut inner = self.lock();
+            for d in &mut demoted {
+                if let Demoted::ToDisk(f) = d {
+                    let raw = f.total_len();
+                    if self.spill_allowed(&mut inner, raw) {
+                        inner.writing_raw += raw;
+                    } else {
+                        *d = Demoted::Refused(None);
+                    }
+                }
+            }
+        }
         // A compressed value is written decompressed (the log compresses on its own if configured).
         // A value the log cannot store (too large, too many frames) fails alone, before the write:
         // in the batch it would fail every other value with it.
@@ -120,26 +176,45 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 self.log.validate(&p.key, &f).map(|()| f)
             })
             .collect();
-        let items: Vec<(&[u8], &Frames)> =
-            batch.iter().zip(&data).filter_map(|(p, d)| d.as_ref().ok().map(|f| (&*p.key, f))).collect();
+        let items: Vec<(&[u8], &Frames)> = batch
+            .iter()
+            .zip(&data)
+            .filter_map(|(p, d)| d.as_ref().ok().map(|f| (&*p.key, f)))
+            .chain(demotions.iter().zip(&demoted).filter_map(|(d, r)| match r {
+                Demoted::ToDisk(f) => Some((&*d.key, f)),
+                _ => None,
+            }))
+            .collect();
         let (result, panicked) = self.write_batch(&items);
+        drop(items);
         let mut inner = self.lock();
         let mut protect_failed = None;
         // Keys this round failed to spill: marked stuck at the end, after any unsticking.
         let mut stuck: Vec<Arc<[u8]>> = Vec::new();
-        for (d, r) in demotions.into_iter().zip(serialized) {
+        let mut freed = false;
+        let mut landed = false;
+        let mut stale: Vec<Arc<[u8]>> = Vec::new();
+        for (k, w) in released {
+            if inner.map.get(&k).is_some_and(|e| Arc::ptr_eq(&e.slot, &w.slot) && e.tier == Tier::Disk) {
+                inner.weak.insert(k, w);
+            }
+        }
+        for ((d, r), weak) in demotions.into_iter().zip(demoted).zip(weak.iter_mut()) {
             inner.writing.remove(&d.key);
             inner.writing_weight -= d.weight;
             let same = inner.map.get(&d.key).is_some_and(|e| Arc::ptr_eq(&e.slot, &d.slot));
+            let unchanged = |inner: &Inner<C::Value>| {
+                same && inner.map.get(&d.key).is_some_and(|e| e.tier == Tier::Materialized && e.tick == d.tick)
+            };
             match r {
-                Err(err) if protect.is_some_and(|p| Arc::ptr_eq(p, &d.slot)) => {
+                Demoted::Failed(err) if protect.is_some_and(|p| Arc::ptr_eq(p, &d.slot)) => {
                     if same {
                         // In memory (no disk copy), so dropping it touches no log record.
                         let _ = self.drop_entry(&mut inner, &d.key);
                     }
                     protect_failed = Some(err);
                 }
-                Err(err) => {
+                Demoted::Failed(err) => {
                     if same {
                         self.metrics.spill_failures.fetch_add(1, Ordering::Relaxed);
                         let e = inner.map.get_mut(&d.key).expect("present");
@@ -149,12 +224,21 @@ impl<C: Codec, B: Backend> Store<C, B> {
                         stuck.push(d.key.clone());
                     }
                 }
-                Ok((frames, compressed)) => {
-                    let unchanged =
-                        same && inner.map.get(&d.key).is_some_and(|e| e.tier == Tier::Materialized && e.tick == d.tick);
+                Demoted::Refused(err) => {
+                    if same {
+                        if let Some(err) = err {
+                            self.spill_failed(&mut inner, &d.key, &err);
+                        }
+                        stuck.push(d.key.clone());
+                    }
+                }
+                Demoted::InMemory(frames, compressed) => {
                     // `evict` fails if a reader is inside the slot's fast path this instant: skip.
-                    if !unchanged || d.slot.evict().is_none() {
+                    if !unchanged(&inner) || d.slot.evict().is_none() {
                         continue;
+                    }
+                    if let Some(revive) = weak.take() {
+                        inner.weak.insert(d.key.clone(), WeakHandle { slot: d.slot.clone(), revive });
                     }
                     Self::modify_entry(&mut inner, &d.key, |ne| match compressed {
                         Some(c) => {
@@ -169,11 +253,41 @@ impl<C: Codec, B: Backend> Store<C, B> {
                         }
                     });
                 }
+                Demoted::ToDisk(frames) => {
+                    let raw = frames.total_len();
+                    inner.writing_raw -= raw;
+                    match (same, self.log.location(&d.key)) {
+                        (true, Some(loc)) => {
+                            landed = true;
+                            // The record is the value's disk copy; the object leaves memory unless it
+                            // was read meanwhile (then it stays, and a later eviction costs no write).
+                            let drop_object = unchanged(&inner) && d.slot.evict().is_some();
+                            if let Some(revive) = weak.take().filter(|_| drop_object) {
+                                inner.weak.insert(d.key.clone(), WeakHandle { slot: d.slot.clone(), revive });
+                            }
+                            Self::modify_entry(&mut inner, &d.key, |ne| {
+                                ne.disk_raw = raw;
+                                ne.disk_bytes = loc.len;
+                                if drop_object {
+                                    ne.tier = Tier::Disk;
+                                    ne.weight = 0;
+                                }
+                            });
+                        }
+                        (true, None) => {
+                            let err = result.clone().err().unwrap_or_else(|| vanished(&d.key));
+                            self.spill_failed(&mut inner, &d.key, &err);
+                            stuck.push(d.key.clone());
+                        }
+                        (false, Some(_)) => {
+                            stale.push(d.key.clone());
+                            freed = true;
+                        }
+                        (false, None) => freed |= result.is_ok(),
+                    }
+                }
             }
         }
-        let mut freed = false;
-        let mut landed = false;
-        let mut stale: Vec<Arc<[u8]>> = Vec::new();
         for (p, d) in batch.iter().zip(&data) {
             let raw = p.raw;
             inner.writing.remove(&p.key);
@@ -329,6 +443,8 @@ impl<C: Codec, B: Backend> Store<C, B> {
         mut inner: MutexGuard<'a, Inner<C::Value>>,
         protect: Option<&Arc<Slot<C::Value, Error>>>,
     ) -> Result<()> {
+        // The value being put is not this eviction's to take, under `keep_own_key`.
+        let spare = if self.cfg.eviction.keep_own_key { protect } else { None };
         // Bounded: with the lock released during writes, other threads keep adding; each of them
         // enforces the target for its own puts.
         for _ in 0..ENFORCE_ROUNDS {
@@ -337,7 +453,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             if excess == 0 {
                 break;
             }
-            let (freed, plan) = self.evict_round(&mut inner, excess, None)?;
+            let (freed, plan) = self.evict_round(&mut inner, excess, None, spare)?;
             if plan.is_empty() {
                 if freed == 0 {
                     break; // nothing evictable: everything left is stuck, in use or being written
@@ -355,15 +471,18 @@ impl<C: Codec, B: Backend> Store<C, B> {
 
     /// One eviction round over the LRU order (or over the single key `only`): drops values that
     /// still have their disk copy, and plans the demotion of objects and the spill writes of
-    /// serialized values, without doing them (`Store::spill` does). Returns the weight freed or
-    /// planned, and the plan (its keys already marked as being written).
+    /// serialized values, without doing them (`Store::spill` does). The entry of the slot `spare` is
+    /// passed over. Returns the weight freed or planned, and the plan (its keys already marked as
+    /// being written).
     pub(super) fn evict_round(
         &self,
         inner: &mut Inner<C::Value>,
         excess: u64,
         only: Option<&Arc<[u8]>>,
+        spare: Option<&Arc<Slot<C::Value, Error>>>,
     ) -> Result<(u64, Plan<C::Value>)> {
         let mut demotions = Vec::new();
+        let mut released = Vec::new();
         let mut freed = 0u64;
         let mut batch: Vec<(Arc<[u8]>, Source, u64, u64)> = Vec::new();
         // Walk the LRU order lazily from the oldest tick: a round usually needs one or two entries,
@@ -383,14 +502,19 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 key.clone()
             };
             let Some(e) = inner.map.get(&key) else { continue };
-            if e.stuck || e.tier == Tier::Disk || inner.writing.contains_key(&key) {
+            if e.stuck
+                || e.tier == Tier::Disk
+                || inner.writing.contains_key(&key)
+                || spare.is_some_and(|s| Arc::ptr_eq(s, &e.slot))
+            {
                 continue;
             }
             scanned += 1;
             // A value that still has its disk copy (it was read back) is dropped from memory for free.
             if e.disk_bytes > 0 {
-                if e.tier == Tier::Materialized && e.slot.evict().is_none() {
-                    continue;
+                if e.tier == Tier::Materialized {
+                    let Some(v) = e.slot.evict() else { continue };
+                    released.push(Released { key: key.clone(), slot: e.slot.clone(), value: v });
                 }
                 freed += Self::modify_entry(inner, &key, |ne| {
                     let w = ne.weight;
@@ -422,7 +546,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             batch.push((key.clone(), data, raw, e.weight));
         }
         if batch.is_empty() {
-            return Ok((freed, Plan { writes: Vec::new(), demotions }));
+            return Ok((freed, Plan { writes: Vec::new(), demotions, released }));
         }
         // max_spill: keep what does not fit in memory.
         let mut planned = Vec::with_capacity(batch.len());
@@ -440,7 +564,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         for p in &planned {
             Self::mark_writing(inner, p);
         }
-        Ok((freed, Plan { writes: planned, demotions }))
+        Ok((freed, Plan { writes: planned, demotions, released }))
     }
 
     /// Spill the least-recently-used memory-resident entry to disk (for a worker's memory monitor).
@@ -467,7 +591,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             if !live || inner.writing.contains_key(&key) {
                 break;
             }
-            let (_, plan) = self.evict_round(&mut inner, weight.max(1), Some(&key))?;
+            let (_, plan) = self.evict_round(&mut inner, weight.max(1), Some(&key), None)?;
             if !plan.is_empty() {
                 inner = self.spill(inner, plan, None).0;
             }

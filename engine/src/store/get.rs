@@ -13,8 +13,9 @@ pub(super) fn vanished(key: &[u8]) -> Error {
 pub(super) enum GetStart<V> {
     /// Answered under the lock: the ready value, or `None` for an absent key.
     Done(Option<sync::Arc<V>>),
-    /// Materialize through `slot` from `source`.
-    Read { key: Arc<[u8]>, slot: Arc<Slot<V, Error>>, source: Source },
+    /// Materialize through `slot` from `source`, or from `revive` if the evicted object is still
+    /// alive.
+    Read { key: Arc<[u8]>, slot: Arc<Slot<V, Error>>, source: Source, revive: Option<Revive<V>> },
 }
 
 /// How a `get_serialized` goes on after looking the key up.
@@ -50,13 +51,16 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// removed or replaced meanwhile, the get starts over.
     pub fn get(&self, key: &[u8]) -> Result<Option<sync::Arc<C::Value>>> {
         loop {
-            let (k, slot, source) = match self.begin_get(key)? {
+            let (k, slot, source, revive) = match self.begin_get(key)? {
                 GetStart::Done(v) => return Ok(v),
-                GetStart::Read { key, slot, source } => (key, slot, source),
+                GetStart::Read { key, slot, source, revive } => (key, slot, source, revive),
             };
-            let got = slot.get_or_materialize(|| {
+            let got = slot.get_or_install(|| {
+                if let Some(v) = self.revive(&k, &slot, revive) {
+                    return Ok(v);
+                }
                 let frames = self.fetch(&k, source)?;
-                self.deserialize(&k, frames)
+                self.deserialize(&k, frames).map(sync::Arc::new)
             });
             if let Some(v) = self.finish_get(&k, &slot, got)? {
                 return Ok(Some(v));
@@ -73,22 +77,28 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// nothing of the store changes until the read has completed.
     pub async fn get_async(&self, key: &[u8]) -> Result<Option<sync::Arc<C::Value>>> {
         loop {
-            let (k, slot, source) = match self.begin_get(key)? {
+            let (k, slot, source, revive) = match self.begin_get(key)? {
                 GetStart::Done(v) => return Ok(v),
-                GetStart::Read { key, slot, source } => (key, slot, source),
+                GetStart::Read { key, slot, source, revive } => (key, slot, source, revive),
             };
             // Read the bytes without holding anything, unless another caller has already started
-            // materializing (then its result is waited for and no read is needed).
+            // materializing (then its result is waited for and no read is needed), or the evicted
+            // object may still be alive.
             let frames = match source {
-                Source::Disk if slot.state() == crate::slot::SlotState::Idle => Some(self.fetch_disk_async(&k).await),
+                Source::Disk if revive.is_none() && slot.state() == crate::slot::SlotState::Idle => {
+                    Some(self.fetch_disk_async(&k).await)
+                }
                 _ => None,
             };
-            let got = slot.get_or_materialize(|| {
+            let got = slot.get_or_install(|| {
+                if let Some(v) = self.revive(&k, &slot, revive) {
+                    return Ok(v);
+                }
                 let frames = match frames {
                     Some(f) => f?,
                     None => self.fetch(&k, source)?,
                 };
-                self.deserialize(&k, frames)
+                self.deserialize(&k, frames).map(sync::Arc::new)
             });
             if let Some(v) = self.finish_get(&k, &slot, got)? {
                 return Ok(Some(v));
@@ -145,7 +155,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             .map(|key| match self.begin_get(key) {
                 Err(e) => Plan::Done(Err(e)),
                 Ok(GetStart::Done(v)) => Plan::Done(Ok(v)),
-                Ok(GetStart::Read { key: k, slot, source: Source::Disk })
+                Ok(GetStart::Read { key: k, slot, source: Source::Disk, revive: None })
                     if slot.state() == crate::slot::SlotState::Idle =>
                 {
                     // A key listed twice is read once.
@@ -228,7 +238,33 @@ impl<C: Codec, B: Backend> Store<C, B> {
         if e.tier != Tier::Disk {
             Self::touch(&mut inner, &k); // (disk entries are not in the LRU: no second lookup)
         }
-        Ok(GetStart::Read { key: k, slot, source })
+        let revive = if inner.weak.is_empty() {
+            None
+        } else {
+            inner.weak.get(key).filter(|w| Arc::ptr_eq(&w.slot, &slot)).map(|w| w.revive.clone())
+        };
+        Ok(GetStart::Read { key: k, slot, source, revive })
+    }
+
+    /// The evicted object of `key`, if `revive` finds it still alive; its entry is marked so that
+    /// its promotion drops the record (the object may have changed since it was written). Runs
+    /// inside the slot's materialization, before the value is published.
+    fn revive(
+        &self,
+        k: &Arc<[u8]>,
+        slot: &Arc<Slot<C::Value, Error>>,
+        revive: Option<Revive<C::Value>>,
+    ) -> Option<sync::Arc<C::Value>> {
+        let v = revive?()?;
+        let t = Instant::now();
+        let mut inner = self.lock();
+        match inner.map.get_mut(k).filter(|e| Arc::ptr_eq(&e.slot, slot)) {
+            Some(e) => e.revived = true,
+            None => return None, // removed or replaced meanwhile: not this entry's value any more
+        }
+        drop(inner);
+        self.metrics.record(Activity::MemoryRead, 0, t);
+        Some(v)
     }
 
     pub(super) fn deserialize(&self, key: &[u8], frames: Frames) -> Result<C::Value> {
@@ -252,31 +288,46 @@ impl<C: Codec, B: Backend> Store<C, B> {
         slot: &Arc<Slot<C::Value, Error>>,
         got: Result<sync::Arc<C::Value>>,
     ) -> Result<Option<sync::Arc<C::Value>>> {
+        // Weighed before the lock is taken: a codec's `size_of` may be slow, or wait (for the GIL,
+        // in Python), and must not hold up every other caller of the store meanwhile.
+        let got = got.map(|v| {
+            let weight = self.codec.size_of(&v);
+            (v, weight)
+        });
         let mut inner = self.lock();
         let current = inner.map.get(k).filter(|e| Arc::ptr_eq(&e.slot, slot));
-        let v = match got {
-            Ok(v) => v,
+        let (v, weight) = match got {
+            Ok(got) => got,
             Err(_) if current.is_none() => return Ok(None),
             Err(e) => return Err(e),
         };
         let Some(e) = current else { return Ok(Some(v)) };
+        let (tier, large, revived, disk_bytes) = (e.tier, e.large, e.revived, e.disk_bytes);
+        if revived {
+            // Settled here, whichever way the entry goes: a later get of it reads its record.
+            inner.map.get_mut(k).expect("present").revived = false;
+        }
         // Already promoted by another reader of the same materialization; or promoted and then evicted
         // again (slot idle) between our materialization and this lock: then the entry stays where it is,
         // since promoting it would leave a materialized entry without a value.
-        if e.tier == Tier::Materialized || e.slot.state() != crate::slot::SlotState::Ready {
+        if tier == Tier::Materialized || slot.state() != crate::slot::SlotState::Ready {
             return Ok(Some(v));
         }
-        let weight = self.codec.size_of(&v);
-        if e.large || weight > self.cfg.target_bytes {
+        if large || weight > self.cfg.target_bytes {
             // Served without promotion: a value heavier than the target (as bytes, or as the object
             // its bytes deserialize to) stays where it is, as a `put` of it would go to disk.
-            e.slot.evict();
+            slot.evict();
             return Ok(Some(v));
         }
+        // A value read back from disk keeps its disk copy (disk_* fields unchanged): evicting it again
+        // costs no write. A revived object is not known to match its record: the record goes (a
+        // persistent store keeps it, as the key's durable value).
+        let drop_record = revived && disk_bytes > 0 && !self.cfg.persistent && self.log.forget(k).is_ok();
         let tick = inner.next_tick;
         inner.next_tick += 1;
-        // A value read back from disk keeps its disk copy (disk_* fields unchanged): evicting it again
-        // costs no write.
+        if !inner.weak.is_empty() {
+            inner.weak.remove(k);
+        }
         Self::modify_entry(&mut inner, k, |ne| {
             ne.tier = Tier::Materialized;
             ne.frames = None;
@@ -284,7 +335,14 @@ impl<C: Codec, B: Backend> Store<C, B> {
             ne.weight = weight;
             ne.stuck = false;
             ne.tick = tick;
+            if drop_record {
+                ne.disk_raw = 0;
+                ne.disk_bytes = 0;
+            }
         });
+        if drop_record {
+            Self::unstick(&mut inner);
+        }
         self.enforce(inner, None)?;
         Ok(Some(v))
     }

@@ -97,7 +97,17 @@ pub trait Codec: Send + Sync + 'static {
     fn deserialize(&self, frames: Frames) -> std::result::Result<Self::Value, CodecError>;
     /// Memory weight of a materialized value in bytes.
     fn size_of(&self, value: &Self::Value) -> u64;
+    /// A weak handle on `value`, taken (without the store's lock) when the store evicts it: a later
+    /// get of the key that finds the value still alive elsewhere returns it without reading or
+    /// deserializing, as dask's store does with Python weak references. Default: none.
+    fn keep_weak(&self, _value: &sync::Arc<Self::Value>) -> Option<Revive<Self::Value>> {
+        None
+    }
 }
+
+/// A way back to a value the store let go of while something else may still hold it (see
+/// [`Codec::keep_weak`]): `None` once it is gone.
+pub type Revive<V> = Arc<dyn Fn() -> Option<sync::Arc<V>> + Send + Sync>;
 
 /// The three-tier store. All methods take `&self`; share it across threads with an `Arc`.
 pub struct Store<C: Codec, B: Backend = PortableBackend> {
@@ -175,6 +185,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             writing_weight: 0,
             writing_raw: 0,
             streams: KeyMap::default(),
+            weak: KeyMap::default(),
         };
         for k in log.keys() {
             let len = log.location(&k).map_or(0, |l| l.len);

@@ -42,7 +42,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
 
     /// A value heavier than the target: straight to disk, written outside the lock like any spill
     /// (meanwhile it is served from memory). If it cannot be written (max_spill, disk error) it stays
-    /// in memory, serialized, and the condition is reported.
+    /// in memory, serialized, the condition is reported, and the other values are evicted instead.
     pub(super) fn put_large<'a>(
         &'a self,
         inner: MutexGuard<'a, Inner<C::Value>>,
@@ -56,11 +56,17 @@ impl<C: Codec, B: Backend> Store<C, B> {
         let k = self.insert(&mut inner, key, e)?;
         if !self.spill_allowed(&mut inner, raw) {
             Self::set_stuck(&mut inner, &k);
-            return Ok(());
+            // It stays in memory, over the target: the others are evicted instead, as dask does.
+            return self.enforce(inner, None);
         }
-        let planned = Planned { key: k, data: Source::Frames(frames), raw, slot, weight: raw };
+        let planned = Planned { key: k.clone(), data: Source::Frames(frames), raw, slot: slot.clone(), weight: raw };
         Self::mark_writing(&mut inner, &planned);
-        drop(self.spill(inner, Plan { writes: vec![planned], demotions: Vec::new() }, None));
+        let (inner, _) = self.spill(inner, Plan::new(vec![planned]), None);
+        // It did not go to disk (a disk error): the others are evicted instead, as dask does.
+        let in_memory = inner.map.get(&k).is_some_and(|e| Arc::ptr_eq(&e.slot, &slot) && e.tier != Tier::Disk);
+        if in_memory {
+            return self.enforce(inner, None);
+        }
         Ok(())
     }
 

@@ -1,0 +1,258 @@
+//! dask's rules as a store policy ([`EvictionPolicy::dask`]): objects straight to disk, no slack, a
+//! put never evicts its own value, a value heavier than the target that cannot be written makes the
+//! others go instead; and weak handles on evicted objects ([`Codec::keep_weak`]), which give back an
+//! object that is still alive without a read.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
+
+use spillway::{Activity, Codec, CodecError, EvictionPolicy, Frames, Revive, SimBackend, Store, StoreConfig, Tier};
+use spillway_tests::store::*;
+
+fn dask_cfg(target: u64) -> StoreConfig {
+    StoreConfig { eviction: EvictionPolicy::dask(), ..cfg(target) }
+}
+
+fn open_dask(target: u64) -> Store<TestCodec, SimBackend> {
+    Store::open(TestCodec::default(), SimBackend::new(), "/s", dask_cfg(target)).unwrap()
+}
+
+#[test]
+fn objects_go_straight_to_disk_and_exactly_down_to_the_target() {
+    let s = open_dask(10_000);
+    for c in b"abcd" {
+        s.put(&[*c], val(*c, 2999)).unwrap(); // 3000 each by the codec's weight
+    }
+    // 12000 > 10000: the oldest, and only it, goes, and to disk in one step.
+    assert_eq!(s.tier(b"a"), Some(Tier::Disk));
+    for k in [b"b", b"c", b"d"] {
+        assert_eq!(s.tier(k), Some(Tier::Materialized));
+    }
+    assert_eq!(s.memory_bytes(), 9000);
+    let m = s.metrics();
+    assert_eq!(m.of(Activity::Serialize).count, 1);
+    assert_eq!(m.of(Activity::DiskWrite).count, 1);
+    assert_eq!(*s.get(b"a").unwrap().unwrap(), val(b'a', 2999));
+    s.check_accounting().unwrap();
+}
+
+#[test]
+fn an_object_lighter_as_frames_still_goes_to_disk() {
+    // A "bloated" object weighs 20 times its frames. The default policy demotes it to frames in
+    // memory, which brings memory under the target; dask's rules write it.
+    let bloated = [b"bloated".as_slice(), &[0; 293]].concat(); // 6000 as an object, 301 as frames
+    for (policy, expected) in [(EvictionPolicy::default(), Tier::Serialized), (EvictionPolicy::dask(), Tier::Disk)] {
+        let c = StoreConfig { eviction: policy, ..cfg(10_000) };
+        let s = Store::open(TestCodec::default(), SimBackend::new(), "/s", c).unwrap();
+        s.put(b"a", bloated.clone()).unwrap();
+        s.put(b"b", val(2, 4999)).unwrap();
+        assert_eq!(s.tier(b"a"), Some(expected), "{policy:?}");
+        assert_eq!(s.tier(b"b"), Some(Tier::Materialized));
+        s.check_accounting().unwrap();
+    }
+}
+
+#[test]
+fn evict_writes_an_object_to_disk_in_one_call() {
+    let s = open_dask(1 << 20);
+    s.put(b"a", val(1, 100)).unwrap();
+    assert_eq!(s.evict().unwrap(), 101);
+    assert_eq!(s.tier(b"a"), Some(Tier::Disk));
+    assert_eq!(s.memory_bytes(), 0);
+    s.check_accounting().unwrap();
+}
+
+#[test]
+fn a_put_never_evicts_the_value_it_puts() {
+    // The older value cannot be written (it fails to serialize): under dask's rules the new value
+    // stays in memory, above the target, rather than going to disk in its place.
+    let s = open_dask(1000);
+    s.put(b"old", [b"unpicklable".as_slice(), &[0; 600]].concat()).unwrap();
+    s.put(b"new", val(2, 599)).unwrap();
+    assert_eq!(s.tier(b"old"), Some(Tier::Materialized));
+    assert_eq!(s.tier(b"new"), Some(Tier::Materialized));
+    assert!(s.memory_bytes() > 1000);
+    // The default policy takes the new value instead.
+    let d = Store::open(TestCodec::default(), SimBackend::new(), "/d", cfg(1000)).unwrap();
+    d.put(b"old", [b"unpicklable".as_slice(), &[0; 600]].concat()).unwrap();
+    d.put(b"new", val(2, 599)).unwrap();
+    assert_ne!(d.tier(b"new"), Some(Tier::Materialized));
+}
+
+#[test]
+fn a_heavy_value_that_cannot_be_written_makes_the_others_go() {
+    // max_spill leaves room for the small values but not for the heavy one.
+    let c = StoreConfig { max_spill_bytes: Some(5000), ..dask_cfg(3000) };
+    let s = Store::open(TestCodec::default(), SimBackend::new(), "/s", c).unwrap();
+    s.put(b"a", val(1, 999)).unwrap();
+    s.put(b"b", val(2, 999)).unwrap();
+    s.put(b"heavy", val(3, 8000)).unwrap();
+    assert_eq!(s.tier(b"heavy"), Some(Tier::Serialized), "kept in memory: no room on disk");
+    assert_eq!(s.tier(b"a"), Some(Tier::Disk));
+    assert_eq!(s.tier(b"b"), Some(Tier::Disk));
+    assert_eq!(*s.get(b"heavy").unwrap().unwrap(), val(3, 8000));
+    s.check_accounting().unwrap();
+}
+
+/// [`TestCodec`] with weak handles on the values it is given, counting how often they are used.
+#[derive(Default)]
+struct WeakCodec {
+    inner: TestCodec,
+    revived: Arc<AtomicUsize>,
+}
+
+impl Codec for WeakCodec {
+    type Value = Vec<u8>;
+    fn serialize(&self, v: &Vec<u8>) -> Result<Frames, CodecError> {
+        self.inner.serialize(v)
+    }
+    fn deserialize(&self, f: Frames) -> Result<Vec<u8>, CodecError> {
+        self.inner.deserialize(f)
+    }
+    fn size_of(&self, v: &Vec<u8>) -> u64 {
+        self.inner.size_of(v)
+    }
+    fn keep_weak(&self, value: &Arc<Vec<u8>>) -> Option<Revive<Vec<u8>>> {
+        let weak: Weak<Vec<u8>> = Arc::downgrade(value);
+        let revived = self.revived.clone();
+        Some(Arc::new(move || {
+            let v = weak.upgrade()?;
+            revived.fetch_add(1, Ordering::SeqCst);
+            Some(v)
+        }))
+    }
+}
+
+fn open_weak(target: u64) -> Store<WeakCodec, SimBackend> {
+    Store::open(WeakCodec::default(), SimBackend::new(), "/s", dask_cfg(target)).unwrap()
+}
+
+#[test]
+fn an_evicted_object_still_held_elsewhere_comes_back_without_a_read() {
+    let s = open_weak(1 << 20);
+    s.put(b"a", val(1, 100)).unwrap();
+    let held = s.get(b"a").unwrap().unwrap();
+    s.evict().unwrap();
+    assert_eq!(s.tier(b"a"), Some(Tier::Disk));
+    let reads = s.metrics().of(Activity::DiskRead).count;
+    let got = s.get(b"a").unwrap().unwrap();
+    assert!(Arc::ptr_eq(&got, &held), "the very object, not a copy read back");
+    assert_eq!(s.metrics().of(Activity::DiskRead).count, reads, "no read");
+    assert_eq!(s.codec().inner.deserialized.load(Ordering::SeqCst), 0);
+    assert_eq!(s.codec().revived.load(Ordering::SeqCst), 1);
+    assert_eq!(s.tier(b"a"), Some(Tier::Materialized));
+    // The object may have changed since it was written: its record is no copy of it.
+    assert!(s.log().location(b"a").is_none());
+    s.check_accounting().unwrap();
+    // Evicted again, it is written again.
+    drop((got, held));
+    let writes = s.metrics().of(Activity::DiskWrite).count;
+    s.evict().unwrap();
+    assert_eq!(s.metrics().of(Activity::DiskWrite).count, writes + 1);
+}
+
+#[test]
+fn an_evicted_object_nobody_holds_is_read_back() {
+    let s = open_weak(1 << 20);
+    s.put(b"a", val(1, 100)).unwrap();
+    s.evict().unwrap();
+    assert_eq!(*s.get(b"a").unwrap().unwrap(), val(1, 100));
+    assert_eq!(s.codec().revived.load(Ordering::SeqCst), 0);
+    assert_eq!(s.codec().inner.deserialized.load(Ordering::SeqCst), 1);
+    // Read back, it keeps its record as a copy: evicting it again writes nothing.
+    let writes = s.metrics().of(Activity::DiskWrite).count;
+    s.evict().unwrap();
+    assert_eq!(s.metrics().of(Activity::DiskWrite).count, writes);
+    assert_eq!(*s.get(b"a").unwrap().unwrap(), val(1, 100));
+    s.check_accounting().unwrap();
+}
+
+#[test]
+fn a_weak_handle_does_not_outlive_its_entry() {
+    let s = open_weak(1 << 20);
+    s.put(b"a", val(1, 100)).unwrap();
+    let held = s.get(b"a").unwrap().unwrap();
+    s.evict().unwrap();
+    // Replaced while evicted: the new value is what a get returns, never the old object.
+    s.put(b"a", val(2, 100)).unwrap();
+    s.evict().unwrap();
+    let got = s.get(b"a").unwrap().unwrap();
+    assert_eq!(*got, val(2, 100));
+    assert!(!Arc::ptr_eq(&got, &held));
+    assert!(s.remove(b"a").unwrap());
+    assert!(s.get(b"a").unwrap().is_none());
+}
+
+#[test]
+fn concurrent_gets_of_an_evicted_object_share_one_revival_or_one_read() {
+    for keep in [true, false] {
+        let s = Arc::new(open_weak(1 << 20));
+        s.put(b"a", val(1, 1000)).unwrap();
+        let held = s.get(b"a").unwrap();
+        s.evict().unwrap();
+        let held = if keep {
+            held
+        } else {
+            drop(held);
+            None
+        };
+        let got: Vec<Arc<Vec<u8>>> = std::thread::scope(|sc| {
+            let hs: Vec<_> = (0..4).map(|_| sc.spawn(|| s.get(b"a").unwrap().unwrap())).collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for g in &got {
+            assert!(Arc::ptr_eq(g, &got[0]), "one object for every reader");
+        }
+        let (revived, deserialized) =
+            (s.codec().revived.load(Ordering::SeqCst), s.codec().inner.deserialized.load(Ordering::SeqCst));
+        assert_eq!(revived + deserialized, 1, "keep={keep}: revived {revived}, deserialized {deserialized}");
+        assert_eq!(revived == 1, keep);
+        drop(held);
+        s.check_accounting().unwrap();
+    }
+}
+
+/// [`TestCodec`] whose weighing of values starting with `weigh` parks at a gate while it is armed.
+#[derive(Default)]
+struct SlowWeights {
+    inner: TestCodec,
+    gate: Gate,
+}
+
+impl Codec for SlowWeights {
+    type Value = Vec<u8>;
+    fn serialize(&self, v: &Vec<u8>) -> Result<Frames, CodecError> {
+        self.inner.serialize(v)
+    }
+    fn deserialize(&self, f: Frames) -> Result<Vec<u8>, CodecError> {
+        self.inner.deserialize(f)
+    }
+    fn size_of(&self, v: &Vec<u8>) -> u64 {
+        if v.starts_with(b"weigh") {
+            self.gate.pass();
+        }
+        self.inner.size_of(v)
+    }
+}
+
+#[test]
+fn a_slow_weight_of_a_value_read_back_holds_up_no_other_caller() {
+    // In Python, `size_of` takes the GIL: under the store's lock it would stall every other thread.
+    let s = Arc::new(Store::open(SlowWeights::default(), SimBackend::new(), "/s", dask_cfg(1 << 20)).unwrap());
+    s.put(b"w", [b"weigh".as_slice(), &[0; 100]].concat()).unwrap();
+    s.put(b"other", val(1, 10)).unwrap();
+    s.evict().unwrap();
+    assert_eq!(s.tier(b"w"), Some(Tier::Disk));
+    s.codec().gate.arm();
+    let reader = {
+        let s = s.clone();
+        std::thread::spawn(move || s.get(b"w").unwrap().map(|v| v.len()))
+    };
+    assert!(s.codec().gate.wait_parked(), "the read-back value is being weighed");
+    let s2 = s.clone();
+    let other = without_waiting(move || (s2.len(), s2.get(b"other").unwrap().map(|v| v.len())));
+    assert_eq!(other, (2, Some(10)));
+    s.codec().gate.release();
+    assert_eq!(reader.join().unwrap(), Some(105));
+    assert_eq!(s.tier(b"w"), Some(Tier::Materialized));
+}
