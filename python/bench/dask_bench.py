@@ -78,7 +78,33 @@ def fmt_size(n: float) -> str:
 # Micro-benchmark
 
 
+class _RustStore:
+    """The engine's Store (``spillway._core.Store``, dask's eviction rules, ``spillway.codec``)
+    behind the few mapping calls the micro-benchmark makes: what ``SpillBuffer`` becomes as a thin
+    adapter over it."""
+
+    def __init__(self, directory: str, args):
+        self.store = spillway._core.Store(
+            directory, 0, compression=args.compression, backend=args.backend
+        )
+
+    def __setitem__(self, key, value) -> None:
+        self.store.put(spillway.encode_key(key), value)
+
+    def __getitem__(self, key):
+        return self.store.get(spillway.encode_key(key))
+
+    @property
+    def slow(self) -> list:
+        return [k for k in self.store.keys() if self.store.tier(k) == "disk"]
+
+    def close(self) -> None:
+        self.store.close()
+
+
 def make_store(kind: str, directory: str, args):
+    if kind == "store":
+        return _RustStore(directory, args)
     if kind == "dask":
         import dask
         from distributed.spill import SpillBuffer
@@ -134,7 +160,7 @@ def micro_one(kind: str, size: int, n: int, args) -> dict:
         ok = all(stamp(store[i]) == i and store[i].nbytes == size for i in {0, n // 2, n - 1})
         return {"spill_s": spill_s, "unspill_s": unspill_s, "ok": ok}
     finally:
-        if kind == "spillway":
+        if kind != "dask":
             store.close()
         shutil.rmtree(directory, ignore_errors=True)
 
@@ -185,6 +211,8 @@ def run_micro(args) -> list[dict]:
     except ImportError:
         print("distributed is not installed: spillway only, no ratios")
         kinds = ["spillway"]
+    if args.with_store:
+        kinds.append("store")
     rows = []
     for size in args.sizes:
         n = max(args.min_values, args.bytes_per_size // size)
@@ -195,7 +223,7 @@ def run_micro(args) -> list[dict]:
         micro_one(kinds[0], size, n, args)
         res: dict = {}
         for round_ in range(max(1, args.loops)):
-            order = kinds if round_ % 2 == 0 else kinds[::-1]
+            order = kinds[round_ % len(kinds) :] + kinds[: round_ % len(kinds)]
             for kind in order:
                 r = micro_one(kind, size, n, args)
                 best = res.setdefault(kind, r)
@@ -216,6 +244,8 @@ def run_micro(args) -> list[dict]:
                 row["target"] = TARGETS.get((size, op))
                 row["floor_ops"] = n / res["floor"][f"{op}_s"]
                 row["floor_ratio"] = row["floor_ops"] / row["dask_ops"]
+            if "store" in kinds:
+                row["store_vs_spillway"] = row["store_ops"] / row["spillway_ops"]
             rows.append(row)
     return rows
 
@@ -233,6 +263,9 @@ def print_micro(rows: list[dict], written_back: bool = False) -> None:
     head += f"{'spillway ops/s':>14} {'MB/s':>7}"
     if has_dask:
         head += f" {'ratio':>7} {'target':>7} {'floor':>7}"
+    has_store = "store_ops" in rows[0]
+    if has_store:
+        head += f" {'Store ops/s':>12} {'/buffer':>8}"
     print(head)
     for r in rows:
         line = f"{fmt_size(r['size']):>8} {r['n']:>7} {r['op']:>8} "
@@ -243,6 +276,8 @@ def print_micro(rows: list[dict], written_back: bool = False) -> None:
             t = r["target"]
             verdict = "" if t is None else (" ok" if r["ratio"] >= t else " MISSED")
             line += f" {r['ratio']:>6.2f}x {'-' if t is None else f'{t:g}x':>7}{verdict:<7} {r['floor_ratio']:>6.2f}x"
+        if has_store:
+            line += f" {r['store_ops']:>12,.0f} {r['store_vs_spillway']:>7.2f}x"
         print(line)
     if has_dask:
         print(
@@ -395,6 +430,11 @@ def main(argv=None) -> int:
         "are still dirty and have no disk blocks yet, which makes dask's unlink nearly free",
     )
     p.add_argument("--threads", type=int, default=1, help="threads per worker")
+    p.add_argument(
+        "--with-store",
+        action="store_true",
+        help="also the engine's Store through its binding (spillway._core.Store), as a ratio to SpillBuffer",
+    )
     p.add_argument("--loops", type=int, default=2, help="measured micro-benchmark rounds per size (best counts)")
     p.add_argument("--backend", default="auto", help="spillway backend: auto, uring, portable")
     p.add_argument("--compression", default="none", help="spillway compression: none, lz4")

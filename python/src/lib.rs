@@ -1,4 +1,5 @@
-//! `spillway._core`: the segment log for Python (`spillway.SpillBuffer` is written in Python on top).
+//! `spillway._core`: the segment log and the three-tier store for Python (`store.rs`);
+//! `spillway.SpillBuffer` is written in Python on top of the log.
 //!
 //! * `put` takes the frames of a pickle protocol 5 dump (header plus out-of-band buffers) without
 //!   joining or copying them: each frame is borrowed through the buffer protocol for the duration of
@@ -24,6 +25,7 @@ use pyo3::types::{PyBytes, PyList, PyMemoryView};
 use spillway::backend::UringOptions;
 use spillway::{AutoBackend, Backend, BackendKind, Compression, Error, Frames, LogOptions, SegmentLog};
 
+mod store;
 mod transfer;
 
 create_exception!(
@@ -112,13 +114,14 @@ fn frames_crc(py: Python<'_>, frames: &Bound<'_, PyAny>) -> PyResult<u32> {
     Ok(crc)
 }
 
-/// `frames` as a list of writable memoryviews over their buffers (no copy).
-fn frames_to_list(py: Python<'_>, frames: Frames) -> PyResult<Bound<'_, PyList>> {
+/// `frames` as a list of memoryviews over their buffers (no copy), `writable` ones only over
+/// buffers nothing else uses (a read's own).
+fn frames_to_list(py: Python<'_>, frames: Frames, writable: bool) -> PyResult<Bound<'_, PyList>> {
     let views = frames
         .0
         .into_iter()
         .map(|data| {
-            let f = Bound::new(py, Frame { data, writable: true })?;
+            let f = Bound::new(py, Frame { data, writable })?;
             PyMemoryView::from(f.as_any())
         })
         .collect::<PyResult<Vec<_>>>()?;
@@ -438,7 +441,7 @@ impl Log {
         let Some((frames, crc)) = got else {
             return Err(PyKeyError::new_err(PyBytes::new(py, key).unbind()));
         };
-        Ok((frames_to_list(py, frames)?, crc))
+        Ok((frames_to_list(py, frames, true)?, crc))
     }
 
     /// Remove `key`; True if it existed.
@@ -598,6 +601,7 @@ impl Log {
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Log>()?;
     m.add_class::<Frame>()?;
+    m.add_class::<store::Store>()?;
     m.add_function(wrap_pyfunction!(frames_crc, m)?)?;
     transfer::register(m)?;
     m.add("SpillwayError", m.py().get_type::<SpillwayError>())?;

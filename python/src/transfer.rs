@@ -201,7 +201,7 @@ fn fetch<'py>(
         py.allow_threads(|| Client::connect((address.0.as_str(), address.1), ticket, opts)?.get(key)).map_err(to_py)?;
     match got {
         Some(frames) if frames.total_len() != nbytes => Err(wrong_size(nbytes, frames.total_len())),
-        got => got.map(|frames| frames_to_list(py, frames)).transpose(),
+        got => got.map(|frames| frames_to_list(py, frames, true)).transpose(),
     }
 }
 

@@ -59,8 +59,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 if let Some(v) = self.revive(&k, &slot, revive) {
                     return Ok(v);
                 }
+                let owned = !matches!(source, Source::Frames(_));
                 let frames = self.fetch(&k, source)?;
-                self.deserialize(&k, frames).map(sync::Arc::new)
+                self.deserialize(&k, frames, owned).map(sync::Arc::new)
             });
             if let Some(v) = self.finish_get(&k, &slot, got)? {
                 return Ok(Some(v));
@@ -94,11 +95,12 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 if let Some(v) = self.revive(&k, &slot, revive) {
                     return Ok(v);
                 }
+                let owned = !matches!(source, Source::Frames(_));
                 let frames = match frames {
                     Some(f) => f?,
                     None => self.fetch(&k, source)?,
                 };
-                self.deserialize(&k, frames).map(sync::Arc::new)
+                self.deserialize(&k, frames, owned).map(sync::Arc::new)
             });
             if let Some(v) = self.finish_get(&k, &slot, got)? {
                 return Ok(Some(v));
@@ -204,7 +206,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                             Some(f) => f?,
                             None => self.fetch(&k, Source::Disk)?,
                         };
-                        self.deserialize(&k, frames)
+                        self.deserialize(&k, frames, true)
                     });
                     match self.finish_get(&k, &slot, got) {
                         Ok(Some(v)) => Ok(Some(v)),
@@ -267,14 +269,12 @@ impl<C: Codec, B: Backend> Store<C, B> {
         Some(v)
     }
 
-    pub(super) fn deserialize(&self, key: &[u8], frames: Frames) -> Result<C::Value> {
+    /// `owned`: nothing else holds `frames` (see [`Codec::deserialize_owned`]).
+    pub(super) fn deserialize(&self, key: &[u8], frames: Frames, owned: bool) -> Result<C::Value> {
         let t = Instant::now();
         let n = frames.total_len();
-        let v = self.codec.deserialize(frames).map_err(|e| Error::Codec {
-            op: "deserialize",
-            key: key_str(key),
-            source: Arc::from(e),
-        })?;
+        let r = if owned { self.codec.deserialize_owned(frames) } else { self.codec.deserialize(frames) };
+        let v = r.map_err(|e| Error::Codec { op: "deserialize", key: key_str(key), source: Arc::from(e) })?;
         self.metrics.record(Activity::Deserialize, n, t);
         Ok(v)
     }

@@ -95,6 +95,13 @@ pub trait Codec: Send + Sync + 'static {
     fn serialize(&self, value: &Self::Value) -> std::result::Result<Frames, CodecError>;
     /// Rebuild a value from frames; the frames' buffers may be kept without copying.
     fn deserialize(&self, frames: Frames) -> std::result::Result<Self::Value, CodecError>;
+    /// [`Codec::deserialize`] of frames that nothing else holds (read from disk, or decompressed, for
+    /// this call): the value may be built on their memory and change it in place, where frames held
+    /// in the store must first be copied by a codec whose values are mutable (a numpy array).
+    /// Default: `deserialize`.
+    fn deserialize_owned(&self, frames: Frames) -> std::result::Result<Self::Value, CodecError> {
+        self.deserialize(frames)
+    }
     /// Memory weight of a materialized value in bytes.
     fn size_of(&self, value: &Self::Value) -> u64;
     /// A weak handle on `value`, taken (without the store's lock) when the store evicts it: a later

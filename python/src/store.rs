@@ -1,0 +1,382 @@
+//! `spillway._core.Store`: the engine's three-tier store (`spillway::Store`) for Python, with a codec
+//! that calls Python (by default `spillway.codec`: pickle protocol 5 with out-of-band buffers and
+//! dask's `sizeof`).
+//!
+//! * Every call releases the GIL before it touches the store; the codec takes it back only inside
+//!   `dumps`, `loads`, `sizeof` and the weak references it keeps of evicted objects, none of which
+//!   the store runs under its lock. So a thread waiting for the store's lock never holds the GIL, and
+//!   readers of a key being deserialized wait in its slot without it.
+//! * Frames given by Python are held without a copy: each through a memoryview of our own, which
+//!   keeps the exporter's memory in place. One dropped by the store without the GIL is released by
+//!   pyo3 the next time a thread takes it (never under the store's lock).
+//! * Frames handed to `loads` are memoryviews over the engine's buffers: writable when they were read
+//!   from disk for that call (so an array read back is writeable without a copy), read-only when the
+//!   store keeps them (the codec copies them if values must be writeable).
+#![allow(unsafe_code)]
+
+use std::sync::{Arc, PoisonError, RwLock};
+
+use bytes::Bytes;
+use pyo3::buffer::PyBuffer;
+use pyo3::exceptions::{PyKeyError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList, PyMemoryView, PyTuple};
+use spillway::backend::UringOptions;
+use spillway::{
+    Activity, AutoBackend, Backend, BackendKind, Codec, CodecError, Compression, Error, EvictionPolicy, Frames,
+    LogOptions, Revive, StoreConfig,
+};
+
+use crate::{frames_to_list, to_py};
+
+/// The weight of a value whose `sizeof` failed in a way the codec did not handle itself (as
+/// `distributed.sizeof.safe_sizeof`).
+const SIZEOF_FALLBACK_BYTES: u64 = 1_000_000;
+
+/// A frame the store holds whose memory Python owns.
+struct PyOwned {
+    /// A memoryview of our own over the frame: while it is alive its export keeps the memory in
+    /// place (an exporter may not resize or free memory it has exported).
+    _view: Py<PyAny>,
+    ptr: *const u8,
+    len: usize,
+}
+
+// SAFETY: the bytes behind `ptr` stay valid and in place for as long as `_view` (its export) is
+// alive, whichever thread holds this; `Py<PyAny>` itself is Send and Sync, and its drop without the
+// GIL is deferred by pyo3 to a thread that holds it. The bytes are only read through `as_ref`.
+unsafe impl Send for PyOwned {}
+// SAFETY: as for Send: shared access only reads the bytes.
+unsafe impl Sync for PyOwned {}
+
+impl AsRef<[u8]> for PyOwned {
+    fn as_ref(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[]; // an exporter may hand out a null pointer for an empty buffer
+        }
+        // SAFETY: `ptr` and `len` come from a C-contiguous export of `_view`, which this struct keeps
+        // alive (see the Send impl): `len` readable bytes.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+/// Each buffer of the iterable `frames`, held without a copy when it is C-contiguous (copied
+/// otherwise).
+fn own_frames(py: Python<'_>, frames: &Bound<'_, PyAny>) -> PyResult<Frames> {
+    let mut parts = Vec::new();
+    for f in frames.try_iter()? {
+        let view = PyMemoryView::from(&f?)?;
+        let buf = PyBuffer::<u8>::get(&view)?;
+        if buf.is_c_contiguous() {
+            let (ptr, len) = (buf.buf_ptr() as *const u8, buf.len_bytes());
+            drop(buf); // our view keeps its own export of the memory
+            parts.push(Bytes::from_owner(PyOwned { _view: view.into_any().unbind(), ptr, len }));
+        } else {
+            parts.push(Bytes::from(buf.to_vec(py)?));
+        }
+    }
+    Ok(Frames(parts))
+}
+
+/// A Python exception as a codec error: kept whole, so that the caller of the store call that met it
+/// gets the same exception back (see [`to_py_err`]).
+fn codec_error(e: PyErr) -> CodecError {
+    Box::new(e)
+}
+
+/// An engine error as a Python exception: a codec's own Python exception is raised as it was
+/// (chained to the engine's message), anything else as `to_py` maps it.
+fn to_py_err(py: Python<'_>, e: Error) -> PyErr {
+    if let Error::Codec { source, .. } = &e {
+        if let Some(err) = source.downcast_ref::<PyErr>() {
+            return err.clone_ref(py);
+        }
+    }
+    to_py(e)
+}
+
+/// The codec: four Python callables.
+struct PyCodec {
+    /// `dumps(value) -> list of frames`.
+    dumps: Py<PyAny>,
+    /// `loads(frames, writeable) -> value`; with `writeable`, read-only buffers are copied first.
+    loads: Py<PyAny>,
+    /// `sizeof(value) -> int`.
+    sizeof: Py<PyAny>,
+    /// `weakref.ref`.
+    weakref: Py<PyAny>,
+    /// Values built on frames the store keeps must get writeable buffers (copies).
+    writeable: bool,
+}
+
+impl PyCodec {
+    fn load(&self, frames: Frames, writable_frames: bool) -> Result<Py<PyAny>, CodecError> {
+        Python::with_gil(|py| {
+            let list = frames_to_list(py, frames, writable_frames).map_err(codec_error)?;
+            // Frames read for this call are writable already: nothing to copy.
+            let copy = self.writeable && !writable_frames;
+            self.loads.call1(py, (list, copy)).map_err(codec_error)
+        })
+    }
+}
+
+impl Codec for PyCodec {
+    type Value = Py<PyAny>;
+
+    fn serialize(&self, value: &Py<PyAny>) -> Result<Frames, CodecError> {
+        Python::with_gil(|py| {
+            let frames = self.dumps.call1(py, (value,)).map_err(codec_error)?;
+            own_frames(py, frames.bind(py)).map_err(codec_error)
+        })
+    }
+
+    fn deserialize(&self, frames: Frames) -> Result<Py<PyAny>, CodecError> {
+        self.load(frames, false)
+    }
+
+    fn deserialize_owned(&self, frames: Frames) -> Result<Py<PyAny>, CodecError> {
+        self.load(frames, true)
+    }
+
+    fn size_of(&self, value: &Py<PyAny>) -> u64 {
+        Python::with_gil(|py| {
+            self.sizeof.call1(py, (value,)).and_then(|n| n.extract::<u64>(py)).unwrap_or(SIZEOF_FALLBACK_BYTES)
+        })
+    }
+
+    fn keep_weak(&self, value: &Arc<Py<PyAny>>) -> Option<Revive<Py<PyAny>>> {
+        Python::with_gil(|py| {
+            // A TypeError for types without weak references (int, list, ...): no handle.
+            let r = self.weakref.call1(py, (&**value,)).ok()?;
+            let revive: Revive<Py<PyAny>> = Arc::new(move || {
+                Python::with_gil(|py| {
+                    let obj = r.call0(py).ok()?;
+                    (!obj.is_none(py)).then(|| Arc::new(obj))
+                })
+            });
+            Some(revive)
+        })
+    }
+}
+
+type Inner = spillway::Store<PyCodec, AutoBackend>;
+
+/// The engine's three-tier store: objects, frames in memory, records in a segment log on disk.
+///
+/// Keys are bytes. Values are Python objects, weighed with the codec's `sizeof`; above `target`
+/// bytes of weight the least recently used are pickled and written to disk (`policy="dask"`: as
+/// dask's store does, straight to disk, exactly down to the target, never the value being put;
+/// `"batched"`: through frames in memory, a slack below the target). A get of a key held as frames
+/// or on disk deserializes it exactly once, whatever the number of threads asking; an evicted
+/// object still alive elsewhere comes back without a read. `codec` is an object with `dumps`,
+/// `loads` and `sizeof` (default `spillway.codec`). The directory's earlier contents are discarded.
+#[pyclass(frozen, module = "spillway._core")]
+pub(crate) struct Store {
+    inner: RwLock<Option<Arc<Inner>>>,
+    backend: &'static str,
+}
+
+impl Store {
+    fn inner(&self) -> PyResult<Arc<Inner>> {
+        self.inner
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+            .ok_or_else(|| PyValueError::new_err("the store is closed"))
+    }
+}
+
+fn key_error(py: Python<'_>, key: &[u8]) -> PyErr {
+    PyKeyError::new_err(PyBytes::new(py, key).unbind())
+}
+
+#[pymethods]
+impl Store {
+    #[new]
+    #[allow(clippy::too_many_arguments)] // Python keyword arguments
+    #[pyo3(signature = (directory, target, max_spill = None, *, policy = "dask", compression = "none", backend = "auto", segment_bytes = 64 << 20, writeable = true, codec = None))]
+    fn new(
+        py: Python<'_>,
+        directory: std::path::PathBuf,
+        target: u64,
+        max_spill: Option<u64>,
+        policy: &str,
+        compression: &str,
+        backend: &str,
+        segment_bytes: u64,
+        writeable: bool,
+        codec: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let eviction = match policy {
+            "dask" => EvictionPolicy::dask(),
+            "batched" => EvictionPolicy::default(),
+            other => return Err(PyValueError::new_err(format!("unknown policy '{other}' (dask or batched)"))),
+        };
+        let compression = match compression {
+            "none" => Compression::None,
+            "lz4" => Compression::Lz4,
+            other => return Err(PyValueError::new_err(format!("unknown compression '{other}' (none or lz4)"))),
+        };
+        let kind: BackendKind = backend.parse().map_err(PyValueError::new_err)?;
+        let codec = match codec {
+            Some(c) => c,
+            None => py.import("spillway.codec")?.into_any(),
+        };
+        let codec = PyCodec {
+            dumps: codec.getattr("dumps")?.unbind(),
+            loads: codec.getattr("loads")?.unbind(),
+            sizeof: codec.getattr("sizeof")?.unbind(),
+            weakref: py.import("weakref")?.getattr("ref")?.unbind(),
+            writeable,
+        };
+        let cfg = StoreConfig {
+            target_bytes: target,
+            max_spill_bytes: max_spill,
+            eviction,
+            log: LogOptions { segment_bytes, compression, ..StoreConfig::default().log },
+            ..StoreConfig::default()
+        };
+        py.allow_threads(move || {
+            // A small registered pool: a process may hold many stores.
+            let uring = UringOptions { pool_buffers: 2, ..UringOptions::default() };
+            let be = AutoBackend::with_options(kind, uring).map_err(|e| to_py(Error::io("start backend", None, e)))?;
+            let name = be.name();
+            let store = Inner::open(codec, be, &directory, cfg).map_err(to_py)?;
+            Ok(Store { inner: RwLock::new(Some(Arc::new(store))), backend: name })
+        })
+    }
+
+    /// Store the object `value` under `key` (replacing any value), then evict while above the
+    /// target. A value heavier than the target is pickled and written at once; if it cannot be
+    /// pickled, the pickling error is raised and the key is forgotten.
+    fn put(&self, py: Python<'_>, key: &[u8], value: Py<PyAny>) -> PyResult<()> {
+        let s = self.inner()?;
+        py.allow_threads(|| s.put(key, value)).map_err(|e| to_py_err(py, e))
+    }
+
+    /// Store pickled frames (`[header, *buffers]`, any objects with the buffer protocol) under
+    /// `key` without unpickling them; they are held without a copy.
+    fn put_serialized(&self, py: Python<'_>, key: &[u8], frames: &Bound<'_, PyAny>) -> PyResult<()> {
+        let s = self.inner()?;
+        let frames = own_frames(py, frames)?;
+        py.allow_threads(|| s.put_serialized(key, frames)).map_err(|e| to_py_err(py, e))
+    }
+
+    /// The object of `key` (KeyError if absent), deserialized once if it is held as frames or on
+    /// disk, and kept in memory unless heavier than the target.
+    fn get(&self, py: Python<'_>, key: &[u8]) -> PyResult<Py<PyAny>> {
+        let s = self.inner()?;
+        match py.allow_threads(|| s.get(key)) {
+            Ok(Some(v)) => Ok(v.clone_ref(py)),
+            Ok(None) => Err(key_error(py, key)),
+            Err(e) => Err(to_py_err(py, e)),
+        }
+    }
+
+    /// The pickled frames of `key` as read-only memoryviews (KeyError if absent), never
+    /// unpickling: an object is pickled, frames are returned as they are, a record is read.
+    fn get_serialized<'py>(&self, py: Python<'py>, key: &[u8]) -> PyResult<Bound<'py, PyList>> {
+        let s = self.inner()?;
+        match py.allow_threads(|| s.get_serialized(key)) {
+            Ok(Some(f)) => frames_to_list(py, f, false),
+            Ok(None) => Err(key_error(py, key)),
+            Err(e) => Err(to_py_err(py, e)),
+        }
+    }
+
+    /// Forget `key` in every tier; True if it was there.
+    fn remove(&self, py: Python<'_>, key: &[u8]) -> PyResult<bool> {
+        let s = self.inner()?;
+        py.allow_threads(|| s.remove(key)).map_err(to_py)
+    }
+
+    /// Evict the least recently used value in memory to disk, even below the target. Returns the
+    /// weight freed (0 if nothing could be).
+    fn evict(&self, py: Python<'_>) -> PyResult<u64> {
+        let s = self.inner()?;
+        py.allow_threads(|| s.evict()).map_err(|e| to_py_err(py, e))
+    }
+
+    /// `"materialized"`, `"serialized"`, `"compressed"` or `"disk"`; None if absent.
+    fn tier(&self, py: Python<'_>, key: &[u8]) -> PyResult<Option<&'static str>> {
+        let s = self.inner()?;
+        Ok(py.allow_threads(|| s.tier(key)).map(|t| t.name()))
+    }
+
+    fn __contains__(&self, py: Python<'_>, key: &[u8]) -> PyResult<bool> {
+        let s = self.inner()?;
+        Ok(py.allow_threads(|| s.contains(key)))
+    }
+
+    fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
+        let s = self.inner()?;
+        Ok(py.allow_threads(|| s.len()))
+    }
+
+    /// Every key, in no order.
+    fn keys<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        let s = self.inner()?;
+        let keys = py.allow_threads(|| s.keys());
+        Ok(keys.iter().map(|k| PyBytes::new(py, k)).collect())
+    }
+
+    /// Weight of what is in memory.
+    #[getter]
+    fn memory_bytes(&self, py: Python<'_>) -> PyResult<u64> {
+        let s = self.inner()?;
+        Ok(py.allow_threads(|| s.memory_bytes()))
+    }
+
+    /// `(serialized bytes, bytes in the log)` of what is on disk.
+    #[getter]
+    fn spilled(&self, py: Python<'_>) -> PyResult<(u64, u64)> {
+        let s = self.inner()?;
+        let m = py.allow_threads(|| s.metrics());
+        Ok((m.spilled_memory_bytes, m.spilled_disk_bytes))
+    }
+
+    /// Cumulative metrics with dask's labels: `{(activity, unit): value}` for activities
+    /// `serialize`, `deserialize`, `disk-write`, `disk-read`, `memory-read`, `compress`,
+    /// `decompress` and units `count`, `bytes` and `seconds`.
+    fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner()?;
+        let m = py.allow_threads(|| s.metrics());
+        let d = PyDict::new(py);
+        for a in Activity::ALL {
+            let st = m.of(a);
+            d.set_item(PyTuple::new(py, [a.name(), "count"])?, st.count)?;
+            d.set_item(PyTuple::new(py, [a.name(), "bytes"])?, st.bytes)?;
+            d.set_item(PyTuple::new(py, [a.name(), "seconds"])?, st.ns as f64 * 1e-9)?;
+        }
+        Ok(d)
+    }
+
+    /// The I/O backend in use (`"uring"`, `"portable"`, ...).
+    #[getter]
+    fn backend(&self) -> &'static str {
+        self.backend
+    }
+
+    /// Recompute the accounting from the entries; ValueError naming the difference (for tests).
+    fn check_accounting(&self, py: Python<'_>) -> PyResult<()> {
+        let s = self.inner()?;
+        py.allow_threads(|| s.check_accounting()).map_err(PyValueError::new_err)
+    }
+
+    /// Close the store. Idempotent; calls running on other threads finish first (the last of them
+    /// closes the log).
+    fn close(&self, py: Python<'_>) {
+        let taken = self.inner.write().unwrap_or_else(PoisonError::into_inner).take();
+        // Dropping the store drops its Python values (deferred by pyo3, without the GIL) and joins
+        // the io_uring driver: without the GIL.
+        py.allow_threads(move || drop(taken));
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __exit__(&self, py: Python<'_>, _t: PyObject, _v: PyObject, _tb: PyObject) {
+        self.close(py)
+    }
+}
