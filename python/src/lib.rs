@@ -599,6 +599,9 @@ impl Log {
 /// The segment log behind `spillway.SpillBuffer`.
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // The engine's log records reach Python's `logging`, as `spillway.<module>` loggers. (A second
+    // import in one process finds the bridge installed already.)
+    let _ = pyo3_log::try_init();
     m.add_class::<Log>()?;
     m.add_class::<Frame>()?;
     m.add_class::<store::Store>()?;

@@ -189,9 +189,9 @@ def test_mixed_operations_from_many_threads(make_buffer):
                         pass
                 elif op < 0.9:
                     # Data from a peer: held pickled until a reader unpickles it.
-                    from spillway import buffer
+                    from spillway import codec
 
-                    buf.set_serialized(key, buffer._dumps(value(key, seed * 10_000 + i)))
+                    buf.set_serialized(key, codec.dumps(value(key, seed * 10_000 + i)))
                 elif op < 0.95:
                     try:
                         frames = buf.get_serialized(key)
@@ -277,11 +277,11 @@ def test_an_object_read_again_while_its_frames_are_spilled_is_spilled_once(make_
     for spilling again: the first reader would then pickle the key's (by then empty) value into a
     second record and raise KeyError, or, after ``evict()``, every later eviction would raise
     KeyError."""
-    from spillway import buffer
+    from spillway import codec
 
     obj = list(range(100_000))
-    frames = buffer._dumps(obj)
-    light, heavy = buffer._frame_bytes(frames), buffer._sizeof(obj)
+    frames = codec.dumps(obj)
+    light, heavy = codec.frame_bytes(frames), codec.sizeof(obj)
     assert light < heavy, (light, heavy)
     buf = make_buffer(target=(light + heavy) // 2)  # the frames fit, the object does not
     log = BlockingPut(buf._log)
@@ -423,15 +423,15 @@ def test_a_light_key_set_while_the_older_keys_are_busy_is_not_spilled_by_its_own
     just set unless it is heavier than target), the new key stays in memory: spilled by its own
     set, it would, if it could not be pickled, be forgotten with a PickleError that dask raises
     only for values heavier than target."""
-    from spillway import buffer
+    from spillway import codec
 
     buf = make_buffer(target=1000)
-    buf.set_serialized("a", buffer._dumps(Counted(id(gate), b"p" * 700)))
+    buf.set_serialized("a", codec.dumps(Counted(id(gate), b"p" * 700)))
     assert buf.tier("a") == "frames" and 700 < buf.fast.total_weight < 1000
     t, out = _in_thread(lambda: buf["a"])
     assert gate.entered.wait(60)  # "a" is being unpickled
     value = bytes(400) if picklable else _Refuses(b"y" * 400)
-    weight = buffer._sizeof(value)
+    weight = codec.sizeof(value)
     assert weight < buf.target < buf.fast.total_weight + weight
     buf["c"] = value
     assert buf.tier("c") == "object" and buf["c"] is value
@@ -455,13 +455,13 @@ def test_a_key_dropped_or_read_while_being_spilled_stops_counting_as_leaving_mem
     or unpickled back into an object, meanwhile, it no longer is (the write is thrown away): were
     its weight to keep counting until the write returned, the sets made meanwhile would spill too
     little, and nothing would spill the rest afterwards."""
-    from spillway import buffer
+    from spillway import codec
 
     buf = make_buffer(target=1000)
     if how == "del":
         buf["a"] = bytes(600)
     else:
-        buf.set_serialized("a", buffer._dumps(bytes(600)))
+        buf.set_serialized("a", codec.dumps(bytes(600)))
     log = BlockingPut(buf._log)
     buf._log = log
     t, out = _in_thread(buf.evict)
@@ -574,10 +574,10 @@ def test_a_heavy_object_read_from_held_frames_does_not_share_their_memory(make_b
     import gc
 
     np = pytest.importorskip("numpy")
-    from spillway import buffer
+    from spillway import codec
 
     original = np.arange(1000, dtype="u8")
-    frames = buffer._dumps(Weighs(original.copy(), 100_000))
+    frames = codec.dumps(Weighs(original.copy(), 100_000))
     assert len(frames) == 2  # the array is out of band
     frames = [frames[0], bytearray(frames[1])]  # writeable, and the buffer's own
     buf = make_buffer(target=50_000)  # the frames fit, the object does not
@@ -607,10 +607,10 @@ def test_a_peeked_object_does_not_share_the_memory_of_frames_held_in_memory(make
     without moving them, not on the frames' writeable memory: built on it, an in-place change by
     the caller would reach the stored value, and later its record."""
     np = pytest.importorskip("numpy")
-    from spillway import buffer
+    from spillway import codec
 
     original = np.arange(1000, dtype="u8")
-    frames = buffer._dumps(original.copy())
+    frames = codec.dumps(original.copy())
     assert len(frames) == 2  # the array is out of band
     buf = make_buffer(target=1 << 20)
     buf.set_serialized("k", [frames[0], bytearray(frames[1])])  # writeable, and the buffer's own

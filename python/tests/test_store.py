@@ -253,3 +253,20 @@ def test_threads_putting_getting_and_removing_keep_values_and_accounting(make_st
         np.testing.assert_array_equal(s.get(k), v)
     assert len(s) == len(expected)
     s.check_accounting()
+
+
+def test_engine_messages_reach_python_logging_under_spillway(make_store, caplog_spillway):
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError("not today")
+
+        def __sizeof__(self):
+            return 600
+
+    s = make_store(target=1000)
+    s.put(b"u", Unpicklable())
+    s.put(b"v", b"y" * 600)
+    failed = [r for r in caplog_spillway.records if "Failed to serialize" in r.getMessage()]
+    assert len(failed) == 1, caplog_spillway.text
+    assert failed[0].name.startswith("spillway.") and failed[0].levelname == "ERROR"
+    assert "not today" in failed[0].getMessage()

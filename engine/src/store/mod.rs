@@ -9,7 +9,8 @@
 //! * **disk**: a record in the segment log, weight 0.
 //!
 //! Above `target_bytes`, least-recently-used entries are demoted object -> serialized (-> compressed)
-//! -> disk, on the calling thread, before `put` returns: a producer pays for the eviction it causes
+//! -> disk (or object -> disk in one round under [`EvictionPolicy::dask`]), on the calling thread,
+//! before `put` returns: a producer pays for the eviction it causes
 //! (dask measured that spilling asynchronously without back-pressure made workers reach their pause
 //! threshold sooner). Only values the disk refuses (`max_spill` reached, a full or failed disk, a
 //! serialize failure) stay above the target; they are retried when this store frees disk space
