@@ -25,6 +25,7 @@ use pyo3::types::{PyBytes, PyList, PyMemoryView};
 use spillway::backend::UringOptions;
 use spillway::{AutoBackend, Backend, BackendKind, Compression, Error, Frames, LogOptions, SegmentLog};
 
+mod logging;
 mod store;
 mod transfer;
 
@@ -317,6 +318,17 @@ impl Drop for Held {
     }
 }
 
+impl Drop for Log {
+    /// A log collected without `close`: dropped here without the GIL (that writes its pending values
+    /// and joins the io_uring driver, whose thread may need the GIL meanwhile, to log).
+    fn drop(&mut self) {
+        let taken = self.inner.get_mut().unwrap_or_else(PoisonError::into_inner).take();
+        if let Some(last) = taken.and_then(Arc::into_inner) {
+            Python::with_gil(|py| py.allow_threads(move || drop(last)));
+        }
+    }
+}
+
 impl Log {
     fn inner(&self) -> PyResult<Held> {
         let inner = self
@@ -599,9 +611,9 @@ impl Log {
 /// The segment log behind `spillway.SpillBuffer`.
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    // The engine's log records reach Python's `logging`, as `spillway.<module>` loggers. (A second
-    // import in one process finds the bridge installed already.)
-    let _ = pyo3_log::try_init();
+    // The engine's log records reach Python's `logging`, as `spillway.<module>` loggers.
+    logging::install();
+    m.add_function(wrap_pyfunction!(logging::flush_logs, m)?)?;
     m.add_class::<Log>()?;
     m.add_class::<Frame>()?;
     m.add_class::<store::Store>()?;

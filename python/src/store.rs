@@ -44,7 +44,10 @@ struct PyOwned {
 
 // SAFETY: the bytes behind `ptr` stay valid and in place for as long as `_view` (its export) is
 // alive, whichever thread holds this; `Py<PyAny>` itself is Send and Sync, and its drop without the
-// GIL is deferred by pyo3 to a thread that holds it. The bytes are only read through `as_ref`.
+// GIL is deferred by pyo3 to a thread that holds it. The bytes are only read through `as_ref`, and
+// the store's contract (dask's rule for task data) is that a value is not changed in place while
+// the store holds it: Python writing these bytes meanwhile breaks that contract, as it would
+// tear a write to disk in any store that does not copy.
 unsafe impl Send for PyOwned {}
 // SAFETY: as for Send: shared access only reads the bytes.
 unsafe impl Sync for PyOwned {}
@@ -65,7 +68,11 @@ impl AsRef<[u8]> for PyOwned {
 fn own_frames(py: Python<'_>, frames: &Bound<'_, PyAny>) -> PyResult<Frames> {
     let mut parts = Vec::new();
     for f in frames.try_iter()? {
-        let view = PyMemoryView::from(&f?)?;
+        let mut view = PyMemoryView::from(&f?)?;
+        if view.getattr("format")?.extract::<String>()? != "B" {
+            // A buffer of other items (a numpy array, say): its bytes, as a view of the same memory.
+            view = view.call_method1("cast", ("B",))?.downcast_into::<PyMemoryView>()?;
+        }
         let buf = PyBuffer::<u8>::get(&view)?;
         if buf.is_c_contiguous() {
             let (ptr, len) = (buf.buf_ptr() as *const u8, buf.len_bytes());
@@ -176,13 +183,42 @@ pub(crate) struct Store {
     backend: &'static str,
 }
 
+/// A call's hold on the store. The last hold (after `close`) drops the store without the GIL:
+/// that writes the pending values and joins the io_uring driver, whose thread may itself need the
+/// GIL meanwhile (to log).
+struct Held(Option<Arc<Inner>>);
+
+impl std::ops::Deref for Held {
+    type Target = Inner;
+    fn deref(&self) -> &Inner {
+        self.0.as_ref().expect("held until dropped")
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        drop_without_gil(self.0.take());
+    }
+}
+
+/// Drop `store` if this is its last reference, with the GIL released.
+fn drop_without_gil(store: Option<Arc<Inner>>) {
+    if let Some(last) = store.and_then(Arc::into_inner) {
+        Python::with_gil(|py| py.allow_threads(move || drop(last)));
+    }
+}
+
 impl Store {
-    fn inner(&self) -> PyResult<Arc<Inner>> {
-        self.inner
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
-            .ok_or_else(|| PyValueError::new_err("the store is closed"))
+    fn inner(&self) -> PyResult<Held> {
+        let s = self.inner.read().unwrap_or_else(PoisonError::into_inner).clone();
+        s.map(|s| Held(Some(s))).ok_or_else(|| PyValueError::new_err("the store is closed"))
+    }
+}
+
+impl Drop for Store {
+    /// A store collected without `close`: closed here, without the GIL.
+    fn drop(&mut self) {
+        drop_without_gil(self.inner.get_mut().unwrap_or_else(PoisonError::into_inner).take());
     }
 }
 
@@ -368,7 +404,8 @@ impl Store {
     fn close(&self, py: Python<'_>) {
         let taken = self.inner.write().unwrap_or_else(PoisonError::into_inner).take();
         // Dropping the store drops its Python values (deferred by pyo3, without the GIL) and joins
-        // the io_uring driver: without the GIL.
+        // the io_uring driver: without the GIL. Calls running on other threads hold the store until
+        // they return; the last of them drops it.
         py.allow_threads(move || drop(taken));
     }
 

@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from spillway import codec
-from spillway._core import Store
+from spillway._core import Store, _flush_logs
 
 np = pytest.importorskip("numpy")
 
@@ -266,7 +266,22 @@ def test_engine_messages_reach_python_logging_under_spillway(make_store, caplog_
     s = make_store(target=1000)
     s.put(b"u", Unpicklable())
     s.put(b"v", b"y" * 600)
+    # Emitted by a thread of their own (the engine logs under its lock, where no Python may run).
+    assert _flush_logs()
     failed = [r for r in caplog_spillway.records if "Failed to serialize" in r.getMessage()]
     assert len(failed) == 1, caplog_spillway.text
     assert failed[0].name.startswith("spillway.") and failed[0].levelname == "ERROR"
     assert "not today" in failed[0].getMessage()
+
+
+def test_a_store_collected_without_close_lets_go_of_its_directory(tmp_path):
+    import gc
+
+    s = Store(str(tmp_path / "s"), 1000)
+    s.put(b"a", b"x" * 2000)
+    del s
+    gc.collect()
+    # Closed when collected (without the GIL): its directory can be opened again at once.
+    s = Store(str(tmp_path / "s"), 1000)
+    assert len(s) == 0, "a spill store starts empty"
+    s.close()

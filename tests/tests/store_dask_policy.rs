@@ -256,3 +256,36 @@ fn a_slow_weight_of_a_value_read_back_holds_up_no_other_caller() {
     assert_eq!(reader.join().unwrap(), Some(105));
     assert_eq!(s.tier(b"w"), Some(Tier::Materialized));
 }
+
+/// [`TestCodec`] whose weak handles panic.
+#[derive(Default)]
+struct PanickyWeak(TestCodec);
+
+impl Codec for PanickyWeak {
+    type Value = Vec<u8>;
+    fn serialize(&self, v: &Vec<u8>) -> Result<Frames, CodecError> {
+        self.0.serialize(v)
+    }
+    fn deserialize(&self, f: Frames) -> Result<Vec<u8>, CodecError> {
+        self.0.deserialize(f)
+    }
+    fn size_of(&self, v: &Vec<u8>) -> u64 {
+        self.0.size_of(v)
+    }
+    fn keep_weak(&self, _value: &Arc<Vec<u8>>) -> Option<Revive<Vec<u8>>> {
+        panic!("the test codec's weak handles panic");
+    }
+}
+
+#[test]
+fn a_panicking_weak_handle_leaves_no_key_marked_as_being_written() {
+    let s = Arc::new(Store::open(PanickyWeak::default(), SimBackend::new(), "/s", dask_cfg(1000)).unwrap());
+    s.put(b"a", val(1, 600)).unwrap();
+    s.put(b"b", val(2, 600)).unwrap(); // evicts "a"; its weak handle panics
+    assert_eq!(s.tier(b"a"), Some(Tier::Disk));
+    // A direct write of "a" waits for any write of it in flight: there must be none left.
+    let s2 = s.clone();
+    without_waiting(move || s2.put(b"a", val(3, 5000)).unwrap());
+    assert_eq!(*s.get(b"a").unwrap().unwrap(), val(3, 5000));
+    s.check_accounting().unwrap();
+}

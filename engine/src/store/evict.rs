@@ -119,10 +119,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
         // its own for them (the GIL).
         let released: Vec<_> = released
             .into_iter()
-            .filter_map(|r| self.codec.keep_weak(&r.value).map(|revive| (r.key, WeakHandle { slot: r.slot, revive })))
+            .filter_map(|r| self.keep_weak(&r.value).map(|revive| (r.key, WeakHandle { slot: r.slot, revive })))
             .collect();
-        let mut weak: Vec<Option<Revive<C::Value>>> =
-            demotions.iter().map(|d| self.codec.keep_weak(&d.value)).collect();
+        let mut weak: Vec<Option<Revive<C::Value>>> = demotions.iter().map(|d| self.keep_weak(&d.value)).collect();
         let mut demoted: Vec<Demoted> = demotions
             .iter()
             .map(|d| match self.serialize(&d.key, &d.value) {
@@ -405,6 +404,12 @@ impl<C: Codec, B: Backend> Store<C, B> {
         if log_due(&mut inner.logged_disk) {
             log::error!("Spill to disk failed; keeping data in memory ({:?}: {err})", key_str(key));
         }
+    }
+
+    /// The codec's weak handle on `v`; none if the codec panics (as in `serialize`, unwinding here
+    /// would leave the round's keys marked as being written).
+    pub(super) fn keep_weak(&self, v: &sync::Arc<C::Value>) -> Option<Revive<C::Value>> {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.codec.keep_weak(v))).unwrap_or(None)
     }
 
     pub(super) fn serialize(&self, key: &[u8], v: &C::Value) -> Result<Frames> {

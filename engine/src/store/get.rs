@@ -453,9 +453,13 @@ impl<C: Codec, B: Backend> Store<C, B> {
     ) -> Result<Option<Frames>> {
         let mut inner = self.lock();
         let current = inner.map.get(k).is_some_and(|e| Arc::ptr_eq(&e.slot, slot));
+        // Still on disk, the entry is what was read: a failed read is its failure. Otherwise it was
+        // removed, replaced, or brought back into memory (a revived object drops its record)
+        // meanwhile, and the caller starts over.
+        let on_disk = current && inner.map.get(k).is_some_and(|e| e.tier == Tier::Disk);
         let frames = match got {
             Ok(f) => f,
-            Err(_) if !current => return Ok(None),
+            Err(_) if !on_disk => return Ok(None),
             Err(e) => return Err(e),
         };
         if !large && current && inner.map.get(k).is_some_and(|e| e.tier == Tier::Disk) {
