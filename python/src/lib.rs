@@ -73,6 +73,32 @@ fn to_py(e: Error) -> PyErr {
     }
 }
 
+/// The simulated disk's fault for `_inject_fault` (of `Log` and `Store`): `op` "read", "write",
+/// "sync", "allocate", "create", "open", "remove" or "any"; `kind` "eio", "enospc", "torn-write" or
+/// "torn-enospc".
+fn fault(op: &str, after: u64, kind: &str, sticky: bool) -> PyResult<spillway::backend::Fault> {
+    use spillway::backend::{Fault, FaultKind, FaultOp};
+    let op = match op {
+        "read" => FaultOp::Read,
+        "write" => FaultOp::Write,
+        "sync" => FaultOp::Sync,
+        "allocate" => FaultOp::Allocate,
+        "create" => FaultOp::Create,
+        "open" => FaultOp::Open,
+        "remove" => FaultOp::Remove,
+        "any" => FaultOp::Any,
+        other => return Err(PyValueError::new_err(format!("unknown operation '{other}'"))),
+    };
+    let kind = match kind {
+        "eio" => FaultKind::Eio,
+        "enospc" => FaultKind::Enospc,
+        "torn-write" => FaultKind::TornWrite,
+        "torn-enospc" => FaultKind::TornEnospc,
+        other => return Err(PyValueError::new_err(format!("unknown fault '{other}'"))),
+    };
+    Ok(Fault { op, after, kind, sticky })
+}
+
 /// A Python buffer held for the length of one `put`: the frame's bytes, borrowed without a copy.
 struct Borrowed(PyBuffer<u8>);
 
@@ -537,28 +563,10 @@ impl Log {
     /// `_clear_faults`. ValueError on any other backend.
     #[pyo3(signature = (op, after, kind, sticky = false))]
     fn _inject_fault(&self, op: &str, after: u64, kind: &str, sticky: bool) -> PyResult<()> {
-        use spillway::backend::{Fault, FaultKind, FaultOp};
-        let op = match op {
-            "read" => FaultOp::Read,
-            "write" => FaultOp::Write,
-            "sync" => FaultOp::Sync,
-            "allocate" => FaultOp::Allocate,
-            "create" => FaultOp::Create,
-            "open" => FaultOp::Open,
-            "remove" => FaultOp::Remove,
-            "any" => FaultOp::Any,
-            other => return Err(PyValueError::new_err(format!("unknown operation '{other}'"))),
-        };
-        let kind = match kind {
-            "eio" => FaultKind::Eio,
-            "enospc" => FaultKind::Enospc,
-            "torn-write" => FaultKind::TornWrite,
-            "torn-enospc" => FaultKind::TornEnospc,
-            other => return Err(PyValueError::new_err(format!("unknown fault '{other}'"))),
-        };
+        let fault = fault(op, after, kind, sticky)?;
         let inner = self.inner()?;
         let sim = inner.log.backend().as_sim().ok_or_else(|| PyValueError::new_err("faults need backend='sim'"))?;
-        sim.inject(Fault { op, after, kind, sticky });
+        sim.inject(fault);
         Ok(())
     }
 

@@ -333,6 +333,44 @@ impl Store {
         py.allow_threads(|| s.evict()).map_err(|e| to_py_err(py, e))
     }
 
+    /// The object of `key` without changing its tier, its place in the LRU order or the metrics
+    /// (KeyError if absent): for inspection. A value held as frames or on disk is deserialized for
+    /// this call alone.
+    fn peek(&self, py: Python<'_>, key: &[u8]) -> PyResult<Py<PyAny>> {
+        let s = self.inner()?;
+        match py.allow_threads(|| s.peek(key)) {
+            Ok(Some(v)) => Ok(v.clone_ref(py)),
+            Ok(None) => Err(key_error(py, key)),
+            Err(e) => Err(to_py_err(py, e)),
+        }
+    }
+
+    /// Evict least recently used values, whatever the target, until `nbytes` of weight have left
+    /// memory or nothing more can (for process memory above its limit). Returns the weight evicted.
+    fn evict_bytes(&self, py: Python<'_>, nbytes: u64) -> PyResult<u64> {
+        let s = self.inner()?;
+        py.allow_threads(|| s.evict_bytes(nbytes)).map_err(|e| to_py_err(py, e))
+    }
+
+    /// For tests, on a store opened with `backend="sim"`: script a fault of the simulated disk, as
+    /// `Log._inject_fault` does.
+    #[pyo3(signature = (op, after, kind, sticky = false))]
+    fn _inject_fault(&self, op: &str, after: u64, kind: &str, sticky: bool) -> PyResult<()> {
+        let fault = crate::fault(op, after, kind, sticky)?;
+        let s = self.inner()?;
+        let sim = s.log().backend().as_sim().ok_or_else(|| PyValueError::new_err("faults need backend='sim'"))?;
+        sim.inject(fault);
+        Ok(())
+    }
+
+    /// For tests: remove the faults `_inject_fault` scripted.
+    fn _clear_faults(&self) -> PyResult<()> {
+        let s = self.inner()?;
+        let sim = s.log().backend().as_sim().ok_or_else(|| PyValueError::new_err("faults need backend='sim'"))?;
+        sim.clear_faults();
+        Ok(())
+    }
+
     /// `"materialized"`, `"serialized"`, `"compressed"` or `"disk"`; None if absent.
     fn tier(&self, py: Python<'_>, key: &[u8]) -> PyResult<Option<&'static str>> {
         let s = self.inner()?;

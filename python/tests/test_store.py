@@ -285,3 +285,32 @@ def test_a_store_collected_without_close_lets_go_of_its_directory(tmp_path):
     s = Store(str(tmp_path / "s"), 1000)
     assert len(s) == 0, "a spill store starts empty"
     s.close()
+
+
+def test_a_disk_error_keeps_values_in_memory_and_is_logged(make_store, caplog_spillway):
+    s = make_store(target=3000, backend="sim")
+    s._inject_fault("write", 0, "eio", sticky=True)
+    values = {b"k%d" % i: np.full(100, i, dtype="f8") for i in range(6)}
+    for k, v in values.items():
+        s.put(k, v)  # never raises: the spill fails, the values stay
+    assert all(s.tier(k) == "materialized" for k in values)
+    for k, v in values.items():
+        np.testing.assert_array_equal(s.get(k), v)
+    assert _flush_logs()
+    failed = [r for r in caplog_spillway.records if "Spill to disk failed" in r.getMessage()]
+    assert len(failed) == 1, "reported, at most once per 10 s"
+    assert failed[0].levelname == "ERROR"
+    s.check_accounting()
+
+
+def test_peek_and_evict_bytes(make_store):
+    s = make_store(target=1 << 20)
+    for i in range(5):
+        s.put(b"k%d" % i, bytes([i]) * 1000)
+    w = s.memory_bytes // 5
+    assert s.evict_bytes(2 * w + 1) == 3 * w  # LRU first, until that much has left
+    assert [s.tier(b"k%d" % i) for i in range(5)] == ["disk"] * 3 + ["materialized"] * 2
+    assert s.peek(b"k0") == bytes([0]) * 1000
+    assert s.tier(b"k0") == "disk", "a peek brings nothing back"
+    with pytest.raises(KeyError):
+        s.peek(b"nope")

@@ -289,3 +289,55 @@ fn a_panicking_weak_handle_leaves_no_key_marked_as_being_written() {
     assert_eq!(*s.get(b"a").unwrap().unwrap(), val(3, 5000));
     s.check_accounting().unwrap();
 }
+
+#[test]
+fn frames_read_for_a_peer_stay_on_disk_under_dasks_rules() {
+    for (policy, expected) in [(EvictionPolicy::dask(), Tier::Disk), (EvictionPolicy::default(), Tier::Serialized)] {
+        let c = StoreConfig { eviction: policy, ..cfg(1 << 20) };
+        let s = Store::open(TestCodec::default(), SimBackend::new(), "/s", c).unwrap();
+        s.put(b"a", val(1, 100)).unwrap();
+        s.evict().unwrap();
+        s.evict().unwrap(); // (the default policy demotes to frames, then writes)
+        assert_eq!(s.tier(b"a"), Some(Tier::Disk));
+        assert_eq!(s.get_serialized(b"a").unwrap().unwrap(), ser(&val(1, 100)));
+        assert_eq!(s.tier(b"a"), Some(expected), "{policy:?}");
+        s.check_accounting().unwrap();
+    }
+}
+
+#[test]
+fn peek_changes_no_tier_and_no_lru_position() {
+    let s = open_dask(1 << 20);
+    s.put(b"a", val(1, 100)).unwrap();
+    s.put(b"b", val(2, 100)).unwrap();
+    s.put(b"c", val(3, 100)).unwrap();
+    s.evict().unwrap(); // "a" to disk
+    let reads = s.metrics().of(Activity::DiskRead).count;
+    assert_eq!(*s.peek(b"a").unwrap().unwrap(), val(1, 100));
+    assert_eq!(s.tier(b"a"), Some(Tier::Disk), "not promoted");
+    assert_eq!(s.metrics().of(Activity::DiskRead).count, reads + 1);
+    // Peeking "b" (the oldest in memory) does not make it recent: it is the next to go.
+    assert_eq!(*s.peek(b"b").unwrap().unwrap(), val(2, 100));
+    s.evict().unwrap();
+    assert_eq!(s.tier(b"b"), Some(Tier::Disk));
+    assert_eq!(s.tier(b"c"), Some(Tier::Materialized));
+    assert!(s.peek(b"nope").unwrap().is_none());
+    s.check_accounting().unwrap();
+}
+
+#[test]
+fn evict_bytes_evicts_below_the_target_until_that_much_has_left() {
+    let s = open_dask(1 << 20);
+    for c in b"abcde" {
+        s.put(&[*c], val(*c, 1000)).unwrap(); // 1001 each
+    }
+    assert_eq!(s.evict_bytes(2500).unwrap(), 3003);
+    assert_eq!([b"a", b"b", b"c"].map(|k| s.tier(k)), [Some(Tier::Disk); 3]);
+    assert_eq!([b"d", b"e"].map(|k| s.tier(k)), [Some(Tier::Materialized); 2]);
+    assert_eq!(s.memory_bytes(), 2002);
+    // More than there is: everything goes, and what left is what was there.
+    assert_eq!(s.evict_bytes(1 << 30).unwrap(), 2002);
+    assert_eq!(s.memory_bytes(), 0);
+    assert_eq!(s.evict_bytes(1).unwrap(), 0);
+    s.check_accounting().unwrap();
+}

@@ -41,6 +41,8 @@ pub struct StoreConfig {
 ///   rather than one per put: [`EvictionPolicy::slack`].
 /// * With [`EvictionPolicy::keep_own_key`], the eviction a `put` runs never takes the value being
 ///   put.
+/// * With [`EvictionPolicy::serialized_reads_promote`], `get_serialized` of a value on disk brings its
+///   frames back into memory.
 ///
 /// [`EvictionPolicy::dask`] is dask's `SpillBuffer` (zict's LRU over a pickling file store).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,19 +57,28 @@ pub struct EvictionPolicy {
     /// when everything older is in use: memory stays above the target until a later round, as in
     /// dask (zict's LRU evicts from its head; the value just put is its tail). Default false.
     pub keep_own_key: bool,
+    /// `get_serialized` of a value on disk brings its frames back into memory (unless it is heavier
+    /// than the target), so that forwarding it again costs no read. dask's store leaves it on disk.
+    /// Default true.
+    pub serialized_reads_promote: bool,
 }
 
 impl Default for EvictionPolicy {
     fn default() -> Self {
-        EvictionPolicy { max_slack_bytes: 4 << 20, direct_to_disk: false, keep_own_key: false }
+        EvictionPolicy {
+            max_slack_bytes: 4 << 20,
+            direct_to_disk: false,
+            keep_own_key: false,
+            serialized_reads_promote: true,
+        }
     }
 }
 
 impl EvictionPolicy {
-    /// dask's rules: no slack (evict exactly down to the target), objects straight to disk, and a
-    /// put never evicts the value it puts.
+    /// dask's rules: no slack (evict exactly down to the target), objects straight to disk, a put
+    /// never evicts the value it puts, and reading a value's frames leaves it where it is.
     pub fn dask() -> Self {
-        EvictionPolicy { max_slack_bytes: 0, direct_to_disk: true, keep_own_key: true }
+        EvictionPolicy { max_slack_bytes: 0, direct_to_disk: true, keep_own_key: true, serialized_reads_promote: false }
     }
 
     /// How far below `target` a round of eviction goes.

@@ -572,6 +572,37 @@ impl<C: Codec, B: Backend> Store<C, B> {
         Ok((freed, Plan { writes: planned, demotions, released }))
     }
 
+    /// Evict least-recently-used values, whatever the target, until `bytes` of memory weight have
+    /// been planned out (or nothing more can go): for a process whose memory is above its own limit
+    /// while the store is under its target (dask's memory monitor evicts until the process is back
+    /// under it). Returns the weight evicted; a value whose spill fails stays in memory, reported
+    /// as any failed spill, and is counted in neither.
+    pub fn evict_bytes(&self, bytes: u64) -> Result<u64> {
+        let mut inner = self.lock();
+        let mut freed = 0u64;
+        for _ in 0..ENFORCE_ROUNDS {
+            if freed >= bytes {
+                break;
+            }
+            let before = inner.mem_bytes;
+            let (planned, plan) = self.evict_round(&mut inner, bytes - freed, None, None)?;
+            if plan.is_empty() {
+                if planned == 0 {
+                    break;
+                }
+                freed += planned;
+                continue;
+            }
+            inner = self.spill(inner, plan, None).0;
+            // What actually left memory in this round (puts of other threads meanwhile aside).
+            freed += before.saturating_sub(inner.mem_bytes).min(planned);
+            if inner.mem_bytes >= before {
+                break; // nothing left: every write failed
+            }
+        }
+        Ok(freed)
+    }
+
     /// Spill the least-recently-used memory-resident entry to disk (for a worker's memory monitor).
     /// Returns the memory weight freed; 0 when nothing could be evicted. Never fails for a spill
     /// problem (the entry then stays in memory and the condition is reported).

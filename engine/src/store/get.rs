@@ -69,6 +69,48 @@ impl<C: Codec, B: Backend> Store<C, B> {
         }
     }
 
+    /// The value of `key` without changing anything: no promotion, no LRU move, no metrics of a
+    /// memory read. For inspection (dask's `fast`/`slow` views): a value held serialized or on disk
+    /// is deserialized for this caller alone (an evicted object still alive elsewhere is returned
+    /// as it is), outside the key's slot, so a concurrent `get` may deserialize it too.
+    pub fn peek(&self, key: &[u8]) -> Result<Option<sync::Arc<C::Value>>> {
+        loop {
+            let (k, slot, source, revive) = {
+                let inner = self.lock();
+                let Some((k, e)) = inner.map.get_key_value(key) else { return Ok(None) };
+                if let Some(v) = e.slot.try_get() {
+                    return Ok(Some(v));
+                }
+                let source = match (e.tier, &e.frames, &e.compressed) {
+                    (Tier::Disk, ..) => Source::Disk,
+                    (_, Some(f), _) => Source::Frames(f.clone()),
+                    (_, None, Some(c)) => Source::Compressed(c.clone()),
+                    _ => continue, // being promoted this instant: look again
+                };
+                let revive = inner.weak.get(key).filter(|w| Arc::ptr_eq(&w.slot, &e.slot)).map(|w| w.revive.clone());
+                (k.clone(), e.slot.clone(), source, revive)
+            };
+            if let Some(v) = revive.and_then(|r| r()) {
+                return Ok(Some(v));
+            }
+            let owned = !matches!(source, Source::Frames(_));
+            match self.fetch(&k, source) {
+                Ok(frames) => return self.deserialize(&k, frames, owned).map(|v| Some(sync::Arc::new(v))),
+                // Removed, replaced or brought back into memory while being read: look again.
+                Err(_)
+                    if !self
+                        .lock()
+                        .map
+                        .get(&k)
+                        .is_some_and(|e| Arc::ptr_eq(&e.slot, &slot) && e.tier == Tier::Disk) =>
+                {
+                    continue
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
     /// The async form of [`Store::get`], over the same slots: the same value, the same single
     /// deserialize shared with concurrent sync and async callers. A disk read runs as a future (on
     /// io_uring the driver thread does it and the calling task is not blocked). Then the polling thread
@@ -379,7 +421,8 @@ impl<C: Codec, B: Backend> Store<C, B> {
 
     /// The serialized frames of `key`, never deserializing: for data that is only passing through (to a
     /// peer). A materialized value is serialized (its object stays); a value on disk is read and, unless
-    /// heavier than the target, promoted to the serialized tier.
+    /// heavier than the target or [`EvictionPolicy::serialized_reads_promote`] is off, promoted to
+    /// the serialized tier.
     pub fn get_serialized(&self, key: &[u8]) -> Result<Option<Frames>> {
         loop {
             let (k, slot, source, large) = match self.begin_get_serialized(key)? {
@@ -462,7 +505,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             Err(_) if !on_disk => return Ok(None),
             Err(e) => return Err(e),
         };
-        if !large && current && inner.map.get(k).is_some_and(|e| e.tier == Tier::Disk) {
+        if !large && self.cfg.eviction.serialized_reads_promote && on_disk {
             let tick = inner.next_tick;
             inner.next_tick += 1;
             Self::modify_entry(&mut inner, k, |ne| {
