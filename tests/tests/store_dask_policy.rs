@@ -341,3 +341,59 @@ fn evict_bytes_evicts_below_the_target_until_that_much_has_left() {
     assert_eq!(s.evict_bytes(1).unwrap(), 0);
     s.check_accounting().unwrap();
 }
+
+#[test]
+fn the_weight_of_spilled_values_is_kept() {
+    let s = open_dask(10_000);
+    let bloated = [b"bloated".as_slice(), &[0; 293]].concat(); // 6000 as an object, 301 as frames
+    s.put(b"a", bloated.clone()).unwrap();
+    s.put(b"b", val(2, 4999)).unwrap(); // "a" goes
+    s.put(b"heavy", val(3, 20_000)).unwrap(); // straight to disk
+    let m = s.metrics();
+    assert_eq!(m.spilled_weight, 6000 + 20_001, "the objects' weights, not their frames'");
+    assert_eq!(m.spilled_memory_bytes, 301 + 20_001, "serialized bytes");
+    assert_eq!(m.memory_bytes, 5000);
+    s.get(b"a").unwrap(); // back in memory: no longer spilled weight
+    assert_eq!(s.metrics().spilled_weight, 20_001 + 5000, "and \"b\" went in its place");
+    s.check_accounting().unwrap();
+}
+
+#[test]
+fn a_failed_spill_ends_the_eviction_and_keeps_the_value_first_in_line() {
+    let bad = [b"unpicklable".as_slice(), &[0; 300]].concat();
+    for (policy, b_spilled) in [(EvictionPolicy::dask(), false), (EvictionPolicy::default(), true)] {
+        let c = StoreConfig { eviction: policy, ..cfg(1000) };
+        let s = Store::open(TestCodec::default(), SimBackend::new(), "/s", c).unwrap();
+        s.put(b"bad", bad.clone()).unwrap();
+        s.put(b"b", val(2, 400)).unwrap();
+        s.put(b"c", val(3, 400)).unwrap(); // over the target: "bad" is first in line and fails
+        assert_eq!(s.tier(b"bad"), Some(Tier::Materialized));
+        assert_eq!(s.tier(b"b") == Some(Tier::Disk), b_spilled, "{policy:?}");
+        // dask's rules: "bad" stays first in line, so evict() tries it again (and fails).
+        if !b_spilled {
+            assert_eq!(s.evict().unwrap(), 0);
+            assert_eq!(s.tier(b"b"), Some(Tier::Materialized));
+        }
+        s.check_accounting().unwrap();
+    }
+}
+
+#[test]
+fn failures_are_reported_to_the_embedding_instead_of_logged() {
+    let c = StoreConfig { report_failures: true, max_spill_bytes: Some(1500), ..dask_cfg(1000) };
+    let s = Store::open(TestCodec::default(), SimBackend::new(), "/s", c).unwrap();
+    assert!(s.take_failures().is_empty());
+    s.put(b"bad", [b"unpicklable".as_slice(), &[0; 600]].concat()).unwrap();
+    s.put(b"x", val(1, 600)).unwrap();
+    let f = s.take_failures();
+    assert_eq!(f.len(), 1);
+    assert_eq!((f[0].key.as_slice(), f[0].kind), (b"bad".as_slice(), spillway::SpillFailureKind::Serialize));
+    assert!(f[0].error.as_ref().is_some_and(|e| e.to_string().contains("cannot pickle this")));
+    assert!(s.take_failures().is_empty(), "taken once");
+    s.remove(b"bad").unwrap();
+    s.put(b"y", val(2, 600)).unwrap(); // "x" goes: 601 bytes on disk
+    s.put(b"z", val(3, 1000)).unwrap(); // heavy: 1001 more would pass max_spill
+    let f = s.take_failures();
+    assert!(f.iter().any(|f| f.key == b"z" && f.kind == spillway::SpillFailureKind::MaxSpill), "{f:?}");
+    s.check_accounting().unwrap();
+}

@@ -8,14 +8,17 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// entry under the store's lock.
     pub fn check_accounting(&self) -> std::result::Result<(), String> {
         let inner = self.lock();
-        let (mut mem, mut disk, mut raw) = (0u64, 0u64, 0u64);
+        let (mut mem, mut disk, mut raw, mut spilled) = (0u64, 0u64, 0u64, 0u64);
         let (mut count, mut bytes) = ([0u64; 4], [0u64; 4]);
         let mut in_lru = 0usize;
         for (k, e) in &inner.map {
             let name = key_str(k);
             count[e.tier.idx()] += 1;
             bytes[e.tier.idx()] += if e.tier == Tier::Disk { e.disk_bytes } else { e.weight };
-            mem += e.weight;
+            mem += e.mem_weight();
+            if e.tier == Tier::Disk {
+                spilled += e.weight;
+            }
             disk += e.disk_bytes;
             raw += e.disk_raw;
             let logged = self.log.location(k).map(|l| l.len);
@@ -27,7 +30,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             }
             match e.tier {
                 Tier::Disk => {
-                    if e.weight != 0 || e.frames.is_some() || e.compressed.is_some() || e.disk_bytes == 0 {
+                    if e.frames.is_some() || e.compressed.is_some() || e.disk_bytes == 0 {
                         return Err(format!("{name:?}: disk entry with memory state or no record"));
                     }
                 }
@@ -67,13 +70,25 @@ impl<C: Codec, B: Backend> Store<C, B> {
             mem += st.aside_weight;
             raw += st.aside_raw;
         }
-        if (mem, disk, raw, count, bytes)
-            != (inner.mem_bytes, inner.disk_bytes, inner.disk_raw, inner.tier_count, inner.tier_bytes)
+        if (mem, disk, raw, spilled, count, bytes)
+            != (
+                inner.mem_bytes,
+                inner.disk_bytes,
+                inner.disk_raw,
+                inner.disk_weight,
+                inner.tier_count,
+                inner.tier_bytes,
+            )
         {
             return Err(format!(
-                "totals drifted: recomputed mem {mem} disk {disk} raw {raw} counts {count:?} bytes {bytes:?}, \
-                 running mem {} disk {} raw {} counts {:?} bytes {:?}",
-                inner.mem_bytes, inner.disk_bytes, inner.disk_raw, inner.tier_count, inner.tier_bytes
+                "totals drifted: recomputed mem {mem} disk {disk} raw {raw} spilled weight {spilled} counts {count:?} \
+                 bytes {bytes:?}, running mem {} disk {} raw {} spilled weight {} counts {:?} bytes {:?}",
+                inner.mem_bytes,
+                inner.disk_bytes,
+                inner.disk_raw,
+                inner.disk_weight,
+                inner.tier_count,
+                inner.tier_bytes
             ));
         }
         if !inner.writing.is_empty() {

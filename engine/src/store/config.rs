@@ -25,6 +25,10 @@ pub struct StoreConfig {
     pub persistent: bool,
     /// How room is made when memory is over the target.
     pub eviction: EvictionPolicy,
+    /// Spills that do not happen (max_spill, a serialize failure, a disk error) are kept for
+    /// [`Store::take_failures`] instead of being logged: for an embedding that reports them in its
+    /// own words (dask's messages, with the caller's exception). Default false.
+    pub report_failures: bool,
 }
 
 /// How the store makes room when memory is over `target_bytes`: the rules of eviction, in one place.
@@ -61,6 +65,11 @@ pub struct EvictionPolicy {
     /// than the target), so that forwarding it again costs no read. dask's store leaves it on disk.
     /// Default true.
     pub serialized_reads_promote: bool,
+    /// A spill that fails (or that max_spill refuses) ends the eviction that met it, and the value
+    /// keeps its place in the LRU order (the next eviction tries it first again), as in dask. When
+    /// false, the value is set aside (`stuck`) until disk space frees or it is read, and eviction
+    /// goes on with the next value. Default false.
+    pub failed_spill_ends_round: bool,
 }
 
 impl Default for EvictionPolicy {
@@ -70,15 +79,23 @@ impl Default for EvictionPolicy {
             direct_to_disk: false,
             keep_own_key: false,
             serialized_reads_promote: true,
+            failed_spill_ends_round: false,
         }
     }
 }
 
 impl EvictionPolicy {
     /// dask's rules: no slack (evict exactly down to the target), objects straight to disk, a put
-    /// never evicts the value it puts, and reading a value's frames leaves it where it is.
+    /// never evicts the value it puts, reading a value's frames leaves it where it is, and a failed
+    /// spill ends the eviction.
     pub fn dask() -> Self {
-        EvictionPolicy { max_slack_bytes: 0, direct_to_disk: true, keep_own_key: true, serialized_reads_promote: false }
+        EvictionPolicy {
+            max_slack_bytes: 0,
+            direct_to_disk: true,
+            keep_own_key: true,
+            serialized_reads_promote: false,
+            failed_spill_ends_round: true,
+        }
     }
 
     /// How far below `target` a round of eviction goes.
@@ -115,6 +132,7 @@ impl Default for StoreConfig {
             log: LogOptions { write_behind_bytes: SPILL_WRITE_BEHIND_BYTES, ..LogOptions::default() },
             persistent: false,
             eviction: EvictionPolicy::default(),
+            report_failures: false,
         }
     }
 }

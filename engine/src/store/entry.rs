@@ -57,7 +57,8 @@ pub(super) struct Entry<V> {
     /// Boxed: rarely present, and inline it would make every entry of the store's map 56 bytes
     /// larger (see `entries_stay_small`).
     pub(super) compressed: Option<Box<Compressed>>,
-    /// Memory weight currently accounted for this entry.
+    /// The value's weight: `size_of` of the object, or the frames' byte length. In memory it counts
+    /// in the memory total; on disk it is kept (the spilled weight, dask's `spilled_total.memory`).
     pub(super) weight: u64,
     /// Serialized size of the value's copy on disk (for `spilled_total`), 0 when it has none. A value
     /// read back from disk keeps its disk copy (same bytes), so evicting it again costs no write.
@@ -95,6 +96,15 @@ impl<V> Entry<V> {
         }
     }
 
+    /// The weight this entry counts in memory: 0 on disk.
+    pub(super) fn mem_weight(&self) -> u64 {
+        if self.tier == Tier::Disk {
+            0
+        } else {
+            self.weight
+        }
+    }
+
     pub(super) fn serialized(frames: Frames, large: bool) -> Self {
         let mut e = Self::new(Slot::new(), Tier::Serialized, frames.total_len());
         e.frames = Some(frames);
@@ -112,6 +122,8 @@ pub(super) struct Inner<V> {
     pub(super) tier_count: [u64; 4],
     pub(super) disk_bytes: u64,
     pub(super) disk_raw: u64,
+    /// Weight of the entries on disk (see `Entry::weight`).
+    pub(super) disk_weight: u64,
     /// When "reached capacity" (max_spill) and "Spill to disk failed" were last logged: each is
     /// logged at most every [`LOG_EVERY`], independently of the other.
     pub(super) logged_full: Option<Instant>,
@@ -134,6 +146,10 @@ pub(super) struct Inner<V> {
     pub(super) writing_raw: u64,
     /// Keys a `put_stream` is receiving right now (absent from `map` meanwhile).
     pub(super) streams: KeyMap<Arc<[u8]>, Stream>,
+    /// A spill failed since the current eviction began ([`EvictionPolicy::failed_spill_ends_round`]).
+    pub(super) round_failed: bool,
+    /// Spills that did not happen, for [`Store::take_failures`] (with `StoreConfig::report_failures`).
+    pub(super) failures: Vec<SpillFailure>,
     /// Weak handles on evicted objects ([`Codec::keep_weak`]), with the slot of the entry they
     /// belong to.
     pub(super) weak: KeyMap<Arc<[u8]>, WeakHandle<V>>,
@@ -167,13 +183,15 @@ impl<V> Inner<V> {
     }
 
     /// Each total an entry counts in, with its share of it.
-    pub(super) fn shares(&mut self, e: Acct) -> [(&mut u64, u64); 5] {
+    pub(super) fn shares(&mut self, e: Acct) -> [(&mut u64, u64); 6] {
         let t = e.tier.idx();
-        let tier_weight = if e.tier == Tier::Disk { e.disk_bytes } else { e.weight };
+        let on_disk = e.tier == Tier::Disk;
+        let tier_weight = if on_disk { e.disk_bytes } else { e.weight };
         [
             (&mut self.tier_count[t], 1),
             (&mut self.tier_bytes[t], tier_weight),
-            (&mut self.mem_bytes, e.weight),
+            (&mut self.mem_bytes, if on_disk { 0 } else { e.weight }),
+            (&mut self.disk_weight, if on_disk { e.weight } else { 0 }),
             (&mut self.disk_bytes, e.disk_bytes),
             (&mut self.disk_raw, e.disk_raw),
         ]
@@ -306,8 +324,13 @@ impl<C: Codec, B: Backend> Store<C, B> {
     }
 
     /// A spill of `key` was refused or failed: its entry stays in memory, out of the LRU order,
-    /// until [`Self::unstick`].
-    pub(super) fn set_stuck(inner: &mut Inner<C::Value>, key: &Arc<[u8]>) {
+    /// until [`Self::unstick`]. Under [`EvictionPolicy::failed_spill_ends_round`] it keeps its place
+    /// in the LRU order instead, and the eviction that met the failure stops.
+    pub(super) fn set_stuck(&self, inner: &mut Inner<C::Value>, key: &Arc<[u8]>) {
+        if self.cfg.eviction.failed_spill_ends_round {
+            inner.round_failed = true;
+            return;
+        }
         if inner.map.get(key).is_some_and(|e| !e.stuck) {
             Self::modify_entry(inner, key, |e| e.stuck = true);
             inner.stuck.insert(key.clone());

@@ -81,6 +81,34 @@ pub(super) struct Planned<V> {
     /// Identifies the entry that was planned: a `remove` or a new `put` meanwhile replaces it.
     pub(super) slot: Arc<Slot<V, Error>>,
     pub(super) weight: u64,
+    /// The weight of the object these frames were serialized from (a `put` heavier than the
+    /// target), which the entry keeps once on disk.
+    pub(super) object_weight: Option<u64>,
+}
+
+/// Failures kept for [`Store::take_failures`] at most; more are counted in the metrics only.
+pub const MAX_REPORTED_FAILURES: usize = 256;
+
+/// What kind of spill did not happen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpillFailureKind {
+    /// max_spill had no room for it.
+    MaxSpill,
+    /// The codec could not serialize it.
+    Serialize,
+    /// Writing it failed.
+    Disk,
+}
+
+/// A spill that did not happen: the value stayed in memory ([`Store::take_failures`]).
+#[derive(Debug, Clone)]
+pub struct SpillFailure {
+    /// The key.
+    pub key: Vec<u8>,
+    /// What went wrong.
+    pub kind: SpillFailureKind,
+    /// The error (the codec's, for a serialize failure); none for max_spill.
+    pub error: Option<Error>,
 }
 
 /// What became of an object planned for demotion, once serialized without the lock.
@@ -145,10 +173,10 @@ impl<C: Codec, B: Backend> Store<C, B> {
             // Objects going straight to disk are reserved against max_spill now that their size is
             // known (the round planned them without it).
             let mut inner = self.lock();
-            for d in &mut demoted {
+            for (dm, d) in demotions.iter().zip(&mut demoted) {
                 if let Demoted::ToDisk(f) = d {
                     let raw = f.total_len();
-                    if self.spill_allowed(&mut inner, raw) {
+                    if self.spill_allowed(&mut inner, &dm.key, raw) {
                         inner.writing_raw += raw;
                     } else {
                         *d = Demoted::Refused(None);
@@ -217,7 +245,8 @@ impl<C: Codec, B: Backend> Store<C, B> {
                     if same {
                         self.metrics.spill_failures.fetch_add(1, Ordering::Relaxed);
                         let e = inner.map.get_mut(&d.key).expect("present");
-                        if !std::mem::replace(&mut e.logged_serialize, true) {
+                        let first = !std::mem::replace(&mut e.logged_serialize, true);
+                        if !self.report(&mut inner, &d.key, SpillFailureKind::Serialize, Some(&err)) && first {
                             log::error!("Failed to serialize {:?}; keeping it in memory: {err}", key_str(&d.key));
                         }
                         stuck.push(d.key.clone());
@@ -269,7 +298,6 @@ impl<C: Codec, B: Backend> Store<C, B> {
                                 ne.disk_bytes = loc.len;
                                 if drop_object {
                                     ne.tier = Tier::Disk;
-                                    ne.weight = 0;
                                 }
                             });
                         }
@@ -295,7 +323,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             let ours = inner.map.get(&p.key).is_some_and(|e| Arc::ptr_eq(&e.slot, &p.slot));
             match (ours, self.log.location(&p.key)) {
                 (true, Some(loc)) => {
-                    Self::note_landed(&mut inner, &p.key, raw, loc.len, false);
+                    Self::note_landed(&mut inner, &p.key, raw, loc.len, false, p.object_weight);
                     landed = true;
                 }
                 (true, None) => {
@@ -321,13 +349,23 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// A record of `key` (`raw` serialized bytes, `len` in the log) landed: the entry gets its disk
     /// copy, and a serialized or compressed entry moves to the disk tier: every such entry for a
     /// spill, only one heavier than the target (which lives on disk) with `only_large`, for a flush.
-    pub(super) fn note_landed(inner: &mut Inner<C::Value>, key: &Arc<[u8]>, raw: u64, len: u64, only_large: bool) {
+    /// `weight` is the value's weight from then on (an object's, for frames it was serialized into).
+    pub(super) fn note_landed(
+        inner: &mut Inner<C::Value>,
+        key: &Arc<[u8]>,
+        raw: u64,
+        len: u64,
+        only_large: bool,
+        weight: Option<u64>,
+    ) {
         Self::modify_entry(inner, key, |ne| {
             if (ne.large || !only_large) && matches!(ne.tier, Tier::Serialized | Tier::Compressed) {
                 ne.tier = Tier::Disk;
                 ne.frames = None;
                 ne.compressed = None;
-                ne.weight = 0;
+                if let Some(w) = weight {
+                    ne.weight = w;
+                }
             }
             ne.disk_raw = raw;
             ne.disk_bytes = len;
@@ -370,7 +408,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             Self::unstick(&mut inner);
         }
         for k in s.stuck {
-            Self::set_stuck(&mut inner, &k);
+            self.set_stuck(&mut inner, &k);
         }
         self.written.notify_all();
         // Last, with every key of the batch settled and its waiters woken: dropping a record writes
@@ -386,11 +424,12 @@ impl<C: Codec, B: Backend> Store<C, B> {
         inner
     }
 
-    pub(super) fn spill_allowed(&self, inner: &mut Inner<C::Value>, bytes: u64) -> bool {
+    /// Whether `bytes` more of `key` fit under max_spill; a refusal is reported.
+    pub(super) fn spill_allowed(&self, inner: &mut Inner<C::Value>, key: &[u8], bytes: u64) -> bool {
         match self.cfg.max_spill_bytes {
             Some(max) if inner.disk_raw + inner.writing_raw + bytes > max => {
                 self.metrics.max_spill_refusals.fetch_add(1, Ordering::Relaxed);
-                if log_due(&mut inner.logged_full) {
+                if !self.report(inner, key, SpillFailureKind::MaxSpill, None) && log_due(&mut inner.logged_full) {
                     log::warn!("Spill file on disk reached capacity; keeping data in memory");
                 }
                 false
@@ -401,9 +440,38 @@ impl<C: Codec, B: Backend> Store<C, B> {
 
     pub(super) fn spill_failed(&self, inner: &mut Inner<C::Value>, key: &[u8], err: &Error) {
         self.metrics.spill_failures.fetch_add(1, Ordering::Relaxed);
-        if log_due(&mut inner.logged_disk) {
+        if !self.report(inner, key, SpillFailureKind::Disk, Some(err)) && log_due(&mut inner.logged_disk) {
             log::error!("Spill to disk failed; keeping data in memory ({:?}: {err})", key_str(key));
         }
+    }
+
+    /// With `report_failures`, keep a failure for [`Store::take_failures`] (at most
+    /// [`MAX_REPORTED_FAILURES`] pending; more are counted in the metrics only) and return true:
+    /// the caller logs nothing.
+    pub(super) fn report(
+        &self,
+        inner: &mut Inner<C::Value>,
+        key: &[u8],
+        kind: SpillFailureKind,
+        error: Option<&Error>,
+    ) -> bool {
+        if !self.cfg.report_failures {
+            return false;
+        }
+        if inner.failures.len() < MAX_REPORTED_FAILURES {
+            inner.failures.push(SpillFailure { key: key.to_vec(), kind, error: error.cloned() });
+            self.failures_pending.store(true, Ordering::Release);
+        }
+        true
+    }
+
+    /// The spills that did not happen since the last call (with `StoreConfig::report_failures`),
+    /// oldest first. Cheap when there are none.
+    pub fn take_failures(&self) -> Vec<SpillFailure> {
+        if !self.failures_pending.swap(false, Ordering::Acquire) {
+            return Vec::new();
+        }
+        std::mem::take(&mut self.lock().failures)
     }
 
     /// The codec's weak handle on `v`; none if the codec panics (as in `serialize`, unwinding here
@@ -450,6 +518,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
     ) -> Result<()> {
         // The value being put is not this eviction's to take, under `keep_own_key`.
         let spare = if self.cfg.eviction.keep_own_key { protect } else { None };
+        inner.round_failed = false;
         // Bounded: with the lock released during writes, other threads keep adding; each of them
         // enforces the target for its own puts.
         for _ in 0..ENFORCE_ROUNDS {
@@ -459,6 +528,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 break;
             }
             let (freed, plan) = self.evict_round(&mut inner, excess, None, spare)?;
+            if plan.is_empty() && inner.round_failed {
+                break;
+            }
             if plan.is_empty() {
                 if freed == 0 {
                     break; // nothing evictable: everything left is stuck, in use or being written
@@ -469,6 +541,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
             inner = guard;
             if let Some(err) = protect_failed {
                 return Err(err);
+            }
+            if inner.round_failed {
+                break; // a failed spill ends the eviction (`failed_spill_ends_round`)
             }
         }
         Ok(())
@@ -522,12 +597,10 @@ impl<C: Codec, B: Backend> Store<C, B> {
                     released.push(Released { key: key.clone(), slot: e.slot.clone(), value: v });
                 }
                 freed += Self::modify_entry(inner, &key, |ne| {
-                    let w = ne.weight;
                     ne.tier = Tier::Disk;
-                    ne.weight = 0;
                     ne.frames = None;
                     ne.compressed = None;
-                    w
+                    ne.weight
                 });
                 continue;
             }
@@ -556,14 +629,20 @@ impl<C: Codec, B: Backend> Store<C, B> {
         // max_spill: keep what does not fit in memory.
         let mut planned = Vec::with_capacity(batch.len());
         let mut bytes = 0u64;
+        let mut refused = false;
         for (k, data, raw, weight) in batch {
-            if self.spill_allowed(inner, bytes + raw) {
+            if !refused && self.spill_allowed(inner, &k, bytes + raw) {
                 bytes += raw;
                 let slot = inner.map[&k].slot.clone();
-                planned.push(Planned { key: k, data, raw, slot, weight });
+                planned.push(Planned { key: k, data, raw, slot, weight, object_weight: None });
             } else {
                 freed = freed.saturating_sub(inner.map[&k].weight);
-                Self::set_stuck(inner, &k);
+                if !refused {
+                    self.set_stuck(inner, &k);
+                }
+                // Under `failed_spill_ends_round`, the first refusal ends the round: the values
+                // after it stay where they are, untouched.
+                refused |= self.cfg.eviction.failed_spill_ends_round;
             }
         }
         for p in &planned {
@@ -632,7 +711,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 inner = self.spill(inner, plan, None).0;
             }
         }
-        let left = inner.map.get(&key).filter(|e| Arc::ptr_eq(&e.slot, &slot)).map_or(0, |e| e.weight);
+        let left = inner.map.get(&key).filter(|e| Arc::ptr_eq(&e.slot, &slot)).map_or(0, |e| e.mem_weight());
         Ok(weight.saturating_sub(left))
     }
 }

@@ -6,7 +6,8 @@
 //! * **materialized**: an `Arc<V>`, weight `codec.size_of(v)` (an estimate, as dask's `sizeof`);
 //! * **serialized**: frames in memory, weight = their exact byte length;
 //! * **compressed**: one lz4 block of the frames (with `compress_in_memory`), weight = its length;
-//! * **disk**: a record in the segment log, weight 0.
+//! * **disk**: a record in the segment log; no memory weight (the value's weight is kept, as the
+//!   spilled weight: dask's `spilled_total.memory`).
 //!
 //! Above `target_bytes`, least-recently-used entries are demoted object -> serialized (-> compressed)
 //! -> disk (or object -> disk in one round under [`EvictionPolicy::dask`]), on the calling thread,
@@ -60,7 +61,7 @@ use crate::slot::Slot;
 use crate::stored;
 // Locks, counters and the values' `Arc` come from the sync shim, so the loom models in `loom-tests/`
 // run this code as it is (keys and slots are plain `Arc`s: only their contents are shared state).
-use crate::sync::{self, AtomicU64, Condvar, Mutex, MutexGuard, Ordering};
+use crate::sync::{self, AtomicBool, AtomicU64, Condvar, Mutex, MutexGuard, Ordering};
 use crate::value::Frames;
 
 mod check;
@@ -75,6 +76,7 @@ mod receive;
 
 pub use self::config::{EvictionPolicy, StoreConfig, SPILL_WRITE_BEHIND_BYTES};
 pub use self::entry::Tier;
+pub use self::evict::{SpillFailure, SpillFailureKind, MAX_REPORTED_FAILURES};
 pub use self::get::{GET_MANY_BATCH, GET_MANY_DEPTH};
 pub use self::metrics::{Activity, ActivityStats, MetricsSnapshot};
 
@@ -125,6 +127,8 @@ pub struct Store<C: Codec, B: Backend = PortableBackend> {
     inner: Mutex<Inner<C::Value>>,
     /// Signalled (with `inner`) whenever a spill write lands.
     written: Condvar,
+    /// `Inner::failures` is not empty (read without the lock by `take_failures`).
+    failures_pending: AtomicBool,
     metrics: Metrics,
 }
 
@@ -184,6 +188,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             tier_count: [0; 4],
             disk_bytes: 0,
             disk_raw: 0,
+            disk_weight: 0,
             logged_full: None,
             logged_disk: None,
             stuck: KeySet::default(),
@@ -194,6 +199,8 @@ impl<C: Codec, B: Backend> Store<C, B> {
             writing_raw: 0,
             streams: KeyMap::default(),
             weak: KeyMap::default(),
+            round_failed: false,
+            failures: Vec::new(),
         };
         for k in log.keys() {
             let len = log.location(&k).map_or(0, |l| l.len);
@@ -206,7 +213,15 @@ impl<C: Codec, B: Backend> Store<C, B> {
             inner.count_in(Acct::of(&e));
             inner.map.insert(Arc::from(k.as_slice()), e);
         }
-        Ok(Store { codec, log, cfg, inner: Mutex::new(inner), written: Condvar::new(), metrics: Metrics::default() })
+        Ok(Store {
+            codec,
+            log,
+            cfg,
+            inner: Mutex::new(inner),
+            written: Condvar::new(),
+            failures_pending: AtomicBool::new(false),
+            metrics: Metrics::default(),
+        })
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner<C::Value>> {

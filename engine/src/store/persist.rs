@@ -164,8 +164,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
         let mut reserved = 0u64;
         let allowed: Vec<bool> = data
             .iter()
-            .map(|d| match d {
-                Ok(f) if self.spill_allowed(&mut inner, reserved + f.total_len()) => {
+            .zip(&todo)
+            .map(|(d, job)| match d {
+                Ok(f) if self.spill_allowed(&mut inner, &job.key, reserved + f.total_len()) => {
                     reserved += f.total_len();
                     true
                 }
@@ -194,7 +195,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             match (ours, loc) {
                 (true, Some(loc)) => {
                     let raw = d.as_ref().map_or(0, |f| f.total_len());
-                    Self::note_landed(&mut inner, key, raw, loc.len, true);
+                    Self::note_landed(&mut inner, key, raw, loc.len, true, None);
                     landed = true;
                 }
                 (true, None) => {

@@ -19,7 +19,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                     return Err(e);
                 }
             };
-            return self.put_large(self.lock(), key, frames);
+            return self.put_large(self.lock(), key, frames, Some(weight));
         }
         let mut inner = self.lock();
         let e = Entry::new(Slot::ready(sync::Arc::new(value)), Tier::Materialized, weight);
@@ -32,7 +32,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
     pub fn put_serialized(&self, key: &[u8], frames: Frames) -> Result<()> {
         let mut inner = self.lock();
         if frames.total_len() > self.cfg.target_bytes {
-            return self.put_large(inner, key, frames);
+            return self.put_large(inner, key, frames, None);
         }
         let e = Entry::serialized(frames, false);
         let slot = e.slot.clone();
@@ -40,7 +40,8 @@ impl<C: Codec, B: Backend> Store<C, B> {
         self.enforce(inner, Some(&slot))
     }
 
-    /// A value heavier than the target: straight to disk, written outside the lock like any spill
+    /// A value heavier than the target: straight to disk, written outside the lock like any spill. On
+    /// disk it keeps `object_weight` (the object's, when it was put as one) or the frames' length.
     /// (meanwhile it is served from memory). If it cannot be written (max_spill, disk error) it stays
     /// in memory, serialized, the condition is reported, and the other values are evicted instead.
     pub(super) fn put_large<'a>(
@@ -48,18 +49,26 @@ impl<C: Codec, B: Backend> Store<C, B> {
         inner: MutexGuard<'a, Inner<C::Value>>,
         key: &[u8],
         frames: Frames,
+        object_weight: Option<u64>,
     ) -> Result<()> {
         let raw = frames.total_len();
         let mut inner = self.wait_unwritten(inner, key);
         let e = Entry::serialized(frames.clone(), true);
         let slot = e.slot.clone();
         let k = self.insert(&mut inner, key, e)?;
-        if !self.spill_allowed(&mut inner, raw) {
-            Self::set_stuck(&mut inner, &k);
+        if !self.spill_allowed(&mut inner, key, raw) {
+            self.set_stuck(&mut inner, &k);
             // It stays in memory, over the target: the others are evicted instead, as dask does.
             return self.enforce(inner, None);
         }
-        let planned = Planned { key: k.clone(), data: Source::Frames(frames), raw, slot: slot.clone(), weight: raw };
+        let planned = Planned {
+            key: k.clone(),
+            data: Source::Frames(frames),
+            raw,
+            slot: slot.clone(),
+            weight: raw,
+            object_weight,
+        };
         Self::mark_writing(&mut inner, &planned);
         let (inner, _) = self.spill(inner, Plan::new(vec![planned]), None);
         // It did not go to disk (a disk error): the others are evicted instead, as dask does.

@@ -27,7 +27,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         let mut inner = self.wait_unwritten(self.lock(), key);
         // The record it replaces (if any) stops counting against max_spill once this one lands.
         let replaced = inner.map.get(key).map_or(0, |e| e.disk_raw);
-        if !self.spill_allowed(&mut inner, raw.saturating_sub(replaced)) {
+        if !self.spill_allowed(&mut inner, key, raw.saturating_sub(replaced)) {
             return self.receive_serialized(inner, key, meta, src, true);
         }
         // The old value leaves the map but keeps its record (if any) in the log: a streamed record
@@ -37,7 +37,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         // Its record's spilled bytes stay counted against max_spill too: on failure it comes back
         // with them, so other spills must not take that room meanwhile.
         let old = Self::take_entry(&mut inner, key);
-        let (aside_weight, aside_raw) = old.as_ref().map_or((0, 0), |o| (o.weight, o.disk_raw));
+        let (aside_weight, aside_raw) = old.as_ref().map_or((0, 0), |o| (o.mem_weight(), o.disk_raw));
         inner.mem_bytes += aside_weight;
         inner.disk_raw += aside_raw;
         let k: Arc<[u8]> = Arc::from(key);
@@ -88,7 +88,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             self.drop_stale_record(key);
             return Ok(());
         }
-        let mut e = Entry::new(Slot::new(), Tier::Disk, 0);
+        let mut e = Entry::new(Slot::new(), Tier::Disk, raw);
         e.disk_raw = raw;
         e.disk_bytes = self.log.location(key).map_or(0, |l| l.len);
         e.large = raw > self.cfg.target_bytes;
@@ -150,10 +150,10 @@ impl<C: Codec, B: Backend> Store<C, B> {
         }
         if frames.total_len() > self.cfg.target_bytes {
             if !refused {
-                return self.put_large(inner, key, frames);
+                return self.put_large(inner, key, frames, None);
             }
             let k = self.insert(&mut inner, key, Entry::serialized(frames, true))?;
-            Self::set_stuck(&mut inner, &k);
+            self.set_stuck(&mut inner, &k);
             return Ok(());
         }
         let e = Entry::serialized(frames, false);
