@@ -397,3 +397,41 @@ fn failures_are_reported_to_the_embedding_instead_of_logged() {
     assert!(f.iter().any(|f| f.key == b"z" && f.kind == spillway::SpillFailureKind::MaxSpill), "{f:?}");
     s.check_accounting().unwrap();
 }
+
+/// Values that can be changed in place (as a numpy array can), serialized as their bytes.
+#[derive(Default)]
+struct MutCodec;
+
+impl Codec for MutCodec {
+    type Value = std::sync::Mutex<Vec<u8>>;
+    fn serialize(&self, v: &Self::Value) -> Result<Frames, CodecError> {
+        Ok(Frames::single(v.lock().unwrap().clone()))
+    }
+    fn deserialize(&self, f: Frames) -> Result<Self::Value, CodecError> {
+        Ok(std::sync::Mutex::new(f.concat().to_vec()))
+    }
+    fn size_of(&self, v: &Self::Value) -> u64 {
+        v.lock().unwrap().len() as u64
+    }
+}
+
+#[test]
+fn a_read_back_copy_is_dropped_without_a_write_only_while_the_value_is_unchanged() {
+    let s = Store::open(MutCodec, SimBackend::new(), "/s", dask_cfg(1 << 20)).unwrap();
+    s.put(b"a", std::sync::Mutex::new(vec![1; 100])).unwrap();
+    s.evict().unwrap();
+    let writes = |s: &Store<MutCodec, SimBackend>| s.metrics().of(Activity::DiskWrite).count;
+    let saved = |s: &Store<MutCodec, SimBackend>| s.metrics().of(Activity::DiskWriteSaved).count;
+    assert_eq!(writes(&s), 1);
+    // Read back and evicted unchanged: its copy is what it serializes to, nothing is written.
+    drop(s.get(b"a").unwrap());
+    s.evict().unwrap();
+    assert_eq!((writes(&s), saved(&s)), (1, 1));
+    // Read back, changed in place, evicted: written again, and the change is what is read.
+    s.get(b"a").unwrap().unwrap().lock().unwrap()[0] = 9;
+    s.evict().unwrap();
+    assert_eq!((writes(&s), saved(&s)), (2, 1));
+    assert_eq!(s.tier(b"a"), Some(Tier::Disk));
+    assert_eq!(s.get(b"a").unwrap().unwrap().lock().unwrap()[..2], [9, 1]);
+    s.check_accounting().unwrap();
+}

@@ -70,6 +70,12 @@ pub struct EvictionPolicy {
     /// false, the value is set aside (`stuck`) until disk space frees or it is read, and eviction
     /// goes on with the next value. Default false.
     pub failed_spill_ends_round: bool,
+    /// A value read back from disk keeps its record as a copy only with the crc of what was read;
+    /// evicting it again serializes it and drops it without a write only if the new frames have that
+    /// crc (it was not changed in place), else writes them. With max_spill set it keeps no copy (the
+    /// copy's bytes would count against it). When false, a copy is kept and trusted: evicting the
+    /// value again drops it without serializing. Default false.
+    pub verify_copies: bool,
 }
 
 impl Default for EvictionPolicy {
@@ -80,6 +86,7 @@ impl Default for EvictionPolicy {
             keep_own_key: false,
             serialized_reads_promote: true,
             failed_spill_ends_round: false,
+            verify_copies: false,
         }
     }
 }
@@ -95,6 +102,7 @@ impl EvictionPolicy {
             keep_own_key: true,
             serialized_reads_promote: false,
             failed_spill_ends_round: true,
+            verify_copies: true,
         }
     }
 

@@ -150,6 +150,9 @@ pub(super) struct Inner<V> {
     pub(super) round_failed: bool,
     /// Spills that did not happen, for [`Store::take_failures`] (with `StoreConfig::report_failures`).
     pub(super) failures: Vec<SpillFailure>,
+    /// The crc of each read-back copy (with [`EvictionPolicy::verify_copies`]): the `laid_out_crc`
+    /// of the frames the object was read from.
+    pub(super) copy_crc: KeyMap<Arc<[u8]>, u32>,
     /// Weak handles on evicted objects ([`Codec::keep_weak`]), with the slot of the entry they
     /// belong to.
     pub(super) weak: KeyMap<Arc<[u8]>, WeakHandle<V>>,
@@ -309,6 +312,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
         }
         if !inner.weak.is_empty() {
             inner.weak.remove(key);
+        }
+        if !inner.copy_crc.is_empty() {
+            inner.copy_crc.remove(key);
         }
         Some(e)
     }

@@ -20,6 +20,9 @@ pub(super) struct Demotion<V> {
     pub(super) weight: u64,
     /// The entry's LRU tick when planned: a get meanwhile makes it recent, and it is not demoted.
     pub(super) tick: u64,
+    /// The crc of its verified copy on disk ([`EvictionPolicy::verify_copies`]): frames with it are
+    /// not written again.
+    pub(super) copy_crc: Option<u32>,
 }
 
 /// An object an eviction round let go of (its entry, identified by its slot, keeps a disk copy).
@@ -119,6 +122,8 @@ pub(super) enum Demoted {
     InMemory(Frames, Option<Compressed>),
     /// Its frames, written in this round's batch ([`EvictionPolicy::direct_to_disk`]).
     ToDisk(Frames),
+    /// Its frames are those of its copy on disk: dropped from memory without a write.
+    Same(u64),
     /// Not written: the log refuses the value (the error), or max_spill has no room for it (`None`).
     Refused(Option<Error>),
 }
@@ -154,6 +159,11 @@ impl<C: Codec, B: Backend> Store<C, B> {
             .iter()
             .map(|d| match self.serialize(&d.key, &d.value) {
                 Err(e) => Demoted::Failed(e),
+                Ok(frames)
+                    if d.copy_crc.is_some_and(|c| c == crate::format::laid_out_crc(frames.iter().map(|b| &b[..]))) =>
+                {
+                    Demoted::Same(frames.total_len())
+                }
                 Ok(frames) if direct => match self.log.validate(&d.key, &frames) {
                     Ok(()) => Demoted::ToDisk(frames),
                     Err(e) => Demoted::Refused(Some(e)),
@@ -212,6 +222,16 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 _ => None,
             }))
             .collect();
+        // Where each object going to disk had a record before (a copy that no longer matches it): a
+        // location after the write that differs is its new record.
+        let before: Vec<Option<crate::log::Location>> = demotions
+            .iter()
+            .zip(&demoted)
+            .map(|(d, r)| match r {
+                Demoted::ToDisk(_) => self.log.location(&d.key),
+                _ => None,
+            })
+            .collect();
         let (result, panicked) = self.write_batch(&items);
         drop(items);
         let mut inner = self.lock();
@@ -226,7 +246,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 inner.weak.insert(k, w);
             }
         }
-        for ((d, r), weak) in demotions.into_iter().zip(demoted).zip(weak.iter_mut()) {
+        for (((d, r), weak), before) in demotions.into_iter().zip(demoted).zip(weak.iter_mut()).zip(before) {
             inner.writing.remove(&d.key);
             inner.writing_weight -= d.weight;
             let same = inner.map.get(&d.key).is_some_and(|e| Arc::ptr_eq(&e.slot, &d.slot));
@@ -281,11 +301,30 @@ impl<C: Codec, B: Backend> Store<C, B> {
                         }
                     });
                 }
+                Demoted::Same(raw) => {
+                    if unchanged(&inner) && d.slot.evict().is_some() {
+                        self.metrics.counter(Activity::DiskWriteSaved).add_untimed(raw);
+                        if let Some(revive) = weak.take() {
+                            inner.weak.insert(d.key.clone(), WeakHandle { slot: d.slot.clone(), revive });
+                        }
+                        inner.copy_crc.remove(&d.key);
+                        Self::modify_entry(&mut inner, &d.key, |ne| ne.tier = Tier::Disk);
+                    }
+                }
                 Demoted::ToDisk(frames) => {
                     let raw = frames.total_len();
                     inner.writing_raw -= raw;
-                    match (same, self.log.location(&d.key)) {
+                    let written = self.log.location(&d.key).filter(|l| Some(*l) != before);
+                    if same && written.is_none() && before.is_some() {
+                        // The new frames did not land; the record there is an old copy, no longer
+                        // known to match (the next eviction writes again).
+                        inner.copy_crc.remove(&d.key);
+                    }
+                    match (same, written) {
                         (true, Some(loc)) => {
+                            // A copy the object was read from is superseded: no crc is known for
+                            // the new record if the object stays (it is written again next time).
+                            inner.copy_crc.remove(&d.key);
                             landed = true;
                             // The record is the value's disk copy; the object leaves memory unless it
                             // was read meanwhile (then it stays, and a later eviction costs no write).
@@ -523,7 +562,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         // enforces the target for its own puts.
         for _ in 0..ENFORCE_ROUNDS {
             let pending = inner.mem_bytes.saturating_sub(inner.writing_weight);
-            let excess = self.cfg.eviction.excess(pending, self.cfg.target_bytes);
+            let excess = self.cfg.eviction.excess(pending, self.target());
             if excess == 0 {
                 break;
             }
@@ -590,8 +629,15 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 continue;
             }
             scanned += 1;
+            // A value whose copy must be verified is serialized again, and written only if it changed.
+            let copy_crc = if self.cfg.eviction.verify_copies && e.tier == Tier::Materialized && e.disk_bytes > 0 {
+                inner.copy_crc.get(&key).copied()
+            } else {
+                None
+            };
             // A value that still has its disk copy (it was read back) is dropped from memory for free.
-            if e.disk_bytes > 0 {
+            let must_verify = self.cfg.eviction.verify_copies && e.tier == Tier::Materialized;
+            if e.disk_bytes > 0 && !must_verify {
                 if e.tier == Tier::Materialized {
                     let Some(v) = e.slot.evict() else { continue };
                     released.push(Released { key: key.clone(), slot: e.slot.clone(), value: v });
@@ -607,7 +653,14 @@ impl<C: Codec, B: Backend> Store<C, B> {
             // Step 1: object -> serialized (-> compressed), planned here and done without the lock.
             if e.tier == Tier::Materialized {
                 let Some(value) = e.slot.try_get() else { continue };
-                let d = Demotion { key: key.clone(), value, slot: e.slot.clone(), weight: e.weight, tick: e.tick };
+                let d = Demotion {
+                    key: key.clone(),
+                    value,
+                    slot: e.slot.clone(),
+                    weight: e.weight,
+                    tick: e.tick,
+                    copy_crc,
+                };
                 freed += d.weight;
                 Self::begin_write(inner, key.clone());
                 inner.writing_weight += d.weight;

@@ -55,18 +55,30 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 GetStart::Done(v) => return Ok(v),
                 GetStart::Read { key, slot, source, revive } => (key, slot, source, revive),
             };
+            let mut crc = None;
             let got = slot.get_or_install(|| {
                 if let Some(v) = self.revive(&k, &slot, revive) {
                     return Ok(v);
                 }
                 let owned = !matches!(source, Source::Frames(_));
-                let frames = self.fetch(&k, source)?;
+                let (frames, read_crc) = self.fetch_with_crc(&k, source)?;
+                crc = self.copy_crc_of(&frames, read_crc);
                 self.deserialize(&k, frames, owned).map(sync::Arc::new)
             });
-            if let Some(v) = self.finish_get(&k, &slot, got)? {
+            if let Some(v) = self.finish_get(&k, &slot, got, crc)? {
                 return Ok(Some(v));
             }
         }
+    }
+
+    /// With [`EvictionPolicy::verify_copies`] (and no max_spill), the crc a copy of a value read as
+    /// `frames` is kept with: the one the read checked (`read`), or computed before anything is built
+    /// on the frames, which may change them.
+    fn copy_crc_of(&self, frames: &Frames, read: Option<u32>) -> Option<u32> {
+        if !self.cfg.eviction.verify_copies || self.cfg.max_spill_bytes.is_some() {
+            return None;
+        }
+        read.or_else(|| Some(crate::format::laid_out_crc(frames.iter().map(|b| &b[..]))))
     }
 
     /// The value of `key` without changing anything: no promotion, no LRU move, no metrics of a
@@ -133,18 +145,20 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 }
                 _ => None,
             };
+            let mut crc = None;
             let got = slot.get_or_install(|| {
                 if let Some(v) = self.revive(&k, &slot, revive) {
                     return Ok(v);
                 }
                 let owned = !matches!(source, Source::Frames(_));
-                let frames = match frames {
-                    Some(f) => f?,
-                    None => self.fetch(&k, source)?,
+                let (frames, read_crc) = match frames {
+                    Some(f) => (f?, None),
+                    None => self.fetch_with_crc(&k, source)?,
                 };
+                crc = self.copy_crc_of(&frames, read_crc);
                 self.deserialize(&k, frames, owned).map(sync::Arc::new)
             });
-            if let Some(v) = self.finish_get(&k, &slot, got)? {
+            if let Some(v) = self.finish_get(&k, &slot, got, crc)? {
                 return Ok(Some(v));
             }
         }
@@ -243,14 +257,16 @@ impl<C: Codec, B: Backend> Store<C, B> {
                     // The frames read in the batch, unless someone else materializes first (then
                     // theirs is the value, as for any get).
                     let frames = read[at].take();
+                    let mut crc = None;
                     let got = slot.get_or_materialize(|| {
-                        let frames = match frames {
-                            Some(f) => f?,
-                            None => self.fetch(&k, Source::Disk)?,
+                        let (frames, read_crc) = match frames {
+                            Some(f) => (f?, None),
+                            None => self.fetch_with_crc(&k, Source::Disk)?,
                         };
+                        crc = self.copy_crc_of(&frames, read_crc);
                         self.deserialize(&k, frames, true)
                     });
-                    match self.finish_get(&k, &slot, got) {
+                    match self.finish_get(&k, &slot, got, crc) {
                         Ok(Some(v)) => Ok(Some(v)),
                         // Removed or replaced meanwhile, and the read failed: start over, as get does.
                         Ok(None) => self.get(key),
@@ -268,6 +284,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         let Some((k, e)) = inner.map.get_key_value(key) else { return Ok(GetStart::Done(None)) };
         let k = k.clone();
         if let Some(v) = e.slot.try_get() {
+            self.metrics.counter(Activity::MemoryRead).add_untimed(e.weight);
             Self::touch(&mut inner, &k);
             return Ok(GetStart::Done(Some(v)));
         }
@@ -329,6 +346,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         k: &Arc<[u8]>,
         slot: &Arc<Slot<C::Value, Error>>,
         got: Result<sync::Arc<C::Value>>,
+        crc: Option<u32>,
     ) -> Result<Option<sync::Arc<C::Value>>> {
         // Weighed before the lock is taken: a codec's `size_of` may be slow, or wait (for the GIL,
         // in Python), and must not hold up every other caller of the store meanwhile.
@@ -355,7 +373,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         if tier == Tier::Materialized || slot.state() != crate::slot::SlotState::Ready {
             return Ok(Some(v));
         }
-        if large || weight > self.cfg.target_bytes {
+        if large || weight > self.target() {
             // Served without promotion: a value heavier than the target (as bytes, or as the object
             // its bytes deserialize to) stays where it is, as a `put` of it would go to disk.
             slot.evict();
@@ -364,7 +382,16 @@ impl<C: Codec, B: Backend> Store<C, B> {
         // A value read back from disk keeps its disk copy (disk_* fields unchanged): evicting it again
         // costs no write. A revived object is not known to match its record: the record goes (a
         // persistent store keeps it, as the key's durable value).
-        let drop_record = revived && disk_bytes > 0 && !self.cfg.persistent && self.log.forget(k).is_ok();
+        // Under `verify_copies`, a copy is kept only with the crc of what was read (this reader's:
+        // one that promotes a value another reader read has none).
+        let unverified = self.cfg.eviction.verify_copies && crc.is_none();
+        let drop_record =
+            (revived || unverified) && disk_bytes > 0 && !self.cfg.persistent && self.log.forget(k).is_ok();
+        if let (Some(c), false) = (crc, drop_record) {
+            if disk_bytes > 0 {
+                inner.copy_crc.insert(k.clone(), c);
+            }
+        }
         let tick = inner.next_tick;
         inner.next_tick += 1;
         if !inner.weak.is_empty() {
@@ -395,6 +422,20 @@ impl<C: Codec, B: Backend> Store<C, B> {
         let f = self.log.get_async(key).await?.ok_or_else(|| vanished(key))?;
         self.metrics.record(Activity::DiskRead, f.total_len(), t);
         Ok(f)
+    }
+
+    /// [`Self::fetch`], with the crc a disk read checked the frames against (`None` for other
+    /// sources, and for an lz4 record).
+    pub(super) fn fetch_with_crc(&self, key: &[u8], source: Source) -> Result<(Frames, Option<u32>)> {
+        match source {
+            Source::Disk => {
+                let t = Instant::now();
+                let (f, crc) = self.log.get_with_crc(key)?.ok_or_else(|| vanished(key))?;
+                self.metrics.record(Activity::DiskRead, f.total_len(), t);
+                Ok((f, crc))
+            }
+            other => Ok((self.fetch(key, other)?, None)),
+        }
     }
 
     pub(super) fn fetch(&self, key: &[u8], source: Source) -> Result<Frames> {

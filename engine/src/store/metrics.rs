@@ -18,13 +18,16 @@ pub enum Activity {
     Decompress,
     /// `Codec::deserialize` on a get.
     Deserialize,
-    /// A get served from serialized frames in memory.
+    /// A get answered from memory: an object (bytes: its weight) or frames (their length).
     MemoryRead,
+    /// An eviction that wrote nothing: the value's verified copy on disk is what it serializes to
+    /// ([`EvictionPolicy::verify_copies`]).
+    DiskWriteSaved,
 }
 
 impl Activity {
     /// Every activity, in the order metrics list them.
-    pub const ALL: [Activity; 7] = [
+    pub const ALL: [Activity; 8] = [
         Activity::Serialize,
         Activity::Compress,
         Activity::DiskWrite,
@@ -32,6 +35,7 @@ impl Activity {
         Activity::Decompress,
         Activity::Deserialize,
         Activity::MemoryRead,
+        Activity::DiskWriteSaved,
     ];
 
     /// The activity's name in metrics (`disk-write`, ...), as dask names its spill activities.
@@ -44,6 +48,7 @@ impl Activity {
             Activity::Decompress => "decompress",
             Activity::Deserialize => "deserialize",
             Activity::MemoryRead => "memory-read",
+            Activity::DiskWriteSaved => "disk-write-saved",
         }
     }
 }
@@ -62,6 +67,12 @@ impl Counter {
         self.bytes.fetch_add(bytes, Ordering::Relaxed);
         self.ns.fetch_add(since.elapsed().as_nanos() as u64, Ordering::Relaxed);
     }
+    /// One more of `bytes`, with no time of its own.
+    pub(super) fn add_untimed(&self, bytes: u64) {
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
     pub(super) fn snap(&self) -> ActivityStats {
         ActivityStats {
             count: self.count.load(Ordering::Relaxed),

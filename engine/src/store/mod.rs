@@ -129,6 +129,8 @@ pub struct Store<C: Codec, B: Backend = PortableBackend> {
     written: Condvar,
     /// `Inner::failures` is not empty (read without the lock by `take_failures`).
     failures_pending: AtomicBool,
+    /// The memory target (`StoreConfig::target_bytes` at open; [`Store::set_target`]).
+    target: AtomicU64,
     metrics: Metrics,
 }
 
@@ -200,6 +202,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             streams: KeyMap::default(),
             weak: KeyMap::default(),
             round_failed: false,
+            copy_crc: KeyMap::default(),
             failures: Vec::new(),
         };
         for k in log.keys() {
@@ -213,6 +216,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             inner.count_in(Acct::of(&e));
             inner.map.insert(Arc::from(k.as_slice()), e);
         }
+        let target = AtomicU64::new(cfg.target_bytes);
         Ok(Store {
             codec,
             log,
@@ -220,6 +224,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             inner: Mutex::new(inner),
             written: Condvar::new(),
             failures_pending: AtomicBool::new(false),
+            target,
             metrics: Metrics::default(),
         })
     }
@@ -271,6 +276,40 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// Total memory weight.
     pub fn memory_bytes(&self) -> u64 {
         self.lock().mem_bytes
+    }
+
+    /// The memory target now.
+    pub fn target(&self) -> u64 {
+        self.target.load(Ordering::Relaxed)
+    }
+
+    /// Change the memory target. Nothing is evicted now: the next put or promotion evicts down to
+    /// it (as dask's store does when its `target` is changed); a value's being heavier than the
+    /// target is judged when it arrives.
+    pub fn set_target(&self, bytes: u64) {
+        self.target.store(bytes, Ordering::Relaxed);
+    }
+
+    /// Keys in memory (any in-memory tier) and keys on disk, unordered.
+    pub fn keys_by_place(&self) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
+        let inner = self.lock();
+        let (mut mem, mut disk) = (Vec::new(), Vec::new());
+        for (k, e) in &inner.map {
+            if e.tier == Tier::Disk { &mut disk } else { &mut mem }.push(k.to_vec());
+        }
+        (mem, disk)
+    }
+
+    /// The serialized bytes of `key`'s value if it is on disk (what a peer is sent), else `None`.
+    pub fn spilled_bytes(&self, key: &[u8]) -> Option<u64> {
+        self.lock().map.get(key).filter(|e| e.tier == Tier::Disk).map(|e| e.disk_raw)
+    }
+
+    /// Entries in memory and on disk.
+    pub fn counts(&self) -> (u64, u64) {
+        let inner = self.lock();
+        let disk = inner.tier_count[Tier::Disk.idx()];
+        (inner.map.len() as u64 - disk, disk)
     }
 }
 

@@ -8,7 +8,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// at once; a serialize failure then fails this call and the key is forgotten.
     pub fn put(&self, key: &[u8], value: C::Value) -> Result<()> {
         let weight = self.codec.size_of(&value);
-        if weight > self.cfg.target_bytes {
+        if weight > self.target() {
             let frames = match self.serialize(key, &value) {
                 Ok(f) => f,
                 Err(e) => {
@@ -19,7 +19,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                     return Err(e);
                 }
             };
-            return self.put_large(self.lock(), key, frames, Some(weight));
+            return self.put_large(self.lock(), key, frames, Some(weight), true);
         }
         let mut inner = self.lock();
         let e = Entry::new(Slot::ready(sync::Arc::new(value)), Tier::Materialized, weight);
@@ -31,8 +31,8 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// Store serialized frames (data from a peer or from disk): they stay serialized until a `get`.
     pub fn put_serialized(&self, key: &[u8], frames: Frames) -> Result<()> {
         let mut inner = self.lock();
-        if frames.total_len() > self.cfg.target_bytes {
-            return self.put_large(inner, key, frames, None);
+        if frames.total_len() > self.target() {
+            return self.put_large(inner, key, frames, None, true);
         }
         let e = Entry::serialized(frames, false);
         let slot = e.slot.clone();
@@ -40,8 +40,16 @@ impl<C: Codec, B: Backend> Store<C, B> {
         self.enforce(inner, Some(&slot))
     }
 
+    /// Store frames straight on disk, whatever their size (as a value heavier than the target goes):
+    /// for data passing through that should not take memory.
+    pub fn put_serialized_on_disk(&self, key: &[u8], frames: Frames) -> Result<()> {
+        let large = frames.total_len() > self.target();
+        self.put_large(self.lock(), key, frames, None, large)
+    }
+
     /// A value heavier than the target: straight to disk, written outside the lock like any spill. On
     /// disk it keeps `object_weight` (the object's, when it was put as one) or the frames' length.
+    /// `large`: served from disk without promotion (heavier than the target).
     /// (meanwhile it is served from memory). If it cannot be written (max_spill, disk error) it stays
     /// in memory, serialized, the condition is reported, and the other values are evicted instead.
     pub(super) fn put_large<'a>(
@@ -50,10 +58,11 @@ impl<C: Codec, B: Backend> Store<C, B> {
         key: &[u8],
         frames: Frames,
         object_weight: Option<u64>,
+        large: bool,
     ) -> Result<()> {
         let raw = frames.total_len();
         let mut inner = self.wait_unwritten(inner, key);
-        let e = Entry::serialized(frames.clone(), true);
+        let e = Entry::serialized(frames.clone(), large);
         let slot = e.slot.clone();
         let k = self.insert(&mut inner, key, e)?;
         if !self.spill_allowed(&mut inner, key, raw) {

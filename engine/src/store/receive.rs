@@ -91,7 +91,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         let mut e = Entry::new(Slot::new(), Tier::Disk, raw);
         e.disk_raw = raw;
         e.disk_bytes = self.log.location(key).map_or(0, |l| l.len);
-        e.large = raw > self.cfg.target_bytes;
+        e.large = raw > self.target();
         self.insert(&mut inner, key, e)?;
         Ok(())
     }
@@ -108,7 +108,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         stored::check_announced(meta)?;
         let total: u64 = meta.frame_lens.iter().sum(); // laid out within u64: checked above
         let inner = self.lock();
-        if inner.mem_bytes.saturating_add(total) <= self.cfg.target_bytes {
+        if inner.mem_bytes.saturating_add(total) <= self.target() {
             self.receive_serialized(inner, key, meta, src, false)
         } else {
             drop(inner);
@@ -148,9 +148,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
         if superseded {
             return Ok(());
         }
-        if frames.total_len() > self.cfg.target_bytes {
+        if frames.total_len() > self.target() {
             if !refused {
-                return self.put_large(inner, key, frames, None);
+                return self.put_large(inner, key, frames, None, true);
             }
             let k = self.insert(&mut inner, key, Entry::serialized(frames, true))?;
             self.set_stuck(&mut inner, &k);
