@@ -48,8 +48,8 @@ pub use log::{
     StoredValue, StreamedValue, VerifyProblem, MAX_SEGMENT_BYTES, MAX_VALUE_BYTES,
 };
 pub use store::{
-    Activity, Codec, CodecError, EvictionPolicy, MetricsSnapshot, Revive, SpillFailure, SpillFailureKind, Store,
-    StoreConfig, Tier, SPILL_WRITE_BEHIND_BYTES,
+    Activity, ActivityStats, Codec, CodecError, EvictionPolicy, MetricsSnapshot, Revive, SpillFailure,
+    SpillFailureKind, Store, StoreConfig, Tier, SPILL_WRITE_BEHIND_BYTES,
 };
 pub use value::Frames;
 

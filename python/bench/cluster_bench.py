@@ -40,6 +40,7 @@ import json
 import logging
 import os
 import statistics
+import tempfile
 import sys
 import threading
 import time
@@ -106,7 +107,45 @@ WORKLOADS = {
 PHASES = tuple(p for phases in WORKLOADS.values() for p in phases)
 #: "spillway+plugin": spillway's store and ``client.register_plugin(spillway.dask.SpillwayPlugin())``;
 #: "spillway+inband": the same plugin with ``side_channel=False`` (every value in dask's reply).
-STORES = ("dask", "spillway", "spillway+plugin", "spillway+inband")
+#: "baseline": another build's ``SpillBuffer`` (``--baseline FILE``) run as spillway's is, on this
+#: build's ``spillway._core``.
+STORES = ("dask", "spillway", "spillway+plugin", "spillway+inband", "baseline")
+
+#: ``--baseline FILE``: the path of another build's ``buffer.py``, for the "baseline" store.
+BASELINE_ENV = "CLUSTER_BENCH_BASELINE"
+
+#: The worker's data factory for the "baseline" store: a module the worker processes import (its
+#: directory goes on their PYTHONPATH): ``worker_data`` with the baseline's ``SpillBuffer``.
+_BASELINE_FACTORY = """
+import importlib.util, os, sys
+
+import spillway.worker
+
+
+def worker_data(worker_local_directory, **kwargs):
+    module = sys.modules.get("spillway_baseline")
+    if module is None:
+        spec = importlib.util.spec_from_file_location("spillway_baseline", os.environ["%s"])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["spillway_baseline"] = module
+        spec.loader.exec_module(module)
+    saved = spillway.worker.SpillBuffer
+    spillway.worker.SpillBuffer = module.SpillBuffer
+    try:
+        return spillway.worker.worker_data(worker_local_directory, **kwargs)
+    finally:
+        spillway.worker.SpillBuffer = saved
+""" % BASELINE_ENV
+
+
+def _install_baseline(path: str) -> None:
+    """Make the "baseline" store's factory importable here and in the workers."""
+    directory = tempfile.mkdtemp(prefix="cluster-bench-baseline-")
+    with open(os.path.join(directory, "cluster_bench_baseline.py"), "w") as f:
+        f.write(_BASELINE_FACTORY)
+    os.environ[BASELINE_ENV] = os.path.abspath(path)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [directory, os.environ.get("PYTHONPATH")]))
+    sys.path.insert(0, directory)
 
 #: Seconds any one phase may take before it counts as failed.
 PHASE_TIMEOUT = 600
@@ -397,7 +436,11 @@ def _cluster(store: str, size: Size, local_directory: str, threads: int = 1):
     import spillway
 
     kwargs = {}
-    if store.startswith("spillway"):
+    if store == "baseline":
+        import cluster_bench_baseline
+
+        kwargs["data"] = (cluster_bench_baseline.worker_data, {"memory_limit": size.memory_limit})
+    elif store.startswith("spillway"):
         # Built as dask builds its own: the worker's directory, target = memory_limit * target
         # fraction, max_spill from the config (False by default).
         kwargs["data"] = (spillway.worker_data, {"memory_limit": size.memory_limit})
@@ -1030,12 +1073,24 @@ def main(argv=None) -> int:
         "--dir", default=None, help="where the workers' directories go (default: $TMPDIR)"
     )
     p.add_argument("--json", default=None, help="write every run's raw result here")
+    p.add_argument(
+        "--baseline",
+        metavar="FILE",
+        help="another build's buffer.py (git show REV:python/spillway/buffer.py > FILE): the "
+        "'baseline' store, added to the stores",
+    )
     args = p.parse_args(argv)
     default_stores = {
         "forward": ("dask", "spillway", "spillway+plugin"),
         "big": ("dask", "spillway+inband", "spillway+plugin"),
     }.get(args.workload, ("dask", "spillway"))
     stores = args.stores.split(",") if args.stores else list(default_stores)
+    if args.baseline:
+        _install_baseline(args.baseline)
+        if "baseline" not in stores:
+            stores.append("baseline")
+    elif "baseline" in stores:
+        p.error("the baseline store needs --baseline FILE")
     phases = args.phases.split(",") if args.phases else list(WORKLOADS[args.workload])
     threads = 2 if args.workload == "forward" else 1
     for x in stores:

@@ -102,9 +102,26 @@ class _RustStore:
         self.store.close()
 
 
+def load_baseline(path: str):
+    """The module of another build's ``buffer.py`` (``git show REV:python/spillway/buffer.py >
+    FILE``), run against this build's ``spillway._core``, as ``spillway_baseline``."""
+    import importlib.util
+
+    module = sys.modules.get("spillway_baseline")
+    if module is None:
+        spec = importlib.util.spec_from_file_location("spillway_baseline", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["spillway_baseline"] = module
+        spec.loader.exec_module(module)
+    return module
+
+
 def make_store(kind: str, directory: str, args):
     if kind == "store":
         return _RustStore(directory, args)
+    if kind == "baseline":
+        buffer = load_baseline(args.baseline).SpillBuffer
+        return buffer(directory, 0, compression=args.compression, backend=args.backend)
     if kind == "dask":
         import dask
         from distributed.spill import SpillBuffer
@@ -211,6 +228,8 @@ def run_micro(args) -> list[dict]:
     except ImportError:
         print("distributed is not installed: spillway only, no ratios")
         kinds = ["spillway"]
+    if args.baseline:
+        kinds.append("baseline")
     if args.with_store:
         kinds.append("store")
     rows = []
@@ -246,6 +265,8 @@ def run_micro(args) -> list[dict]:
                 row["floor_ratio"] = row["floor_ops"] / row["dask_ops"]
             if "store" in kinds:
                 row["store_vs_spillway"] = row["store_ops"] / row["spillway_ops"]
+            if "baseline" in kinds:
+                row["spillway_vs_baseline"] = row["spillway_ops"] / row["baseline_ops"]
             rows.append(row)
     return rows
 
@@ -266,6 +287,9 @@ def print_micro(rows: list[dict], written_back: bool = False) -> None:
     has_store = "store_ops" in rows[0]
     if has_store:
         head += f" {'Store ops/s':>12} {'/buffer':>8}"
+    has_baseline = "baseline_ops" in rows[0]
+    if has_baseline:
+        head += f" {'baseline ops/s':>14} {'new/base':>8}"
     print(head)
     for r in rows:
         line = f"{fmt_size(r['size']):>8} {r['n']:>7} {r['op']:>8} "
@@ -278,6 +302,8 @@ def print_micro(rows: list[dict], written_back: bool = False) -> None:
             line += f" {r['ratio']:>6.2f}x {'-' if t is None else f'{t:g}x':>7}{verdict:<7} {r['floor_ratio']:>6.2f}x"
         if has_store:
             line += f" {r['store_ops']:>12,.0f} {r['store_vs_spillway']:>7.2f}x"
+        if has_baseline:
+            line += f" {r['baseline_ops']:>14,.0f} {r['spillway_vs_baseline']:>7.2f}x"
         print(line)
     if has_dask:
         print(
@@ -430,6 +456,12 @@ def main(argv=None) -> int:
         "are still dirty and have no disk blocks yet, which makes dask's unlink nearly free",
     )
     p.add_argument("--threads", type=int, default=1, help="threads per worker")
+    p.add_argument(
+        "--baseline",
+        metavar="FILE",
+        help="another build's buffer.py (git show REV:python/spillway/buffer.py > FILE), measured in "
+        "the same rounds as a ratio: this build's SpillBuffer over it",
+    )
     p.add_argument(
         "--with-store",
         action="store_true",

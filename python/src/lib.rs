@@ -50,6 +50,13 @@ create_exception!(
 );
 create_exception!(
     _core,
+    SerializeError,
+    SpillwayError,
+    "A value could not be serialized (a Store's put of a value heavier than its target, or \
+     get_serialized of an object); the codec's own exception is its __cause__."
+);
+create_exception!(
+    _core,
     ReadOnly,
     SpillwayError,
     "An earlier write or fdatasync failed, so the log refuses writes (reads go on). Reopen the \
@@ -296,6 +303,8 @@ struct Log {
     backend: &'static str,
     /// The log's identity in `RUNNING` (its `Inner`'s address, unique while it is alive).
     id: usize,
+    /// What transfer grants of this log send from, while it is open.
+    granted: Mutex<Option<Arc<transfer::Granted>>>,
 }
 
 thread_local! {
@@ -312,13 +321,6 @@ fn log_id(inner: &Arc<Inner>) -> usize {
 /// A running operation's hold on the log. The last hold, after `close`, drops the log without the
 /// GIL (that writes the pending values and joins the io_uring driver).
 struct Held(Option<Arc<Inner>>);
-
-impl Held {
-    /// The log itself, for what must name it beyond this call (a transfer grant).
-    fn arc(&self) -> &Arc<Inner> {
-        self.0.as_ref().expect("held until dropped")
-    }
-}
 
 impl std::ops::Deref for Held {
     type Target = Inner;
@@ -348,6 +350,7 @@ impl Drop for Log {
     /// A log collected without `close`: dropped here without the GIL (that writes its pending values
     /// and joins the io_uring driver, whose thread may need the GIL meanwhile, to log).
     fn drop(&mut self) {
+        drop(self.granted.get_mut().unwrap_or_else(PoisonError::into_inner).take());
         let taken = self.inner.get_mut().unwrap_or_else(PoisonError::into_inner).take();
         if let Some(last) = taken.and_then(Arc::into_inner) {
             Python::with_gil(|py| py.allow_threads(move || drop(last)));
@@ -356,6 +359,19 @@ impl Drop for Log {
 }
 
 impl Log {
+    /// What transfer grants of this log send from (one while it is open).
+    fn granted(&self) -> PyResult<Arc<transfer::Granted>> {
+        let mut g = self.granted.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(g) = &*g {
+            return Ok(g.clone());
+        }
+        let inner = self.inner.read().unwrap_or_else(PoisonError::into_inner).clone();
+        let inner = inner.ok_or_else(|| PyValueError::new_err("the log is closed"))?;
+        let made = Arc::new(transfer::Granted::Log(inner));
+        *g = Some(made.clone());
+        Ok(made)
+    }
+
     fn inner(&self) -> PyResult<Held> {
         let inner = self
             .inner
@@ -425,7 +441,13 @@ impl Log {
             let inner = Inner { log, sizes, settled: Condvar::new(), max_disk: max_disk_bytes, durable, _closed: tx };
             let inner = Arc::new(inner);
             let id = log_id(&inner);
-            Ok(Log { inner: RwLock::new(Some(inner)), closed: Mutex::new(rx), backend: name, id })
+            Ok(Log {
+                inner: RwLock::new(Some(inner)),
+                closed: Mutex::new(rx),
+                backend: name,
+                id,
+                granted: Mutex::new(None),
+            })
         })
     }
 
@@ -583,6 +605,8 @@ impl Log {
     /// written, its files closed), so the caller may then remove its directory. A durable log is
     /// synced first; if that fails the log is closed all the same and the error is raised.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let granted = self.granted.lock().unwrap_or_else(PoisonError::into_inner).take();
+        drop(granted); // (grants hold it weakly: after this, only running calls hold the log)
         let taken = self.inner.write().unwrap_or_else(PoisonError::into_inner).take();
         // Called from inside an operation on this log on this thread, which cannot end while this
         // waits: the log closes when that operation returns.
@@ -631,5 +655,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DiskFull", m.py().get_type::<DiskFull>())?;
     m.add("Corrupt", m.py().get_type::<Corrupt>())?;
     m.add("ReadOnly", m.py().get_type::<ReadOnly>())?;
+    m.add("SerializeError", m.py().get_type::<SerializeError>())?;
     Ok(())
 }

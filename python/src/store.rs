@@ -23,10 +23,11 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyMemoryView, PyTuple};
 use spillway::backend::UringOptions;
 use spillway::{
-    Activity, AutoBackend, Backend, BackendKind, Codec, CodecError, Compression, Error, EvictionPolicy, Frames,
-    LogOptions, Revive, StoreConfig,
+    Activity, ActivityStats, AutoBackend, Backend, BackendKind, Codec, CodecError, Compression, Error, EvictionPolicy,
+    Frames, LogOptions, Revive, SpillFailureKind, StoreConfig,
 };
 
+use crate::transfer::Granted;
 use crate::{frames_to_list, to_py};
 
 /// The weight of a value whose `sizeof` failed in a way the codec did not handle itself (as
@@ -91,19 +92,35 @@ fn codec_error(e: PyErr) -> CodecError {
     Box::new(e)
 }
 
-/// An engine error as a Python exception: a codec's own Python exception is raised as it was
-/// (chained to the engine's message), anything else as `to_py` maps it.
+/// An engine error as a Python exception: a failed serialize is a `SerializeError` whose
+/// `__cause__` is the codec's own exception; a failed deserialize raises the codec's exception as
+/// it was; anything else as `to_py` maps it.
 fn to_py_err(py: Python<'_>, e: Error) -> PyErr {
-    if let Error::Codec { source, .. } = &e {
+    if let Error::Codec { op, source, .. } = &e {
         if let Some(err) = source.downcast_ref::<PyErr>() {
-            return err.clone_ref(py);
+            if *op != "serialize" {
+                return err.clone_ref(py);
+            }
+            let wrapped = crate::SerializeError::new_err(e.to_string());
+            wrapped.set_cause(py, Some(err.clone_ref(py)));
+            return wrapped;
         }
     }
     to_py(e)
 }
 
+/// The codec's own exception behind a failed serialize (for `take_failures`), else `to_py_err`.
+fn codec_cause(py: Python<'_>, e: Error) -> PyErr {
+    if let Error::Codec { source, .. } = &e {
+        if let Some(err) = source.downcast_ref::<PyErr>() {
+            return err.clone_ref(py);
+        }
+    }
+    to_py_err(py, e)
+}
+
 /// The codec: four Python callables.
-struct PyCodec {
+pub(crate) struct PyCodec {
     /// `dumps(value) -> list of frames`.
     dumps: Py<PyAny>,
     /// `loads(frames, writeable) -> value`; with `writeable`, read-only buffers are copied first.
@@ -166,7 +183,9 @@ impl Codec for PyCodec {
     }
 }
 
-type Inner = spillway::Store<PyCodec, AutoBackend>;
+/// The engine's store, as the binding runs it.
+pub(crate) type StoreInner = spillway::Store<PyCodec, AutoBackend>;
+type Inner = StoreInner;
 
 /// The engine's three-tier store: objects, frames in memory, records in a segment log on disk.
 ///
@@ -181,6 +200,10 @@ type Inner = spillway::Store<PyCodec, AutoBackend>;
 pub(crate) struct Store {
     inner: RwLock<Option<Arc<Inner>>>,
     backend: &'static str,
+    /// The metrics as `take_metric_deltas` last saw them.
+    seen: std::sync::Mutex<Vec<(&'static str, ActivityStats)>>,
+    /// What transfer grants send from, while the store is open.
+    granted: std::sync::Mutex<Option<Arc<Granted>>>,
 }
 
 /// A call's hold on the store. The last hold (after `close`) drops the store without the GIL:
@@ -209,6 +232,23 @@ fn drop_without_gil(store: Option<Arc<Inner>>) {
 }
 
 impl Store {
+    /// The store itself, for a call that outlives this one's hold (a transfer).
+    pub(crate) fn arc(&self) -> PyResult<Arc<Inner>> {
+        let s = self.inner.read().unwrap_or_else(PoisonError::into_inner).clone();
+        s.ok_or_else(|| PyValueError::new_err("the store is closed"))
+    }
+
+    /// What transfer grants of this store send from (one while it is open).
+    pub(crate) fn granted(&self) -> PyResult<Arc<Granted>> {
+        let mut g = self.granted.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(g) = &*g {
+            return Ok(g.clone());
+        }
+        let made = Arc::new(Granted::Store(self.arc()?));
+        *g = Some(made.clone());
+        Ok(made)
+    }
+
     fn inner(&self) -> PyResult<Held> {
         let s = self.inner.read().unwrap_or_else(PoisonError::into_inner).clone();
         s.map(|s| Held(Some(s))).ok_or_else(|| PyValueError::new_err("the store is closed"))
@@ -218,6 +258,10 @@ impl Store {
 impl Drop for Store {
     /// A store collected without `close`: closed here, without the GIL.
     fn drop(&mut self) {
+        let granted = self.granted.get_mut().unwrap_or_else(PoisonError::into_inner).take();
+        if let Some(Granted::Store(s)) = granted.and_then(Arc::into_inner) {
+            drop_without_gil(Some(s));
+        }
         drop_without_gil(self.inner.get_mut().unwrap_or_else(PoisonError::into_inner).take());
     }
 }
@@ -230,7 +274,7 @@ fn key_error(py: Python<'_>, key: &[u8]) -> PyErr {
 impl Store {
     #[new]
     #[allow(clippy::too_many_arguments)] // Python keyword arguments
-    #[pyo3(signature = (directory, target, max_spill = None, *, policy = "dask", compression = "none", backend = "auto", segment_bytes = 64 << 20, writeable = true, codec = None))]
+    #[pyo3(signature = (directory, target, max_spill = None, *, policy = "dask", compression = "none", backend = "auto", segment_bytes = 64 << 20, writeable = true, codec = None, report_failures = false))]
     fn new(
         py: Python<'_>,
         directory: std::path::PathBuf,
@@ -242,6 +286,7 @@ impl Store {
         segment_bytes: u64,
         writeable: bool,
         codec: Option<Bound<'_, PyAny>>,
+        report_failures: bool,
     ) -> PyResult<Self> {
         let eviction = match policy {
             "dask" => EvictionPolicy::dask(),
@@ -269,6 +314,7 @@ impl Store {
             target_bytes: target,
             max_spill_bytes: max_spill,
             eviction,
+            report_failures,
             log: LogOptions { segment_bytes, compression, ..StoreConfig::default().log },
             ..StoreConfig::default()
         };
@@ -278,7 +324,12 @@ impl Store {
             let be = AutoBackend::with_options(kind, uring).map_err(|e| to_py(Error::io("start backend", None, e)))?;
             let name = be.name();
             let store = Inner::open(codec, be, &directory, cfg).map_err(to_py)?;
-            Ok(Store { inner: RwLock::new(Some(Arc::new(store))), backend: name })
+            Ok(Store {
+                inner: RwLock::new(Some(Arc::new(store))),
+                backend: name,
+                seen: std::sync::Mutex::new(Vec::new()),
+                granted: std::sync::Mutex::new(None),
+            })
         })
     }
 
@@ -291,11 +342,119 @@ impl Store {
     }
 
     /// Store pickled frames (`[header, *buffers]`, any objects with the buffer protocol) under
-    /// `key` without unpickling them; they are held without a copy.
-    fn put_serialized(&self, py: Python<'_>, key: &[u8], frames: &Bound<'_, PyAny>) -> PyResult<()> {
+    /// `key` without unpickling them; they are held without a copy. With `to_disk`, they are
+    /// written at once whatever their size.
+    #[pyo3(signature = (key, frames, to_disk = false))]
+    fn put_serialized(&self, py: Python<'_>, key: &[u8], frames: &Bound<'_, PyAny>, to_disk: bool) -> PyResult<()> {
         let s = self.inner()?;
         let frames = own_frames(py, frames)?;
-        py.allow_threads(|| s.put_serialized(key, frames)).map_err(|e| to_py_err(py, e))
+        py.allow_threads(|| if to_disk { s.put_serialized_on_disk(key, frames) } else { s.put_serialized(key, frames) })
+            .map_err(|e| to_py_err(py, e))
+    }
+
+    /// The memory target (settable: the next put or read back evicts down to it).
+    #[getter]
+    fn get_target(&self) -> PyResult<u64> {
+        Ok(self.inner()?.target())
+    }
+
+    #[setter]
+    fn set_target(&self, bytes: u64) -> PyResult<()> {
+        self.inner()?.set_target(bytes);
+        Ok(())
+    }
+
+    /// `(keys in memory, keys on disk)`, unordered.
+    #[allow(clippy::type_complexity)]
+    fn keys_by_place<'py>(&self, py: Python<'py>) -> PyResult<(Vec<Bound<'py, PyBytes>>, Vec<Bound<'py, PyBytes>>)> {
+        let s = self.inner()?;
+        let (mem, disk) = py.allow_threads(|| s.keys_by_place());
+        let b = |v: Vec<Vec<u8>>| v.iter().map(|k| PyBytes::new(py, k)).collect();
+        Ok((b(mem), b(disk)))
+    }
+
+    /// `(entries in memory, entries on disk)`.
+    fn counts(&self, py: Python<'_>) -> PyResult<(u64, u64)> {
+        let s = self.inner()?;
+        Ok(py.allow_threads(|| s.counts()))
+    }
+
+    /// Threads waiting in `key`'s slot for another's deserialization of it (for tests).
+    fn _waiters(&self, key: &[u8]) -> PyResult<u32> {
+        Ok(self.inner()?.waiters(key))
+    }
+
+    /// The serialized bytes of `key`'s value if it is on disk, else None.
+    fn spilled_bytes(&self, py: Python<'_>, key: &[u8]) -> PyResult<Option<u64>> {
+        let s = self.inner()?;
+        Ok(py.allow_threads(|| s.spilled_bytes(key)))
+    }
+
+    /// The spills that did not happen since the last call (with `report_failures=True`):
+    /// `[(key, kind, exception or None)]`, kind `"max_spill"`, `"serialize"` (the codec's own
+    /// exception) or `"disk"` (an OSError or SpillwayError).
+    #[allow(clippy::type_complexity)]
+    fn take_failures(&self, py: Python<'_>) -> PyResult<Vec<(Py<PyBytes>, &'static str, Option<PyObject>)>> {
+        let s = self.inner()?;
+        let failures = s.take_failures();
+        Ok(failures
+            .into_iter()
+            .map(|f| {
+                let kind = match f.kind {
+                    SpillFailureKind::MaxSpill => "max_spill",
+                    SpillFailureKind::Serialize => "serialize",
+                    SpillFailureKind::Disk => "disk",
+                };
+                let exc = f.error.map(|e| codec_cause(py, e).into_value(py).into_any());
+                (PyBytes::new(py, &f.key).unbind(), kind, exc)
+            })
+            .collect())
+    }
+
+    /// What the metrics gained since the last call: `[(activity, unit, delta)]` for the counters
+    /// that moved (seconds as floats), for a caller that reports them as they happen (dask's
+    /// `context_meter`).
+    fn take_metric_deltas(&self, py: Python<'_>) -> PyResult<Vec<(&'static str, &'static str, PyObject)>> {
+        let s = self.inner()?;
+        let now: Vec<(&'static str, ActivityStats)> = s.metrics().activities;
+        let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut out = Vec::new();
+        for (i, (name, st)) in now.iter().enumerate() {
+            let before = seen.get(i).map(|(_, b)| *b).unwrap_or_default();
+            if st.count != before.count {
+                out.push((*name, "count", (st.count - before.count).into_pyobject(py)?.into_any().unbind()));
+            }
+            if st.bytes != before.bytes {
+                out.push((*name, "bytes", (st.bytes - before.bytes).into_pyobject(py)?.into_any().unbind()));
+            }
+            if st.ns != before.ns {
+                let secs = (st.ns - before.ns) as f64 * 1e-9;
+                out.push((*name, "seconds", secs.into_pyobject(py)?.into_any().unbind()));
+            }
+        }
+        *seen = now;
+        Ok(out)
+    }
+
+    /// `(records, payload bytes)` of the log: its live records (values on disk and the copies
+    /// that values read back keep) and their serialized bytes.
+    #[getter]
+    fn log_records(&self, py: Python<'_>) -> PyResult<(usize, u64)> {
+        let s = self.inner()?;
+        let m = py.allow_threads(|| s.metrics());
+        Ok((s.log().len(), m.spilled_memory_bytes))
+    }
+
+    /// Write what the log holds back (write-behind) and fdatasync it.
+    fn sync(&self, py: Python<'_>) -> PyResult<()> {
+        let s = self.inner()?;
+        py.allow_threads(|| s.log().sync()).map_err(to_py)
+    }
+
+    /// Why the log refuses writes (an earlier write or sync failed), or None.
+    #[getter]
+    fn read_only(&self) -> PyResult<Option<String>> {
+        Ok(self.inner()?.log().poisoned().map(|e| e.to_string()))
     }
 
     /// The object of `key` (KeyError if absent), deserialized once if it is held as frames or on
@@ -326,11 +485,12 @@ impl Store {
         py.allow_threads(|| s.remove(key)).map_err(to_py)
     }
 
-    /// Evict the least recently used value in memory to disk, even below the target. Returns the
-    /// weight freed (0 if nothing could be).
-    fn evict(&self, py: Python<'_>) -> PyResult<u64> {
+    /// Evict the least recently used value in memory to disk, even below the target. Returns its
+    /// weight, or -1 if nothing could be evicted (nothing in memory, or its spill failed).
+    fn evict(&self, py: Python<'_>) -> PyResult<i64> {
         let s = self.inner()?;
-        py.allow_threads(|| s.evict()).map_err(|e| to_py_err(py, e))
+        let got = py.allow_threads(|| s.evict_one()).map_err(|e| to_py_err(py, e))?;
+        Ok(got.map_or(-1, |w| w as i64))
     }
 
     /// The object of `key` without changing its tier, its place in the LRU order or the metrics
@@ -346,10 +506,12 @@ impl Store {
     }
 
     /// Evict least recently used values, whatever the target, until `nbytes` of weight have left
-    /// memory or nothing more can (for process memory above its limit). Returns the weight evicted.
-    fn evict_bytes(&self, py: Python<'_>, nbytes: u64) -> PyResult<u64> {
+    /// memory or nothing more can (for process memory above its limit), never `spare` (the key
+    /// just set or read). Returns the weight evicted.
+    #[pyo3(signature = (nbytes, spare = None))]
+    fn evict_bytes(&self, py: Python<'_>, nbytes: u64, spare: Option<&[u8]>) -> PyResult<u64> {
         let s = self.inner()?;
-        py.allow_threads(|| s.evict_bytes(nbytes)).map_err(|e| to_py_err(py, e))
+        py.allow_threads(|| s.evict_bytes(nbytes, spare)).map_err(|e| to_py_err(py, e))
     }
 
     /// For tests, on a store opened with `backend="sim"`: script a fault of the simulated disk, as
@@ -401,12 +563,13 @@ impl Store {
         Ok(py.allow_threads(|| s.memory_bytes()))
     }
 
-    /// `(serialized bytes, bytes in the log)` of what is on disk.
+    /// `(weight, serialized bytes)` of what is on disk: dask's `spilled_total` (the weight is each
+    /// value's weight when it was last in memory).
     #[getter]
     fn spilled(&self, py: Python<'_>) -> PyResult<(u64, u64)> {
         let s = self.inner()?;
         let m = py.allow_threads(|| s.metrics());
-        Ok((m.spilled_memory_bytes, m.spilled_disk_bytes))
+        Ok((m.spilled_weight, m.spilled_raw))
     }
 
     /// Cumulative metrics with dask's labels: `{(activity, unit): value}` for activities
@@ -440,7 +603,9 @@ impl Store {
     /// Close the store. Idempotent; calls running on other threads finish first (the last of them
     /// closes the log).
     fn close(&self, py: Python<'_>) {
+        let granted = self.granted.lock().unwrap_or_else(PoisonError::into_inner).take();
         let taken = self.inner.write().unwrap_or_else(PoisonError::into_inner).take();
+        py.allow_threads(move || drop(granted));
         // Dropping the store drops its Python values (deferred by pyo3, without the GIL) and joins
         // the io_uring driver: without the GIL. Calls running on other threads hold the store until
         // they return; the last of them drops it.

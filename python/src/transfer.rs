@@ -13,15 +13,30 @@ use pyo3::types::{PyBytes, PyList};
 use spillway::transfer::{self, Access, Client, Outgoing, Source, Ticket, TransferOptions};
 use spillway::{AutoBackend, Error, SegmentLog};
 
+use crate::store::{Store, StoreInner};
 use crate::{frames_to_list, to_py, DiskFull, Inner, Log};
 
-impl Source for Inner {
+/// What a grant sends from: a `Log`'s records, or a `Store`'s values. Each `Log` and `Store` keeps
+/// one of these while it is open (grants hold it weakly: a closed log or store is not kept for a
+/// grant).
+pub(crate) enum Granted {
+    Log(Arc<Inner>),
+    Store(Arc<StoreInner>),
+}
+
+impl Source for Granted {
     type Backend = AutoBackend;
     fn log(&self) -> &SegmentLog<AutoBackend> {
-        &self.log
+        match self {
+            Granted::Log(l) => &l.log,
+            Granted::Store(s) => s.log(),
+        }
     }
     fn outgoing(&self, key: &[u8]) -> spillway::Result<Option<Outgoing<<AutoBackend as spillway::Backend>::File>>> {
-        Source::outgoing(&self.log, key)
+        match self {
+            Granted::Log(l) => Source::outgoing(&l.log, key),
+            Granted::Store(s) => Source::outgoing(&**s, key),
+        }
     }
 }
 
@@ -43,7 +58,7 @@ fn ticket_of(b: &[u8]) -> PyResult<Ticket> {
 /// smaller ones are copied a piece at a time.
 #[pyclass(frozen, module = "spillway._core")]
 pub(crate) struct TransferServer {
-    access: Arc<Access<Inner>>,
+    access: Arc<Access<Granted>>,
     listener: TcpListener,
     host: String,
     port: u16,
@@ -97,15 +112,16 @@ impl TransferServer {
         (self.host.clone(), self.port)
     }
 
-    /// A one-time ticket (bytes) for `key`'s value in `log` as it is now, or None if `log` does not
-    /// have it; with `peer` (an IP address), redeemable from that address only. The record stays
-    /// pinned (a delete or overwrite meanwhile does not change what is sent) until the ticket is
-    /// redeemed, revoked or expires.
+    /// A one-time ticket (bytes) for `key`'s value in `log` (a `Log`, or a `Store`: then a value
+    /// on disk is sent from its segment, one in memory from its frames) as it is now, or None if it
+    /// does not have it; with `peer` (an IP address), redeemable from that address only. The record
+    /// stays pinned (a delete or overwrite meanwhile does not change what is sent) until the ticket
+    /// is redeemed, revoked or expires.
     #[pyo3(signature = (log, key, peer = None))]
     fn grant<'py>(
         &self,
         py: Python<'py>,
-        log: &Log,
+        log: &Bound<'py, PyAny>,
         key: &[u8],
         peer: Option<&str>,
     ) -> PyResult<Option<Bound<'py, PyBytes>>> {
@@ -113,8 +129,14 @@ impl TransferServer {
             .map(|p| p.parse::<std::net::IpAddr>())
             .transpose()
             .map_err(|e| PyValueError::new_err(format!("peer {peer:?} is not an IP address: {e}")))?;
-        let inner = log.inner()?;
-        let t = py.allow_threads(|| self.access.grant(inner.arc(), key, to)).map_err(to_py)?;
+        let src = if let Ok(l) = log.downcast::<Log>() {
+            l.get().granted()?
+        } else if let Ok(s) = log.downcast::<Store>() {
+            s.get().granted()?
+        } else {
+            return Err(pyo3::exceptions::PyTypeError::new_err("grant needs a Log or a Store"));
+        };
+        let t = py.allow_threads(|| self.access.grant(&src, key, to)).map_err(to_py)?;
         Ok(t.map(|t| PyBytes::new(py, &t.to_bytes())))
     }
 
@@ -272,9 +294,48 @@ fn fetch_into(
     })
 }
 
+/// Fetch `key`, a value of `nbytes` (its frames' total), from the server at `(host, port)` with
+/// `ticket` straight onto `store`'s disk under `as_key`, never holding it in memory (unless
+/// max_spill has no room for it: then into memory, serialized). Returns the value's bytes, or None
+/// if the server has no such key. A value whose frames add up to anything else than `nbytes` is
+/// refused and not kept; on any failure `as_key`'s old value, if any, stays.
+#[pyfunction]
+#[pyo3(signature = (store, address, ticket, key, as_key, nbytes, *, timeout = 30.0, min_bytes_per_sec = 1 << 20))]
+#[allow(clippy::too_many_arguments)] // Python keyword arguments
+fn fetch_into_store(
+    py: Python<'_>,
+    store: &Store,
+    address: (String, u16),
+    ticket: &[u8],
+    key: &[u8],
+    as_key: &[u8],
+    nbytes: u64,
+    timeout: f64,
+    min_bytes_per_sec: u64,
+) -> PyResult<Option<u64>> {
+    let (ticket, opts) = (ticket_of(ticket)?, client_options(timeout, min_bytes_per_sec, nbytes)?);
+    let s = store.arc()?;
+    py.allow_threads(|| {
+        let found = Client::connect((address.0.as_str(), address.1), ticket, opts)
+            .and_then(|mut c| c.stream_into_store(key, &s, as_key))
+            .map_err(to_py)?;
+        if !found {
+            return Ok(None);
+        }
+        // What arrived must be what was announced, or it goes.
+        let got = s.stored_len(as_key);
+        if got != Some(nbytes) {
+            let _ = s.remove(as_key);
+            return Err(wrong_size(nbytes, got.unwrap_or(0)));
+        }
+        Ok(Some(nbytes))
+    })
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<TransferServer>()?;
     m.add_function(wrap_pyfunction!(fetch, m)?)?;
     m.add_function(wrap_pyfunction!(fetch_into, m)?)?;
+    m.add_function(wrap_pyfunction!(fetch_into_store, m)?)?;
     Ok(())
 }

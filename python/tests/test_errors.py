@@ -13,7 +13,6 @@ import tempfile
 import traceback
 
 import pytest
-from conftest import LogWrapper
 
 import spillway
 from spillway.buffer import DISK_ERROR_MESSAGE, MAX_SPILL_MESSAGE, reset_log_rate_limits
@@ -42,6 +41,13 @@ def messages(caplog, level=None):
         for r in caplog.records
         if r.name == "spillway" and (level is None or r.levelno == level)
     ]
+
+
+BIG = 3 << 20  # above the log's write-behind budget: each spill is written at once
+
+
+def big(i):
+    return np.full(BIG, i, dtype=np.uint8)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -129,8 +135,7 @@ def test_unpicklable_value_being_set_raises_and_is_forgotten(make_buffer, caplog
     assert isinstance(info.value.__cause__, Refuses)
     assert "x" not in buf and "x" not in buf.fast and "x" not in buf.slow
     assert buf["other"] == 1
-    buf._drain()
-    assert set(buf.log.keys()) <= {buf._entries["other"].log_key}  # (a copy of "other": read back)
+    assert len(buf.log) == 0  # nothing of "x" is left, and "other" never went to disk
 
     with pytest.raises(TypeError, match=r"^Failed to pickle \('x', 1\)$"):
         buf[("x", 1)] = Unpicklable(b"y" * 1000)
@@ -184,80 +189,54 @@ def test_cloudpickle_fallback_for_lambdas(make_buffer):
 # Disk errors (simulated)
 
 
-def test_disk_error_keeps_data_in_memory_and_logs(make_buffer, recording, caplog_spillway):
-    buf = make_buffer(target=1000)
-    rec = recording(buf)
-    rec.put_error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    buf["a"] = bytes(600)
-    buf["b"] = bytes(600)  # "a" fails to spill
+def test_disk_error_keeps_data_in_memory_and_logs(make_buffer, caplog_spillway):
+    """A full disk (ENOSPC on every write of the simulated disk: the log stays writable, unlike
+    after an EIO) keeps the values in memory, and says so with the error, rate-limited."""
+    buf = make_buffer(target=4 << 20, backend="sim")
+    buf.log._inject_fault("write", 0, "enospc", sticky=True)
+    buf["a"] = big(1)
+    buf["b"] = big(2)  # "a" fails to spill
     assert set(buf.fast) == {"a", "b"} and not buf.slow
     assert messages(caplog_spillway, logging.ERROR) == [DISK_ERROR_MESSAGE]
     assert DISK_ERROR_MESSAGE == "Spill to disk failed; keeping data in memory"
-    assert "No space left on device" in caplog_spillway.text
+    errors = [r for r in caplog_spillway.records if r.getMessage() == DISK_ERROR_MESSAGE]
+    assert errors[0].exc_info[1].errno == errno.ENOSPC
 
-    buf["big"] = bytes(5000)  # heavy, fails too: stays in memory, no exception
+    buf["big"] = np.full(5 << 20, 3, dtype=np.uint8)  # heavy, fails too: in memory, no exception
     assert "big" in buf.fast
     assert buf.evict() == -1
     assert len(messages(caplog_spillway, logging.ERROR)) == 1  # rate-limited
 
-    rec.put_error = None
+    buf.log._clear_faults()
     assert buf.evict() > 0
-    assert buf["big"] == bytes(5000)
+    assert (buf["big"] == 3).all()
 
 
-def test_spillway_error_from_the_log_is_a_disk_error(make_buffer, recording, caplog_spillway):
-    buf = make_buffer(target=0)
-    rec = recording(buf)
-    rec.put_error = spillway.SpillwayError("checksum mismatch")
-    buf["a"] = bytes(100)
-    assert "a" in buf.fast
-    assert messages(caplog_spillway, logging.ERROR) == [DISK_ERROR_MESSAGE]
-
-
-def test_disk_full_from_the_log_is_max_spill(make_buffer, recording, caplog_spillway):
-    buf = make_buffer(target=0)
-    rec = recording(buf)
-    rec.put_error = spillway.DiskFull("max_disk_bytes")
-    buf["a"] = bytes(100)
-    assert "a" in buf.fast
-    assert messages(caplog_spillway, logging.WARNING) == [MAX_SPILL_MESSAGE]
-
-
-def test_heavy_key_that_cannot_be_spilled_spills_the_others_as_dask(make_buffer, recording):
-    buf = make_buffer(target=1000)
+def test_heavy_key_that_cannot_be_spilled_spills_the_others_as_dask(make_buffer):
+    buf = make_buffer(target=1000, backend="sim")
+    buf["first"] = bytes(300)
+    assert buf.evict() > 0  # the log's first segment is written now
     buf["a"] = bytes(300)
     buf["b"] = bytes(300)
-    rec = recording(buf)
-    fail_for = b"big"
-
-    def put(key, frames, inner=rec.inner):
-        if fail_for in key:
-            raise OSError(errno.EIO, "injected")
-        return inner.put(key, frames)
-
-    rec.put = put
-    buf["big"] = bytes(5000)
-    assert set(buf.fast) == {"big"} and set(buf.slow) == {"a", "b"}
+    # The small spills are written behind (in the log's tail, not yet on the device); the heavy
+    # value is written at once, and the disk refuses it.
+    buf.log._inject_fault("write", 0, "enospc", sticky=True)
+    buf["big"] = big(1)
+    assert set(buf.fast) == {"big"} and set(buf.slow) == {"first", "a", "b"}
 
 
-def test_evict_never_raises(make_buffer, recording):
-    buf = make_buffer()
-    buf["a"] = 1
-    rec = recording(buf)
-    rec.put_error = RuntimeError("something unexpected")
+def test_evict_never_raises(make_buffer):
+    buf = make_buffer(backend="sim")
+    buf["a"] = big(1)
+    buf.log._inject_fault("write", 0, "enospc", sticky=True)
     assert buf.evict() == -1
     assert "a" in buf.fast
+    buf.close()
+    assert buf.evict() == -1  # (closed)
 
 
 # --------------------------------------------------------------------------------------------------
 # A failed write on the simulated disk (backend="sim": the log's own I/O fails)
-
-BIG = 3 << 20  # above the log's write-behind budget: each spill is written at once
-
-
-def big(i):
-    return np.full(BIG, i, dtype=np.uint8)
-
 
 def test_a_failed_write_moves_the_spills_to_a_fresh_log(make_buffer, caplog_spillway):
     """One EIO: the log it hit is read-only for good (it cannot tell what reached the file). The
@@ -277,7 +256,6 @@ def test_a_failed_write_moves_the_spills_to_a_fresh_log(make_buffer, caplog_spil
     for k, i in (("a", 1), ("b", 2), ("c", 3)):
         assert (buf[k] == i).all(), k
     del buf["a"]
-    buf._writer.drain()  # (the background writer deletes records)
     assert len(first) == 0
     fresh = [m for m in messages(caplog_spillway, logging.ERROR) if "fresh log" in m]
     assert len(fresh) == 1 and "(1 of 3)" in fresh[0] and "read-only" in fresh[0], fresh
@@ -478,52 +456,6 @@ def test_keys_can_be_deleted_after_close(make_buffer):
     buf.clear()
     assert len(buf) == 0
     assert buf.spilled_total == (0, 0)
-
-
-class CountingGets(LogWrapper):
-    """Wraps a SpillBuffer's Log, counting ``get``; gives up after ``limit`` (a reader that retries
-    forever would otherwise never return)."""
-
-    def __init__(self, log, limit=100):
-        super().__init__(log)
-        self.gets = 0
-        self.limit = limit
-
-    def get(self, key):
-        self.gets += 1
-        if self.gets > self.limit:
-            raise RuntimeError(f"read {self.gets} times")
-        return self.inner.get(key)
-
-
-@pytest.mark.parametrize("how", ["getitem", "get_serialized", "peek"])
-def test_a_record_missing_from_the_log_is_an_error_not_an_endless_retry(make_buffer, how):
-    """A key on disk whose record the log no longer has (and no other thread moved): reading it
-    raises SpillwayError. Readers start over when a record vanishes because another thread deleted,
-    replaced or promoted the key; when nothing changed, starting over would go on forever
-    (``__getitem__``) or until RecursionError (``get_serialized``, ``items()``)."""
-    buf = make_buffer(target=1 << 20)
-    buf["k"] = ("k", bytes(1000))  # tuples take no weak references: reads go to the log
-    buf["other"] = ("other", bytes(1000))
-    assert buf.evict() > 0 and buf.evict() > 0 and set(buf.slow) == {"k", "other"}
-    assert buf.log.delete(buf._entries["k"].log_key)  # white box: the log lost it
-    log = CountingGets(buf._log)
-    buf._log = log
-    read = {
-        "getitem": lambda: buf["k"],
-        "get_serialized": lambda: buf.get_serialized("k"),
-        "peek": lambda: buf.slow["k"],
-    }[how]
-    with pytest.raises(spillway.SpillwayError, match="'k'"):
-        read()
-    assert log.gets <= 2
-    assert buf.tier("k") == "disk"  # still known: deleting it works
-    assert buf["other"] == ("other", bytes(1000))
-    del buf["k"]
-    # What is left in the log is the copy of "other", read back into memory above.
-    assert "k" not in buf and buf.tier("other") == "object"
-    buf._drain()
-    assert list(buf.log.keys()) == [buf._entries["other"].log_key]
 
 
 def test_a_damaged_record_names_its_key_and_what_else_reads_so(make_buffer):

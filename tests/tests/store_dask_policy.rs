@@ -331,14 +331,19 @@ fn evict_bytes_evicts_below_the_target_until_that_much_has_left() {
     for c in b"abcde" {
         s.put(&[*c], val(*c, 1000)).unwrap(); // 1001 each
     }
-    assert_eq!(s.evict_bytes(2500).unwrap(), 3003);
+    assert_eq!(s.evict_bytes(2500, None).unwrap(), 3003);
     assert_eq!([b"a", b"b", b"c"].map(|k| s.tier(k)), [Some(Tier::Disk); 3]);
     assert_eq!([b"d", b"e"].map(|k| s.tier(k)), [Some(Tier::Materialized); 2]);
     assert_eq!(s.memory_bytes(), 2002);
     // More than there is: everything goes, and what left is what was there.
-    assert_eq!(s.evict_bytes(1 << 30).unwrap(), 2002);
+    assert_eq!(s.evict_bytes(1 << 30, None).unwrap(), 2002);
     assert_eq!(s.memory_bytes(), 0);
-    assert_eq!(s.evict_bytes(1).unwrap(), 0);
+    assert_eq!(s.evict_bytes(1, None).unwrap(), 0);
+    // The key just put is passed over.
+    s.put(b"f", val(b'f', 1000)).unwrap();
+    s.put(b"g", val(b'g', 1000)).unwrap();
+    assert_eq!(s.evict_bytes(1 << 30, Some(b"g")).unwrap(), 1001);
+    assert_eq!((s.tier(b"f"), s.tier(b"g")), (Some(Tier::Disk), Some(Tier::Materialized)));
     s.check_accounting().unwrap();
 }
 

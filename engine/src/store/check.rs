@@ -8,7 +8,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// entry under the store's lock.
     pub fn check_accounting(&self) -> std::result::Result<(), String> {
         let inner = self.lock();
-        let (mut mem, mut disk, mut raw, mut spilled) = (0u64, 0u64, 0u64, 0u64);
+        let (mut mem, mut disk, mut raw, mut spilled, mut spilled_raw) = (0u64, 0u64, 0u64, 0u64, 0u64);
         let (mut count, mut bytes) = ([0u64; 4], [0u64; 4]);
         let mut in_lru = 0usize;
         for (k, e) in &inner.map {
@@ -18,6 +18,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             mem += e.mem_weight();
             if e.tier == Tier::Disk {
                 spilled += e.weight;
+                spilled_raw += e.disk_raw;
             }
             disk += e.disk_bytes;
             raw += e.disk_raw;
@@ -70,12 +71,13 @@ impl<C: Codec, B: Backend> Store<C, B> {
             mem += st.aside_weight;
             raw += st.aside_raw;
         }
-        if (mem, disk, raw, spilled, count, bytes)
+        if (mem, disk, raw, spilled, spilled_raw, count, bytes)
             != (
                 inner.mem_bytes,
                 inner.disk_bytes,
                 inner.disk_raw,
                 inner.disk_weight,
+                inner.spilled_raw,
                 inner.tier_count,
                 inner.tier_bytes,
             )

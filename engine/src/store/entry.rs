@@ -124,6 +124,8 @@ pub(super) struct Inner<V> {
     pub(super) disk_raw: u64,
     /// Weight of the entries on disk (see `Entry::weight`).
     pub(super) disk_weight: u64,
+    /// Serialized bytes of the entries on disk (`disk_raw` without the copies of values in memory).
+    pub(super) spilled_raw: u64,
     /// When "reached capacity" (max_spill) and "Spill to disk failed" were last logged: each is
     /// logged at most every [`LOG_EVERY`], independently of the other.
     pub(super) logged_full: Option<Instant>,
@@ -186,7 +188,7 @@ impl<V> Inner<V> {
     }
 
     /// Each total an entry counts in, with its share of it.
-    pub(super) fn shares(&mut self, e: Acct) -> [(&mut u64, u64); 6] {
+    pub(super) fn shares(&mut self, e: Acct) -> [(&mut u64, u64); 7] {
         let t = e.tier.idx();
         let on_disk = e.tier == Tier::Disk;
         let tier_weight = if on_disk { e.disk_bytes } else { e.weight };
@@ -195,6 +197,7 @@ impl<V> Inner<V> {
             (&mut self.tier_bytes[t], tier_weight),
             (&mut self.mem_bytes, if on_disk { 0 } else { e.weight }),
             (&mut self.disk_weight, if on_disk { e.weight } else { 0 }),
+            (&mut self.spilled_raw, if on_disk { e.disk_raw } else { 0 }),
             (&mut self.disk_bytes, e.disk_bytes),
             (&mut self.disk_raw, e.disk_raw),
         ]

@@ -126,6 +126,8 @@ pub(super) enum Demoted {
     Same(u64),
     /// Not written: the log refuses the value (the error), or max_spill has no room for it (`None`).
     Refused(Option<Error>),
+    /// Not taken: a value before it in the round could not go (`failed_spill_ends_round`).
+    Abandoned,
 }
 
 impl<C: Codec, B: Backend> Store<C, B> {
@@ -155,27 +157,44 @@ impl<C: Codec, B: Backend> Store<C, B> {
             .filter_map(|r| self.keep_weak(&r.value).map(|revive| (r.key, WeakHandle { slot: r.slot, revive })))
             .collect();
         let mut weak: Vec<Option<Revive<C::Value>>> = demotions.iter().map(|d| self.keep_weak(&d.value)).collect();
+        // Under `failed_spill_ends_round`, the values after one that cannot go are not taken: the
+        // eviction ends there, as one that evicts a value at a time would.
+        let ends = self.cfg.eviction.failed_spill_ends_round;
+        let mut ended = false;
         let mut demoted: Vec<Demoted> = demotions
             .iter()
-            .map(|d| match self.serialize(&d.key, &d.value) {
-                Err(e) => Demoted::Failed(e),
-                Ok(frames)
-                    if d.copy_crc.is_some_and(|c| c == crate::format::laid_out_crc(frames.iter().map(|b| &b[..]))) =>
-                {
-                    Demoted::Same(frames.total_len())
-                }
-                Ok(frames) if direct => match self.log.validate(&d.key, &frames) {
-                    Ok(()) => Demoted::ToDisk(frames),
-                    Err(e) => Demoted::Refused(Some(e)),
-                },
-                Ok(frames) => {
-                    let compressed = self.cfg.compress_in_memory.then(|| {
-                        let t = Instant::now();
-                        let c = compress(&frames);
-                        self.metrics.record(Activity::Compress, frames.total_len(), t);
-                        c
-                    });
-                    Demoted::InMemory(frames, compressed)
+            .map(|d| {
+                if ended {
+                    Demoted::Abandoned
+                } else {
+                    match self.serialize(&d.key, &d.value) {
+                        Err(e) => {
+                            ended = ends;
+                            Demoted::Failed(e)
+                        }
+                        Ok(frames)
+                            if d.copy_crc
+                                .is_some_and(|c| c == crate::format::laid_out_crc(frames.iter().map(|b| &b[..]))) =>
+                        {
+                            Demoted::Same(frames.total_len())
+                        }
+                        Ok(frames) if direct => match self.log.validate(&d.key, &frames) {
+                            Ok(()) => Demoted::ToDisk(frames),
+                            Err(e) => {
+                                ended = ends;
+                                Demoted::Refused(Some(e))
+                            }
+                        },
+                        Ok(frames) => {
+                            let compressed = self.cfg.compress_in_memory.then(|| {
+                                let t = Instant::now();
+                                let c = compress(&frames);
+                                self.metrics.record(Activity::Compress, frames.total_len(), t);
+                                c
+                            });
+                            Demoted::InMemory(frames, compressed)
+                        }
+                    }
                 }
             })
             .collect();
@@ -183,13 +202,17 @@ impl<C: Codec, B: Backend> Store<C, B> {
             // Objects going straight to disk are reserved against max_spill now that their size is
             // known (the round planned them without it).
             let mut inner = self.lock();
+            let mut refused = false;
             for (dm, d) in demotions.iter().zip(&mut demoted) {
                 if let Demoted::ToDisk(f) = d {
                     let raw = f.total_len();
-                    if self.spill_allowed(&mut inner, &dm.key, raw) {
+                    if refused {
+                        *d = Demoted::Abandoned;
+                    } else if self.spill_allowed(&mut inner, &dm.key, raw) {
                         inner.writing_raw += raw;
                     } else {
                         *d = Demoted::Refused(None);
+                        refused = ends;
                     }
                 }
             }
@@ -301,6 +324,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                         }
                     });
                 }
+                Demoted::Abandoned => {}
                 Demoted::Same(raw) => {
                     if unchanged(&inner) && d.slot.evict().is_some() {
                         self.metrics.counter(Activity::DiskWriteSaved).add_untimed(raw);
@@ -552,11 +576,22 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// `enforce`, each about the [`EvictionPolicy::slack`] over the excess it was planned for.
     pub(super) fn enforce<'a>(
         &'a self,
-        mut inner: MutexGuard<'a, Inner<C::Value>>,
+        inner: MutexGuard<'a, Inner<C::Value>>,
         protect: Option<&Arc<Slot<C::Value, Error>>>,
     ) -> Result<()> {
         // The value being put is not this eviction's to take, under `keep_own_key`.
         let spare = if self.cfg.eviction.keep_own_key { protect } else { None };
+        self.enforce_sparing(inner, protect, spare)
+    }
+
+    /// [`Self::enforce`], passing over the entry of `spare` (a value that could not be written,
+    /// whose spill the others make up for).
+    pub(super) fn enforce_sparing<'a>(
+        &'a self,
+        mut inner: MutexGuard<'a, Inner<C::Value>>,
+        protect: Option<&Arc<Slot<C::Value, Error>>>,
+        spare: Option<&Arc<Slot<C::Value, Error>>>,
+    ) -> Result<()> {
         inner.round_failed = false;
         // Bounded: with the lock released during writes, other threads keep adding; each of them
         // enforces the target for its own puts.
@@ -621,10 +656,12 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 key.clone()
             };
             let Some(e) = inner.map.get(&key) else { continue };
+            // (A value being deserialized is about to be used: a get has it in hand.)
             if e.stuck
                 || e.tier == Tier::Disk
                 || inner.writing.contains_key(&key)
                 || spare.is_some_and(|s| Arc::ptr_eq(s, &e.slot))
+                || e.slot.state() == crate::slot::SlotState::Materializing
             {
                 continue;
             }
@@ -707,17 +744,19 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// Evict least-recently-used values, whatever the target, until `bytes` of memory weight have
     /// been planned out (or nothing more can go): for a process whose memory is above its own limit
     /// while the store is under its target (dask's memory monitor evicts until the process is back
-    /// under it). Returns the weight evicted; a value whose spill fails stays in memory, reported
-    /// as any failed spill, and is counted in neither.
-    pub fn evict_bytes(&self, bytes: u64) -> Result<u64> {
+    /// under it). `spare` (the key just put or read) is passed over. Returns the weight evicted; a
+    /// value whose spill fails stays in memory, reported as any failed spill, and is counted in
+    /// neither.
+    pub fn evict_bytes(&self, bytes: u64, spare: Option<&[u8]>) -> Result<u64> {
         let mut inner = self.lock();
+        let spare = spare.and_then(|k| inner.map.get(k)).map(|e| e.slot.clone());
         let mut freed = 0u64;
         for _ in 0..ENFORCE_ROUNDS {
             if freed >= bytes {
                 break;
             }
             let before = inner.mem_bytes;
-            let (planned, plan) = self.evict_round(&mut inner, bytes - freed, None, None)?;
+            let (planned, plan) = self.evict_round(&mut inner, bytes - freed, None, spare.as_ref())?;
             if plan.is_empty() {
                 if planned == 0 {
                     break;
@@ -739,6 +778,12 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// Returns the memory weight freed; 0 when nothing could be evicted. Never fails for a spill
     /// problem (the entry then stays in memory and the condition is reported).
     pub fn evict(&self) -> Result<u64> {
+        Ok(self.evict_one()?.unwrap_or(0))
+    }
+
+    /// [`Store::evict`], telling "nothing was evicted" (`None`: nothing in memory could go, or its
+    /// spill failed) from the eviction of a value that weighs nothing (`Some(0)`).
+    pub fn evict_one(&self) -> Result<Option<u64>> {
         let mut inner = self.lock();
         let Some(key) = inner
             .lru
@@ -746,7 +791,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             .find(|k| !inner.writing.contains_key(*k) && inner.map.get(*k).is_some_and(|e| !e.stuck))
             .cloned()
         else {
-            return Ok(0);
+            return Ok(None);
         };
         let (weight, slot) = {
             let e = &inner.map[&key];
@@ -764,7 +809,10 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 inner = self.spill(inner, plan, None).0;
             }
         }
-        let left = inner.map.get(&key).filter(|e| Arc::ptr_eq(&e.slot, &slot)).map_or(0, |e| e.mem_weight());
-        Ok(weight.saturating_sub(left))
+        let entry = inner.map.get(&key).filter(|e| Arc::ptr_eq(&e.slot, &slot));
+        if entry.is_some_and(|e| e.tier != Tier::Disk) {
+            return Ok(None); // still in memory: its spill failed
+        }
+        Ok(Some(weight))
     }
 }

@@ -362,7 +362,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             Err(e) => return Err(e),
         };
         let Some(e) = current else { return Ok(Some(v)) };
-        let (tier, large, revived, disk_bytes) = (e.tier, e.large, e.revived, e.disk_bytes);
+        let (tier, revived, disk_bytes) = (e.tier, e.revived, e.disk_bytes);
         if revived {
             // Settled here, whichever way the entry goes: a later get of it reads its record.
             inner.map.get_mut(k).expect("present").revived = false;
@@ -373,7 +373,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         if tier == Tier::Materialized || slot.state() != crate::slot::SlotState::Ready {
             return Ok(Some(v));
         }
-        if large || weight > self.target() {
+        if weight > self.target() {
             // Served without promotion: a value heavier than the target (as bytes, or as the object
             // its bytes deserialize to) stays where it is, as a `put` of it would go to disk.
             slot.evict();

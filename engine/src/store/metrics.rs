@@ -127,6 +127,9 @@ pub struct MetricsSnapshot {
     /// Weight of what is on disk: each value's weight when it was last in memory (`size_of` of an
     /// object, a length for frames), as dask's `spilled_total.memory` counts it.
     pub spilled_weight: u64,
+    /// Serialized bytes of the values on disk, not counting the copies that values read back
+    /// keep (`spilled_memory_bytes` counts those too).
+    pub spilled_raw: u64,
     /// Bytes on disk for what is spilled.
     pub spilled_disk_bytes: u64,
     /// Spills refused because `max_spill_bytes` would be exceeded.
@@ -202,6 +205,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             memory_bytes: inner.mem_bytes,
             spilled_memory_bytes: inner.disk_raw,
             spilled_weight: inner.disk_weight,
+            spilled_raw: inner.spilled_raw,
             spilled_disk_bytes: inner.disk_bytes,
             max_spill_refusals: self.metrics.max_spill_refusals.load(Ordering::Relaxed),
             spill_failures: self.metrics.spill_failures.load(Ordering::Relaxed),

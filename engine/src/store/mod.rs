@@ -191,6 +191,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             disk_bytes: 0,
             disk_raw: 0,
             disk_weight: 0,
+            spilled_raw: 0,
             logged_full: None,
             logged_disk: None,
             stuck: KeySet::default(),
@@ -303,6 +304,26 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// The serialized bytes of `key`'s value if it is on disk (what a peer is sent), else `None`.
     pub fn spilled_bytes(&self, key: &[u8]) -> Option<u64> {
         self.lock().map.get(key).filter(|e| e.tier == Tier::Disk).map(|e| e.disk_raw)
+    }
+
+    /// The serialized length of `key`'s value where the store holds it serialized (frames in
+    /// memory, an lz4 block, a record on disk); `None` for an object or an absent key.
+    pub fn stored_len(&self, key: &[u8]) -> Option<u64> {
+        let inner = self.lock();
+        let e = inner.map.get(key)?;
+        match e.tier {
+            Tier::Disk => Some(e.disk_raw),
+            Tier::Serialized => e.frames.as_ref().map(|f| f.total_len()),
+            Tier::Compressed => e.compressed.as_ref().map(|c| c.raw_len),
+            Tier::Materialized => None,
+        }
+    }
+
+    /// Threads waiting in `key`'s slot for another thread's materialization of its value (for tests
+    /// and diagnostics).
+    pub fn waiters(&self, key: &[u8]) -> u32 {
+        let slot = self.lock().map.get(key).map(|e| e.slot.clone());
+        slot.map_or(0, |s| s.waiters())
     }
 
     /// Entries in memory and on disk.

@@ -19,7 +19,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
                     return Err(e);
                 }
             };
-            return self.put_large(self.lock(), key, frames, Some(weight), true);
+            // Handed back by a get while something else still holds it (as an evicted object is).
+            let weak = self.keep_weak(&sync::Arc::new(value));
+            return self.put_large(self.lock(), key, frames, Some(weight), true, weak);
         }
         let mut inner = self.lock();
         let e = Entry::new(Slot::ready(sync::Arc::new(value)), Tier::Materialized, weight);
@@ -32,7 +34,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
     pub fn put_serialized(&self, key: &[u8], frames: Frames) -> Result<()> {
         let mut inner = self.lock();
         if frames.total_len() > self.target() {
-            return self.put_large(inner, key, frames, None, true);
+            return self.put_large(inner, key, frames, None, true, None);
         }
         let e = Entry::serialized(frames, false);
         let slot = e.slot.clone();
@@ -44,7 +46,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// for data passing through that should not take memory.
     pub fn put_serialized_on_disk(&self, key: &[u8], frames: Frames) -> Result<()> {
         let large = frames.total_len() > self.target();
-        self.put_large(self.lock(), key, frames, None, large)
+        self.put_large(self.lock(), key, frames, None, large, None)
     }
 
     /// A value heavier than the target: straight to disk, written outside the lock like any spill. On
@@ -59,16 +61,20 @@ impl<C: Codec, B: Backend> Store<C, B> {
         frames: Frames,
         object_weight: Option<u64>,
         large: bool,
+        weak: Option<Revive<C::Value>>,
     ) -> Result<()> {
         let raw = frames.total_len();
         let mut inner = self.wait_unwritten(inner, key);
         let e = Entry::serialized(frames.clone(), large);
         let slot = e.slot.clone();
         let k = self.insert(&mut inner, key, e)?;
+        if let Some(revive) = weak {
+            inner.weak.insert(k.clone(), WeakHandle { slot: slot.clone(), revive });
+        }
         if !self.spill_allowed(&mut inner, key, raw) {
             self.set_stuck(&mut inner, &k);
             // It stays in memory, over the target: the others are evicted instead, as dask does.
-            return self.enforce(inner, None);
+            return self.enforce_sparing(inner, None, Some(&slot));
         }
         let planned = Planned {
             key: k.clone(),
@@ -80,12 +86,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
         };
         Self::mark_writing(&mut inner, &planned);
         let (inner, _) = self.spill(inner, Plan::new(vec![planned]), None);
-        // It did not go to disk (a disk error): the others are evicted instead, as dask does.
-        let in_memory = inner.map.get(&k).is_some_and(|e| Arc::ptr_eq(&e.slot, &slot) && e.tier != Tier::Disk);
-        if in_memory {
-            return self.enforce(inner, None);
-        }
-        Ok(())
+        // Memory may be over the target still (values that could not go before), or again (the
+        // value did not go to disk, a disk error): the others are evicted, as dask does.
+        self.enforce_sparing(inner, None, Some(&slot))
     }
 
     /// Wait (releasing the lock) until no spill write of `key` is running: a value written to the log

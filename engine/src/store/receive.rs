@@ -150,7 +150,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         }
         if frames.total_len() > self.target() {
             if !refused {
-                return self.put_large(inner, key, frames, None, true);
+                return self.put_large(inner, key, frames, None, true, None);
             }
             let k = self.insert(&mut inner, key, Entry::serialized(frames, true))?;
             self.set_stuck(&mut inner, &k);

@@ -122,6 +122,22 @@ impl Client {
         })
     }
 
+    /// Fetch `key` straight onto `store`'s disk under `as_key` ([`Store::put_stream`]), never
+    /// holding it in memory (unless max_spill has no room for it: then into memory, serialized).
+    /// `Ok(false)` if the server does not have it.
+    pub fn stream_into_store<C: Codec, B: Backend>(
+        &mut self,
+        key: &[u8],
+        store: &Store<C, B>,
+        as_key: &[u8],
+    ) -> Result<bool> {
+        self.guarded(|c| {
+            let Some(m) = c.request(key)? else { return Ok(false) };
+            let allowance = c.opts.allowance(m.stored_len);
+            store.put_stream(as_key, &m, &mut Paced::new(&mut c.stream, allowance)).map(|()| true)
+        })
+    }
+
     /// Fetch `key` into `store` under the same key ([`Store::receive`] decides between memory and
     /// disk). Returns whether
     /// the server had the key; on any failure nothing is stored, and the key's old value, if any,
