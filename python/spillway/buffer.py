@@ -120,12 +120,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import hashlib
 import logging
-import math
-import numbers
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -133,11 +129,19 @@ import threading
 import weakref
 from collections import defaultdict
 from collections.abc import Hashable, ItemsView, Iterator, Mapping, MutableMapping, ValuesView
-from time import monotonic, perf_counter
+from time import perf_counter
 from typing import Any, Literal, NamedTuple
 
 from spillway import codec
 from spillway._core import Corrupt, SerializeError, Store, fetch, fetch_into_store
+from spillway.keys import encode_key
+from spillway.messages import (
+    DISK_ERROR_MESSAGE,
+    MAX_SPILL_MESSAGE,
+    PICKLE_ERROR_MESSAGE,
+    _install_rate_limits,
+    reset_log_rate_limits,
+)
 
 __all__ = [
     "PickleError",
@@ -151,13 +155,6 @@ __all__ = [
 
 logger = logging.getLogger("spillway")
 
-MAX_SPILL_MESSAGE = "Spill file on disk reached capacity; keeping data in memory"
-DISK_ERROR_MESSAGE = "Spill to disk failed; keeping data in memory"
-PICKLE_ERROR_MESSAGE = "Failed to pickle %r"
-
-#: Encoded keys longer than this are shortened to a prefix and a digest (store keys are bounded).
-MAX_ENCODED_KEY_BYTES = 512
-
 #: A failed write (an EIO, say) leaves a log read-only: the buffer then spills to a fresh store, in a
 #: new directory, at most this many times in its life (the disk may have failed for a moment; if it
 #: fails that often, it is failing). The read-only stores stay open, for their records, until the
@@ -170,63 +167,6 @@ RSS_CHECK_BYTES = 1 << 20
 
 #: Locks that order the sets and deletes of one key (a key's is chosen by its hash).
 _STRIPES = 64
-
-# --------------------------------------------------------------------------------------------------
-# Logging
-
-
-class _RateLimit(logging.Filter):
-    """Where distributed is not installed: let a record whose message starts with ``prefix``
-    through at most once every ``seconds``. (With distributed, its own ``RateLimiterFilter``.)"""
-
-    def __init__(self, prefix: str, seconds: float = 10.0):
-        super().__init__()
-        self.prefix = prefix
-        self.seconds = seconds
-        self.last = -math.inf
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.msg, str) and record.msg.startswith(self.prefix):
-            now = monotonic()
-            if now - self.last < self.seconds:
-                return False
-            self.last = now
-        return True
-
-
-#: The messages rate-limited as dask rate-limits its own (``distributed.spill``): the prefixes dask's
-#: filters match.
-_RATE_LIMITED = ("Spill file on disk reached capacity", "Spill to disk failed")
-_rate_filters: list = []
-
-
-def _install_rate_limits() -> None:
-    """Rate-limit ``_RATE_LIMITED`` on the ``spillway`` logger: with distributed's
-    ``RateLimiterFilter`` once distributed is loaded (so its ``reset_timer("spillway")``, which dask's
-    test suite uses, resets them), else with ``_RateLimit``. Run whenever a buffer is made (in a
-    dask worker, distributed is loaded by then), so that spillway itself never imports distributed."""
-    utils = sys.modules.get("distributed.utils")
-    limiter = getattr(utils, "RateLimiterFilter", None)
-    if _rate_filters and (limiter is None or isinstance(_rate_filters[0], limiter)):
-        return
-    for f in _rate_filters:
-        logger.removeFilter(f)
-    if limiter is None:
-        _rate_filters[:] = [_RateLimit(prefix) for prefix in _RATE_LIMITED]
-    else:
-        _rate_filters[:] = [limiter(re.escape(prefix)) for prefix in _RATE_LIMITED]
-    for f in _rate_filters:
-        logger.addFilter(f)
-
-
-def reset_log_rate_limits() -> None:
-    """Let the next rate-limited message through at once (for tests)."""
-    for f in _rate_filters:
-        if isinstance(f, _RateLimit):
-            f.last = -math.inf
-        else:
-            type(f).reset_timer(logger)
-
 
 # --------------------------------------------------------------------------------------------------
 # Process memory
@@ -244,67 +184,6 @@ def _rss() -> int:
 
 
 # --------------------------------------------------------------------------------------------------
-# Keys
-
-
-def encode_key(key: Hashable) -> bytes:
-    """Deterministic bytes describing a dask key.
-
-    Injective over dask keys (``str``, ``bytes``, ``int``, ``float``, ``None`` and tuples of these,
-    nested) up to dict equality: two keys get the same bytes if and only if they are the same dict
-    key. So ``1``, ``1.0`` and ``True`` encode alike, ``"1"`` and ``b"1"`` differ from them and
-    from each other, and ``("a", ("b", 1))`` differs from ``("a", "b", 1)``. numpy integer and
-    float scalars encode as the Python numbers they equal. Other types are encoded by type name and
-    ``repr``, which describes them but is not guaranteed to be injective; ``SpillBuffer`` never
-    relies on it for identity. Encodings longer than ``MAX_ENCODED_KEY_BYTES`` are cut to a prefix
-    plus a BLAKE2b digest of the whole.
-    """
-    out = bytearray()
-    _encode(key, out)
-    if len(out) > MAX_ENCODED_KEY_BYTES:
-        digest = hashlib.blake2b(out, digest_size=32).digest()
-        out = out[: MAX_ENCODED_KEY_BYTES // 2] + b"~" + digest
-    return bytes(out)
-
-
-def _encode(key: object, out: bytearray) -> None:
-    if isinstance(key, str):
-        b = key.encode("utf-8", "surrogatepass")
-        out += b"s%d:" % len(b)
-        out += b
-    elif isinstance(key, tuple):
-        out += b"t%d:" % len(key)
-        for item in key:
-            _encode(item, out)
-    elif isinstance(key, (bytes, bytearray)):
-        out += b"b%d:" % len(key)
-        out += key
-    elif key is None:
-        out += b"n"
-    elif isinstance(key, (int, numbers.Integral)):  # bool, int, numpy integers
-        out += b"i%d;" % int(key)
-    elif isinstance(key, float):  # float, numpy.float64
-        _encode_real(float(key), out)
-    elif isinstance(key, complex):
-        if key.imag == 0:
-            _encode_real(key.real, out)
-        else:
-            out += b"c%s,%s;" % (key.real.hex().encode(), key.imag.hex().encode())
-    else:
-        r = f"{type(key).__module__}.{type(key).__qualname__}:{key!r}".encode(
-            "utf-8", "backslashreplace"
-        )
-        out += b"r%d:" % len(r)
-        out += r
-
-
-def _encode_real(x: float, out: bytearray) -> None:
-    if math.isfinite(x) and x == int(x):
-        out += b"i%d;" % int(x)  # 1.0 == 1 and -0.0 == 0 as dict keys
-    else:
-        out += b"f%s;" % x.hex().encode()
-
-
 # --------------------------------------------------------------------------------------------------
 # Serialization
 

@@ -146,6 +146,7 @@ impl PyCodec {
 
 impl Codec for PyCodec {
     type Value = Py<PyAny>;
+    const KEEPS_WEAK: bool = true;
 
     fn serialize(&self, value: &Py<PyAny>) -> Result<Frames, CodecError> {
         Python::with_gil(|py| {

@@ -71,7 +71,7 @@ def test_equal_dict_keys_encode_alike():
 def test_encoding_is_deterministic_and_bounded():
     for key in KEYS:
         assert encode_key(key) == encode_key(key)
-    assert len(encode_key("a" * 100_000)) <= spillway.buffer.MAX_ENCODED_KEY_BYTES + 64
+    assert len(encode_key("a" * 100_000)) <= spillway.keys.MAX_ENCODED_KEY_BYTES + 64
     assert encode_key("a" * 100_000) != encode_key("a" * 100_001)
 
 

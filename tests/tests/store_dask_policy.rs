@@ -112,6 +112,7 @@ impl Codec for WeakCodec {
     fn size_of(&self, v: &Vec<u8>) -> u64 {
         self.inner.size_of(v)
     }
+    const KEEPS_WEAK: bool = true;
     fn keep_weak(&self, value: &Arc<Vec<u8>>) -> Option<Revive<Vec<u8>>> {
         let weak: Weak<Vec<u8>> = Arc::downgrade(value);
         let revived = self.revived.clone();
@@ -272,6 +273,7 @@ impl Codec for PanickyWeak {
     fn size_of(&self, v: &Vec<u8>) -> u64 {
         self.0.size_of(v)
     }
+    const KEEPS_WEAK: bool = true;
     fn keep_weak(&self, _value: &Arc<Vec<u8>>) -> Option<Revive<Vec<u8>>> {
         panic!("the test codec's weak handles panic");
     }

@@ -148,6 +148,8 @@ pub(super) struct Inner<V> {
     pub(super) writing_raw: u64,
     /// Keys a `put_stream` is receiving right now (absent from `map` meanwhile).
     pub(super) streams: KeyMap<Arc<[u8]>, Stream>,
+    /// Gets answered with an object in memory: (count, weight), part of `Activity::MemoryRead`.
+    pub(super) object_reads: (u64, u64),
     /// A spill failed since the current eviction began ([`EvictionPolicy::failed_spill_ends_round`]).
     pub(super) round_failed: bool,
     /// Spills that did not happen, for [`Store::take_failures`] (with `StoreConfig::report_failures`).

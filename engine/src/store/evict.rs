@@ -523,7 +523,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         }
         if inner.failures.len() < MAX_REPORTED_FAILURES {
             inner.failures.push(SpillFailure { key: key.to_vec(), kind, error: error.cloned() });
-            self.failures_pending.store(true, Ordering::Release);
+            self.failures_pending.store(true, std::sync::atomic::Ordering::Release);
         }
         true
     }
@@ -531,7 +531,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// The spills that did not happen since the last call (with `StoreConfig::report_failures`),
     /// oldest first. Cheap when there are none.
     pub fn take_failures(&self) -> Vec<SpillFailure> {
-        if !self.failures_pending.swap(false, Ordering::Acquire) {
+        if !self.failures_pending.swap(false, std::sync::atomic::Ordering::Acquire) {
             return Vec::new();
         }
         std::mem::take(&mut self.lock().failures)
@@ -540,6 +540,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// The codec's weak handle on `v`; none if the codec panics (as in `serialize`, unwinding here
     /// would leave the round's keys marked as being written).
     pub(super) fn keep_weak(&self, v: &sync::Arc<C::Value>) -> Option<Revive<C::Value>> {
+        if !C::KEEPS_WEAK {
+            return None;
+        }
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.codec.keep_weak(v))).unwrap_or(None)
     }
 
@@ -677,7 +680,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
             if e.disk_bytes > 0 && !must_verify {
                 if e.tier == Tier::Materialized {
                     let Some(v) = e.slot.evict() else { continue };
-                    released.push(Released { key: key.clone(), slot: e.slot.clone(), value: v });
+                    if C::KEEPS_WEAK {
+                        released.push(Released { key: key.clone(), slot: e.slot.clone(), value: v });
+                    }
                 }
                 freed += Self::modify_entry(inner, &key, |ne| {
                     ne.tier = Tier::Disk;

@@ -284,7 +284,10 @@ impl<C: Codec, B: Backend> Store<C, B> {
         let Some((k, e)) = inner.map.get_key_value(key) else { return Ok(GetStart::Done(None)) };
         let k = k.clone();
         if let Some(v) = e.slot.try_get() {
-            self.metrics.counter(Activity::MemoryRead).add_untimed(e.weight);
+            // Counted under the lock this path holds anyway: no atomic on a get's fastest path.
+            let w = e.weight;
+            inner.object_reads.0 += 1;
+            inner.object_reads.1 += w;
             Self::touch(&mut inner, &k);
             return Ok(GetStart::Done(Some(v)));
         }

@@ -199,7 +199,17 @@ impl<C: Codec, B: Backend> Store<C, B> {
     pub fn metrics(&self) -> MetricsSnapshot {
         let inner = self.lock();
         MetricsSnapshot {
-            activities: Activity::ALL.iter().map(|&a| (a.name(), self.metrics.counter(a).snap())).collect(),
+            activities: Activity::ALL
+                .iter()
+                .map(|&a| {
+                    let mut st = self.metrics.counter(a).snap();
+                    if a == Activity::MemoryRead {
+                        st.count += inner.object_reads.0;
+                        st.bytes += inner.object_reads.1;
+                    }
+                    (a.name(), st)
+                })
+                .collect(),
             tier_bytes: TIERS.iter().map(|t| (t.name(), inner.tier_bytes[t.idx()])).collect(),
             tier_entries: TIERS.iter().map(|t| (t.name(), inner.tier_count[t.idx()])).collect(),
             memory_bytes: inner.mem_bytes,

@@ -61,7 +61,7 @@ use crate::slot::Slot;
 use crate::stored;
 // Locks, counters and the values' `Arc` come from the sync shim, so the loom models in `loom-tests/`
 // run this code as it is (keys and slots are plain `Arc`s: only their contents are shared state).
-use crate::sync::{self, AtomicBool, AtomicU64, Condvar, Mutex, MutexGuard, Ordering};
+use crate::sync::{self, AtomicU64, Condvar, Mutex, MutexGuard, Ordering};
 use crate::value::Frames;
 
 mod check;
@@ -107,6 +107,10 @@ pub trait Codec: Send + Sync + 'static {
     }
     /// Memory weight of a materialized value in bytes.
     fn size_of(&self, value: &Self::Value) -> u64;
+    /// Whether [`Codec::keep_weak`] may give handles: when false (the default) the store takes none
+    /// and an eviction that only drops objects (their disk copies are current) stays under its lock.
+    const KEEPS_WEAK: bool = false;
+
     /// A weak handle on `value`, taken (without the store's lock) when the store evicts it: a later
     /// get of the key that finds the value still alive elsewhere returns it without reading or
     /// deserializing, as dask's store does with Python weak references. Default: none.
@@ -127,10 +131,13 @@ pub struct Store<C: Codec, B: Backend = PortableBackend> {
     inner: Mutex<Inner<C::Value>>,
     /// Signalled (with `inner`) whenever a spill write lands.
     written: Condvar,
-    /// `Inner::failures` is not empty (read without the lock by `take_failures`).
-    failures_pending: AtomicBool,
-    /// The memory target (`StoreConfig::target_bytes` at open; [`Store::set_target`]).
-    target: AtomicU64,
+    /// `Inner::failures` is not empty (read without the lock by `take_failures`). A hint, not a
+    /// synchronization (the list itself is read under the lock): std's atomic, outside the loom
+    /// models' state.
+    failures_pending: std::sync::atomic::AtomicBool,
+    /// The memory target (`StoreConfig::target_bytes` at open; [`Store::set_target`]): a setting,
+    /// read relaxed, std's atomic like `failures_pending`.
+    target: std::sync::atomic::AtomicU64,
     metrics: Metrics,
 }
 
@@ -203,6 +210,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             streams: KeyMap::default(),
             weak: KeyMap::default(),
             round_failed: false,
+            object_reads: (0, 0),
             copy_crc: KeyMap::default(),
             failures: Vec::new(),
         };
@@ -217,14 +225,14 @@ impl<C: Codec, B: Backend> Store<C, B> {
             inner.count_in(Acct::of(&e));
             inner.map.insert(Arc::from(k.as_slice()), e);
         }
-        let target = AtomicU64::new(cfg.target_bytes);
+        let target = std::sync::atomic::AtomicU64::new(cfg.target_bytes);
         Ok(Store {
             codec,
             log,
             cfg,
             inner: Mutex::new(inner),
             written: Condvar::new(),
-            failures_pending: AtomicBool::new(false),
+            failures_pending: std::sync::atomic::AtomicBool::new(false),
             target,
             metrics: Metrics::default(),
         })
@@ -281,14 +289,14 @@ impl<C: Codec, B: Backend> Store<C, B> {
 
     /// The memory target now.
     pub fn target(&self) -> u64 {
-        self.target.load(Ordering::Relaxed)
+        self.target.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Change the memory target. Nothing is evicted now: the next put or promotion evicts down to
     /// it (as dask's store does when its `target` is changed); a value's being heavier than the
     /// target is judged when it arrives.
     pub fn set_target(&self, bytes: u64) {
-        self.target.store(bytes, Ordering::Relaxed);
+        self.target.store(bytes, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Keys in memory (any in-memory tier) and keys on disk, unordered.

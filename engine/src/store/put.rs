@@ -20,7 +20,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 }
             };
             // Handed back by a get while something else still holds it (as an evicted object is).
-            let weak = self.keep_weak(&sync::Arc::new(value));
+            let weak = if C::KEEPS_WEAK { self.keep_weak(&sync::Arc::new(value)) } else { None };
             return self.put_large(self.lock(), key, frames, Some(weight), true, weak);
         }
         let mut inner = self.lock();
