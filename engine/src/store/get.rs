@@ -377,8 +377,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
             return Ok(Some(v));
         }
         if weight > self.target() {
-            // Served without promotion: a value heavier than the target (as bytes, or as the object
-            // its bytes deserialize to) stays where it is, as a `put` of it would go to disk.
+            // Served without promotion: an object heavier than the target stays where its value is,
+            // as a `put` of it would go to disk. (Judged by the object, as dask judges a read back:
+            // frames heavier than the target whose object is light come back into memory.)
             slot.evict();
             return Ok(Some(v));
         }

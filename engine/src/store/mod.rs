@@ -16,7 +16,8 @@
 //! threshold sooner). Only values the disk refuses (`max_spill` reached, a full or failed disk, a
 //! serialize failure) stay above the target; they are retried when this store frees disk space
 //! (a removed or replaced spilled value) or when one of them is read. A value heavier than the target goes
-//! straight to disk and is served from there without being promoted.
+//! straight to disk and is served from there without being promoted (a read back is judged by the
+//! weight of the object it deserializes to).
 //!
 //! ## Failures
 //! `max_spill` full, a serialize failure or a disk failure while evicting *another* key keep that key
