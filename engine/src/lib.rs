@@ -48,8 +48,8 @@ pub use log::{
     StoredValue, StreamedValue, VerifyProblem, MAX_SEGMENT_BYTES, MAX_VALUE_BYTES,
 };
 pub use store::{
-    Activity, ActivityStats, Codec, CodecError, EvictionPolicy, MetricsSnapshot, Revive, SpillFailure,
-    SpillFailureKind, Store, StoreConfig, Tier, SPILL_WRITE_BEHIND_BYTES,
+    read_rss, Activity, ActivityStats, Codec, CodecError, EvictionPolicy, MetricsSnapshot, Revive, RssProbe,
+    SpillFailure, SpillFailureKind, Store, StoreConfig, Tier, RSS_CHECK_BYTES, SPILL_WRITE_BEHIND_BYTES,
 };
 pub use value::Frames;
 

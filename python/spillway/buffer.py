@@ -65,8 +65,9 @@ Beyond dask's policy (memory under pressure)
 * **Process memory.** With ``process_target`` (by default, inside a dask worker: its memory limit
   times ``distributed.worker.memory.target``), a set or a read back that finds the process's RSS
   above it also spills least-recently-used keys, until their weight covers the excess: what dask's
-  memory monitor does every 100 ms from the event loop, done as memory grows. The RSS is read once
-  per ``RSS_CHECK_BYTES`` of weight brought in.
+  memory monitor does every 100 ms from the event loop, done as memory grows, by the store
+  (``engine/src/store/pressure.rs``: the RSS is read once per MiB of weight brought in or let go,
+  and memory that spilling does not give back is learned as out of reach, not chased).
 
 Metrics
 -------
@@ -161,29 +162,12 @@ logger = logging.getLogger("spillway")
 #: buffer closes.
 MAX_FRESH_LOGS = 3
 
-#: Bytes of weight brought into memory (sets, reads back) between two reads of the process's RSS
-#: (see ``process_target``). A read costs about 2 µs.
-RSS_CHECK_BYTES = 1 << 20
-
 #: Locks that order the sets and deletes of one key (a key's is chosen by its hash).
 _STRIPES = 64
 
-# --------------------------------------------------------------------------------------------------
-# Process memory
+#: Seconds between two looks for the dask worker whose data a buffer is (``process_target="auto"``).
+_RESOLVE_EVERY = 0.1
 
-_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
-_statm_fd: int | None = None
-
-
-def _rss() -> int:
-    """This process's resident set size in bytes (what dask's memory monitor and nanny watch)."""
-    global _statm_fd
-    if _statm_fd is None:
-        _statm_fd = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
-    return int(os.pread(_statm_fd, 128, 0).split()[1]) * _PAGE_BYTES
-
-
-# --------------------------------------------------------------------------------------------------
 # --------------------------------------------------------------------------------------------------
 # Serialization
 
@@ -393,6 +377,9 @@ class SpillBuffer(MutableMapping):
             "writeable": writeable,
             "report_failures": True,
         }
+        #: bytes, None (off), or "auto" until the dask worker whose data this is is found
+        self._process_target = process_target
+        self._next_resolve = 0.0  # when to look for that worker again
         self.directory = tempfile.mkdtemp(prefix="spillway-", dir=self._parent)
         try:
             store = self._open(self.directory, target)
@@ -415,10 +402,6 @@ class SpillBuffer(MutableMapping):
         self._incoming = 0  # frames received into memory (``receive``) and not yet let go of
         self._extra_metrics: defaultdict = defaultdict(float)  # the side channel's, spillway.dask
         self._log_views: dict = {}
-        self._process_target = process_target
-        self._memory_at_rss = 0  # memory weight when the RSS was last read
-        self._last_rss = 0
-        self._out_of_reach = 0  # RSS above process_target that spilling did not bring down
         # Inside a dask worker, also report metrics to distributed's context meter (as dask's
         # SpillBuffer does), so that they appear in the worker's fine performance metrics.
         metrics_module = sys.modules.get("distributed.metrics")
@@ -426,7 +409,10 @@ class SpillBuffer(MutableMapping):
 
     def _open(self, directory: str, target: int) -> Store:
         max_spill = None if self.max_spill is False else self.max_spill
-        return Store(directory, target, max_spill, **self._store_options)
+        store = Store(directory, target, max_spill, **self._store_options)
+        if self._process_target != "auto":
+            store.process_target = self._process_target
+        return store
 
     # ---------------------------------------------------------------------------------------------
     # Properties
@@ -539,7 +525,7 @@ class SpillBuffer(MutableMapping):
             except SerializeError as error:
                 self._forget(key, skey)  # (the store forgot it: dask's rule)
                 raise PickleError(key) from error.__cause__
-        self._settle(skey)
+        self._settle()
 
     def __getitem__(self, key: Hashable) -> object:
         """The object of ``key``. An object in memory moves to the tail of the LRU. A key held as
@@ -560,7 +546,7 @@ class SpillBuffer(MutableMapping):
                 raise _damaged(key, error) from error
             if store is not self._store and store.tier(skey) != "disk":
                 self._move_to_current(key, skey, store)
-            self._settle(skey)
+            self._settle()
             return value
         raise KeyError(key)
 
@@ -642,7 +628,7 @@ class SpillBuffer(MutableMapping):
         with self._stripe(key):
             store, skey = self._place(key)
             store.put_serialized(skey, frames, not self.serialized_in_memory)
-        self._settle(skey)
+        self._settle()
 
     def disk_record(self, key: Hashable) -> tuple | None:
         """``(store, store key, pickled bytes)`` of ``key``'s value if it is on disk, else None
@@ -671,12 +657,12 @@ class SpillBuffer(MutableMapping):
         the value stays pickled until a task reads it; set it with ``buf[key] = value``. Raises
         KeyError if the server no longer has it, OSError or SpillwayError if the transfer fails or
         the value is not ``nbytes`` (nothing is kept)."""
-        goal = self._resolve_process_target()
-        rss = _rss() if goal is not None else 0
+        self._resolve_process_target()
+        headroom = self._store.process_headroom()
         with self._lock:
             memory = self.fast.total_weight
             to_disk = memory + self._incoming + nbytes > self.target or (
-                goal is not None and rss - self._out_of_reach + self._incoming + nbytes > goal
+                headroom is not None and self._incoming + nbytes > headroom
             )
             # A key the buffer has (a second fetch) keeps its value until the new one is set.
             to_disk = to_disk and key not in self._keys
@@ -838,16 +824,15 @@ class SpillBuffer(MutableMapping):
                 store.put_serialized(skey, old.get_serialized(skey))
             old.remove(skey)
 
-    def _settle(self, spare: bytes | None = None) -> None:
-        """After a call that may have evicted: say what the store could not spill, relieve the
-        process's memory (never spilling ``spare``, the store key just set or read), report metrics
-        to distributed's context meter."""
+    def _settle(self) -> None:
+        """After a call that may have evicted: say what the store could not spill, report metrics to
+        distributed's context meter."""
         store = self._store
         failures = store.take_failures()
         if failures:
             self._report(store, failures)
-        if self._process_target is not None:
-            self._relieve_process_memory(spare)
+        if self._process_target == "auto" and perf_counter() >= self._next_resolve:
+            self._resolve_process_target()
         meter = self._context_meter
         if meter is not None:
             for label, unit, value in self._store.take_metric_deltas():
@@ -937,46 +922,14 @@ class SpillBuffer(MutableMapping):
             self._report(fresh, failures)
         return True
 
-    def _relieve_process_memory(self, spare: bytes | None) -> None:
-        """If the process's RSS is above ``process_target``, spill least-recently-used keys until
-        their weight covers the excess. The RSS is read once per ``RSS_CHECK_BYTES`` of weight
-        brought into memory.
-
-        Memory that spilling did not give back to the system (freed Python objects that stay in the
-        allocator's arenas, values still referenced elsewhere) is learned as out of reach: a round
-        that spilled W bytes of weight while the RSS fell by less than W/2 adds the difference, and
-        later checks spill only for RSS above it (it shrinks again as the RSS falls, and never
-        exceeds a quarter of ``process_target``). Without this, a worker whose RSS stays high
-        whatever is spilled spills and reads back everything over and over."""
-        memory = self._store.memory_bytes
-        if abs(memory - self._memory_at_rss) < RSS_CHECK_BYTES:
-            return
-        self._memory_at_rss = memory
-        goal = self._resolve_process_target()
-        if goal is None:
-            return
-        self._last_rss = rss = _rss()
-        self._out_of_reach = min(self._out_of_reach, max(0, rss - goal))
-        excess = rss - goal - self._out_of_reach
-        if excess <= 0:
-            return
-        store = self._store
-        freed = store.evict_bytes(excess, spare)
-        failures = store.take_failures()
-        if failures:
-            self._report(store, failures)
-        if freed:
-            self._memory_at_rss = self._store.memory_bytes
-            fell = rss - _rss()
-            if fell < freed / 2:
-                self._out_of_reach = min(goal // 4, self._out_of_reach + freed - max(fell, 0))
-
     def _resolve_process_target(self) -> int | None:
         """``process_target`` in bytes; for "auto", that of the dask worker whose data this buffer
-        is (memory_limit x the target fraction, or the spill fraction), looked up until found."""
+        is (memory_limit x the target fraction, or the spill fraction), looked for (at most every
+        ``_RESOLVE_EVERY`` seconds) until found, then given to the stores."""
         target = self._process_target
         if target != "auto":
             return target
+        self._next_resolve = perf_counter() + _RESOLVE_EVERY
         worker_module = sys.modules.get("distributed.worker")
         for worker in list(getattr(getattr(worker_module, "Worker", None), "_instances", ())):
             manager = getattr(worker, "memory_manager", None)
@@ -984,6 +937,9 @@ class SpillBuffer(MutableMapping):
                 fraction = manager.memory_target_fraction or manager.memory_spill_fraction
                 limit = manager.memory_limit
                 self._process_target = int(limit * fraction) if limit and fraction else None
+                with self._lock:
+                    for store, _ in self._stores:
+                        store.process_target = self._process_target
                 return self._process_target
         return None
 

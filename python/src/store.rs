@@ -365,6 +365,27 @@ impl Store {
         Ok(())
     }
 
+    /// Bytes of process memory (RSS) above which a put or a read back also evicts, until the weight
+    /// evicted covers the excess (`engine/src/store/pressure.rs`); `None`: off (the default).
+    #[getter]
+    fn get_process_target(&self) -> PyResult<Option<u64>> {
+        Ok(self.inner()?.process_target())
+    }
+
+    #[setter]
+    fn set_process_target(&self, bytes: Option<u64>) -> PyResult<()> {
+        self.inner()?.set_process_target(bytes);
+        Ok(())
+    }
+
+    /// How many bytes the process may still grow by before its RSS (read now) passes
+    /// `process_target`, counting what spilling was learned not to bring down; `None` without a
+    /// process target.
+    fn process_headroom(&self, py: Python<'_>) -> PyResult<Option<u64>> {
+        let s = self.inner()?;
+        Ok(py.allow_threads(|| s.process_headroom()))
+    }
+
     /// `(keys in memory, keys on disk)`, unordered.
     #[allow(clippy::type_complexity)]
     fn keys_by_place<'py>(&self, py: Python<'py>) -> PyResult<(Vec<Bound<'py, PyBytes>>, Vec<Bound<'py, PyBytes>>)> {

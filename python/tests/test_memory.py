@@ -90,11 +90,14 @@ def test_process_target_auto_is_the_workers_memory_limit_times_its_target_fracti
         ) as cluster,
         distributed.Client(cluster) as client,
     ):
-        (goal,) = client.run(
-            lambda dask_worker: dask_worker.data._resolve_process_target()
+        ((goal, store_goal),) = client.run(
+            lambda dask_worker: (
+                dask_worker.data._resolve_process_target(),
+                dask_worker.data._store.process_target,
+            )
         ).values()
     fraction = distributed.worker_memory.dask.config.get("distributed.worker.memory.target")
-    assert goal == int((1 << 30) * fraction)
+    assert goal == store_goal == int((1 << 30) * fraction)
 
 
 def test_a_buffer_nobody_holds_is_collected_with_its_directory(tmp_path):
@@ -106,19 +109,3 @@ def test_a_buffer_nobody_holds_is_collected_with_its_directory(tmp_path):
     del buf
     gc.collect()
     assert not os.path.exists(directory)
-
-
-def test_memory_that_spilling_does_not_give_back_is_not_chased(make_buffer, monkeypatch):
-    """An RSS that stays up whatever is spilled (objects freed into the allocator's arenas, values
-    referenced elsewhere) is learned as out of reach: spilling stops once it has covered the
-    excess, instead of spilling every older value at every set."""
-    from spillway import buffer
-
-    monkeypatch.setattr(buffer, "_rss", lambda: 110 << 20)  # never falls
-    buf = make_buffer(target=1 << 30, process_target=100 << 20)
-    for i in range(20):
-        buf[i] = array(1 << 20, i)
-    spilled = len(buf.slow)
-    assert 10 <= spilled <= 12, spilled  # the 10 MiB excess, once; not 19
-    for i in range(20):
-        np.testing.assert_array_equal(buf[i], array(1 << 20, i))

@@ -44,6 +44,7 @@
 //! | `receive.rs` | [`Store::receive`] and `put_stream`: values arriving in stored form |
 //! | `get.rs` | `get`, `get_many`, `get_async`, `get_serialized`; deserialize once |
 //! | `persist.rs` | `flush` of a persistent store |
+//! | `pressure.rs` | the process target: eviction when the process's RSS is above it, memory out of reach |
 //! | `metrics.rs` | [`Activity`] counters and [`MetricsSnapshot`] |
 //! | `check.rs` | `check_accounting` |
 
@@ -72,6 +73,7 @@ mod evict;
 mod get;
 mod metrics;
 mod persist;
+mod pressure;
 mod put;
 mod receive;
 
@@ -80,6 +82,7 @@ pub use self::entry::Tier;
 pub use self::evict::{SpillFailure, SpillFailureKind, MAX_REPORTED_FAILURES};
 pub use self::get::{GET_MANY_BATCH, GET_MANY_DEPTH};
 pub use self::metrics::{Activity, ActivityStats, MetricsSnapshot};
+pub use self::pressure::{read_rss, RssProbe, RSS_CHECK_BYTES};
 
 use self::entry::*;
 use self::evict::*;
@@ -139,6 +142,8 @@ pub struct Store<C: Codec, B: Backend = PortableBackend> {
     /// The memory target (`StoreConfig::target_bytes` at open; [`Store::set_target`]): a setting,
     /// read relaxed, std's atomic like `failures_pending`.
     target: std::sync::atomic::AtomicU64,
+    /// The process target and what was learned of the process's memory (`pressure.rs`).
+    process: pressure::ProcessMemory,
     metrics: Metrics,
 }
 
@@ -235,6 +240,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             written: Condvar::new(),
             failures_pending: std::sync::atomic::AtomicBool::new(false),
             target,
+            process: pressure::ProcessMemory::default(),
             metrics: Metrics::default(),
         })
     }

@@ -7,6 +7,12 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// Store a materialized value. If it is heavier than the target it is serialized and written to disk
     /// at once; a serialize failure then fails this call and the key is forgotten.
     pub fn put(&self, key: &[u8], value: C::Value) -> Result<()> {
+        let done = self.put_object(key, value);
+        self.relieve_process_memory(Some(key));
+        done
+    }
+
+    fn put_object(&self, key: &[u8], value: C::Value) -> Result<()> {
         let weight = self.codec.size_of(&value);
         if weight > self.target() {
             let frames = match self.serialize(key, &value) {
@@ -33,13 +39,15 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// Store serialized frames (data from a peer or from disk): they stay serialized until a `get`.
     pub fn put_serialized(&self, key: &[u8], frames: Frames) -> Result<()> {
         let mut inner = self.lock();
-        if frames.total_len() > self.target() {
-            return self.put_large(inner, key, frames, None, true, None);
-        }
-        let e = Entry::serialized(frames, false);
-        let slot = e.slot.clone();
-        self.insert(&mut inner, key, e)?;
-        self.enforce(inner, Some(&slot))
+        let done = if frames.total_len() > self.target() {
+            self.put_large(inner, key, frames, None, true, None)
+        } else {
+            let e = Entry::serialized(frames, false);
+            let slot = e.slot.clone();
+            self.insert(&mut inner, key, e).and_then(|_| self.enforce(inner, Some(&slot)))
+        };
+        self.relieve_process_memory(Some(key));
+        done
     }
 
     /// Store frames straight on disk, whatever their size (as a value heavier than the target goes):
