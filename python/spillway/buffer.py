@@ -120,7 +120,6 @@ was).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import logging
 import os
 import shutil
@@ -134,7 +133,7 @@ from time import perf_counter
 from typing import Any, Literal, NamedTuple
 
 from spillway import codec
-from spillway._core import Corrupt, SerializeError, Store, fetch, fetch_into_store
+from spillway._core import Corrupt, SerializeError, Store
 from spillway.keys import encode_key
 from spillway.messages import (
     DISK_ERROR_MESSAGE,
@@ -143,6 +142,7 @@ from spillway.messages import (
     _install_rate_limits,
     reset_log_rate_limits,
 )
+from spillway.received import _SERVING, PeerValues, PickledFrames, ReceivedRecord
 
 __all__ = [
     "PickleError",
@@ -183,63 +183,6 @@ class PickleError(TypeError):
     def __str__(self) -> str:
         return f"Failed to pickle {self.key!r}"
 
-
-
-# --------------------------------------------------------------------------------------------------
-# Values a peer sent
-
-
-class PickledFrames:
-    """A value as pickle protocol 5 frames, ``[header, *out-of-band buffers]``: set into a
-    :class:`SpillBuffer` (``buf[key] = PickledFrames(frames)``), it is stored as
-    :meth:`SpillBuffer.set_serialized` stores frames, without unpickling them. This is how a value
-    received from a peer reaches the store through dask's ``data[key] = value`` (see
-    :mod:`spillway.dask`). ``sys.getsizeof`` (and so dask's ``sizeof``) is the frames' byte length."""
-
-    __slots__ = ("__weakref__", "frames")
-
-    def __init__(self, frames: list):
-        self.frames = frames
-
-    def __sizeof__(self) -> int:
-        return codec.frame_bytes(self.frames)
-
-    def __repr__(self) -> str:
-        return f"<PickledFrames: {len(self.frames)} frames, {codec.frame_bytes(self.frames)} bytes>"
-
-
-class ReceivedRecord:
-    """A value a peer sent straight onto a :class:`SpillBuffer`'s disk (:meth:`SpillBuffer.receive`):
-    set into that buffer (``buf[key] = record``, as dask's ``data[key] = value`` does), it becomes
-    the key's value on disk without being read. A record that is never set is deleted once this
-    object is collected. ``sys.getsizeof`` (and so dask's ``sizeof``) is the value's frames' byte
-    length."""
-
-    __slots__ = ("__weakref__", "_buffer", "_orphan", "_store", "key", "nbytes", "store_key")
-
-    def __init__(self, buffer: SpillBuffer, key: Hashable, store: Store, store_key: bytes, nbytes: int):
-        self._buffer = weakref.ref(buffer)
-        self._store = store
-        self.key = key
-        self.store_key = store_key
-        self.nbytes = nbytes
-        self._orphan = weakref.finalize(self, _drop_orphan, self._buffer, store_key)
-
-    def __sizeof__(self) -> int:
-        return self.nbytes
-
-    def __repr__(self) -> str:
-        return f"<ReceivedRecord: {self.nbytes} bytes on disk>"
-
-
-def _drop_orphan(buffer_ref, store_key: bytes) -> None:
-    buffer = buffer_ref()
-    if buffer is not None:
-        buffer._drop_pending(store_key)
-
-
-#: (buffer, {key: value}) while :meth:`SpillBuffer.serving` is in effect in this context.
-_SERVING: contextvars.ContextVar = contextvars.ContextVar("spillway_serving", default=None)
 
 #: The store's tiers, as the buffer names them.
 _TIERS = {"materialized": "object", "serialized": "frames", "compressed": "frames", "disk": "disk"}
@@ -314,7 +257,7 @@ class _LogView:
 # SpillBuffer
 
 
-class SpillBuffer(MutableMapping):
+class SpillBuffer(PeerValues, MutableMapping):
     """A mapping from dask keys to objects that spills least-recently-used values to disk.
 
     Parameters
@@ -629,132 +572,6 @@ class SpillBuffer(MutableMapping):
             store, skey = self._place(key)
             store.put_serialized(skey, frames, not self.serialized_in_memory)
         self._settle()
-
-    def disk_record(self, key: Hashable) -> tuple | None:
-        """``(store, store key, pickled bytes)`` of ``key``'s value if it is on disk, else None
-        (KeyError if absent): what :mod:`spillway.dask` grants a peer
-        (``TransferServer.grant(store, store_key)`` pins the record as it is then)."""
-        skey = self._keys[key]
-        store = self._store_of(key)
-        nbytes = store.spilled_bytes(skey)
-        return None if nbytes is None else (store, skey, nbytes)
-
-    def receive(
-        self,
-        key: Hashable,
-        address: tuple,
-        ticket: bytes,
-        remote_key: bytes,
-        nbytes: int,
-        *,
-        timeout: float = 30.0,
-    ) -> PickledFrames | ReceivedRecord:
-        """Fetch ``key``'s value, ``nbytes`` of frames, from the spillway transfer server at
-        ``address`` (``(host, port)``), which granted ``ticket`` for its record ``remote_key``. If it
-        fits under ``target`` and ``process_target`` (counting what is being received into memory
-        meanwhile), the frames come into memory: a :class:`PickledFrames`. Otherwise they are written
-        straight onto this buffer's disk, never held in memory: a :class:`ReceivedRecord`. Either way
-        the value stays pickled until a task reads it; set it with ``buf[key] = value``. Raises
-        KeyError if the server no longer has it, OSError or SpillwayError if the transfer fails or
-        the value is not ``nbytes`` (nothing is kept)."""
-        self._resolve_process_target()
-        headroom = self._store.process_headroom()
-        with self._lock:
-            memory = self.fast.total_weight
-            to_disk = memory + self._incoming + nbytes > self.target or (
-                headroom is not None and self._incoming + nbytes > headroom
-            )
-            # A key the buffer has (a second fetch) keeps its value until the new one is set.
-            to_disk = to_disk and key not in self._keys
-            if to_disk:
-                skey = self._free_store_key(key)
-                self._pending[skey] = key
-                store = self._store
-            else:
-                self._incoming += nbytes
-        t0 = perf_counter()
-        if not to_disk:
-            try:
-                frames = fetch(address, ticket, remote_key, nbytes, timeout=timeout)
-                if frames is None:
-                    raise KeyError(key)
-                value = PickledFrames(frames)
-            except BaseException:
-                self._arrived(nbytes)
-                raise
-            # Counted as coming until the caller is done with it (it was set, or dropped).
-            weakref.finalize(value, self._arrived, nbytes)
-            self._digest_io("receive-memory", codec.frame_bytes(frames), perf_counter() - t0)
-            return value
-        try:
-            # The store does not hold its lock while the bytes arrive (a large value goes into a
-            # segment of its own): spills go on meanwhile.
-            n = fetch_into_store(store, address, ticket, remote_key, skey, nbytes, timeout=timeout)
-        except BaseException:
-            self._drop_pending(skey)
-            raise
-        if n is None:
-            self._drop_pending(skey)
-            raise KeyError(key)
-        self._digest_io("receive-disk", n, perf_counter() - t0)
-        return ReceivedRecord(self, key, store, skey, n)
-
-    def _arrived(self, nbytes: int) -> None:
-        with self._lock:
-            self._incoming -= nbytes
-
-    def _adopt(self, key: Hashable, record: ReceivedRecord) -> None:
-        """``buf[key] = record``: the record becomes ``key``'s value on disk."""
-        with self._stripe(key):
-            with self._lock:
-                mine = (
-                    record._buffer() is self
-                    and record._orphan.alive
-                    and self._pending.get(record.store_key) is not None
-                )
-                if mine:
-                    record._orphan.detach()
-                    del self._pending[record.store_key]
-                    old = self._keys.get(key)
-                    old_store = self._old.pop(key, self._store)
-                    self._keys[key] = record.store_key
-                    if old is not None:
-                        del self._owners[old]
-                    self._owners[record.store_key] = key
-                    if record._store is not self._store:
-                        self._old[key] = record._store
-            if mine:
-                if old is not None and old != record.store_key:
-                    old_store.remove(old)
-                return
-        # Another buffer's record, or one set before: read it (``get_serialized`` semantics).
-        owner = record._buffer()
-        if owner is None:
-            raise ValueError(f"{record!r} belongs to a buffer that is gone")
-        self.set_serialized(key, record._store.get_serialized(record.store_key))
-
-    def _drop_pending(self, store_key: bytes) -> None:
-        """A received record that was never set (or failed): delete it."""
-        with self._lock:
-            if self._pending.pop(store_key, None) is None:
-                return
-            stores = [s for s, _ in self._stores]
-        for store in stores:
-            with contextlib.suppress(ValueError):  # (closed)
-                store.remove(store_key)
-
-    @contextlib.contextmanager
-    def serving(self, values: Mapping) -> Iterator[None]:
-        """While in effect (in this thread, or this asyncio task and what it awaits),
-        ``buf[key]`` returns ``values[key]`` for the keys ``values`` has, without touching their
-        tiers, the LRU or the metrics. :mod:`spillway.dask` uses it to hand dask's ``get_data`` the
-        frames of values it reads for a peer, so that they are neither unpickled nor brought back
-        into memory."""
-        token = _SERVING.set((self, values))
-        try:
-            yield
-        finally:
-            _SERVING.reset(token)
 
     # ---------------------------------------------------------------------------------------------
     # Lifecycle

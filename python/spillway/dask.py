@@ -76,10 +76,10 @@ from distributed.protocol.serialize import merge_and_deserialize
 from distributed.protocol.utils import host_array_from_buffers, merge_memoryviews
 from distributed.utils import offload
 
-from spillway import buffer as _buffer
 from spillway import codec
 from spillway._core import TransferServer
-from spillway.buffer import PickledFrames, SpillBuffer
+from spillway.buffer import SpillBuffer
+from spillway.received import PickledFrames, ReceivedRecord
 
 __all__ = ["MARKER", "SIDE_MARKER", "SpillwayPlugin", "dask_setup", "dask_teardown", "install", "uninstall"]
 
@@ -404,7 +404,7 @@ async def get_data_from_worker(
     for key in again:
         del data[key]
     for key, value in data.items():
-        if type(value) in (PickledFrames, _buffer.ReceivedRecord):
+        if type(value) in (PickledFrames, ReceivedRecord):
             kept += 1
             nbytes += value.__sizeof__()
             continue
