@@ -43,10 +43,10 @@ Policy (as dask's)
   log's value limit), keeps the key in memory and logs "Spill to disk failed; keeping data in
   memory" with the error (at most every 10 s).
 * A failed write that left the log read-only (an EIO: the log cannot tell what reached the file)
-  makes the buffer open a fresh store in a new directory: the keys in memory move there and are
-  spilled to it, the read-only one keeps serving its records until they are read or deleted. After
-  ``MAX_FRESH_LOGS`` fresh stores, the last read-only one is kept: spills fail as above, and that the
-  buffer keeps data in memory from now on is logged once.
+  makes the store open a fresh log in a subdirectory, where the spill that failed and the later ones
+  go; the read-only log keeps serving its records until they are read back or deleted. After three
+  fresh logs the last read-only one is kept: spills fail as above, and that data is kept in memory
+  from now on is logged once (``engine/src/store/logs.rs``).
 * A value that fails to pickle: if it is the one being set and is heavier than ``target`` (the only
   case in which its own set spills it), ``__setitem__`` raises :class:`PickleError` (a TypeError,
   ``"Failed to pickle 'key'"``, the pickling error as ``__cause__``) and the key is forgotten;
@@ -156,12 +156,6 @@ __all__ = [
 
 logger = logging.getLogger("spillway")
 
-#: A failed write (an EIO, say) leaves a log read-only: the buffer then spills to a fresh store, in a
-#: new directory, at most this many times in its life (the disk may have failed for a moment; if it
-#: fails that often, it is failing). The read-only stores stay open, for their records, until the
-#: buffer closes.
-MAX_FRESH_LOGS = 3
-
 #: Locks that order the sets and deletes of one key (a key's is chosen by its hash).
 _STRIPES = 64
 
@@ -210,47 +204,49 @@ def _damaged(key: Hashable, error: Corrupt) -> Corrupt:
     )
 
 
-def _close_stores(stores: list) -> None:
-    for store, directory in stores:
-        try:
-            store.close()
-        finally:
-            shutil.rmtree(directory, ignore_errors=True)
+def _close_store(store: Store, directory: str) -> None:
+    try:
+        store.close()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 class _LogView:
-    """What the tests and the side channel see of a store's segment log."""
+    """What the tests see of one of the store's segment logs (number ``index`` of ``Store.logs``)."""
 
-    __slots__ = ("store",)
+    __slots__ = ("index", "store")
 
-    def __init__(self, store: Store):
+    def __init__(self, store: Store, index: int):
         self.store = store
+        self.index = index
 
     def __len__(self) -> int:
         """Records in the log: values on disk and the copies that values read back keep."""
-        return self.store.log_records[0]
+        return self.store.logs[self.index][2]
 
     @property
     def disk_bytes(self) -> int:
-        """Pickled bytes of those records."""
+        """Pickled bytes of the records of every log of the store."""
         return self.store.log_records[1]
 
     @property
     def read_only(self) -> str | None:
-        return self.store.read_only
+        return self.store.logs[self.index][1]
 
     @property
     def backend(self) -> str:
         return self.store.backend
 
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.store, name)  # _inject_fault, _clear_faults (backend="sim")
+    def _inject_fault(self, op: str, after: int, kind: str, sticky: bool = False) -> None:
+        """Script a fault of this log's simulated disk (backend="sim")."""
+        self.store._inject_fault(op, after, kind, sticky, log=self.index)
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _LogView) and other.store is self.store
+    def _clear_faults(self) -> None:
+        self.store._clear_faults(log=self.index)
 
-    def __hash__(self) -> int:
-        return id(self.store)
+    def sync(self) -> None:
+        """Write back what the log spills go to holds, and fdatasync it."""
+        self.store.sync()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -325,37 +321,33 @@ class SpillBuffer(PeerValues, MutableMapping):
         self._next_resolve = 0.0  # when to look for that worker again
         self.directory = tempfile.mkdtemp(prefix="spillway-", dir=self._parent)
         try:
-            store = self._open(self.directory, target)
+            store = Store(
+                self.directory,
+                target,
+                None if self.max_spill is False else self.max_spill,
+                **self._store_options,
+            )
         except BaseException:
             shutil.rmtree(self.directory, ignore_errors=True)
             raise
-        #: Every open store, oldest first, as (store, directory). The last is ``self._store``, where
-        #: new values go; the others are read-only ones whose records are still read (``_old``).
-        self._stores: list = [(store, self.directory)]
+        if process_target != "auto":
+            store.process_target = process_target
         self._store = store
-        self._fresh_logs = 0  # fresh stores opened after a failed write
-        self._finalizer = weakref.finalize(self, _close_stores, self._stores)
+        self._finalizer = weakref.finalize(self, _close_store, store, self.directory)
 
         self._lock = threading.RLock()  # the key maps, the store list
         self._stripes = [threading.RLock() for _ in range(_STRIPES)]
         self._keys: dict[Hashable, bytes] = {}  # key -> its store key
         self._owners: dict[bytes, Hashable] = {}  # store key -> key
-        self._old: dict[Hashable, Store] = {}  # keys whose value is in a read-only store
         self._pending: dict[bytes, Hashable] = {}  # store keys of received records not yet set
         self._incoming = 0  # frames received into memory (``receive``) and not yet let go of
         self._extra_metrics: defaultdict = defaultdict(float)  # the side channel's, spillway.dask
-        self._log_views: dict = {}
+        self._log_views: dict = {}  # log number -> its view (``log``)
+        self._logs_seen = 1
         # Inside a dask worker, also report metrics to distributed's context meter (as dask's
         # SpillBuffer does), so that they appear in the worker's fine performance metrics.
         metrics_module = sys.modules.get("distributed.metrics")
         self._context_meter = getattr(metrics_module, "context_meter", None)
-
-    def _open(self, directory: str, target: int) -> Store:
-        max_spill = None if self.max_spill is False else self.max_spill
-        store = Store(directory, target, max_spill, **self._store_options)
-        if self._process_target != "auto":
-            store.process_target = self._process_target
-        return store
 
     # ---------------------------------------------------------------------------------------------
     # Properties
@@ -368,16 +360,18 @@ class SpillBuffer(PeerValues, MutableMapping):
 
     @target.setter
     def target(self, value: int) -> None:
-        for store, _ in self._stores:
-            store.target = value
+        self._store.target = value
 
     @property
     def log(self) -> _LogView:
-        """The segment log new values are spilled to (see ``MAX_FRESH_LOGS``)."""
-        store = self._store
-        view = self._log_views.get(id(store))
-        if view is None or view.store is not store:
-            view = self._log_views[id(store)] = _LogView(store)
+        """The segment log new values are spilled to (a fresh one after a failed write: see the
+        policy)."""
+        with contextlib.suppress(ValueError):  # (closed: the last one seen)
+            self._logs_seen = len(self._store.logs)
+        index = self._logs_seen - 1
+        view = self._log_views.get(index)
+        if view is None:
+            view = self._log_views[index] = _LogView(self._store, index)
         return view
 
     @property
@@ -398,28 +392,24 @@ class SpillBuffer(PeerValues, MutableMapping):
     @property
     def spilled_total(self) -> SpilledSize:
         """(in-memory weight, pickled bytes) of the keys on disk."""
-        total = SpilledSize(0, 0)
-        for store, _ in self._stores:
-            with contextlib.suppress(ValueError):  # (closed)
-                total += SpilledSize(*store.spilled)
-        return total
+        with contextlib.suppress(ValueError):  # (closed)
+            return SpilledSize(*self._store.spilled)
+        return SpilledSize(0, 0)
 
     @property
     def cumulative_metrics(self) -> defaultdict:
         """(label, unit) -> ever-increasing total, with dask's labels (see the module docstring)."""
         m: defaultdict = defaultdict(float)
-        for store, _ in self._stores:
-            for (label, unit), value in store.metrics().items():
-                if value:
-                    m[label, unit] += value
+        for (label, unit), value in self._store.metrics().items():
+            if value:
+                m[label, unit] += value
         for k, v in self._extra_metrics.items():
             m[k] += v
         return m
 
     def tier(self, key: Hashable) -> str:
         """``"object"``, ``"frames"`` or ``"disk"``; KeyError if absent."""
-        skey = self._keys[key]
-        tier = self._store_of(key).tier(skey)
+        tier = self._store.tier(self._keys[key])
         if tier is None:
             raise KeyError(key)
         return _TIERS[tier]
@@ -462,9 +452,9 @@ class SpillBuffer(PeerValues, MutableMapping):
             self._adopt(key, value)
             return
         with self._stripe(key):
-            store, skey = self._place(key)
+            skey = self._place(key)
             try:
-                store.put(skey, value)
+                self._store.put(skey, value)
             except SerializeError as error:
                 self._forget(key, skey)  # (the store forgot it: dask's rule)
                 raise PickleError(key) from error.__cause__
@@ -479,16 +469,12 @@ class SpillBuffer(PeerValues, MutableMapping):
         if serving is not None and serving[0] is self and key in serving[1]:
             return serving[1][key]
         for _ in range(3):
-            skey = self._keys[key]
-            store = self._old.get(key, self._store) if self._old else self._store
             try:
-                value = store.get(skey)
+                value = self._store.get(self._keys[key])
             except KeyError:
-                continue  # deleted (then KeyError below), or moved to a fresh store meanwhile
+                continue  # deleted (then KeyError above), or deleted and set again meanwhile
             except Corrupt as error:
                 raise _damaged(key, error) from error
-            if store is not self._store and store.tier(skey) != "disk":
-                self._move_to_current(key, skey, store)
             self._settle()
             return value
         raise KeyError(key)
@@ -498,10 +484,9 @@ class SpillBuffer(PeerValues, MutableMapping):
             with self._lock:
                 skey = self._keys.pop(key)  # KeyError if absent
                 del self._owners[skey]
-                store = self._old.pop(key, self._store)
                 self.logged_pickle_errors.discard(key)
             with contextlib.suppress(ValueError):  # closed: its records went with it
-                store.remove(skey)
+                self._store.remove(skey)
 
     def pop(self, key: Hashable, default: object = None) -> object:
         raise NotImplementedError(
@@ -548,10 +533,8 @@ class SpillBuffer(PeerValues, MutableMapping):
         returned as views of their buffers; a key on disk is read into read-only views. A key in
         memory moves to the tail of the LRU."""
         for _ in range(3):
-            skey = self._keys[key]
-            store = self._store_of(key)
             try:
-                return store.get_serialized(skey)
+                return self._store.get_serialized(self._keys[key])
             except KeyError:
                 continue
             except SerializeError as error:
@@ -569,8 +552,8 @@ class SpillBuffer(PeerValues, MutableMapping):
         if not frames:
             raise ValueError("frames must hold at least the pickle header")
         with self._stripe(key):
-            store, skey = self._place(key)
-            store.put_serialized(skey, frames, not self.serialized_in_memory)
+            skey = self._place(key)
+            self._store.put_serialized(skey, frames, not self.serialized_in_memory)
         self._settle()
 
     # ---------------------------------------------------------------------------------------------
@@ -592,9 +575,6 @@ class SpillBuffer(PeerValues, MutableMapping):
     def _stripe(self, key: Hashable) -> threading.RLock:
         return self._stripes[hash(key) % _STRIPES]
 
-    def _store_of(self, key: Hashable) -> Store:
-        return self._old.get(key, self._store) if self._old else self._store
-
     def _free_store_key(self, key: Hashable) -> bytes:
         """Under the lock: a store key for ``key`` that no other key and no received record has."""
         base = encode_key(key)
@@ -604,50 +584,28 @@ class SpillBuffer(PeerValues, MutableMapping):
             skey = base + b"#%d" % n
         return skey
 
-    def _place(self, key: Hashable) -> tuple:
-        """Under the key's stripe: ``(store, store key)`` where a new value of ``key`` goes. A value
-        of it in a read-only store is removed from there first."""
+    def _place(self, key: Hashable) -> bytes:
+        """Under the key's stripe: the store key a new value of ``key`` goes to."""
         with self._lock:
             skey = self._keys.get(key)
             if skey is None:
                 skey = self._free_store_key(key)
                 self._keys[key] = skey
                 self._owners[skey] = key
-            old = self._old.pop(key, None)
-            store = self._store
-        if old is not None:
-            old.remove(skey)
-        return store, skey
+        return skey
 
     def _forget(self, key: Hashable, skey: bytes) -> None:
         with self._lock:
             if self._keys.get(key) == skey:
                 del self._keys[key]
                 del self._owners[skey]
-                self._old.pop(key, None)
-
-    def _move_to_current(self, key: Hashable, skey: bytes, old: Store) -> None:
-        """A value read from a read-only store: kept in the current one from now on (the read-only
-        one could not spill it again)."""
-        with self._stripe(key):
-            with self._lock:
-                if self._old.get(key) is not old:
-                    return
-                del self._old[key]
-                store = self._store
-            if old.tier(skey) == "materialized":
-                store.put(skey, old.get(skey))
-            else:
-                store.put_serialized(skey, old.get_serialized(skey))
-            old.remove(skey)
 
     def _settle(self) -> None:
         """After a call that may have evicted: say what the store could not spill, report metrics to
         distributed's context meter."""
-        store = self._store
-        failures = store.take_failures()
+        failures = self._store.take_failures()
         if failures:
-            self._report(store, failures)
+            self._report(failures)
         if self._process_target == "auto" and perf_counter() >= self._next_resolve:
             self._resolve_process_target()
         meter = self._context_meter
@@ -655,15 +613,12 @@ class SpillBuffer(PeerValues, MutableMapping):
             for label, unit, value in self._store.take_metric_deltas():
                 meter.digest_metric(label, value, unit)
 
-    def _report(self, store: Store, failures: list) -> None:
-        """Log the failed spills of ``store`` in dask's words; a disk error that left its log
-        read-only moves the spills to a fresh store instead."""
+    def _report(self, failures: list) -> None:
+        """Log the store's failed spills in dask's words."""
         for skey, kind, error in failures:
             if kind == "max_spill":
                 logger.warning(MAX_SPILL_MESSAGE)
             elif kind == "disk":
-                if store.read_only is not None and self._replace_read_only(store):
-                    continue
                 logger.error(DISK_ERROR_MESSAGE, exc_info=error)
             else:
                 with self._lock:
@@ -672,72 +627,6 @@ class SpillBuffer(PeerValues, MutableMapping):
                     self.logged_pickle_errors.add(key)
                 if first:
                     logger.error(PICKLE_ERROR_MESSAGE, key, exc_info=error)
-
-    def _replace_read_only(self, failed: Store) -> bool:
-        """``failed``'s log is read-only: unless another thread did already, open a fresh store for
-        the spills (unless ``MAX_FRESH_LOGS`` were opened) and move the keys in memory there.
-        Returns whether spills go to another store now."""
-        reason = failed.read_only
-        # No set or delete runs meanwhile: they take their key's stripe.
-        for stripe in self._stripes:
-            stripe.acquire()
-        try:
-            with self._lock:
-                if self._store is not failed:
-                    return True  # another thread replaced it
-                if self._fresh_logs >= MAX_FRESH_LOGS:
-                    if self._fresh_logs == MAX_FRESH_LOGS:
-                        self._fresh_logs += 1
-                        logger.error(
-                            "the spill log in %s is read-only (%s) and %d fresh logs failed before it; "
-                            "keeping data in memory from now on",
-                            self._stores[-1][1],
-                            reason,
-                            MAX_FRESH_LOGS,
-                        )
-                    return False
-                old_directory = self._stores[-1][1]
-                try:
-                    directory = tempfile.mkdtemp(prefix="spillway-", dir=self._parent)
-                    try:
-                        fresh = self._open(directory, failed.target)
-                    except BaseException:
-                        shutil.rmtree(directory, ignore_errors=True)
-                        raise
-                except Exception:
-                    logger.exception("could not open a fresh spill log in %s", self._parent)
-                    return False
-                self._fresh_logs += 1
-                self._stores.append((fresh, directory))
-                self._store = fresh
-                in_memory, on_disk = failed.keys_by_place()
-                for skey in on_disk:
-                    key = self._owners.get(skey)
-                    if key is not None and key not in self._old:
-                        self._old[key] = failed
-            logger.error(
-                "the spill log in %s is read-only (%s); spilling to a fresh log in %s (%d of %d)",
-                old_directory,
-                reason,
-                directory,
-                self._fresh_logs,
-                MAX_FRESH_LOGS,
-            )
-            for skey in in_memory:
-                if skey in self._pending:
-                    continue
-                if failed.tier(skey) == "materialized":
-                    fresh.put(skey, failed.get(skey))
-                else:
-                    fresh.put_serialized(skey, failed.get_serialized(skey))
-                failed.remove(skey)
-        finally:
-            for stripe in self._stripes:
-                stripe.release()
-        failures = fresh.take_failures()
-        if failures:
-            self._report(fresh, failures)
-        return True
 
     def _resolve_process_target(self) -> int | None:
         """``process_target`` in bytes; for "auto", that of the dask worker whose data this buffer
@@ -754,9 +643,7 @@ class SpillBuffer(PeerValues, MutableMapping):
                 fraction = manager.memory_target_fraction or manager.memory_spill_fraction
                 limit = manager.memory_limit
                 self._process_target = int(limit * fraction) if limit and fraction else None
-                with self._lock:
-                    for store, _ in self._stores:
-                        store.process_target = self._process_target
+                self._store.process_target = self._process_target
                 return self._process_target
         return None
 
@@ -778,7 +665,7 @@ class SpillBuffer(PeerValues, MutableMapping):
         for _ in range(3):
             skey = self._keys[key]
             try:
-                return self._store_of(key).peek(skey)
+                return self._store.peek(skey)
             except KeyError:
                 continue
             except Corrupt as error:
@@ -786,13 +673,12 @@ class SpillBuffer(PeerValues, MutableMapping):
         raise KeyError(key)
 
     def _keys_in(self, in_memory: bool) -> list:
+        mem, disk = self._store.keys_by_place()
         out = []
-        for store, _ in list(self._stores):
-            mem, disk = store.keys_by_place()
-            for skey in mem if in_memory else disk:
-                key = self._owners.get(skey, _NO_KEY)
-                if key is not _NO_KEY and self._store_of(key) is store:
-                    out.append(key)
+        for skey in mem if in_memory else disk:
+            key = self._owners.get(skey, _NO_KEY)
+            if key is not _NO_KEY:
+                out.append(key)
         return out
 
 
@@ -811,7 +697,7 @@ class _TierView(Mapping):
         skey = b._keys.get(key)
         if skey is None:
             return False
-        tier = b._store_of(key).tier(skey)
+        tier = b._store.tier(skey)
         return tier is not None and (tier != "disk") == self._in_memory
 
     def __getitem__(self, key: Hashable) -> object:
@@ -824,7 +710,7 @@ class _TierView(Mapping):
 
     def __len__(self) -> int:
         b = self._buffer
-        if len(b._stores) == 1 and not b._pending:
+        if not b._pending:
             in_memory, on_disk = b._store.counts()
             return in_memory if self._in_memory else on_disk
         return len(b._keys_in(self._in_memory))
@@ -834,7 +720,7 @@ class _TierView(Mapping):
         """Sum of the weights of the keys in this view (sizeof for objects, bytes for frames)."""
         b = self._buffer
         if self._in_memory:
-            return sum(store.memory_bytes for store, _ in b._stores)
+            return b._store.memory_bytes
         return b.spilled_total.memory
 
     def __repr__(self) -> str:

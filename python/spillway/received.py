@@ -84,8 +84,7 @@ _SERVING: contextvars.ContextVar = contextvars.ContextVar("spillway_serving", de
 
 class PeerValues:
     """:class:`~spillway.SpillBuffer`'s methods for values a peer sends or is sent. A mixin of the
-    buffer: it works on the buffer's key maps (``_keys``, ``_owners``, ``_old``), its stores and its
-    lock, plus its own ``_pending`` (store keys of received records not yet set, by key) and
+    buffer: it works on the buffer's key maps (``_keys``, ``_owners``), its store and its lock, plus its own ``_pending`` (store keys of received records not yet set, by key) and
     ``_incoming`` (bytes received into memory and not yet let go of)."""
 
     def disk_record(self, key: Hashable) -> tuple | None:
@@ -93,9 +92,8 @@ class PeerValues:
         (KeyError if absent): what :mod:`spillway.dask` grants a peer
         (``TransferServer.grant(store, store_key)`` pins the record as it is then)."""
         skey = self._keys[key]
-        store = self._store_of(key)
-        nbytes = store.spilled_bytes(skey)
-        return None if nbytes is None else (store, skey, nbytes)
+        nbytes = self._store.spilled_bytes(skey)
+        return None if nbytes is None else (self._store, skey, nbytes)
 
     def receive(
         self,
@@ -174,16 +172,13 @@ class PeerValues:
                     record._orphan.detach()
                     del self._pending[record.store_key]
                     old = self._keys.get(key)
-                    old_store = self._old.pop(key, self._store)
                     self._keys[key] = record.store_key
                     if old is not None:
                         del self._owners[old]
                     self._owners[record.store_key] = key
-                    if record._store is not self._store:
-                        self._old[key] = record._store
             if mine:
                 if old is not None and old != record.store_key:
-                    old_store.remove(old)
+                    self._store.remove(old)
                 return
         # Another buffer's record, or one set before: read it (``get_serialized`` semantics).
         owner = record._buffer()
@@ -196,10 +191,8 @@ class PeerValues:
         with self._lock:
             if self._pending.pop(store_key, None) is None:
                 return
-            stores = [s for s, _ in self._stores]
-        for store in stores:
-            with contextlib.suppress(ValueError):  # (closed)
-                store.remove(store_key)
+        with contextlib.suppress(ValueError):  # (closed)
+            self._store.remove(store_key)
 
     @contextlib.contextmanager
     def serving(self, values: Mapping) -> Iterator[None]:

@@ -254,6 +254,19 @@ impl Store {
         let s = self.inner.read().unwrap_or_else(PoisonError::into_inner).clone();
         s.map(|s| Held(Some(s))).ok_or_else(|| PyValueError::new_err("the store is closed"))
     }
+
+    /// Run `f` on the simulated disk of log number `log` (the one spills go to by default).
+    fn sim_disk(&self, log: Option<usize>, f: impl FnOnce(&spillway::SimBackend)) -> PyResult<()> {
+        let s = self.inner()?;
+        let logs = s.logs();
+        let l = match log {
+            Some(i) => *logs.get(i).ok_or_else(|| PyValueError::new_err(format!("no log number {i}")))?,
+            None => s.log(),
+        };
+        let sim = l.backend().as_sim().ok_or_else(|| PyValueError::new_err("faults need backend='sim'"))?;
+        f(sim);
+        Ok(())
+    }
 }
 
 impl Drop for Store {
@@ -275,7 +288,7 @@ fn key_error(py: Python<'_>, key: &[u8]) -> PyErr {
 impl Store {
     #[new]
     #[allow(clippy::too_many_arguments)] // Python keyword arguments
-    #[pyo3(signature = (directory, target, max_spill = None, *, policy = "dask", compression = "none", backend = "auto", segment_bytes = 64 << 20, writeable = true, codec = None, report_failures = false))]
+    #[pyo3(signature = (directory, target, max_spill = None, *, policy = "dask", compression = "none", backend = "auto", segment_bytes = 64 << 20, writeable = true, codec = None, report_failures = false, fresh_logs = 3))]
     fn new(
         py: Python<'_>,
         directory: std::path::PathBuf,
@@ -288,6 +301,7 @@ impl Store {
         writeable: bool,
         codec: Option<Bound<'_, PyAny>>,
         report_failures: bool,
+        fresh_logs: u32,
     ) -> PyResult<Self> {
         let eviction = match policy {
             "dask" => EvictionPolicy::dask(),
@@ -316,6 +330,7 @@ impl Store {
             max_spill_bytes: max_spill,
             eviction,
             report_failures,
+            fresh_logs,
             log: LogOptions { segment_bytes, compression, ..StoreConfig::default().log },
             ..StoreConfig::default()
         };
@@ -458,13 +473,13 @@ impl Store {
         Ok(out)
     }
 
-    /// `(records, payload bytes)` of the log: its live records (values on disk and the copies
+    /// `(records, payload bytes)` of the logs: their live records (values on disk and the copies
     /// that values read back keep) and their serialized bytes.
     #[getter]
     fn log_records(&self, py: Python<'_>) -> PyResult<(usize, u64)> {
         let s = self.inner()?;
         let m = py.allow_threads(|| s.metrics());
-        Ok((s.log().len(), m.spilled_memory_bytes))
+        Ok((s.logs().iter().map(|l| l.len()).sum(), m.spilled_memory_bytes))
     }
 
     /// Write what the log holds back (write-behind) and fdatasync it.
@@ -536,23 +551,30 @@ impl Store {
         py.allow_threads(|| s.evict_bytes(nbytes, spare)).map_err(|e| to_py_err(py, e))
     }
 
-    /// For tests, on a store opened with `backend="sim"`: script a fault of the simulated disk, as
-    /// `Log._inject_fault` does.
-    #[pyo3(signature = (op, after, kind, sticky = false))]
-    fn _inject_fault(&self, op: &str, after: u64, kind: &str, sticky: bool) -> PyResult<()> {
+    /// For tests, on a store opened with `backend="sim"`: script a fault of the simulated disk of
+    /// log number `log` (see `logs`; by default the one spills go to), as `Log._inject_fault` does.
+    #[pyo3(signature = (op, after, kind, sticky = false, log = None))]
+    fn _inject_fault(&self, op: &str, after: u64, kind: &str, sticky: bool, log: Option<usize>) -> PyResult<()> {
         let fault = crate::fault(op, after, kind, sticky)?;
-        let s = self.inner()?;
-        let sim = s.log().backend().as_sim().ok_or_else(|| PyValueError::new_err("faults need backend='sim'"))?;
-        sim.inject(fault);
-        Ok(())
+        self.sim_disk(log, |sim| sim.inject(fault))
     }
 
-    /// For tests: remove the faults `_inject_fault` scripted.
-    fn _clear_faults(&self) -> PyResult<()> {
+    /// For tests: remove the faults `_inject_fault` scripted on log number `log` (by default the one
+    /// spills go to).
+    #[pyo3(signature = (log = None))]
+    fn _clear_faults(&self, log: Option<usize>) -> PyResult<()> {
+        self.sim_disk(log, |sim| sim.clear_faults())
+    }
+
+    /// The store's logs, oldest first, as `(directory, why it is read-only or None, records)`: the
+    /// last is the one spills go to; the others are logs a failed write left read-only, which keep
+    /// serving their records.
+    #[getter]
+    fn logs(&self, py: Python<'_>) -> PyResult<Vec<(std::path::PathBuf, Option<String>, usize)>> {
         let s = self.inner()?;
-        let sim = s.log().backend().as_sim().ok_or_else(|| PyValueError::new_err("faults need backend='sim'"))?;
-        sim.clear_faults();
-        Ok(())
+        Ok(py.allow_threads(|| {
+            s.logs().iter().map(|l| (l.dir().to_path_buf(), l.poisoned().map(str::to_string), l.len())).collect()
+        }))
     }
 
     /// `"materialized"`, `"serialized"`, `"compressed"` or `"disk"`; None if absent.

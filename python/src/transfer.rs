@@ -11,7 +11,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 use spillway::transfer::{self, Access, Client, Outgoing, Source, Ticket, TransferOptions};
-use spillway::{AutoBackend, Error, SegmentLog};
+use spillway::{AutoBackend, Error, SegmentLog, StoredValue};
 
 use crate::store::{Store, StoreInner};
 use crate::{frames_to_list, to_py, DiskFull, Inner, Log};
@@ -26,10 +26,10 @@ pub(crate) enum Granted {
 
 impl Source for Granted {
     type Backend = AutoBackend;
-    fn log(&self) -> &SegmentLog<AutoBackend> {
+    fn log_holding(&self, value: &StoredValue<<AutoBackend as spillway::Backend>::File>) -> &SegmentLog<AutoBackend> {
         match self {
             Granted::Log(l) => &l.log,
-            Granted::Store(s) => s.log(),
+            Granted::Store(s) => Source::log_holding(&**s, value),
         }
     }
     fn outgoing(&self, key: &[u8]) -> spillway::Result<Option<Outgoing<<AutoBackend as spillway::Backend>::File>>> {

@@ -228,11 +228,9 @@ def test_mixed_operations_from_many_threads(make_buffer):
 def assert_consistent(buf):
     """The engine's accounting adds up (``check_accounting`` recomputes it from its entries), and the
     buffer's keys are exactly the store's (white box: the key maps)."""
-    stored = set()
-    for store, _ in buf._stores:
-        store.check_accounting()
-        in_memory, on_disk = store.keys_by_place()
-        stored |= set(in_memory) | set(on_disk)
+    buf._store.check_accounting()
+    in_memory, on_disk = buf._store.keys_by_place()
+    stored = set(in_memory) | set(on_disk)
     assert {buf._keys[k] for k in buf} == stored - set(buf._pending)
 
 

@@ -36,10 +36,13 @@ class Unpicklable:
 
 
 def messages(caplog, level=None):
+    """What the ``spillway`` loggers said: the buffer's (``spillway``) and the engine's
+    (``spillway.<module>``, emitted by the engine's log thread: flushed first)."""
+    spillway._core._flush_logs()
     return [
         r.getMessage()
         for r in caplog.records
-        if r.name == "spillway" and (level is None or r.levelno == level)
+        if r.name.split(".")[0] == "spillway" and (level is None or r.levelno == level)
     ]
 
 

@@ -106,12 +106,13 @@ fn disk_failure_keeps_data_in_memory() {
 /// but only after the store has settled the batch as a failed write: no key is left marked as being
 /// written (a `flush`, or a put of the key, would wait for it forever) and nothing is lost. The log,
 /// which cannot know what the panicking write left in the file, turns read-only as after an EIO:
-/// later spills fail and keep their values in memory.
+/// in a store that opens no fresh log (`fresh_logs: 0`; `store_fresh_logs.rs` has the others), later
+/// spills fail and keep their values in memory.
 #[test]
 fn a_backend_panic_while_spilling_leaves_no_key_waiting_for_its_write() {
     for write_behind in [0, 64 << 10] {
         let be = SimBackend::new();
-        let mut c = cfg(5_000);
+        let mut c = StoreConfig { fresh_logs: 0, ..cfg(5_000) };
         c.log.write_behind_bytes = write_behind;
         let s = Arc::new(Store::open(TestCodec::default(), be.clone(), "/store", c).unwrap());
         s.put(b"early", val(b'e', 1000)).unwrap();
@@ -232,6 +233,7 @@ fn failed_write_behind_of_a_spill_store_loses_nothing() {
     let c = StoreConfig {
         target_bytes: 5_000,
         log: LogOptions { segment_bytes: 1 << 20, write_behind_bytes: 64 << 10, ..Default::default() },
+        fresh_logs: 0, // (a fresh log would take the spills: `store_fresh_logs.rs`)
         ..Default::default()
     };
     let (s, ops) = spill_ten(&be, c);

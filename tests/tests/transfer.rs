@@ -814,7 +814,7 @@ struct FailingRead(SegmentLog);
 
 impl transfer::Source for FailingRead {
     type Backend = PortableBackend;
-    fn log(&self) -> &SegmentLog {
+    fn log_holding(&self, _: &spillway::StoredValue<<PortableBackend as spillway::Backend>::File>) -> &SegmentLog {
         &self.0
     }
     fn outgoing(

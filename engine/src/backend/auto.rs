@@ -231,6 +231,13 @@ impl Backend for AutoBackend {
     fn alignment(&self, dir: &Path) -> usize {
         on_backend!(self, |b| b.alignment(dir))
     }
+    fn fresh(&self) -> io::Result<Self> {
+        Ok(match self {
+            AutoBackend::Uring(b) => AutoBackend::Uring(b.fresh()?),
+            AutoBackend::Portable(b) => AutoBackend::Portable(b.fresh()?),
+            AutoBackend::Sim(b) => AutoBackend::Sim(b.fresh()?),
+        })
+    }
     fn read_alignment(&self, dir: &Path) -> usize {
         on_backend!(self, |b| b.read_alignment(dir))
     }

@@ -146,6 +146,16 @@ pub trait Backend: Send + Sync + 'static {
     /// because ext4 serializes (and zero-fills around) O_DIRECT writes that are not block-aligned.
     fn alignment(&self, dir: &Path) -> usize;
 
+    /// Another backend of the same kind and settings, for a log that replaces one a failed write
+    /// left read-only (a spill store's fresh log, `store/logs.rs`). Unsupported by default: a store
+    /// on such a backend keeps its one log.
+    fn fresh(&self) -> io::Result<Self>
+    where
+        Self: Sized,
+    {
+        Err(io::ErrorKind::Unsupported.into())
+    }
+
     /// Alignment of reads of single records: the O_DIRECT minimum (often 512 B) for direct files,
     /// as little as 64 (the frame alignment) for buffered ones. Smaller than [`Backend::alignment`]
     /// so a small record costs fewer bytes to read. Must divide it; the log uses at least 64.

@@ -63,6 +63,10 @@ impl Backend for PortableBackend {
         "portable"
     }
 
+    fn fresh(&self) -> io::Result<Self> {
+        Ok(PortableBackend::with_direct(self.direct))
+    }
+
     fn create_dir_all(&self, path: &Path) -> io::Result<()> {
         std::fs::create_dir_all(path)
     }

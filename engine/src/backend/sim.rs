@@ -406,6 +406,12 @@ impl Backend for SimBackend {
         "sim"
     }
 
+    /// A fresh simulated disk with the same alignment (its faults are scripted apart: a test fails
+    /// one log's disk and sees the next one work).
+    fn fresh(&self) -> io::Result<Self> {
+        Ok(SimBackend::with_alignment(self.lock().align))
+    }
+
     fn create_dir_all(&self, path: &Path) -> io::Result<()> {
         let mut st = self.lock();
         let mut p = Some(path);

@@ -118,6 +118,8 @@ pub struct UringBackend {
     direct_refused: Arc<AtomicBool>,
     inline_blocking: bool,
     portable: PortableBackend,
+    /// What it was started with (for [`Backend::fresh`]).
+    opts: UringOptions,
 }
 
 /// A file opened by an [`UringBackend`].
@@ -530,6 +532,7 @@ impl UringBackend {
             direct_refused: Arc::new(AtomicBool::new(false)),
             inline_blocking: opts.inline_blocking,
             portable: PortableBackend::new(),
+            opts,
         })
     }
 
@@ -624,6 +627,10 @@ impl Backend for UringBackend {
 
     fn name(&self) -> &'static str {
         "uring"
+    }
+    /// A driver of its own, started with the same options.
+    fn fresh(&self) -> io::Result<Self> {
+        UringBackend::new(self.opts.clone())
     }
     fn create_dir_all(&self, path: &Path) -> io::Result<()> {
         self.portable.create_dir_all(path)

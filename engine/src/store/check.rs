@@ -22,7 +22,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             }
             disk += e.disk_bytes;
             raw += e.disk_raw;
-            let logged = self.log.location(k).map(|l| l.len);
+            let logged = self.logs.location(k).map(|l| l.len);
             // A key being written (or streamed, its old record set aside) may or may not have its
             // new record in the log yet.
             let settled = !inner.writing.contains_key(k) && !inner.streams.contains_key(k);
@@ -102,8 +102,8 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 inner.writing_weight, inner.writing_raw
             ));
         }
-        if self.log.len() != inner.map.values().filter(|e| e.disk_bytes > 0).count() {
-            return Err(format!("the log holds {} keys the store does not know of", self.log.len()));
+        if self.logs.len() != inner.map.values().filter(|e| e.disk_bytes > 0).count() {
+            return Err(format!("the log holds {} keys the store does not know of", self.logs.len()));
         }
         Ok(())
     }

@@ -29,6 +29,10 @@ pub struct StoreConfig {
     /// [`Store::take_failures`] instead of being logged: for an embedding that reports them in its
     /// own words (dask's messages, with the caller's exception). Default false.
     pub report_failures: bool,
+    /// How many times a spill store whose log a failed write left read-only (an EIO) opens a fresh
+    /// log, in a subdirectory of its own, for the spills that follow (the read-only ones keep
+    /// serving their records). At most [`MAX_FRESH_LOGS`]; a persistent store never does. Default 3.
+    pub fresh_logs: u32,
 }
 
 /// How the store makes room when memory is over `target_bytes`: the rules of eviction, in one place.
@@ -141,6 +145,7 @@ impl Default for StoreConfig {
             persistent: false,
             eviction: EvictionPolicy::default(),
             report_failures: false,
+            fresh_logs: 3,
         }
     }
 }

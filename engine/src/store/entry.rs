@@ -290,9 +290,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
         let Some(disk_bytes) = inner.map.get(key).map(|e| e.disk_bytes) else { return Ok(supersede(inner)) };
         if disk_bytes > 0 {
             if self.cfg.persistent {
-                self.log.delete(key)?;
+                self.logs.current().delete(key)?;
             } else {
-                self.log.forget(key)?;
+                self.logs.forget(key)?;
             }
         }
         supersede(inner);

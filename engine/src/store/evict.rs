@@ -178,7 +178,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                         {
                             Demoted::Same(frames.total_len())
                         }
-                        Ok(frames) if direct => match self.log.validate(&d.key, &frames) {
+                        Ok(frames) if direct => match self.logs.current().validate(&d.key, &frames) {
                             Ok(()) => Demoted::ToDisk(frames),
                             Err(e) => {
                                 ended = ends;
@@ -233,7 +233,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                     }
                     Source::Disk => unreachable!("only in-memory values are planned for writing"),
                 };
-                self.log.validate(&p.key, &f).map(|()| f)
+                self.logs.current().validate(&p.key, &f).map(|()| f)
             })
             .collect();
         let items: Vec<(&[u8], &Frames)> = batch
@@ -251,7 +251,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             .iter()
             .zip(&demoted)
             .map(|(d, r)| match r {
-                Demoted::ToDisk(_) => self.log.location(&d.key),
+                Demoted::ToDisk(_) => self.logs.location(&d.key),
                 _ => None,
             })
             .collect();
@@ -338,7 +338,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 Demoted::ToDisk(frames) => {
                     let raw = frames.total_len();
                     inner.writing_raw -= raw;
-                    let written = self.log.location(&d.key).filter(|l| Some(*l) != before);
+                    let written = self.logs.location(&d.key).filter(|l| Some(*l) != before);
                     if same && written.is_none() && before.is_some() {
                         // The new frames did not land; the record there is an old copy, no longer
                         // known to match (the next eviction writes again).
@@ -384,7 +384,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             inner.writing_weight -= p.weight;
             inner.writing_raw -= raw;
             let ours = inner.map.get(&p.key).is_some_and(|e| Arc::ptr_eq(&e.slot, &p.slot));
-            match (ours, self.log.location(&p.key)) {
+            match (ours, self.logs.location(&p.key)) {
                 (true, Some(loc)) => {
                     Self::note_landed(&mut inner, &p.key, raw, loc.len, false, p.object_weight);
                     landed = true;
@@ -560,9 +560,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
     pub(super) fn write_disk(&self, items: &[(&[u8], &Frames)]) -> Result<()> {
         let t = Instant::now();
         let bytes: u64 = items.iter().map(|(_, f)| f.total_len()).sum();
-        self.log.put_many(items)?;
+        self.logs.put_many(items)?;
         // Written (and readable) even if the sync below fails: counted either way.
-        let synced = if self.cfg.sync_spills { self.log.sync() } else { Ok(()) };
+        let synced = if self.cfg.sync_spills { self.logs.current().sync() } else { Ok(()) };
         let m = self.metrics.counter(Activity::DiskWrite);
         m.count.fetch_add(items.len() as u64, Ordering::Relaxed);
         m.bytes.fetch_add(bytes, Ordering::Relaxed);

@@ -184,13 +184,14 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 *first.entry(k).or_insert(n) == n
             })
             .collect();
-        let got: Vec<Result<Option<sync::Arc<C::Value>>>> = if !self.log.backend().pipelines_reads() {
-            unique.iter().map(|k| self.get(k)).collect()
-        } else {
-            // In batches: the bytes read for a batch are held until its values are materialized, so
-            // a long key list must not hold all of its values' bytes at once.
-            unique.chunks(GET_MANY_BATCH).flat_map(|batch| self.get_batch(batch)).collect()
-        };
+        let got: Vec<Result<Option<sync::Arc<C::Value>>>> =
+            if !self.logs.current().backend().pipelines_reads() || self.logs.replaced() {
+                unique.iter().map(|k| self.get(k)).collect()
+            } else {
+                // In batches: the bytes read for a batch are held until its values are materialized, so
+                // a long key list must not hold all of its values' bytes at once.
+                unique.chunks(GET_MANY_BATCH).flat_map(|batch| self.get_batch(batch)).collect()
+            };
         if unique.len() == keys.len() {
             return got;
         }
@@ -231,7 +232,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             let positions: HashMap<&[u8], usize> = batch.iter().enumerate().map(|(i, k)| (&k[..], i)).collect();
             let t = Instant::now();
             let mut keys_iter = batch.clone().into_iter();
-            let r = self.log.get_pipelined(GET_MANY_DEPTH, &mut keys_iter, &mut |k, res| {
+            let r = self.logs.current().get_pipelined(GET_MANY_DEPTH, &mut keys_iter, &mut |k, res| {
                 let i = positions[&k[..]];
                 read[i] = Some(res.and_then(|f| f.ok_or_else(|| vanished(&k))));
             });
@@ -259,9 +260,11 @@ impl<C: Codec, B: Backend> Store<C, B> {
                     let frames = read[at].take();
                     let mut crc = None;
                     let got = slot.get_or_materialize(|| {
+                        // A batch read that failed is read again alone (the record may have moved to
+                        // a fresh log meanwhile: the batch reads the one it started on).
                         let (frames, read_crc) = match frames {
-                            Some(f) => (f?, None),
-                            None => self.fetch_with_crc(&k, Source::Disk)?,
+                            Some(Ok(f)) => (f, None),
+                            _ => self.fetch_with_crc(&k, Source::Disk)?,
                         };
                         crc = self.copy_crc_of(&frames, read_crc);
                         self.deserialize(&k, frames, true)
@@ -390,7 +393,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         // one that promotes a value another reader read has none).
         let unverified = self.cfg.eviction.verify_copies && crc.is_none();
         let drop_record =
-            (revived || unverified) && disk_bytes > 0 && !self.cfg.persistent && self.log.forget(k).is_ok();
+            (revived || unverified) && disk_bytes > 0 && !self.cfg.persistent && self.logs.forget(k).is_ok();
         if let (Some(c), false) = (crc, drop_record) {
             if disk_bytes > 0 {
                 inner.copy_crc.insert(k.clone(), c);
@@ -424,7 +427,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// Read `key`'s record from the log as a future (see [`SegmentLog::get_async`]).
     async fn fetch_disk_async(&self, key: &[u8]) -> Result<Frames> {
         let t = Instant::now();
-        let f = self.log.get_async(key).await?.ok_or_else(|| vanished(key))?;
+        let f = self.logs.get_async(key).await?.ok_or_else(|| vanished(key))?;
         self.metrics.record(Activity::DiskRead, f.total_len(), t);
         Ok(f)
     }
@@ -435,7 +438,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         match source {
             Source::Disk => {
                 let t = Instant::now();
-                let (f, crc) = self.log.get_with_crc(key)?.ok_or_else(|| vanished(key))?;
+                let (f, crc) = self.logs.get_with_crc(key)?.ok_or_else(|| vanished(key))?;
                 self.metrics.record(Activity::DiskRead, f.total_len(), t);
                 Ok((f, crc))
             }
@@ -458,7 +461,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             }
             Source::Disk => {
                 let t = Instant::now();
-                let f = self.log.get(key)?.ok_or_else(|| vanished(key))?;
+                let f = self.logs.get(key)?.ok_or_else(|| vanished(key))?;
                 self.metrics.record(Activity::DiskRead, f.total_len(), t);
                 Ok(f)
             }

@@ -44,6 +44,7 @@
 //! | `receive.rs` | [`Store::receive`] and `put_stream`: values arriving in stored form |
 //! | `get.rs` | `get`, `get_many`, `get_async`, `get_serialized`; deserialize once |
 //! | `persist.rs` | `flush` of a persistent store |
+//! | `logs.rs` | the log spills go to, and a fresh one after a failed write left it read-only |
 //! | `pressure.rs` | the process target: eviction when the process's RSS is above it, memory out of reach |
 //! | `metrics.rs` | [`Activity`] counters and [`MetricsSnapshot`] |
 //! | `check.rs` | `check_accounting` |
@@ -71,6 +72,7 @@ mod config;
 mod entry;
 mod evict;
 mod get;
+mod logs;
 mod metrics;
 mod persist;
 mod pressure;
@@ -81,6 +83,7 @@ pub use self::config::{EvictionPolicy, StoreConfig, SPILL_WRITE_BEHIND_BYTES};
 pub use self::entry::Tier;
 pub use self::evict::{SpillFailure, SpillFailureKind, MAX_REPORTED_FAILURES};
 pub use self::get::{GET_MANY_BATCH, GET_MANY_DEPTH};
+pub use self::logs::MAX_FRESH_LOGS;
 pub use self::metrics::{Activity, ActivityStats, MetricsSnapshot};
 pub use self::pressure::{read_rss, RssProbe, RSS_CHECK_BYTES};
 
@@ -130,7 +133,8 @@ pub type Revive<V> = Arc<dyn Fn() -> Option<sync::Arc<V>> + Send + Sync>;
 /// The three-tier store. All methods take `&self`; share it across threads with an `Arc`.
 pub struct Store<C: Codec, B: Backend = PortableBackend> {
     codec: C,
-    log: SegmentLog<B>,
+    /// The log spills go to, and the read-only ones failed writes left (`logs.rs`).
+    logs: logs::Logs<B>,
     cfg: StoreConfig,
     inner: Mutex<Inner<C::Value>>,
     /// Signalled (with `inner`) whenever a spill write lands.
@@ -193,7 +197,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             write_behind_bytes: if cfg.persistent { 0 } else { cfg.log.write_behind_bytes },
             ..cfg.log.clone()
         };
-        let log = SegmentLog::open(backend, dir, log_opts)?;
+        let log = SegmentLog::open(backend, dir.as_ref(), log_opts.clone())?;
         let mut inner = Inner {
             map: KeyMap::default(),
             lru: BTreeMap::new(),
@@ -232,9 +236,10 @@ impl<C: Codec, B: Backend> Store<C, B> {
             inner.map.insert(Arc::from(k.as_slice()), e);
         }
         let target = std::sync::atomic::AtomicU64::new(cfg.target_bytes);
+        let fresh_logs = if cfg.persistent { 0 } else { cfg.fresh_logs };
         Ok(Store {
             codec,
-            log,
+            logs: logs::Logs::new(log, dir.as_ref().to_path_buf(), log_opts, fresh_logs),
             cfg,
             inner: Mutex::new(inner),
             written: Condvar::new(),
@@ -249,9 +254,21 @@ impl<C: Codec, B: Backend> Store<C, B> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The underlying segment log.
+    /// The segment log spills go to now (the first, unless a failed write left it read-only and
+    /// the store opened a fresh one: see [`StoreConfig::fresh_logs`]).
     pub fn log(&self) -> &SegmentLog<B> {
-        &self.log
+        self.logs.current()
+    }
+
+    /// Every log of this store, the first (in the store's directory) first and the one spills go to
+    /// last; the others are read-only and serve the records they still hold.
+    pub fn logs(&self) -> Vec<&SegmentLog<B>> {
+        self.logs.all().collect()
+    }
+
+    /// The log that holds `key`'s record, if it has one.
+    pub fn log_of(&self, key: &[u8]) -> Option<&SegmentLog<B>> {
+        self.logs.of(key).filter(|l| l.location(key).is_some())
     }
 
     /// The codec.

@@ -22,7 +22,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         if !self.cfg.persistent {
             inner = self.wait_for_writes(inner);
             drop(inner);
-            return self.log.sync();
+            return self.logs.current().sync();
         }
         // An explicit request to persist: values refused before are tried again.
         Self::unstick(&mut inner);
@@ -74,7 +74,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         // A value the flush wrote may have been kept in memory above the target (refused by
         // max_spill until now): it can be dropped for free now.
         let enforced = self.enforce(inner, None);
-        self.log.sync()?;
+        self.logs.current().sync()?;
         enforced?;
         match only_in_memory {
             0 => Ok(()),
@@ -156,7 +156,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                         f
                     }
                 };
-                self.log.validate(k, &f).map(|()| f)
+                self.logs.current().validate(k, &f).map(|()| f)
             })
             .collect();
         // max_spill: reserve what is written, as an eviction's batch does.
@@ -191,7 +191,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         for ((Job { key, slot, .. }, d), &ok) in todo.iter().zip(&data).zip(&allowed) {
             inner.writing.remove(key);
             let ours = inner.map.get(key).is_some_and(|e| Arc::ptr_eq(&e.slot, slot));
-            let loc = if ok { self.log.location(key) } else { None };
+            let loc = if ok { self.logs.location(key) } else { None };
             match (ours, loc) {
                 (true, Some(loc)) => {
                     let raw = d.as_ref().map_or(0, |f| f.total_len());

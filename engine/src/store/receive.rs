@@ -21,7 +21,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
     pub fn put_stream(&self, key: &[u8], meta: &StreamedValue, src: &mut dyn std::io::Read) -> Result<()> {
         let raw = meta.frame_lens.iter().try_fold(0u64, |a, &l| a.checked_add(l)).ok_or(Error::ValueTooLarge {
             len: u64::MAX,
-            max: self.log.options().max_value_bytes,
+            max: self.logs.current().options().max_value_bytes,
             unit: "bytes",
         })?;
         let mut inner = self.wait_unwritten(self.lock(), key);
@@ -48,7 +48,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         drop(inner);
         let t = Instant::now();
         // A panic of the caller's reader (or the log) still settles the store before it goes on.
-        let streamed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.log.put_stream(key, meta, src)));
+        let streamed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.logs.put_stream(key, meta, src)));
         let mut inner = self.lock();
         inner.mem_bytes -= aside_weight;
         inner.disk_raw -= aside_raw;
@@ -90,7 +90,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         }
         let mut e = Entry::new(Slot::new(), Tier::Disk, raw);
         e.disk_raw = raw;
-        e.disk_bytes = self.log.location(key).map_or(0, |l| l.len);
+        e.disk_bytes = self.logs.location(key).map_or(0, |l| l.len);
         e.large = raw > self.target();
         self.insert(&mut inner, key, e)?;
         Ok(())
@@ -132,7 +132,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         inner.streams.insert(k.clone(), Stream { superseded: false, has_old: false, aside_weight: 0, aside_raw: 0 });
         inner.receiving.insert(k.clone());
         drop(inner);
-        let max = self.log.options().max_value_bytes;
+        let max = self.logs.current().options().max_value_bytes;
         let got = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| stored::read(meta, src, max)));
         let mut inner = self.lock();
         inner.receiving.remove(&k);
@@ -195,7 +195,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// failure is logged: after a restart the old value could come back.
     pub(super) fn drop_stale_record(&self, key: &[u8]) {
         if self.cfg.persistent {
-            match self.log.delete(key) {
+            match self.logs.current().delete(key) {
                 Ok(_) => return,
                 Err(e) => log::error!(
                     "Failed to delete the record of {:?}, removed while it was written ({e}); forgetting it instead, so it may come back after a restart",
@@ -203,7 +203,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 ),
             }
         }
-        if let Err(e) = self.log.forget(key) {
+        if let Err(e) = self.logs.forget(key) {
             log::error!("Failed to drop the record of {:?}, removed while it was written: {e}", key_str(key));
         }
     }

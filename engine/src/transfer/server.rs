@@ -10,10 +10,11 @@ pub(super) const PIPE_BYTES: usize = 1 << 20;
 /// What a server sends values from: a [`SegmentLog`] (everything on disk) or a [`Store`] (values on
 /// disk, serialized in memory, or materialized).
 pub trait Source: Send + Sync + 'static {
-    /// The backend of the log that holds spilled values.
+    /// The backend of the logs that hold spilled values.
     type Backend: Backend;
-    /// That log.
-    fn log(&self) -> &SegmentLog<Self::Backend>;
+    /// The log `value` (an [`Outgoing::Stored`] of this source) was found in: its file is sent through
+    /// that log's backend.
+    fn log_holding(&self, value: &StoredValue<<Self::Backend as Backend>::File>) -> &SegmentLog<Self::Backend>;
     /// How `key`'s value goes on the wire, or `None` if there is no such key.
     fn outgoing(&self, key: &[u8]) -> Result<Option<Outgoing<<Self::Backend as Backend>::File>>>;
 }
@@ -28,7 +29,7 @@ pub enum Outgoing<F> {
 
 impl<B: Backend> Source for SegmentLog<B> {
     type Backend = B;
-    fn log(&self) -> &SegmentLog<B> {
+    fn log_holding(&self, _: &StoredValue<B::File>) -> &SegmentLog<B> {
         self
     }
     fn outgoing(&self, key: &[u8]) -> Result<Option<Outgoing<B::File>>> {
@@ -46,14 +47,20 @@ impl<B: Backend> Source for SegmentLog<B> {
 
 impl<C: Codec, B: Backend> Source for Store<C, B> {
     type Backend = B;
-    fn log(&self) -> &SegmentLog<B> {
-        Store::log(self)
+    /// A store may have more than one log (a fresh one after a failed write): the one whose segments
+    /// directory holds the value's file.
+    fn log_holding(&self, value: &StoredValue<B::File>) -> &SegmentLog<B> {
+        let dir = value.path.parent().and_then(std::path::Path::parent);
+        self.logs().into_iter().rev().find(|l| Some(l.dir()) == dir).unwrap_or_else(|| Store::log(self))
     }
     /// A spilled value is sent from its segment (never read back into memory); a value in memory is
     /// sent from its serialized frames (a materialized one is serialized once for this).
     fn outgoing(&self, key: &[u8]) -> Result<Option<Outgoing<B::File>>> {
         if self.tier(key) == Some(Tier::Disk) {
-            match Store::log(self).stored_value(key) {
+            let Some(log) = self.log_of(key) else {
+                return Ok(self.get_serialized(key)?.map(Outgoing::Frames));
+            };
+            match log.stored_value(key) {
                 Ok(Some(sv)) => return Ok(Some(Outgoing::Stored(sv))),
                 // Only in memory (write-behind, and the log could not write it): served below.
                 Ok(None) => {}
@@ -267,17 +274,17 @@ pub fn serve_connection<S: Source>(access: &Access<S>, mut stream: TcpStream, op
             Some(v) => Ok(Some(v)),
             None => admitted.src.outgoing(&key),
         };
-        send_outgoing(admitted.src.log(), &mut stream, opts, &mut pipe, outgoing)?;
+        send_outgoing(&*admitted.src, &mut stream, opts, &mut pipe, outgoing)?;
     }
 }
 
 /// Answer one request with `outgoing` (the source's answer for its key): VALUE, NOT_FOUND or ERROR.
-pub(super) fn send_outgoing<B: Backend>(
-    log: &SegmentLog<B>,
+pub(super) fn send_outgoing<S: Source + ?Sized>(
+    src: &S,
     stream: &mut TcpStream,
     opts: &TransferOptions,
     pipe: &mut Option<Pipe>,
-    outgoing: Result<Option<Outgoing<B::File>>>,
+    outgoing: Result<Option<Outgoing<<S::Backend as Backend>::File>>>,
 ) -> Result<()> {
     let sv = match outgoing {
         Ok(Some(Outgoing::Stored(sv))) if sv.meta.stored_len <= opts.max_value_bytes => sv,
@@ -306,6 +313,7 @@ pub(super) fn send_outgoing<B: Backend>(
             return send_error(stream, &e.peer_message());
         }
     };
+    let log = src.log_holding(&sv);
     stream.write_all(&encode_value_response(&sv.meta)).map_err(|e| io_err("send value header", e))?;
     // splice(2) reads an O_DIRECT file with direct I/O, which refuses the payload's offset (only
     // 64-byte aligned): splice from a buffered descriptor of the same file instead (copy if there
