@@ -13,7 +13,7 @@
 //! from now on is logged once. A persistent store never replaces its log: its durable contents are in
 //! that log, and a read-only log is the safe answer to a failed fsync.
 //!
-//! The logs live in slots set once and never emptied before the store is dropped; which one is
+//! The fresh logs live in slots set once and never emptied before the store is dropped; which one is
 //! written is an index that only grows. Both are settings outside the loom models' state (which
 //! never replace a log): readers of the index see either log, and a write to the log that just
 //! turned read-only fails and is retried like any failed write.
@@ -28,10 +28,10 @@ use crate::log::Location;
 /// Most fresh logs a store can open in its life (the cap of [`StoreConfig::fresh_logs`]).
 pub const MAX_FRESH_LOGS: u32 = 8;
 
-const SLOTS: usize = 1 + MAX_FRESH_LOGS as usize;
-
 pub(super) struct Logs<B: Backend> {
-    slots: [OnceLock<SegmentLog<B>>; SLOTS],
+    first: SegmentLog<B>,
+    /// Boxed: a log is large, and a store is built on the stack (on a loom model's small one too).
+    fresh: [OnceLock<Box<SegmentLog<B>>>; MAX_FRESH_LOGS as usize],
     /// The slot spills go to.
     current: StdAtomicUsize,
     /// Fresh logs this store may open (0 for a persistent store).
@@ -48,10 +48,9 @@ pub(super) struct Logs<B: Backend> {
 
 impl<B: Backend> Logs<B> {
     pub(super) fn new(first: SegmentLog<B>, dir: PathBuf, opts: LogOptions, allowed: u32) -> Self {
-        let slots: [OnceLock<SegmentLog<B>>; SLOTS] = std::array::from_fn(|_| OnceLock::new());
-        let _ = slots[0].set(first);
         Logs {
-            slots,
+            first,
+            fresh: std::array::from_fn(|_| OnceLock::new()),
             current: StdAtomicUsize::new(0),
             allowed: allowed.min(MAX_FRESH_LOGS) as usize,
             dir,
@@ -62,7 +61,10 @@ impl<B: Backend> Logs<B> {
     }
 
     fn at(&self, i: usize) -> &SegmentLog<B> {
-        self.slots[i].get().expect("a slot up to `current` holds a log")
+        match i {
+            0 => &self.first,
+            _ => self.fresh[i - 1].get().expect("a slot up to `current` holds a log"),
+        }
     }
 
     fn current_index(&self) -> usize {
@@ -76,7 +78,7 @@ impl<B: Backend> Logs<B> {
 
     /// Every log, the first (the store's directory) first.
     pub(super) fn all(&self) -> impl Iterator<Item = &SegmentLog<B>> {
-        self.slots.iter().map_while(|s| s.get())
+        std::iter::once(&self.first).chain(self.fresh.iter().map_while(|s| s.get().map(|b| &**b)))
     }
 
     /// Whether a failed write has made the store open a fresh log.
@@ -210,7 +212,7 @@ impl<B: Backend> Logs<B> {
             .and_then(|b| SegmentLog::open(b, &dir, self.opts.clone()));
         match opened {
             Ok(log) => {
-                let _ = self.slots[n].set(log);
+                let _ = self.fresh[n - 1].set(Box::new(log));
                 self.current.store(n, StdOrdering::Release);
                 log::error!(
                     "the spill log in {} is read-only ({reason}); spilling to a fresh log in {} ({n} of {})",
