@@ -60,11 +60,46 @@ fn the_write_that_made_the_log_read_only_goes_to_a_fresh_log_and_so_do_later_one
     assert_eq!(logs[1].len(), 2);
     assert!(std::ptr::eq(s.log(), logs[1]), "spills go to the fresh log");
     s.check_accounting().unwrap();
-    // The read-only log serves its record; reading it back and removing it needs no write.
+    // The read-only log serves its record; read back, the value keeps no copy there (evicted again,
+    // it is written to the fresh log).
     assert_eq!(s.log_of(&[0]).map(|l| l.dir()), Some(logs[0].dir()));
+    assert_eq!(*s.get(&[0]).unwrap().unwrap(), val(0, 1999));
+    assert_eq!(logs[0].len(), 0);
     read_all(&s, 0..5);
+    assert!(s.log_of(&[0]).is_none_or(|l| l.dir() == logs[1].dir()));
+    s.remove(&[0]).unwrap();
+    s.check_accounting().unwrap();
+}
+
+#[test]
+fn a_record_removed_from_the_read_only_log_needs_no_write() {
+    let s = open(spill_cfg());
+    put_all(&s, 0..3);
+    eio_on(&s);
+    put_all(&s, 3..4);
+    let logs = s.logs();
+    assert_eq!(logs[0].len(), 1);
     s.remove(&[0]).unwrap();
     assert_eq!(logs[0].len(), 0);
+    assert!(!s.contains(&[0]));
+    s.check_accounting().unwrap();
+}
+
+#[test]
+fn a_rewrite_that_lands_where_the_old_record_was_in_the_old_log_counts_as_written() {
+    // A fresh log's first record has the location the old log's first one had: the store tells
+    // them apart by their log.
+    let c = StoreConfig { eviction: EvictionPolicy::dask(), ..spill_cfg() };
+    let s = Store::open(MutCodec, SimBackend::new(), "/store", StoreConfig { target_bytes: 1 << 20, ..c }).unwrap();
+    s.put(b"a", std::sync::Mutex::new(vec![1; 100])).unwrap();
+    s.evict().unwrap();
+    s.get(b"a").unwrap().unwrap().lock().unwrap()[0] = 9; // read back (a verified copy) and changed
+    s.log().backend().inject(Fault { op: FaultOp::Write, after: 0, kind: FaultKind::Eio, sticky: true });
+    assert_eq!(s.evict().unwrap(), 100, "written to the fresh log");
+    assert!(s.take_failures().is_empty());
+    assert_eq!(s.tier(b"a"), Some(Tier::Disk));
+    assert_eq!(s.log_of(b"a").map(|l| l.dir().to_path_buf()), Some("/store/fresh-1".into()));
+    assert_eq!(s.get(b"a").unwrap().unwrap().lock().unwrap()[..2], [9, 1]);
     s.check_accounting().unwrap();
 }
 

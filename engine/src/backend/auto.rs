@@ -231,9 +231,17 @@ impl Backend for AutoBackend {
     fn alignment(&self, dir: &Path) -> usize {
         on_backend!(self, |b| b.alignment(dir))
     }
+    /// Of the same kind; a driver that cannot be started for the fresh log (its locked memory, say)
+    /// falls back to the portable backend, as [`AutoBackend::new`] does.
     fn fresh(&self) -> io::Result<Self> {
         Ok(match self {
-            AutoBackend::Uring(b) => AutoBackend::Uring(b.fresh()?),
+            AutoBackend::Uring(b) => match b.fresh() {
+                Ok(u) => AutoBackend::Uring(u),
+                Err(e) => {
+                    log::warn!("io_uring unavailable for a fresh log ({e}); it uses the portable backend");
+                    AutoBackend::Portable(PortableBackend::with_direct(b.direct()))
+                }
+            },
             AutoBackend::Portable(b) => AutoBackend::Portable(b.fresh()?),
             AutoBackend::Sim(b) => AutoBackend::Sim(b.fresh()?),
         })

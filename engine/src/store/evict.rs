@@ -246,12 +246,13 @@ impl<C: Codec, B: Backend> Store<C, B> {
             }))
             .collect();
         // Where each object going to disk had a record before (a copy that no longer matches it): a
-        // location after the write that differs is its new record.
-        let before: Vec<Option<crate::log::Location>> = demotions
+        // place after the write that differs is its new record (a place names its log: a fresh
+        // log's first record has the location an old log's first one had).
+        let before: Vec<Option<(usize, crate::log::Location)>> = demotions
             .iter()
             .zip(&demoted)
             .map(|(d, r)| match r {
-                Demoted::ToDisk(_) => self.logs.location(&d.key),
+                Demoted::ToDisk(_) => self.logs.place(&d.key),
                 _ => None,
             })
             .collect();
@@ -338,7 +339,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 Demoted::ToDisk(frames) => {
                     let raw = frames.total_len();
                     inner.writing_raw -= raw;
-                    let written = self.logs.location(&d.key).filter(|l| Some(*l) != before);
+                    let written = self.logs.place(&d.key).filter(|p| Some(*p) != before).map(|(_, loc)| loc);
                     if same && written.is_none() && before.is_some() {
                         // The new frames did not land; the record there is an old copy, no longer
                         // known to match (the next eviction writes again).
@@ -560,9 +561,10 @@ impl<C: Codec, B: Backend> Store<C, B> {
     pub(super) fn write_disk(&self, items: &[(&[u8], &Frames)]) -> Result<()> {
         let t = Instant::now();
         let bytes: u64 = items.iter().map(|(_, f)| f.total_len()).sum();
-        self.logs.put_many(items)?;
-        // Written (and readable) even if the sync below fails: counted either way.
-        let synced = if self.cfg.sync_spills { self.logs.current().sync() } else { Ok(()) };
+        let log = self.logs.put_many(items)?;
+        // Written (and readable) even if the sync below fails: counted either way. The sync is of
+        // the log the batch went to (another thread's failed write may have replaced it since).
+        let synced = if self.cfg.sync_spills { log.sync() } else { Ok(()) };
         let m = self.metrics.counter(Activity::DiskWrite);
         m.count.fetch_add(items.len() as u64, Ordering::Relaxed);
         m.bytes.fetch_add(bytes, Ordering::Relaxed);

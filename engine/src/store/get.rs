@@ -392,8 +392,13 @@ impl<C: Codec, B: Backend> Store<C, B> {
         // Under `verify_copies`, a copy is kept only with the crc of what was read (this reader's:
         // one that promotes a value another reader read has none).
         let unverified = self.cfg.eviction.verify_copies && crc.is_none();
-        let drop_record =
-            (revived || unverified) && disk_bytes > 0 && !self.cfg.persistent && self.logs.forget(k).is_ok();
+        // A record left in a log that a failed write made read-only goes too: evicted again, the value
+        // is written to the log spills go to, and the failing one is not relied on for it.
+        let off_current = disk_bytes > 0 && self.logs.replaced() && !self.logs.in_current(k);
+        let drop_record = (revived || unverified || off_current)
+            && disk_bytes > 0
+            && !self.cfg.persistent
+            && self.logs.forget(k).is_ok();
         if let (Some(c), false) = (crc, drop_record) {
             if disk_bytes > 0 {
                 inner.copy_crc.insert(k.clone(), c);

@@ -100,6 +100,17 @@ impl<B: Backend> Logs<B> {
         self.of(key).and_then(|l| l.location(key))
     }
 
+    /// The log that holds `key`'s record (its number) and the record's location in it.
+    pub(super) fn place(&self, key: &[u8]) -> Option<(usize, Location)> {
+        let cur = self.current_index();
+        (0..=cur).rev().find_map(|i| self.at(i).location(key).map(|loc| (i, loc)))
+    }
+
+    /// Whether `key`'s record, if it has one, is in the log spills go to.
+    pub(super) fn in_current(&self, key: &[u8]) -> bool {
+        self.current().location(key).is_some()
+    }
+
     pub(super) fn get(&self, key: &[u8]) -> Result<Option<Frames>> {
         self.of(key).map_or(Ok(None), |l| l.get(key))
     }
@@ -131,16 +142,17 @@ impl<B: Backend> Logs<B> {
     }
 
     /// Write `items` to the current log. If the write fails and leaves that log read-only, open a
-    /// fresh log (unless the store may not, or has opened its last) and write them there.
-    pub(super) fn put_many(&self, items: &[(&[u8], &Frames)]) -> Result<()> {
+    /// fresh log (unless the store may not, or has opened its last) and write them there. Returns
+    /// the log they went to. A write that fails may still have stored some of them (a log's
+    /// `put_many` is not atomic across segments): each such key keeps only its newest record.
+    pub(super) fn put_many(&self, items: &[(&[u8], &Frames)]) -> Result<&SegmentLog<B>> {
         let mut i = self.current_index();
         loop {
             let log = self.at(i);
-            match log.put_many(items) {
-                Ok(()) => {
-                    self.forget_older(i, items.iter().map(|(k, _)| *k));
-                    return Ok(());
-                }
+            let r = log.put_many(items);
+            self.forget_older(i, items.iter().map(|(k, _)| *k));
+            match r {
+                Ok(()) => return Ok(log),
                 Err(e) if log.poisoned().is_some() => match self.replace(i) {
                     Some(next) => i = next,
                     None => return Err(e),
@@ -153,7 +165,12 @@ impl<B: Backend> Logs<B> {
     /// [`SegmentLog::put_stream`] into the current log. The source cannot be read twice: a stream
     /// that made the log read-only is not retried, but the next write goes to a fresh log.
     pub(super) fn put_stream(&self, key: &[u8], meta: &StreamedValue, src: &mut dyn std::io::Read) -> Result<()> {
-        let i = self.current_index();
+        let mut i = self.current_index();
+        if self.at(i).poisoned().is_some() {
+            // Made read-only by something other than a spill (a sync, another stream): the fresh
+            // log is opened before the stream starts, not after it failed.
+            i = self.replace(i).unwrap_or(i);
+        }
         let log = self.at(i);
         let r = log.put_stream(key, meta, src);
         match &r {
@@ -166,12 +183,13 @@ impl<B: Backend> Logs<B> {
         r
     }
 
-    /// Keys just written to log `i`: their records in older logs are stale.
+    /// Keys just written to log `i`: those it holds have stale records in older logs.
     fn forget_older<'k>(&self, i: usize, keys: impl Iterator<Item = &'k [u8]>) {
         if i == 0 {
             return;
         }
-        for k in keys {
+        let log = self.at(i);
+        for k in keys.filter(|k| log.location(k).is_some()) {
             for old in (0..i).map(|j| self.at(j)) {
                 if old.location(k).is_some() {
                     let _ = old.forget(k); // (writes nothing: it cannot fail on a read-only log)

@@ -34,10 +34,12 @@ pub(super) struct ProcessMemory {
     target: StdAtomicU64,
     /// RSS above the target that spilling did not bring down (see the module's notes).
     out_of_reach: StdAtomicU64,
-    /// The probe, and the store's memory weight when the RSS was last read. Taken with `try_lock`
-    /// after a put or a get (a thread already checking covers the others), never while the store's
-    /// lock is held.
-    state: StdMutex<(RssProbe, u64)>,
+    /// How the RSS is read (held only to clone it).
+    probe: StdMutex<RssProbe>,
+    /// The store's memory weight when the RSS was last read; held by the thread checking. Taken
+    /// with `try_lock` after a put or a get (a thread already checking covers the others), never
+    /// while the store's lock is held.
+    state: StdMutex<u64>,
 }
 
 impl Default for ProcessMemory {
@@ -46,7 +48,8 @@ impl Default for ProcessMemory {
         ProcessMemory {
             target: StdAtomicU64::new(0),
             out_of_reach: StdAtomicU64::new(0),
-            state: StdMutex::new((probe, 0)),
+            probe: StdMutex::new(probe),
+            state: StdMutex::new(0),
         }
     }
 }
@@ -65,7 +68,7 @@ pub fn read_rss() -> Option<u64> {
 
 impl<C: Codec, B: Backend> Store<C, B> {
     /// Also evict when the process's RSS is above `bytes` (see the `pressure` notes in the store's
-    /// docs); `None` turns it off. Applies from the next put or read back.
+    /// docs); `None` (or 0) turns it off. Applies from the next put or read back.
     pub fn set_process_target(&self, bytes: Option<u64>) {
         self.process.target.store(bytes.unwrap_or(0), StdOrdering::Relaxed);
     }
@@ -77,7 +80,11 @@ impl<C: Codec, B: Backend> Store<C, B> {
 
     /// Read the process's RSS with `probe` instead of `/proc/self/statm`.
     pub fn set_rss_probe(&self, probe: RssProbe) {
-        self.process.state.lock().unwrap_or_else(|p| p.into_inner()).0 = probe;
+        *self.process.probe.lock().unwrap_or_else(|p| p.into_inner()) = probe;
+    }
+
+    fn rss_probe(&self) -> RssProbe {
+        self.process.probe.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// How many bytes the process may still grow by before it is above the process target, the RSS
@@ -85,8 +92,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// deciding where data about to arrive should go.
     pub fn process_headroom(&self) -> Option<u64> {
         let goal = self.process_target()?;
-        let probe = self.process.state.lock().unwrap_or_else(|p| p.into_inner()).0.clone();
-        let rss = probe()?;
+        let rss = self.rss_probe()()?;
         let reach = self.process.out_of_reach.load(StdOrdering::Relaxed);
         Some((goal + reach).saturating_sub(rss))
     }
@@ -103,11 +109,11 @@ impl<C: Codec, B: Backend> Store<C, B> {
         let Some(goal) = self.process_target() else { return };
         let Ok(mut state) = self.process.state.try_lock() else { return };
         let memory = self.lock().mem_bytes;
-        if memory.abs_diff(state.1) < RSS_CHECK_BYTES {
+        if memory.abs_diff(*state) < RSS_CHECK_BYTES {
             return;
         }
-        state.1 = memory;
-        let probe = state.0.clone();
+        *state = memory;
+        let probe = self.rss_probe();
         let Some(rss) = probe() else { return };
         let over = rss.saturating_sub(goal);
         let reach = self.process.out_of_reach.load(StdOrdering::Relaxed).min(over);
@@ -115,7 +121,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         if excess > 0 {
             let freed = self.evict_bytes(excess, spare).unwrap_or(0);
             if freed > 0 {
-                state.1 = self.lock().mem_bytes;
+                *state = self.lock().mem_bytes;
                 let fell = probe().map_or(0, |now| rss.saturating_sub(now));
                 if fell < freed / 2 {
                     let learned = (reach + freed - fell).min(goal / 4);
