@@ -66,7 +66,7 @@ Beyond dask's policy (memory under pressure)
   times ``distributed.worker.memory.target``), a set or a read back that finds the process's RSS
   above it also spills least-recently-used keys, until their weight covers the excess: what dask's
   memory monitor does every 100 ms from the event loop, done as memory grows, by the store
-  (``engine/src/store/pressure.rs``: the RSS is read once per MiB of weight brought in or let go,
+  (``engine/src/store/pressure.rs``: the RSS is read once per MiB of weight brought in,
   and memory that spilling does not give back is learned as out of reach, not chased).
 
 Metrics

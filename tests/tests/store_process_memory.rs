@@ -60,6 +60,28 @@ fn a_process_above_its_target_spills_the_oldest_values_down_to_it() {
 }
 
 #[test]
+fn puts_that_replace_what_tasks_release_are_checked_too() {
+    // A worker's tasks put outputs as fast as they release inputs: the store's weight stays the same
+    // while the process's memory grows. The RSS is read per MiB brought in, not per MiB of change.
+    let s = open();
+    let rss = Arc::new(AtomicU64::new(0));
+    let r = rss.clone();
+    s.set_rss_probe(Arc::new(move || Some(r.load(Ordering::Relaxed))));
+    s.set_process_target(Some(100 * MIB));
+    for i in 0..4u8 {
+        s.put(&[i], mib(i)).unwrap();
+    }
+    rss.store(120 * MIB, Ordering::Relaxed); // grown by what the store does not hold
+    for i in 4..8u8 {
+        s.remove(&[i - 4]).unwrap();
+        s.put(&[i], mib(i)).unwrap();
+    }
+    assert!(on_disk(&s, 8) > 0, "the process is above its target: older values go");
+    assert_eq!(s.tier(&[7]), Some(Tier::Materialized));
+    s.check_accounting().unwrap();
+}
+
+#[test]
 fn a_read_back_spills_others_but_not_itself() {
     let s = open();
     for i in 0..4u8 {

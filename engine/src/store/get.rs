@@ -425,7 +425,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             Self::unstick(&mut inner);
         }
         self.enforce(inner, None)?;
-        self.relieve_process_memory(Some(k));
+        self.relieve_process_memory(Some(k), weight);
         Ok(Some(v))
     }
 

@@ -4,8 +4,10 @@
 //! 100 ms from its event loop, done here as memory grows.
 //!
 //! * After a put, or a get that brought a value into memory, the RSS is read once per
-//!   [`RSS_CHECK_BYTES`] of change in the store's memory weight; above the target, least-recently-used
-//!   values are evicted (sparing the key just put or read) until their weight covers the excess.
+//!   [`RSS_CHECK_BYTES`] of weight brought in (puts and reads back, whatever was removed meanwhile: a
+//!   worker whose tasks put outputs as fast as they release inputs keeps the same weight while its
+//!   RSS grows); above the target, least-recently-used values are evicted (sparing the key just put
+//!   or read) until their weight covers the excess.
 //! * Memory that spilling does not give back to the system is learned as *out of reach*: a round that
 //!   evicted W bytes of weight while the RSS fell by less than W/2 adds the difference, and later
 //!   checks evict only for the RSS above it (it shrinks again as the RSS falls, and never exceeds a
@@ -21,8 +23,8 @@ use std::sync::Mutex as StdMutex;
 
 use super::*;
 
-/// Bytes of memory weight brought in or let go between two reads of the process's RSS (a read, a
-/// `pread` of `/proc/self/statm`, costs about 2 µs).
+/// Bytes of memory weight brought in (put or read back) between two reads of the process's RSS (a
+/// read, a `pread` of `/proc/self/statm`, costs about 2 µs).
 pub const RSS_CHECK_BYTES: u64 = 1 << 20;
 
 /// How a store reads its process's resident set size in bytes; `None` when it cannot. The default
@@ -36,10 +38,11 @@ pub(super) struct ProcessMemory {
     out_of_reach: StdAtomicU64,
     /// How the RSS is read (held only to clone it).
     probe: StdMutex<RssProbe>,
-    /// The store's memory weight when the RSS was last read; held by the thread checking. Taken
-    /// with `try_lock` after a put or a get (a thread already checking covers the others), never
-    /// while the store's lock is held.
-    state: StdMutex<u64>,
+    /// Weight brought in since the RSS was last read.
+    added: StdAtomicU64,
+    /// Held by the thread checking. Taken with `try_lock` after a put or a get (a thread already
+    /// checking covers the others), never while the store's lock is held.
+    checking: StdMutex<()>,
 }
 
 impl Default for ProcessMemory {
@@ -49,7 +52,8 @@ impl Default for ProcessMemory {
             target: StdAtomicU64::new(0),
             out_of_reach: StdAtomicU64::new(0),
             probe: StdMutex::new(probe),
-            state: StdMutex::new(0),
+            added: StdAtomicU64::new(0),
+            checking: StdMutex::new(()),
         }
     }
 }
@@ -102,17 +106,16 @@ impl<C: Codec, B: Backend> Store<C, B> {
         self.process.out_of_reach.load(StdOrdering::Relaxed)
     }
 
-    /// After a put or a get that brought weight into memory: evict for the process's memory if it is
-    /// above the process target (sparing `spare`). Never fails: a spill that does not happen is
-    /// reported as any other.
-    pub(super) fn relieve_process_memory(&self, spare: Option<&[u8]>) {
+    /// After a put or a get that brought `added` bytes of weight into memory: evict for the
+    /// process's memory if it is above the process target (sparing `spare`). Never fails: a spill
+    /// that does not happen is reported as any other.
+    pub(super) fn relieve_process_memory(&self, spare: Option<&[u8]>, added: u64) {
         let Some(goal) = self.process_target() else { return };
-        let Ok(mut state) = self.process.state.try_lock() else { return };
-        let memory = self.lock().mem_bytes;
-        if memory.abs_diff(*state) < RSS_CHECK_BYTES {
+        if self.process.added.fetch_add(added, StdOrdering::Relaxed) + added < RSS_CHECK_BYTES {
             return;
         }
-        *state = memory;
+        let Ok(_checking) = self.process.checking.try_lock() else { return };
+        self.process.added.store(0, StdOrdering::Relaxed);
         let probe = self.rss_probe();
         let Some(rss) = probe() else { return };
         let over = rss.saturating_sub(goal);
@@ -121,7 +124,6 @@ impl<C: Codec, B: Backend> Store<C, B> {
         if excess > 0 {
             let freed = self.evict_bytes(excess, spare).unwrap_or(0);
             if freed > 0 {
-                *state = self.lock().mem_bytes;
                 let fell = probe().map_or(0, |now| rss.saturating_sub(now));
                 if fell < freed / 2 {
                     let learned = (reach + freed - fell).min(goal / 4);

@@ -7,13 +7,13 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// Store a materialized value. If it is heavier than the target it is serialized and written to disk
     /// at once; a serialize failure then fails this call and the key is forgotten.
     pub fn put(&self, key: &[u8], value: C::Value) -> Result<()> {
-        let done = self.put_object(key, value);
-        self.relieve_process_memory(Some(key));
+        let weight = self.codec.size_of(&value);
+        let done = self.put_object(key, value, weight);
+        self.relieve_process_memory(Some(key), weight);
         done
     }
 
-    fn put_object(&self, key: &[u8], value: C::Value) -> Result<()> {
-        let weight = self.codec.size_of(&value);
+    fn put_object(&self, key: &[u8], value: C::Value, weight: u64) -> Result<()> {
         if weight > self.target() {
             let frames = match self.serialize(key, &value) {
                 Ok(f) => f,
@@ -38,15 +38,16 @@ impl<C: Codec, B: Backend> Store<C, B> {
 
     /// Store serialized frames (data from a peer or from disk): they stay serialized until a `get`.
     pub fn put_serialized(&self, key: &[u8], frames: Frames) -> Result<()> {
+        let weight = frames.total_len();
         let mut inner = self.lock();
-        let done = if frames.total_len() > self.target() {
+        let done = if weight > self.target() {
             self.put_large(inner, key, frames, None, true, None)
         } else {
             let e = Entry::serialized(frames, false);
             let slot = e.slot.clone();
             self.insert(&mut inner, key, e).and_then(|_| self.enforce(inner, Some(&slot)))
         };
-        self.relieve_process_memory(Some(key));
+        self.relieve_process_memory(Some(key), weight);
         done
     }
 
