@@ -7,7 +7,10 @@
 //! log's write-behind handshake has its own models in `log.rs`.
 #![cfg(spillway_loom)]
 
+mod common;
+
 use bytes::Bytes;
+use common::bounded;
 use loom::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use loom::sync::Arc;
 use loom::thread;
@@ -53,15 +56,6 @@ fn store_with_a_spilled() -> Arc<S> {
     assert_eq!(s.tier(b"a"), Some(Tier::Disk));
     assert_eq!(s.tier(b"b"), Some(Tier::Serialized));
     s
-}
-
-/// loom's explorer with the preemption bound `LOOM_MAX_PREEMPTIONS` (default 2; 0 is no bound), for
-/// models whose threads both run long paths.
-fn bounded() -> loom::model::Builder {
-    let mut b = loom::model::Builder::new();
-    let bound = std::env::var("LOOM_MAX_PREEMPTIONS").ok().and_then(|v| v.parse().ok()).unwrap_or(2);
-    b.preemption_bound = (bound > 0).then_some(bound);
-    b
 }
 
 fn deserialized(s: &S) -> usize {

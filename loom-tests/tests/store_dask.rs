@@ -4,7 +4,10 @@
 //! `--cfg spillway_loom`, as `store.rs` (whose header says what loom sees of the store).
 #![cfg(spillway_loom)]
 
+mod common;
+
 use bytes::Bytes;
+use common::bounded;
 use loom::sync::atomic::{AtomicUsize, Ordering};
 use loom::sync::Arc;
 use loom::thread;
@@ -63,14 +66,6 @@ fn store_with_a_evicted() -> Arc<S> {
     assert_eq!(s.evict().unwrap(), 64);
     assert_eq!(s.tier(b"a"), Some(Tier::Disk));
     s
-}
-
-/// As `store.rs`'s: a preemption bound (`LOOM_MAX_PREEMPTIONS`, default 2; 0 is no bound).
-fn bounded() -> loom::model::Builder {
-    let mut b = loom::model::Builder::new();
-    let bound = std::env::var("LOOM_MAX_PREEMPTIONS").ok().and_then(|v| v.parse().ok()).unwrap_or(2);
-    b.preemption_bound = (bound > 0).then_some(bound);
-    b
 }
 
 fn deserialized(s: &S) -> usize {

@@ -270,3 +270,20 @@ impl Codec for GatedCodec {
         self.inner.size_of(v)
     }
 }
+
+/// Values that can be changed in place (as a numpy array can), serialized as their bytes.
+#[derive(Default)]
+pub struct MutCodec;
+
+impl Codec for MutCodec {
+    type Value = std::sync::Mutex<Vec<u8>>;
+    fn serialize(&self, v: &Self::Value) -> Result<Frames, CodecError> {
+        Ok(Frames::single(v.lock().unwrap().clone()))
+    }
+    fn deserialize(&self, f: Frames) -> Result<Self::Value, CodecError> {
+        Ok(std::sync::Mutex::new(f.concat().to_vec()))
+    }
+    fn size_of(&self, v: &Self::Value) -> u64 {
+        v.lock().unwrap().len() as u64
+    }
+}

@@ -405,23 +405,6 @@ fn failures_are_reported_to_the_embedding_instead_of_logged() {
     s.check_accounting().unwrap();
 }
 
-/// Values that can be changed in place (as a numpy array can), serialized as their bytes.
-#[derive(Default)]
-struct MutCodec;
-
-impl Codec for MutCodec {
-    type Value = std::sync::Mutex<Vec<u8>>;
-    fn serialize(&self, v: &Self::Value) -> Result<Frames, CodecError> {
-        Ok(Frames::single(v.lock().unwrap().clone()))
-    }
-    fn deserialize(&self, f: Frames) -> Result<Self::Value, CodecError> {
-        Ok(std::sync::Mutex::new(f.concat().to_vec()))
-    }
-    fn size_of(&self, v: &Self::Value) -> u64 {
-        v.lock().unwrap().len() as u64
-    }
-}
-
 #[test]
 fn a_read_back_copy_is_dropped_without_a_write_only_while_the_value_is_unchanged() {
     let s = Store::open(MutCodec, SimBackend::new(), "/s", dask_cfg(1 << 20)).unwrap();

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use spillway::backend::{Fault, FaultKind, FaultOp};
 use spillway::transfer::{Outgoing, Source};
-use spillway::{Codec, CodecError, EvictionPolicy, Frames, SimBackend, SpillFailureKind, Store, StoreConfig, Tier};
+use spillway::{EvictionPolicy, SimBackend, SpillFailureKind, Store, StoreConfig, Tier};
 use spillway_tests::store::*;
 
 type S = Store<TestCodec, SimBackend>;
@@ -101,22 +101,6 @@ fn a_rewrite_that_lands_where_the_old_record_was_in_the_old_log_counts_as_writte
     assert_eq!(s.log_of(b"a").map(|l| l.dir().to_path_buf()), Some("/store/fresh-1".into()));
     assert_eq!(s.get(b"a").unwrap().unwrap().lock().unwrap()[..2], [9, 1]);
     s.check_accounting().unwrap();
-}
-
-/// Values that can be changed in place (as a numpy array can), serialized as their bytes.
-struct MutCodec;
-
-impl Codec for MutCodec {
-    type Value = std::sync::Mutex<Vec<u8>>;
-    fn serialize(&self, v: &Self::Value) -> Result<Frames, CodecError> {
-        Ok(Frames::single(v.lock().unwrap().clone()))
-    }
-    fn deserialize(&self, f: Frames) -> Result<Self::Value, CodecError> {
-        Ok(std::sync::Mutex::new(f.concat().to_vec()))
-    }
-    fn size_of(&self, v: &Self::Value) -> u64 {
-        v.lock().unwrap().len() as u64
-    }
 }
 
 #[test]
