@@ -8,7 +8,8 @@
 //!   readers of a key being deserialized wait in its slot without it.
 //! * Frames given by Python are held without a copy: each through a memoryview of our own, which
 //!   keeps the exporter's memory in place. One dropped by the store without the GIL is released by
-//!   pyo3 the next time a thread takes it (never under the store's lock).
+//!   pyo3 the next time a thread takes it (never under the store's lock); the process target's
+//!   check takes it before it reads the RSS (`Codec::release_dropped`).
 //! * Frames handed to `loads` are memoryviews over the engine's buffers: writable when they were read
 //!   from disk for that call (so an array read back is writeable without a copy), read-only when the
 //!   store keeps them (the codec copies them if values must be writeable).
@@ -167,6 +168,11 @@ impl Codec for PyCodec {
         Python::with_gil(|py| {
             self.sizeof.call1(py, (value,)).and_then(|n| n.extract::<u64>(py)).unwrap_or(SIZEOF_FALLBACK_BYTES)
         })
+    }
+
+    fn release_dropped(&self) {
+        // Taking the GIL runs the decrefs pyo3 deferred for objects dropped without it.
+        Python::with_gil(|_| ());
     }
 
     fn keep_weak(&self, value: &Arc<Py<PyAny>>) -> Option<Revive<Py<PyAny>>> {
@@ -399,6 +405,13 @@ impl Store {
     fn process_headroom(&self, py: Python<'_>) -> PyResult<Option<u64>> {
         let s = self.inner()?;
         Ok(py.allow_threads(|| s.process_headroom()))
+    }
+
+    /// Bytes of RSS above `process_target` that evicting was found not to bring down (memory the
+    /// process holds elsewhere): checks evict only for the RSS above it.
+    #[getter]
+    fn process_out_of_reach(&self) -> PyResult<u64> {
+        Ok(self.inner()?.process_out_of_reach())
     }
 
     /// `(keys in memory, keys on disk)`, unordered.

@@ -69,6 +69,31 @@ def test_process_target_spills_older_keys_when_the_process_is_above_it(make_buff
     assert buf.tier("b") == "disk" and buf.tier("a") == "object"
 
 
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads /proc/self/statm")
+def test_objects_the_process_target_evicts_count_as_freed_not_out_of_reach(make_buffer):
+    """The store drops an evicted object without the GIL, which frees it only when some thread next
+    takes the GIL. The check after an eviction must see that memory freed: learned as out of
+    reach, it would stop spilling for RSS that spilling does bring down."""
+    n = 40 << 20  # above glibc's largest mmap threshold: freed, its pages leave the RSS at once
+    buf = make_buffer(target=1 << 40, process_target=None)
+    buf["warm"] = np.ones(n, dtype="u1")  # the first write's buffers, touched before the RSS is read
+    assert buf.evict() > 0
+    del buf["warm"]
+    gc.collect()
+    goal = _rss() + 3 * n // 2
+    buf._store.process_target = goal
+    for i in range(6):
+        buf[f"k{i}"] = np.ones(n, dtype="u1")  # the store holds the only reference
+    assert buf._store.process_out_of_reach == 0
+    assert len(buf.fast) <= 2 and buf.tier("k0") == "disk"
+    assert _rss() < goal + n
+
+
 def test_without_process_target_only_target_counts(make_buffer):
     for process_target in (None, "auto"):  # "auto" outside a dask worker: off
         buf = make_buffer(target=1 << 30, process_target=process_target)

@@ -124,6 +124,13 @@ pub trait Codec: Send + Sync + 'static {
     fn keep_weak(&self, _value: &sync::Arc<Self::Value>) -> Option<Revive<Self::Value>> {
         None
     }
+
+    /// Release now the values (and frames) the store has dropped, where the codec's runtime defers
+    /// that: a Python object dropped without the GIL is freed only when some thread next takes it.
+    /// Called before the store measures what an eviction gave back to the system (the process
+    /// target's RSS check), which would otherwise miss the last values evicted. Default: nothing
+    /// (Rust values are freed when dropped).
+    fn release_dropped(&self) {}
 }
 
 /// A way back to a value the store let go of while something else may still hold it (see

@@ -12,7 +12,10 @@
 //!   evicted W bytes of weight while the RSS fell by less than W/2 adds the difference, and later
 //!   checks evict only for the RSS above it (it shrinks again as the RSS falls, and never exceeds a
 //!   quarter of the target). Without this, a process whose RSS stays high whatever is spilled spills
-//!   and reads back everything over and over.
+//!   and reads back everything over and over. The RSS after a round is read once the codec has
+//!   released what the round dropped ([`Codec::release_dropped`]: Python frees an object dropped
+//!   without the GIL only when a thread next takes it); read before, the last values evicted count as
+//!   out of reach, and the process is left above its target by their weight.
 //!
 //! The settings and the state live outside the store's lock (std's atomics and mutex: they are
 //! settings and a hint, not part of the store's shared state in the loom models, which leave the
@@ -124,6 +127,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         if excess > 0 {
             let freed = self.evict_bytes(excess, spare).unwrap_or(0);
             if freed > 0 {
+                self.codec.release_dropped();
                 let fell = probe().map_or(0, |now| rss.saturating_sub(now));
                 if fell < freed / 2 {
                     let learned = (reach + freed - fell).min(goal / 4);
