@@ -378,6 +378,31 @@ pub fn payload_crc(payload: &[u8]) -> u32 {
     crc(&[payload])
 }
 
+/// The [`payload_crc`] of a payload checked piece by piece, possibly on several threads: each
+/// consecutive piece's [`PayloadCrc::of`], combined in order with [`PayloadCrc::then`].
+#[derive(Clone)]
+pub struct PayloadCrc(crc32fast::Hasher);
+
+impl PayloadCrc {
+    /// The crc state of one piece.
+    pub fn of(piece: &[u8]) -> Self {
+        let mut h = crc32fast::Hasher::new();
+        h.update(piece);
+        PayloadCrc(h)
+    }
+
+    /// The crc state of this piece followed by `next`.
+    pub fn then(mut self, next: &PayloadCrc) -> Self {
+        self.0.combine(&next.0);
+        self
+    }
+
+    /// The crc of the pieces combined so far.
+    pub fn value(self) -> u32 {
+        self.0.finalize()
+    }
+}
+
 /// Decode and verify the 56-byte fixed header only (no crc: that needs the frame table and key).
 /// Used to learn how many bytes the full header needs.
 pub fn peek_record_header(b: &[u8]) -> Result<RecordHeader, DecodeError> {

@@ -80,6 +80,23 @@ fn contract<B: Backend>(name: &str, b: &B, dir: &Path) {
     let got = b.read_new(&f, 4 * align as u64, 2 * align, align).unwrap();
     assert_eq!(&got[..], &want[..2 * align], "{}", at("read_new"));
 
+    // read_new_crc: read_new's bytes and the payload crc of the range asked for, small or large (the
+    // file backends read a large one in two halves on two threads).
+    let g = b.open(&sub.join("g"), true).unwrap();
+    let big = 5 << 20;
+    let w = filled(b, align, big, 3);
+    let want_big = w.to_vec();
+    b.write_at(&g, 0, w).0.unwrap();
+    for (len, check) in [(2 * align, 100..2 * align - 7), (big, 0..big), (big, 4097..big - 3), (big, 0..0)] {
+        let (got, crc) = b.read_new_crc(&g, 0, len, align, check.clone()).unwrap();
+        assert_eq!(&got[..], &want_big[..len], "{}", at(&format!("read_new_crc of {len} bytes")));
+        let expected = spillway::format::payload_crc(&want_big[check.clone()]);
+        assert_eq!(crc, expected, "{}", at(&format!("read_new_crc's crc of {check:?}")));
+    }
+    let e = b.read_new_crc(&g, (big - align) as u64, big, align, 0..big).unwrap_err();
+    assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof, "{}", at(&format!("read_new_crc past the end: {e}")));
+    drop(g);
+
     // A read past the end fails with UnexpectedEof.
     let e = read(b, &f, len as u64 - align as u64, 2 * align, align).unwrap_err();
     assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof, "{}", at(&format!("a read past the end: {e}")));

@@ -279,6 +279,21 @@ impl Backend for AutoBackend {
         )
     }
 
+    fn read_new_crc(
+        &self,
+        file: &AutoFile,
+        offset: u64,
+        len: usize,
+        align: usize,
+        check: std::ops::Range<usize>,
+    ) -> io::Result<(AlignedBuf, u32)> {
+        with_file!(self, file, |b, f| b.read_new_crc(f, offset, len, align, check.clone()), {
+            let buf = super::read_by_alloc(self, file, offset, len, align)?;
+            let crc = crate::format::payload_crc(&buf[check]);
+            Ok((buf, crc))
+        })
+    }
+
     fn gathers_writes(&self) -> bool {
         on_backend!(self, |b| b.gathers_writes())
     }

@@ -143,6 +143,17 @@ impl Backend for PortableBackend {
         AlignedBuf::read_exact_at(file, offset, len, buffered_align(self.direct(), align))
     }
 
+    fn read_new_crc(
+        &self,
+        file: &File,
+        offset: u64,
+        len: usize,
+        align: usize,
+        check: std::ops::Range<usize>,
+    ) -> io::Result<(AlignedBuf, u32)> {
+        super::read_new_checked(file, offset, len, buffered_align(self.direct(), align), check)
+    }
+
     fn gathers_writes(&self) -> bool {
         !self.direct()
     }

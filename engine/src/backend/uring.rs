@@ -748,6 +748,24 @@ impl Backend for UringBackend {
         super::read_by_alloc(self, file, offset, len, align)
     }
 
+    fn read_new_crc(
+        &self,
+        file: &UringFile,
+        offset: u64,
+        len: usize,
+        align: usize,
+        check: std::ops::Range<usize>,
+    ) -> io::Result<(AlignedBuf, u32)> {
+        if self.inline_blocking {
+            // As `read_new`: a lone blocking read runs inline, as pread.
+            let align = super::portable::buffered_align(self.direct(), align);
+            return super::read_new_checked(&file.0.file, offset, len, align, check);
+        }
+        let buf = self.read_new(file, offset, len, align)?;
+        let crc = crate::format::payload_crc(&buf[check]);
+        Ok((buf, crc))
+    }
+
     /// Buffered files with inline blocking calls: a chunk holding large values is one inline
     /// `pwritev` from the values' buffers. Copying into the page cache is the whole cost of a buffered
     /// write, so overlapping it with encoding on the ring buys nothing, and the staging copy it saves is

@@ -77,11 +77,18 @@ impl ReadPlan {
         let Some(expected) = self.crc else {
             return decode_read_with_crc(raw, self.loc, key, salt);
         };
-        let actual = format::payload_crc(&raw);
+        self.finish_payload(buf, expected, format::payload_crc(&raw))
+    }
+
+    /// A payload read without its head (`buf` holds the file range `start..end`), whose crc is
+    /// `actual`, checked against the index's `expected`: the value's one frame.
+    pub(super) fn finish_payload(&self, buf: Bytes, expected: u32, actual: u32) -> Result<(Frames, Option<u32>)> {
         if actual != expected {
             let e = format::DecodeError::Checksum { what: "record payload", expected, actual };
             return Err(e.at(self.loc.segment, self.loc.offset));
         }
+        let at = (self.from - self.start) as usize;
+        let raw = buf.slice(at..at + self.len as usize);
         // One frame, no gaps: its crc is the laid-out crc.
         Ok((Frames(std::iter::once(raw).collect()), Some(actual)))
     }
@@ -196,12 +203,19 @@ impl<B: Backend> SegmentLog<B> {
     }
 
     /// Read what `plan` says and decode it.
+    /// A payload read without its head is checksummed by the backend as it reads
+    /// ([`Backend::read_new_crc`]: a large one in two halves at once).
     pub(super) fn read_planned(&self, file: &B::File, plan: ReadPlan, key: &[u8]) -> Result<(Frames, Option<u32>)> {
-        let buf = self
-            .backend
-            .read_new(file, plan.start, (plan.end - plan.start) as usize, self.buf_align(plan.end - plan.start))
-            .map_err(|e| Error::io("read segment", self.seg_path(plan.loc.segment), e))?;
-        plan.finish_with_crc(buf.freeze(), key, self.salt)
+        let (len, align) = ((plan.end - plan.start) as usize, self.buf_align(plan.end - plan.start));
+        let io_err = |e| Error::io("read segment", self.seg_path(plan.loc.segment), e);
+        let Some(expected) = plan.crc else {
+            let buf = self.backend.read_new(file, plan.start, len, align).map_err(io_err)?;
+            return plan.finish_with_crc(buf.freeze(), key, self.salt);
+        };
+        let at = (plan.from - plan.start) as usize;
+        let (buf, actual) =
+            self.backend.read_new_crc(file, plan.start, len, align, at..at + plan.len as usize).map_err(io_err)?;
+        plan.finish_payload(buf.freeze(), expected, actual)
     }
 
     /// Read the raw bytes of the record at `loc` (aligned read, zero-copy slice).
