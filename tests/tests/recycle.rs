@@ -29,6 +29,16 @@ fn spill_opts(recycle: bool) -> LogOptions {
 struct Counting {
     inner: PortableBackend,
     n: Arc<Counts>,
+    /// Punches wait for [`PUNCH_GATE`] before they run.
+    gated: bool,
+}
+
+/// Held by a test to hold up the punches of a gated [`Counting`] backend.
+static PUNCH_GATE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn gated_punch(f: &std::fs::File, offset: u64, len: u64) -> io::Result<()> {
+    let _open = PUNCH_GATE.lock().unwrap_or_else(|p| p.into_inner());
+    PortableBackend::new().punch_hole(f, offset, len)
 }
 
 #[derive(Default)]
@@ -92,6 +102,16 @@ impl Backend for Counting {
     fn alignment(&self, dir: &Path) -> usize {
         self.inner.alignment(dir)
     }
+    fn punch_hole(&self, f: &Self::File, offset: u64, len: u64) -> io::Result<()> {
+        self.inner.punch_hole(f, offset, len)
+    }
+    fn detached_punch(&self) -> Option<spillway::backend::DetachedPunch<Self::File>> {
+        if self.gated {
+            Some(gated_punch)
+        } else {
+            self.inner.detached_punch()
+        }
+    }
 }
 
 /// Total size of the segment files in `dir`.
@@ -140,6 +160,52 @@ fn a_spill_log_overwriting_its_keys_reuses_the_files_of_dead_segments() {
     // 60 rounds of 320 KiB go through about 75 segments of 256 KiB.
     assert!(without.0 >= 60 && without.1 >= 60 && without.2 >= 55 && without.3 == 0, "without: {without:?}");
     assert!(with.0 <= 8 && with.1 <= 8 && with.3 >= 55, "with: {with:?}");
+}
+
+/// Punches of forgotten records run on the log's punch thread (`LogOptions::punch_forgotten`), so
+/// a segment can die, and its file become a new segment, while punches of its records are still
+/// queued. Those punches must not run on the file any more: the values written into it afterwards
+/// read back whole once every punch has run. (The punches are held up until then.)
+#[test]
+fn queued_punches_never_reach_a_reused_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let be = Counting { gated: true, ..Default::default() };
+    let n = be.n.clone();
+    let opts = LogOptions { segment_bytes: 4 << 20, punch_forgotten: true, ..spill_opts(true) };
+    let log = SegmentLog::open(be, tmp.path(), opts).unwrap();
+    let big = |key: &[u8]| Frames::from(value_for(key, (700 << 10) + key.len() * 512));
+    let keys: Vec<Vec<u8>> = (0..16).map(|i| format!("k{i}").into_bytes()).collect();
+    for k in &keys {
+        log.put(k, &big(k)).unwrap();
+    }
+    let segment = |k: &[u8]| log.location(k).unwrap().segment;
+    let (first, second) = (segment(&keys[0]), segment(&keys[8]));
+    assert!(first < second && second < segment(&keys[15]), "three segments at least");
+    let dying: Vec<&Vec<u8>> = keys.iter().filter(|k| segment(k) == second).collect();
+    let gate = PUNCH_GATE.lock().unwrap();
+    // A punch of the first segment, held up: everything queued after it waits.
+    assert!(log.forget(&keys[0]).unwrap());
+    // The second segment dies with punches of it queued; its file is kept for reuse.
+    for k in &dying {
+        assert!(log.forget(k).unwrap());
+    }
+    let renames = n.renames.load(Ordering::Relaxed);
+    let fresh: Vec<Vec<u8>> = (0..12).map(|i| format!("new{i}").into_bytes()).collect();
+    for k in &fresh {
+        log.put(k, &big(k)).unwrap();
+    }
+    assert!(n.renames.load(Ordering::Relaxed) > renames, "the dead segment's file was reused");
+    drop(gate);
+    log.settle_punches();
+    for k in fresh.iter().chain(keys.iter().filter(|k| log.location(k).is_some())) {
+        assert_eq!(
+            log.get(k).unwrap(),
+            Some(big(k)),
+            "{}: punched after its file was reused",
+            String::from_utf8_lossy(k)
+        );
+    }
+    assert!(log.verify().unwrap().is_empty(), "{:?}", log.verify());
 }
 
 /// A value being sent from a segment keeps that segment's file out of reuse: when the segment dies

@@ -270,6 +270,19 @@ impl Backend for AutoBackend {
         with_file!(self, file, |b, f| b.punch_hole(f, offset, len), Err(io::ErrorKind::Unsupported.into()))
     }
 
+    fn detached_punch(&self) -> Option<super::DetachedPunch<AutoFile>> {
+        match self {
+            // Both punch with `fallocate` on the file they hold; the simulated disk counts its
+            // operations in order, so its punches stay on the caller's thread.
+            AutoBackend::Uring(_) | AutoBackend::Portable(_) => Some(|file, offset, len| match file {
+                AutoFile::Uring(f) => super::portable::punch_hole(f.file(), offset, len),
+                AutoFile::Portable(f) => super::portable::punch_hole(f, offset, len),
+                AutoFile::Sim(_) => Err(io::ErrorKind::Unsupported.into()),
+            }),
+            AutoBackend::Sim(_) => None,
+        }
+    }
+
     fn read_new(&self, file: &AutoFile, offset: u64, len: usize, align: usize) -> io::Result<AlignedBuf> {
         with_file!(
             self,

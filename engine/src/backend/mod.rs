@@ -134,6 +134,9 @@ pub struct PipelinedRead<F> {
     pub tag: u64,
 }
 
+/// A hole punch that needs only the file (see [`Backend::detached_punch`]).
+pub type DetachedPunch<F> = fn(&F, u64, u64) -> io::Result<()>;
+
 /// The file system operations the segment log needs.
 ///
 /// Contract for `read_at`/`write_at`: the call transfers exactly `buf.len()` bytes or fails; short
@@ -221,6 +224,14 @@ pub trait Backend: Send + Sync + 'static {
     fn punch_hole(&self, file: &Self::File, offset: u64, len: u64) -> io::Result<()> {
         let _ = (file, offset, len);
         Err(io::ErrorKind::Unsupported.into())
+    }
+
+    /// [`Backend::punch_hole`] as a plain function of the file, so that the log can run punches on a
+    /// thread of its own: a punch frees the blocks and page-cache pages of its range in the call,
+    /// which takes milliseconds for a large record. `None` (the default): the log punches on the
+    /// caller's thread, through `punch_hole`.
+    fn detached_punch(&self) -> Option<DetachedPunch<Self::File>> {
+        None
     }
 
     /// Read `len` bytes at `offset` into a new buffer aligned to `align`. The default allocates a

@@ -139,6 +139,10 @@ impl Backend for PortableBackend {
         punch_hole(file, offset, len)
     }
 
+    fn detached_punch(&self) -> Option<super::DetachedPunch<File>> {
+        Some(punch_hole)
+    }
+
     fn read_new(&self, file: &File, offset: u64, len: usize, align: usize) -> io::Result<AlignedBuf> {
         AlignedBuf::read_exact_at(file, offset, len, buffered_align(self.direct(), align))
     }

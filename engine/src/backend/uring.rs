@@ -739,6 +739,10 @@ impl Backend for UringBackend {
         super::portable::punch_hole(&file.0.file, offset, len)
     }
 
+    fn detached_punch(&self) -> Option<super::DetachedPunch<UringFile>> {
+        Some(|file, offset, len| super::portable::punch_hole(&file.0.file, offset, len))
+    }
+
     fn read_new(&self, file: &UringFile, offset: u64, len: usize, align: usize) -> io::Result<AlignedBuf> {
         if self.inline_blocking {
             // A lone blocking read runs inline as pread (see `inline_blocking`): into fresh memory.

@@ -49,6 +49,8 @@ impl<B: Backend> SegmentLog<B> {
     /// the whole segment dies or is compacted. Only blocks that lie entirely inside the record are
     /// punched. Neighbouring records, the segment header and the tail block that the next write
     /// rewrites are never touched. Advisory: a failure is logged once and changes nothing else.
+    /// Where the backend can punch without itself ([`Backend::detached_punch`]), the punch runs on
+    /// the log's punch thread ([`Punches`]), and the caller does not wait for it.
     pub(super) fn punch(&self, st: &mut WriterState<B::File>, old: Location) {
         if st.active.as_ref().is_some_and(|a| a.id == old.segment && old.offset >= a.written_end) {
             return; // pending (write-behind): not in the file yet, nothing to release
@@ -84,7 +86,11 @@ impl<B: Backend> SegmentLog<B> {
         if end <= start {
             return;
         }
-        match self.backend.punch_hole(&file, start, end - start) {
+        let punched = match self.backend.detached_punch() {
+            Some(punch) if self.punches.queue(punch, &self.files, old.segment, &file, start, end - start) => Ok(()),
+            _ => self.backend.punch_hole(&file, start, end - start),
+        };
+        match punched {
             Ok(()) => {
                 if let Some(m) = st.segs.get_mut(&old.segment) {
                     m.punched += end - start;
@@ -258,5 +264,136 @@ impl<B: Backend> SegmentLog<B> {
         st.segs.remove(&id);
         st.spare_files.push(SpareFile { id, file, punched });
         true
+    }
+}
+
+/// The files of a log's segments by id, shared with its punch thread.
+pub(super) type SegmentFiles<F> = Arc<RwLock<KeyMap<u32, Arc<F>>>>;
+
+/// One punch for the punch thread: `len` bytes at `offset` of segment `segment`, if that segment
+/// still has the file `file` when the punch runs.
+struct PunchJob<F> {
+    segment: u32,
+    file: std::sync::Weak<F>,
+    offset: u64,
+    len: u64,
+}
+
+/// Hole punches of forgotten records, run on a thread of the log's own (started at the first punch),
+/// so that a `forget` returns without waiting for the kernel to free a large record's blocks and
+/// pages: 1.7-1.9 ms for 16 MiB here, longer than reading it (docs/benchmarks.md, "What bounds the
+/// unspill").
+///
+/// A punch must never reach a file that holds other data by then. A segment's file is reused for a
+/// new segment only once nothing but the log holds it (`keep_as_spare` counts its references under
+/// the `files` write lock); the punch thread takes its reference under the read lock, from the map,
+/// and only if the segment is still there with the same file. So a punch runs on the live segment
+/// whose dead record it releases, or not at all (the segment died meanwhile, and its blocks went or
+/// will be overwritten with it); a segment that dies while its punch runs is unlinked, not reused.
+pub(super) struct Punches<F> {
+    thread: std::sync::Mutex<PunchThread<F>>,
+    pending: Arc<Pending>,
+}
+
+/// Punches queued and not yet run, with the condition `settle` waits on.
+#[derive(Default)]
+struct Pending {
+    count: std::sync::Mutex<u64>,
+    changed: std::sync::Condvar,
+}
+
+impl Pending {
+    fn add(&self, n: i64) {
+        let mut count = self.count.lock().unwrap_or_else(|p| p.into_inner());
+        *count = count.saturating_add_signed(n);
+        self.changed.notify_all();
+    }
+}
+
+enum PunchThread<F> {
+    NotStarted,
+    Running(std::sync::mpsc::Sender<PunchJob<F>>, std::thread::JoinHandle<()>),
+    /// It could not be started: punches run on the caller's thread.
+    Unavailable,
+}
+
+impl<F: Send + Sync + 'static> Punches<F> {
+    pub(super) fn new() -> Self {
+        Punches { thread: std::sync::Mutex::new(PunchThread::NotStarted), pending: Arc::default() }
+    }
+
+    /// Queue a punch of `segment` (whose file is `file`); false if there is no punch thread (it
+    /// could not be started), and the caller punches itself.
+    pub(super) fn queue(
+        &self,
+        punch: DetachedPunch<F>,
+        files: &SegmentFiles<F>,
+        segment: u32,
+        file: &Arc<F>,
+        offset: u64,
+        len: u64,
+    ) -> bool {
+        let mut thread = self.thread.lock().unwrap_or_else(|p| p.into_inner());
+        if let PunchThread::NotStarted = *thread {
+            *thread = self.start(punch, files.clone());
+        }
+        let PunchThread::Running(tx, _) = &*thread else { return false };
+        self.pending.add(1);
+        if tx.send(PunchJob { segment, file: Arc::downgrade(file), offset, len }).is_err() {
+            // The thread is gone (it cannot panic, but if it did): punch here from now on.
+            self.pending.add(-1);
+            *thread = PunchThread::Unavailable;
+            return false;
+        }
+        true
+    }
+
+    fn start(&self, punch: DetachedPunch<F>, files: SegmentFiles<F>) -> PunchThread<F> {
+        let (tx, rx) = std::sync::mpsc::channel::<PunchJob<F>>();
+        let pending = self.pending.clone();
+        let run = move || {
+            let warned = std::cell::Cell::new(false);
+            for job in rx {
+                let file = files
+                    .read()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .get(&job.segment)
+                    .filter(|f| std::ptr::eq(Arc::as_ptr(f), job.file.as_ptr()))
+                    .cloned();
+                if let Some(file) = file {
+                    if let Err(e) = punch(&file, job.offset, job.len) {
+                        if !warned.replace(true) {
+                            log::warn!("cannot punch holes in segment files ({e}); forgotten records keep their space until compaction");
+                        }
+                    }
+                }
+                pending.add(-1);
+            }
+        };
+        match std::thread::Builder::new().name("spillway-punch".into()).spawn(run) {
+            Ok(handle) => PunchThread::Running(tx, handle),
+            Err(e) => {
+                log::warn!("cannot start the hole-punch thread ({e}); punching on the caller's thread");
+                PunchThread::Unavailable
+            }
+        }
+    }
+
+    /// Wait until every punch queued so far has run.
+    pub(super) fn settle(&self) {
+        let mut n = self.pending.count.lock().unwrap_or_else(|p| p.into_inner());
+        while *n > 0 {
+            n = self.pending.changed.wait(n).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    /// Run what is queued and stop the thread (the log is closing).
+    pub(super) fn stop(&self) {
+        let old =
+            std::mem::replace(&mut *self.thread.lock().unwrap_or_else(|p| p.into_inner()), PunchThread::Unavailable);
+        if let PunchThread::Running(tx, handle) = old {
+            drop(tx);
+            let _ = handle.join();
+        }
     }
 }

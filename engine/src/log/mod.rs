@@ -47,7 +47,7 @@ use crate::sync::{AtomicBool, AtomicU64, Mutex, MutexGuard, Ordering, RwLock};
 
 use bytes::Bytes;
 
-use crate::backend::{Backend, BufResult, DirLock, PipelinedRead, PortableBackend};
+use crate::backend::{Backend, BufResult, DetachedPunch, DirLock, PipelinedRead, PortableBackend};
 use crate::buf::AlignedBuf;
 use crate::error::{Error, Result};
 use crate::format::{self, align_down, align_up, FooterEntry, RecordHeader, Salt, RECORD_ALIGN};
@@ -150,8 +150,10 @@ pub struct SegmentLog<B: Backend = PortableBackend> {
     /// Alignment of single-record reads (the O_DIRECT minimum; divides `align`).
     read_align: u64,
     index: RwLock<KeyMap<IndexKey, PackedLoc>>,
-    files: RwLock<KeyMap<u32, Arc<B::File>>>,
+    files: SegmentFiles<B::File>,
     state: Mutex<WriterState<B::File>>,
+    /// Hole punches of forgotten records, off the caller's thread.
+    punches: Punches<B::File>,
     /// Records forgotten while the writer lock was busy (a long write, compaction): their index
     /// entries are gone at once;
     /// their space accounting, garbage collection and hole punching wait for the next taker of the
@@ -262,6 +264,8 @@ impl<B: Backend> Drop for SegmentLog<B> {
         for spare in std::mem::take(&mut st.spare_files) {
             let _ = self.backend.remove_file(&self.seg_path(spare.id));
         }
+        drop(st);
+        self.punches.stop();
     }
 }
 
@@ -346,7 +350,8 @@ impl<B: Backend> SegmentLog<B> {
             align,
             read_align,
             index: RwLock::new(KeyMap::default()),
-            files: RwLock::new(KeyMap::default()),
+            files: Arc::new(RwLock::new(KeyMap::default())),
+            punches: Punches::new(),
             state: Mutex::new(WriterState {
                 active: None,
                 segs: BTreeMap::new(),

@@ -41,10 +41,12 @@ pub struct LogOptions {
     pub parallel_crc_min_bytes: u64,
     /// I/O alignment override (power of two, 512..=65536); `None` asks the backend (statx).
     pub alignment: Option<usize>,
-    /// Release a forgotten record's blocks at once with a hole punch (`fallocate`), for values of
+    /// Release a forgotten record's blocks with a hole punch (`fallocate`), for values of
     /// 256 KiB and more. For logs whose contents die with the process (a spill store), where it frees
     /// disk space and page cache the way unlinking a file would. A punched record no longer reads back,
-    /// so such a log should not be reopened: the store discards it at open instead.
+    /// so such a log should not be reopened: the store discards it at open instead. On real files
+    /// the punch runs on the log's punch thread and `forget` does not wait for it;
+    /// [`SegmentLog::settle_punches`](crate::SegmentLog::settle_punches) does.
     pub punch_forgotten: bool,
     /// At open, delete whatever segments the directory holds instead of recovering them (after taking
     /// the directory's lock): for a spill store, whose data dies with its process. Files in

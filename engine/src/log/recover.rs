@@ -251,7 +251,7 @@ impl<B: Backend> SegmentLog<B> {
         }
 
         *self.index.get_mut().unwrap_or_else(|p| p.into_inner()) = index;
-        *self.files.get_mut().unwrap_or_else(|p| p.into_inner()) = files;
+        *self.files.write().unwrap_or_else(|p| p.into_inner()) = files;
         let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
         st.next_segment = ids.last().map_or(1, |l| l.saturating_add(1));
         // A record's seq or epoch at (or near) its maximum leaves no higher one for new records to win

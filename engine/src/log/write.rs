@@ -219,6 +219,13 @@ impl<B: Backend> SegmentLog<B> {
         Ok(true)
     }
 
+    /// Wait until the hole punches of the records forgotten so far have run
+    /// ([`LogOptions::punch_forgotten`]: they run on the log's punch thread, and `forget` returns
+    /// without waiting). After it, the files' allocated blocks no longer count those records.
+    pub fn settle_punches(&self) {
+        self.punches.settle();
+    }
+
     pub(super) fn prepare<'a>(&self, rec: NewRecord<'a>) -> Prepared<'a> {
         let key_len = rec.key().len();
         let (payload, frame_count, stored) = match &rec {
