@@ -300,11 +300,12 @@ impl Backend for AutoBackend {
         align: usize,
         check: std::ops::Range<usize>,
     ) -> io::Result<(AlignedBuf, u32)> {
-        with_file!(self, file, |b, f| b.read_new_crc(f, offset, len, align, check.clone()), {
-            let buf = super::read_by_alloc(self, file, offset, len, align)?;
-            let crc = crate::format::payload_crc(&buf[check]);
-            Ok((buf, crc))
-        })
+        with_file!(
+            self,
+            file,
+            |b, f| b.read_new_crc(f, offset, len, align, check.clone()),
+            super::read_by_alloc(self, file, offset, len, align).map(|buf| super::with_crc(buf, check))
+        )
     }
 
     fn gathers_writes(&self) -> bool {

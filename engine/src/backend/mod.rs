@@ -134,6 +134,13 @@ pub struct PipelinedRead<F> {
     pub tag: u64,
 }
 
+/// `buf` with the payload crc of its bytes `check`: [`Backend::read_new_crc`] of a backend that
+/// reads first and checksums after.
+pub(crate) fn with_crc(buf: AlignedBuf, check: Range<usize>) -> (AlignedBuf, u32) {
+    let crc = crate::format::payload_crc(&buf[check]);
+    (buf, crc)
+}
+
 /// A hole punch that needs only the file (see [`Backend::detached_punch`]).
 pub type DetachedPunch<F> = fn(&F, u64, u64) -> io::Result<()>;
 
@@ -252,9 +259,7 @@ pub trait Backend: Send + Sync + 'static {
         align: usize,
         check: Range<usize>,
     ) -> io::Result<(AlignedBuf, u32)> {
-        let buf = self.read_new(file, offset, len, align)?;
-        let crc = crate::format::payload_crc(&buf[check]);
-        Ok((buf, crc))
+        self.read_new(file, offset, len, align).map(|buf| with_crc(buf, check))
     }
 
     /// Whether [`Backend::write_gather_at`] writes straight from the caller's slices. The log then writes

@@ -765,9 +765,7 @@ impl Backend for UringBackend {
             let align = super::portable::buffered_align(self.direct(), align);
             return super::read_new_checked(&file.0.file, offset, len, align, check);
         }
-        let buf = self.read_new(file, offset, len, align)?;
-        let crc = crate::format::payload_crc(&buf[check]);
-        Ok((buf, crc))
+        self.read_new(file, offset, len, align).map(|buf| super::with_crc(buf, check))
     }
 
     /// Buffered files with inline blocking calls: a chunk holding large values is one inline
