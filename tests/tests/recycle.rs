@@ -29,13 +29,14 @@ fn spill_opts(recycle: bool) -> LogOptions {
 struct Counting {
     inner: PortableBackend,
     n: Arc<Counts>,
-    /// Punches wait for [`PUNCH_GATE`] before they run.
-    gated: bool,
+    /// The punch the log's punch thread runs, instead of the portable backend's.
+    punch: Option<spillway::backend::DetachedPunch<std::fs::File>>,
 }
 
 /// Held by a test to hold up the punches of a gated [`Counting`] backend.
 static PUNCH_GATE: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+/// A punch that waits for [`PUNCH_GATE`] first.
 fn gated_punch(f: &std::fs::File, offset: u64, len: u64) -> io::Result<()> {
     let _open = PUNCH_GATE.lock().unwrap_or_else(|p| p.into_inner());
     PortableBackend::new().punch_hole(f, offset, len)
@@ -106,11 +107,7 @@ impl Backend for Counting {
         self.inner.punch_hole(f, offset, len)
     }
     fn detached_punch(&self) -> Option<spillway::backend::DetachedPunch<Self::File>> {
-        if self.gated {
-            Some(gated_punch)
-        } else {
-            self.inner.detached_punch()
-        }
+        self.punch.or_else(|| self.inner.detached_punch())
     }
 }
 
@@ -169,7 +166,7 @@ fn a_spill_log_overwriting_its_keys_reuses_the_files_of_dead_segments() {
 #[test]
 fn queued_punches_never_reach_a_reused_file() {
     let tmp = tempfile::tempdir().unwrap();
-    let be = Counting { gated: true, ..Default::default() };
+    let be = Counting { punch: Some(gated_punch), ..Default::default() };
     let n = be.n.clone();
     let opts = LogOptions { segment_bytes: 4 << 20, punch_forgotten: true, ..spill_opts(true) };
     let log = SegmentLog::open(be, tmp.path(), opts).unwrap();
@@ -205,6 +202,42 @@ fn queued_punches_never_reach_a_reused_file() {
             String::from_utf8_lossy(k)
         );
     }
+    assert!(log.verify().unwrap().is_empty(), "{:?}", log.verify());
+}
+
+/// A backend whose punch function panics on the punch thread: the thread ends, `settle_punches`
+/// returns instead of waiting for punches that will never run, later punches run on the caller's
+/// thread, and the log goes on (every kept value reads back, `verify` is clean).
+#[test]
+fn a_punch_thread_that_panics_leaves_the_log_working() {
+    fn panicking_punch(_: &std::fs::File, _: u64, _: u64) -> io::Result<()> {
+        panic!("a backend's punch panicked (on purpose, in a test)");
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let be = Counting { punch: Some(panicking_punch), ..Default::default() };
+    let opts = LogOptions { segment_bytes: 4 << 20, punch_forgotten: true, ..spill_opts(true) };
+    let log = Arc::new(SegmentLog::open(be, tmp.path(), opts).unwrap());
+    let big = |key: &[u8]| Frames::from(value_for(key, (700 << 10) + key.len() * 512));
+    let keys: Vec<Vec<u8>> = (0..12).map(|i| format!("k{i}").into_bytes()).collect();
+    for k in &keys {
+        log.put(k, &big(k)).unwrap();
+    }
+    for k in keys.iter().step_by(2) {
+        assert!(log.forget(k).unwrap());
+        // Bounded: a settle that waited for punches that never run would hang here.
+        let (done, settled) = std::sync::mpsc::channel();
+        let l = log.clone();
+        std::thread::spawn(move || {
+            l.settle_punches();
+            let _ = done.send(());
+        });
+        settled.recv_timeout(std::time::Duration::from_secs(60)).expect("settle_punches returned");
+    }
+    for k in keys.iter().skip(1).step_by(2) {
+        assert_eq!(log.get(k).unwrap(), Some(big(k)));
+    }
+    log.put(b"after", &big(b"after")).unwrap();
+    assert_eq!(log.get(b"after").unwrap(), Some(big(b"after")));
     assert!(log.verify().unwrap().is_empty(), "{:?}", log.verify());
 }
 

@@ -295,6 +295,18 @@ pub(super) struct Punches<F> {
     pending: Arc<Pending>,
 }
 
+/// Clears the count of queued punches when the punch thread ends, also by a panic (a backend's punch
+/// function may panic): what is still queued will never run, and `settle` must not wait for it.
+/// Punches queued after that fail to send and run on the caller's thread.
+struct Ended(Arc<Pending>);
+
+impl Drop for Ended {
+    fn drop(&mut self) {
+        *self.0.count.lock().unwrap_or_else(|p| p.into_inner()) = 0;
+        self.0.changed.notify_all();
+    }
+}
+
 /// Punches queued and not yet run, with the condition `settle` waits on.
 #[derive(Default)]
 struct Pending {
@@ -352,6 +364,7 @@ impl<F: Send + Sync + 'static> Punches<F> {
         let (tx, rx) = std::sync::mpsc::channel::<PunchJob<F>>();
         let pending = self.pending.clone();
         let run = move || {
+            let _ended = Ended(pending.clone());
             let warned = std::cell::Cell::new(false);
             for job in rx {
                 let file = files
