@@ -13,6 +13,10 @@
 #                       segments), spillway as a spill log (`--spill-log`) vs fio overwriting its
 #                       file for as long                                 [>= 0.9x fio bandwidth]
 #   sustained-no-reuse  the same with `--recycle-segments 0` (each segment a new file; no target)
+#   kept-store          one time-based run per round into a spill store kept from round to round
+#                       (each run opens the directory the last one left), vs fio's time-based
+#                       overwrite of its file, kept too; both laid out by one run before round 1
+#                                                                        [>= 0.9x, no decline]
 #   randread-64K-qd16   random read, 64 KiB blocks, 16 in flight          [>= 0.9x fio bandwidth]
 #   randread-4K-qd32    random read, 4 KiB blocks, 32 in flight           [>= 0.8x fio IOPS]
 #   uring-vs-portable   spillway randread 4K QD32 on io_uring vs the portable backend run with the
@@ -79,6 +83,15 @@ row() { # job round baseline-value spillway-value unit scale
     printf '%-20s %5s %16s %16s %8s\n' "$1" "$2" "$(fmt "$3" "$6" "$5")" "$(fmt "$4" "$6" "$5")" "$r"
 }
 
+# The kept store and fio's kept file live across rounds, laid out by one unreported run each.
+KEPT=(--backend uring --direct --rw write --bs 1MiB --iodepth 16 --size "${SIZE_MB}MiB" --spill-log
+    --runtime "$RUNTIME" --time-based --dir "$DIR/kept/spill" --keep --output-format json)
+KEPT_FIO=(--name=kept-store --directory="$DIR/kept/fio" --rw=write --bs=1M --iodepth=16 --size="${SIZE_MB}M"
+    --direct=1 --ioengine=io_uring --runtime="$RUNTIME" --time_based --output-format=json)
+rm -rf "$DIR/kept" && mkdir -p "$DIR/kept/fio"
+"$BENCH" "${KEPT[@]}" >/dev/null
+fio "${KEPT_FIO[@]}" >/dev/null
+
 S4K=(--backend uring --direct --rw randread --bs 4KiB --iodepth 32 --size "${SIZE_MB}MiB" --runtime "$RUNTIME" --time-based)
 for ((i = 1; i <= ROUNDS; i++)); do
     run_fio seqwrite-1M-qd16 write 1M 16
@@ -97,6 +110,12 @@ for ((i = 1; i <= ROUNDS; i++)); do
     run_spill sustained-no-reuse --backend uring --direct --rw write --bs 1MiB --iodepth 16 --size "${SIZE_MB}MiB" \
         --spill-log --recycle-segments 0 --runtime "$((2 * RUNTIME))" --time-based
     row sustained-no-reuse "$i" "$sf" "$(field "$DIR/sustained-no-reuse.spill.json" write bw_bytes)" MB/s 1e6
+
+    # A store that has been running a while: each round reopens the directory the last one left.
+    "$BENCH" "${KEPT[@]}" >"$DIR/kept-store.spill.json"
+    fio "${KEPT_FIO[@]}" >"$DIR/kept-store.fio.json"
+    row kept-store "$i" "$(field "$DIR/kept-store.fio.json" write bw_bytes)" \
+        "$(field "$DIR/kept-store.spill.json" write bw_bytes)" MB/s 1e6
 
     run_fio randread-64K-qd16 randread 64k 16 --runtime="$RUNTIME" --time_based
     run_spill randread-64K-qd16 --backend uring --direct --rw randread --bs 64KiB --iodepth 16 --size "${SIZE_MB}MiB" \
@@ -117,11 +136,12 @@ for ((i = 1; i <= ROUNDS; i++)); do
         --size "$((SIZE_MB / 32))MiB" --runtime "$RUNTIME" --time-based
     row uring-vs-32threads "$i" "$(field "$DIR/portable-4K-32jobs.spill.json" read iops)" "$u" kIOPS 1e3
 done
+rm -rf "$DIR/kept"
 
 echo "(uring-vs-*: the baseline column is spillway on the portable backend, same options / 32 threads)"
 echo
 printf '%-20s %8s  %s\n' job median "ratios"
-for job in seqwrite-1M-qd16 sustained-1M-qd16 sustained-no-reuse randread-64K-qd16 randread-4K-qd32 uring-vs-portable uring-vs-32threads; do
+for job in seqwrite-1M-qd16 sustained-1M-qd16 sustained-no-reuse kept-store randread-64K-qd16 randread-4K-qd32 uring-vs-portable uring-vs-32threads; do
     # shellcheck disable=SC2086
     printf '%-20s %8s  %s\n' "$job" "$(median ${RATIOS[$job]})" "${RATIOS[$job]# }"
 done

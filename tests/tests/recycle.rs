@@ -360,3 +360,64 @@ fn kept_files_are_released_before_a_larger_segment_is_made() {
     assert_eq!(s.disk_bytes, segment_bytes_on_disk(tmp.path()));
     assert_eq!(log.get(b"big").unwrap(), Some(big));
 }
+
+/// Inode numbers of the segment files in `dir`.
+fn segment_inodes(dir: &Path) -> std::collections::BTreeSet<u64> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::read_dir(dir.join("segments")).unwrap().map(|e| e.unwrap().metadata().unwrap().ino()).collect()
+}
+
+/// A spill log reopened in the directory of its last run starts empty, and with recycling its new
+/// segments are written into the last run's segment files (blocks written before, not new
+/// preallocated files); a file of another size (a segment sized for one large record) is deleted.
+/// Without recycling every old file is deleted at open.
+#[test]
+fn a_reopened_spill_log_writes_its_new_segments_into_the_last_runs_files() {
+    let many = |log: &SegmentLog<Counting>, round: u32| {
+        for k in 0..64u32 {
+            let key = format!("k{k}").into_bytes();
+            log.put(&key, &value(&key, round)).unwrap();
+        }
+    };
+    for recycle in [true, false] {
+        let tmp = tempfile::tempdir().unwrap();
+        let log = SegmentLog::open(Counting::default(), tmp.path(), spill_opts(recycle)).unwrap();
+        many(&log, 0);
+        log.put(b"big", &Frames::from(value_for(b"big", 2 * SEG as usize))).unwrap();
+        many(&log, 1);
+        let left = log.stats().segments;
+        drop(log);
+        let old = segment_inodes(tmp.path());
+        assert_eq!(old.len() as u64, left, "recycle {recycle}: the live segments stay on disk after a close");
+
+        let be = Counting::default();
+        let n = be.n.clone();
+        let log = SegmentLog::open(be, tmp.path(), spill_opts(recycle)).unwrap();
+        assert_eq!(log.get(b"k0").unwrap(), None, "recycle {recycle}: a spill log starts empty");
+        assert_eq!(log.get(b"big").unwrap(), None, "recycle {recycle}");
+        let kept = log.stats().spare_files;
+        assert_eq!(kept, if recycle { left - 1 } else { 0 }, "recycle {recycle}: all but the large record's file");
+        assert_eq!(log.stats().disk_bytes, segment_bytes_on_disk(tmp.path()), "recycle {recycle}");
+        let creates_at_open = n.creates.load(Ordering::Relaxed);
+        many(&log, 2);
+        many(&log, 3);
+        let created = n.creates.load(Ordering::Relaxed) - creates_at_open;
+        let now = segment_inodes(tmp.path());
+        if recycle {
+            assert!(created <= 1, "new segments went into the old files: {created} created");
+            assert!(now.intersection(&old).count() as u64 >= kept - 1, "{old:?} {now:?}");
+        } else {
+            assert!(created >= left - 1, "{created} created");
+        }
+        for k in 0..64u32 {
+            let key = format!("k{k}").into_bytes();
+            assert_eq!(log.get(&key).unwrap(), Some(value(&key, 3)), "recycle {recycle}: key {k}");
+        }
+        assert!(log.verify().unwrap().is_empty(), "recycle {recycle}: {:?}", log.verify());
+        let s = log.stats();
+        assert_eq!(s.disk_bytes, segment_bytes_on_disk(tmp.path()), "recycle {recycle}");
+        drop(log);
+        let files = std::fs::read_dir(tmp.path().join("segments")).unwrap().count() as u64;
+        assert_eq!(files, s.segments, "recycle {recycle}: files still kept for reuse go with the log");
+    }
+}

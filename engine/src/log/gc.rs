@@ -267,6 +267,44 @@ impl<B: Backend> SegmentLog<B> {
     }
 }
 
+/// At the open of a log with `discard_existing`: delete the segments `seg_dir` holds, unread (a
+/// spill log's data died with its process, and its records may have been hole-punched, so
+/// recovering them would only report damage). With `recycle_segments`, the files of the usual size
+/// are kept instead, as spare files for the new segments: their blocks were written, so writing over
+/// them costs what fio's overwrite of a laid-out file costs, where a new preallocated file costs an
+/// unwritten-extent conversion per write (docs/benchmarks.md, "Sustained writes"). They hold the
+/// disk space of the last run's segments until new segments take them or the log closes (or a
+/// preallocation runs short of space). Only segment files: anything else in the directory is not
+/// ours to delete (recovery ignores it the same way), and its name may not even be UTF-8, so the
+/// name `list_dir` gives may not open.
+pub(super) fn discard_segments<B: Backend>(
+    backend: &B,
+    seg_dir: &Path,
+    opts: &LogOptions,
+) -> Result<Vec<SpareFile<B::File>>> {
+    let names = backend.list_dir(seg_dir).map_err(|e| Error::io("list segments", seg_dir.to_path_buf(), e))?;
+    let mut kept = Vec::new();
+    for name in names {
+        let Some(id) = parse_seg_file_name(&name) else {
+            log::warn!("ignoring unexpected file {:?} in {}", name, seg_dir.display());
+            continue;
+        };
+        let path = seg_dir.join(name);
+        // A kept file's id stays below every new segment's (`next_segment` starts above them), so
+        // renaming one into a new segment's name never replaces another.
+        if opts.recycle_segments && kept.len() < MAX_KEPT_AT_OPEN && id < u32::MAX {
+            let file = backend.open(&path, false).ok();
+            if let Some(file) = file.filter(|f| backend.file_len(f).is_ok_and(|n| n == opts.segment_bytes)) {
+                // It may have holes (punched records): reserved again when it is reused.
+                kept.push(SpareFile { id, file: Arc::new(file), punched: true });
+                continue;
+            }
+        }
+        backend.remove_file(&path).map_err(|e| Error::io("remove segment", path, e))?;
+    }
+    Ok(kept)
+}
+
 /// The files of a log's segments by id, shared with its punch thread.
 pub(super) type SegmentFiles<F> = Arc<RwLock<KeyMap<u32, Arc<F>>>>;
 

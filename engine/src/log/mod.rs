@@ -294,21 +294,6 @@ impl<B: Backend> SegmentLog<B> {
                 Error::io("lock store directory", dir.clone(), e)
             }
         })?;
-        if opts.discard_existing {
-            // A spill store's data died with its process: drop it unread (its records may have been
-            // hole-punched, so recovering them would only report damage). Only segment files: anything
-            // else in the directory is not ours to delete (recovery ignores it the same way), and its name
-            // may not even be UTF-8, so the name `list_dir` gives may not open.
-            let names = backend.list_dir(&seg_dir).map_err(|e| Error::io("list segments", seg_dir.clone(), e))?;
-            for name in names {
-                if parse_seg_file_name(&name).is_none() {
-                    log::warn!("ignoring unexpected file {:?} in {}", name, seg_dir.display());
-                    continue;
-                }
-                let path = seg_dir.join(name);
-                backend.remove_file(&path).map_err(|e| Error::io("remove segment", path, e))?;
-            }
-        }
         let align = match opts.alignment {
             Some(a) if a.is_power_of_two() && (512..=65536).contains(&a) => a as u64,
             Some(a) => return Err(Error::InvalidConfig(format!("alignment {a} is not a power of two in 512..=65536"))),
@@ -341,6 +326,10 @@ impl<B: Backend> SegmentLog<B> {
         }
         let mut opts = opts;
         opts.segment_bytes = align_up(opts.segment_bytes, align);
+        // A spill log starts empty; with `recycle_segments` the files of its last run's segments
+        // become spare files for its new ones.
+        let spare_files = if opts.discard_existing { discard_segments(&backend, &seg_dir, &opts)? } else { Vec::new() };
+        let next_segment = spare_files.iter().map(|s| s.id + 1).max().unwrap_or(1);
 
         let mut log = SegmentLog {
             backend,
@@ -355,7 +344,7 @@ impl<B: Backend> SegmentLog<B> {
             state: Mutex::new(WriterState {
                 active: None,
                 segs: BTreeMap::new(),
-                next_segment: 1,
+                next_segment,
                 next_seq: 1,
                 epoch: 1,
                 dir_dirty: false,
@@ -364,7 +353,7 @@ impl<B: Backend> SegmentLog<B> {
                 compacting: false,
                 unsynced_sealed: Vec::new(),
                 spare_bufs: Vec::new(),
-                spare_files: Vec::new(),
+                spare_files,
                 no_rename: false,
             }),
             forgotten: Mutex::new(Vec::new()),

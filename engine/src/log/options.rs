@@ -58,7 +58,10 @@ pub struct LogOptions {
     /// preallocated file costs a creation, an unwritten-extent conversion on every write, and an
     /// unlink (a discard, on file systems mounted with `discard`) when it dies. A reused file keeps
     /// the bytes of its earlier life past what is written, so only a log that is never recovered may
-    /// do it: it requires `discard_existing`. Needs [`Backend::rename`] (otherwise files are unlinked).
+    /// do it: it requires `discard_existing`. At open, the files of the last run's segments that
+    /// have the usual size (up to 256 of them) are kept the same way instead of deleted, and held
+    /// until new segments take them or the log closes. Needs [`Backend::rename`] (otherwise files
+    /// are unlinked).
     pub recycle_segments: bool,
     /// fdatasync on its own where crash consistency needs it: before sealing a segment and before
     /// deleting one. Turn off for data that dies with the process (a spill store); `sync()` still

@@ -52,6 +52,10 @@ impl<B: Backend> SegmentLog<B> {
                 None => log::warn!("ignoring unexpected file {:?} in {}", name, self.seg_dir.display()),
             }
         }
+        // Files kept at open for new segments (`discard_segments`) are not segments.
+        let spares: Vec<u32> =
+            self.state.get_mut().unwrap_or_else(|p| p.into_inner()).spare_files.iter().map(|s| s.id).collect();
+        ids.retain(|id| !spares.contains(id));
         ids.sort_unstable();
 
         let mut report = RecoveryReport::default();
@@ -253,7 +257,7 @@ impl<B: Backend> SegmentLog<B> {
         *self.index.get_mut().unwrap_or_else(|p| p.into_inner()) = index;
         *self.files.write().unwrap_or_else(|p| p.into_inner()) = files;
         let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
-        st.next_segment = ids.last().map_or(1, |l| l.saturating_add(1));
+        st.next_segment = st.next_segment.max(ids.last().map_or(1, |l| l.saturating_add(1)));
         // A record's seq or epoch at (or near) its maximum leaves no higher one for new records to win
         // with: such a log opens read-only, its values readable. A writer of this log never gets
         // there (2^63 writes; 2^32 opens and failed writes), so it is damage that passed the

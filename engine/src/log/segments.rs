@@ -162,6 +162,11 @@ pub(super) struct SpareFile<F> {
 /// so a few cover the gap between a delete and the next rotation.
 pub(super) const MAX_SPARE_FILES: usize = 4;
 
+/// Most files of a spill log's last run kept at open for its new segments (`discard_segments`): 16
+/// GiB of the default 64 MiB segments. Beyond that a log that reopens its directory gives the space
+/// back at once.
+pub(super) const MAX_KEPT_AT_OPEN: usize = 256;
+
 impl<B: Backend> SegmentLog<B> {
     /// Room the footer will need for one more entry with this key.
     pub(super) fn footer_entry_len(key_len: usize) -> u64 {
