@@ -390,7 +390,7 @@ impl<F: Send + Sync + 'static> Punches<F> {
         let PunchThread::Running(tx, _) = &*thread else { return false };
         self.pending.add(1);
         if tx.send(PunchJob { segment, file: Arc::downgrade(file), offset, len }).is_err() {
-            // The thread is gone (it cannot panic, but if it did): punch here from now on.
+            // The thread is gone (a backend's punch function panicked on it): punch here from now on.
             self.pending.add(-1);
             *thread = PunchThread::Unavailable;
             return false;
