@@ -126,6 +126,27 @@ impl EvictionPolicy {
     }
 }
 
+impl StoreConfig {
+    /// The options the store opens its log with: `log`, adjusted to what the store is. A spill
+    /// store's data dies with the process, so its log never fsyncs on its own (`durable` is
+    /// ignored), starts empty (`discard_existing`), releases a removed value's blocks at once
+    /// (`punch_forgotten`), as unlinking a file per key would, and reuses dead segments' files
+    /// (`recycle_segments`: never recovered, so their old bytes past the new records are never
+    /// read; a written-over file writes at the device's speed, a fresh preallocated one at about
+    /// half of it on ext4). A put into a persistent store is in the file when it returns (a
+    /// process crash keeps it): no write-behind.
+    pub fn log_options(&self) -> LogOptions {
+        LogOptions {
+            durable: self.log.durable && self.persistent,
+            punch_forgotten: self.log.punch_forgotten || !self.persistent,
+            discard_existing: self.log.discard_existing || !self.persistent,
+            recycle_segments: self.log.recycle_segments || !self.persistent,
+            write_behind_bytes: if self.persistent { 0 } else { self.log.write_behind_bytes },
+            ..self.log.clone()
+        }
+    }
+}
+
 /// Default write-behind budget of a spill store's log ([`LogOptions::write_behind_bytes`]). Small
 /// spill batches (a low target evicts a few values at a time) are written together, 2 MiB at a
 /// time: fewer writes, and the page cache keeps what they wrote in large folios, which later reads

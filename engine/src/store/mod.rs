@@ -187,23 +187,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// Open a store in `dir`. A persistent store (`cfg.persistent`) finds the records already in
     /// the log as disk-tier entries; a spill store (the default) discards them and starts empty. A
     /// spill store's log never fsyncs (`cfg.log.durable` is ignored), and releases a removed value's
-    /// blocks at once.
+    /// blocks at once (see [`StoreConfig::log_options`]).
     pub fn open(codec: C, backend: B, dir: impl AsRef<Path>, cfg: StoreConfig) -> Result<Self> {
-        // A spill store's data dies with the process: the log need not fsync on its own.
-        // It also starts empty (`discard_existing`), releases a removed value's blocks at once
-        // (`punch_forgotten`), as unlinking a file per key would, and reuses dead segments' files.
-        let log_opts = LogOptions {
-            durable: cfg.log.durable && cfg.persistent,
-            punch_forgotten: cfg.log.punch_forgotten || !cfg.persistent,
-            discard_existing: cfg.log.discard_existing || !cfg.persistent,
-            // Its dead segments' files become new segments (never recovered, so their old bytes
-            // past the new records are never read): a written-over file writes at the device's
-            // speed, a fresh preallocated one at about half of it on ext4.
-            recycle_segments: cfg.log.recycle_segments || !cfg.persistent,
-            // A put into a persistent store is in the file when it returns (a process crash keeps it).
-            write_behind_bytes: if cfg.persistent { 0 } else { cfg.log.write_behind_bytes },
-            ..cfg.log.clone()
-        };
+        let log_opts = cfg.log_options();
         let log = SegmentLog::open(backend, dir.as_ref(), log_opts.clone())?;
         let mut inner = Inner {
             map: KeyMap::default(),
