@@ -74,3 +74,26 @@ fn options_a_job_does_not_read_are_refused() {
         assert!(stderr.contains(msg), "{args:?}: {stderr}");
     }
 }
+
+/// A spill-unspill job reports each layer of the unspill beside the floor in the same run: the
+/// store's get + remove, and its log's get + forget of the same values, each every value once, and
+/// leaves `--dir` clean.
+#[test]
+fn a_spill_unspill_job_reports_the_logs_share_beside_the_floor() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let args = ["--rw", "spill-unspill", "--bs", "4KiB", "--size", "1MiB", "--target", "256KiB", "--dir", d];
+    let v = json(&bench(&[&args[..], &["--output-format", "json"]].concat()));
+    let job = &v["jobs"][0];
+    for part in [&job["spillway"]["unspill"], &job["unspill_floor"]["unspill"], &job["unspill_log_only"]["unspill"]] {
+        assert_eq!(part["ops"], 256, "{job}");
+        assert_eq!(part["bytes"], 1 << 20, "{job}");
+    }
+    let floor = job["unspill_floor"]["unspill"]["ops_per_s"].as_f64().unwrap();
+    let log = &job["unspill_log_only"];
+    let log_rate = log["unspill"]["ops_per_s"].as_f64().unwrap();
+    assert!((log["time_ratio_to_floor"].as_f64().unwrap() - floor / log_rate).abs() < 1e-9, "{job}");
+    let store_rate = job["spillway"]["unspill"]["ops_per_s"].as_f64().unwrap();
+    assert!((job["unspill_floor"]["spillway_time_ratio"].as_f64().unwrap() - floor / store_rate).abs() < 1e-9);
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "every phase removes its files");
+}
