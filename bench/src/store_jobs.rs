@@ -112,6 +112,18 @@ fn settle() {
     }
 }
 
+impl StoreJob<'_> {
+    /// The store configuration of the job's stores: the default, with the job's segment size and
+    /// memory target `target`.
+    fn store_config(&self, target: u64) -> StoreConfig {
+        StoreConfig {
+            target_bytes: target,
+            log: LogOptions { segment_bytes: self.segment_size, ..StoreConfig::default().log },
+            ..Default::default()
+        }
+    }
+}
+
 /// spillway: put every value (far more than the target, so most are spilled), then get each back in
 /// `order` and remove it (a task consumed its input). Returns the phases, how many values were on
 /// disk after the puts, and the store's metrics.
@@ -121,11 +133,7 @@ fn run_spillway(
     order: &[u64],
 ) -> Result<(Sides, u64, MetricsSnapshot, &'static str)> {
     let n = vals.len() as u64;
-    let cfg = StoreConfig {
-        target_bytes: job.target,
-        log: LogOptions { segment_bytes: job.segment_size, ..StoreConfig::default().log },
-        ..Default::default()
-    };
+    let cfg = job.store_config(job.target);
     let sdir = job.dir.join("spill-unspill-store");
     let backend = AutoBackend::new(job.backend, job.direct).context("starting the I/O backend")?;
     let backend_name = backend.name();
@@ -293,17 +301,14 @@ fn run_read_floor(job: &StoreJob<'_>, vals: &[Bytes], order: &[u64]) -> Result<P
 /// Buffered files only. Best of two passes.
 fn run_log_only(job: &StoreJob<'_>, vals: &[Bytes], order: &[u64]) -> Result<Phase> {
     let n = vals.len() as u64;
-    let cfg = StoreConfig {
-        log: LogOptions { segment_bytes: job.segment_size, ..StoreConfig::default().log },
-        ..Default::default()
-    };
+    let opts = job.store_config(job.target).log_options();
     let dir = job.dir.join("spill-unspill-log");
     let keys: Vec<String> = (0..n).map(|i| format!("key-{i}")).collect();
     let per_batch = ((2 << 20) / job.bs).max(1) as usize;
     let mut fastest: Option<Phase> = None;
     for _ in 0..2 {
         let backend = AutoBackend::new(job.backend, false).context("starting the I/O backend")?;
-        let log = SegmentLog::open(backend, &dir, cfg.log_options())?;
+        let log = SegmentLog::open(backend, &dir, opts.clone())?;
         for (ks, vs) in keys.chunks(per_batch).zip(vals.chunks(per_batch)) {
             let frames: Vec<Frames> = vs.iter().map(|v| Frames::single(v.clone())).collect();
             let items: Vec<(&[u8], &Frames)> = ks.iter().map(|k| k.as_bytes()).zip(&frames).collect();
@@ -451,11 +456,7 @@ pub fn materialize(job: &StoreJob<'_>) -> Result<Value> {
         anyhow::bail!("materialize: {n} keys (--size / --bs); at most 100000");
     }
     let vals = values(n, job.bs);
-    let cfg = StoreConfig {
-        target_bytes: u64::MAX / 2,
-        log: LogOptions { segment_bytes: job.segment_size, ..StoreConfig::default().log },
-        ..Default::default()
-    };
+    let cfg = job.store_config(u64::MAX / 2);
     let sdir = job.dir.join("materialize-store");
     let store = Arc::new(Store::open(BytesCodec::default(), PortableBackend::new(), &sdir, cfg)?);
     for (i, v) in vals.iter().enumerate() {
