@@ -181,7 +181,7 @@ impl spillway::Backend for GatedBackend {
     fn file_len(&self, f: &Self::File) -> std::io::Result<u64> {
         self.inner.file_len(f)
     }
-    fn allocate(&self, f: &Self::File, len: u64) -> std::io::Result<()> {
+    fn allocate(&self, f: &Self::File, len: u64) -> std::io::Result<bool> {
         self.inner.allocate(f, len)
     }
     fn read_at(&self, f: &Self::File, offset: u64, buf: spillway::buf::AlignedBuf) -> spillway::backend::BufResult {

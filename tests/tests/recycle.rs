@@ -84,7 +84,7 @@ impl Backend for Counting {
     fn file_len(&self, f: &Self::File) -> io::Result<u64> {
         self.inner.file_len(f)
     }
-    fn allocate(&self, f: &Self::File, len: u64) -> io::Result<()> {
+    fn allocate(&self, f: &Self::File, len: u64) -> io::Result<bool> {
         self.n.allocates.fetch_add(1, Ordering::Relaxed);
         self.inner.allocate(f, len)
     }

@@ -202,7 +202,7 @@ impl Backend for AutoBackend {
     fn file_len(&self, file: &AutoFile) -> io::Result<u64> {
         with_file!(self, file, |b, f| b.file_len(f), Err(mismatch()))
     }
-    fn allocate(&self, file: &AutoFile, len: u64) -> io::Result<()> {
+    fn allocate(&self, file: &AutoFile, len: u64) -> io::Result<bool> {
         with_file!(self, file, |b, f| b.allocate(f, len), Err(mismatch()))
     }
     fn as_fd<'a>(&self, file: &'a AutoFile) -> Option<std::os::fd::BorrowedFd<'a>> {

@@ -176,8 +176,11 @@ pub trait Backend: Send + Sync + 'static {
     fn sync_dir(&self, path: &Path) -> io::Result<()>;
     /// Current length of a file.
     fn file_len(&self, file: &Self::File) -> io::Result<u64>;
-    /// Reserve `len` bytes of disk for a file (fallocate), extending it.
-    fn allocate(&self, file: &Self::File, len: u64) -> io::Result<()>;
+    /// Reserve `len` bytes of disk for a file (fallocate), extending it. Returns whether the space
+    /// is reserved: `false` when the file system cannot reserve it (no fallocate, or not enough free
+    /// space) and the file was extended sparsely instead, so that writes into it may still fail with
+    /// ENOSPC.
+    fn allocate(&self, file: &Self::File, len: u64) -> io::Result<bool>;
     /// Read `buf.len()` bytes at `offset`.
     fn read_at(&self, file: &Self::File, offset: u64, buf: AlignedBuf) -> BufResult;
     /// Write all of `buf` at `offset`.

@@ -115,7 +115,7 @@ impl Backend for PortableBackend {
         Ok(file.metadata()?.len())
     }
 
-    fn allocate(&self, file: &File, len: u64) -> io::Result<()> {
+    fn allocate(&self, file: &File, len: u64) -> io::Result<bool> {
         allocate_file(file, len)
     }
 
@@ -254,10 +254,10 @@ fn dio_align_of(offset_align: u32, mem_align: u32) -> Option<usize> {
 /// the records that still fit can be written: the full disk then shows up as an ENOSPC from a write,
 /// which fails only that call (for O_DIRECT files too: a direct write into a hole allocates its
 /// blocks on the way).
-pub fn allocate_file(file: &File, len: u64) -> io::Result<()> {
+pub fn allocate_file(file: &File, len: u64) -> io::Result<bool> {
     use rustix::io::Errno;
     match rustix::fs::fallocate(file, FallocateFlags::empty(), 0, len) {
-        Ok(()) => return Ok(()),
+        Ok(()) => return Ok(true),
         // File systems without fallocate (some FUSE, old NFS): a sparse extension instead.
         Err(Errno::OPNOTSUPP | Errno::NOSYS | Errno::NOSPC | Errno::DQUOT) => {}
         Err(e) => return Err(e.into()),
@@ -265,7 +265,7 @@ pub fn allocate_file(file: &File, len: u64) -> io::Result<()> {
     if file.metadata()?.len() < len {
         file.set_len(len)?;
     }
-    Ok(())
+    Ok(false)
 }
 
 /// `pwritev` of `parts` at `offset`, at most `IOV_MAX` slices per call, resuming after short writes

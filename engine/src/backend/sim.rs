@@ -504,7 +504,7 @@ impl Backend for SimBackend {
         Ok(file.inode.lock().cur.len() as u64)
     }
 
-    fn allocate(&self, file: &SimFile, len: u64) -> io::Result<()> {
+    fn allocate(&self, file: &SimFile, len: u64) -> io::Result<bool> {
         if let Some(kind) = self.check(OpKind::Allocate) {
             return Err(Self::fault_error(kind));
         }
@@ -516,7 +516,7 @@ impl Backend for SimBackend {
         if (d.durable.len() as u64) < len {
             d.durable.resize(len as usize, 0);
         }
-        Ok(())
+        Ok(true)
     }
 
     fn read_at(&self, file: &SimFile, offset: u64, mut buf: AlignedBuf) -> BufResult {

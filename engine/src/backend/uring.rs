@@ -670,7 +670,7 @@ impl Backend for UringBackend {
     fn file_len(&self, file: &UringFile) -> io::Result<u64> {
         self.portable.file_len(&file.0.file)
     }
-    fn allocate(&self, file: &UringFile, len: u64) -> io::Result<()> {
+    fn allocate(&self, file: &UringFile, len: u64) -> io::Result<bool> {
         super::portable::allocate_file(&file.0.file, len)
     }
 

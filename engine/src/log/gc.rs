@@ -251,7 +251,7 @@ impl<B: Backend> SegmentLog<B> {
         if lock(&self.sent_from).remove(&id) {
             return false;
         }
-        let punched = st.segs.get(&id).is_some_and(|m| m.punched > 0);
+        let punched = st.segs.get(&id).is_some_and(|m| m.punched > 0 || !m.reserved);
         let mut files = self.files.write().unwrap_or_else(|p| p.into_inner());
         let Some(file) = files.get(&id) else { return false };
         let unsynced = st.unsynced_sealed.iter().filter(|f| Arc::ptr_eq(f, file)).count();

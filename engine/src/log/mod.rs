@@ -254,11 +254,13 @@ fn padded(len: u64) -> u64 {
 
 impl<B: Backend> Drop for SegmentLog<B> {
     /// Writes what is pending (write-behind), so that a log dropped without `sync` has handed every
-    /// record to the kernel, as without write-behind.
+    /// record to the kernel, as without write-behind. (For a log opened with `discard_existing`, a
+    /// spill log, a failure is only a debug message: its records die with it.)
     fn drop(&mut self) {
         let mut st = self.writer();
         if let Err(e) = self.flush_pending(&mut st) {
-            log::error!("segment log {}: pending records not written at close: {e}", self.dir.display());
+            let level = if self.opts.discard_existing { log::Level::Debug } else { log::Level::Error };
+            log::log!(level, "segment log {}: pending records not written at close: {e}", self.dir.display());
         }
         // Files kept for reuse hold nothing live: they go with the log.
         for spare in std::mem::take(&mut st.spare_files) {

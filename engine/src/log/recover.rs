@@ -250,6 +250,10 @@ impl<B: Backend> SegmentLog<B> {
                     // `sync`): the next sync or seal must fdatasync it.
                     dirty: self.opts.durable,
                     last_is_mark: scan.ends_with_mark,
+                    // Whether its file was made sparse is not recorded: taken as reserved, as it
+                    // was made (a write that meets a full file system fails then, its records
+                    // still pending and readable).
+                    reserved: true,
                 });
             }
         }

@@ -32,6 +32,9 @@ pub(super) struct SegMeta {
     /// entry would make the index's hash table entries 48 bytes instead of 40.) Entries of records
     /// that died stay until the segment goes.
     pub(super) firsts: Vec<(u32, u32)>,
+    /// The file's space was reserved when the segment was made (fallocate); false for a file the
+    /// file system could only extend sparsely (not enough free space, or no fallocate).
+    pub(super) reserved: bool,
     /// A record compaction had to move (a live value, or a needed tombstone) could not be moved,
     /// its bytes being damaged, so the segment stays: compaction leaves it alone from then on (it
     /// would find it sparse and copy its needed tombstones again every time). A damaged live value
@@ -55,6 +58,7 @@ impl SegMeta {
             punched: 0,
             superseded_by_pending: false,
             firsts: Vec::new(),
+            reserved: true,
             unmovable: false,
         }
     }
@@ -119,6 +123,10 @@ pub(super) struct Active<F> {
     pub(super) dirty: bool,
     /// The last record written is a sync mark (another one would prove nothing new).
     pub(super) last_is_mark: bool,
+    /// Its file's space is reserved (see [`SegMeta::reserved`]): only then may writes stay pending
+    /// (write-behind). In a sparse file a write can fail for want of space, and a spill that did
+    /// not reach the disk must fail at once, as it would with nothing pending.
+    pub(super) reserved: bool,
 }
 
 pub(super) struct WriterState<F> {
@@ -154,7 +162,8 @@ pub(super) struct SpareFile<F> {
     /// The id it had (its file is still named after it).
     pub(super) id: u32,
     pub(super) file: Arc<F>,
-    /// Holes were punched in it (forgotten large records): its blocks are reserved again on reuse.
+    /// Some of its space is not reserved (holes were punched in it for forgotten large records, or it
+    /// was made sparse): its blocks are reserved again on reuse.
     pub(super) punched: bool,
 }
 
@@ -230,8 +239,8 @@ impl<B: Backend> SegmentLog<B> {
             let _ = self.backend.remove_file(&path);
             e
         };
-        let file = match self.reuse_spare_file(st, &path, size) {
-            Some(file) => file,
+        let (file, reserved) = match self.reuse_spare_file(st, &path, size) {
+            Some(reused) => reused,
             None => {
                 if size != self.opts.segment_bytes {
                     // A segment sized for one large record: kept files cannot become it.
@@ -239,11 +248,12 @@ impl<B: Backend> SegmentLog<B> {
                 }
                 let file = self.backend.open(&path, true).map_err(|e| Error::io("create segment", path.clone(), e))?;
                 let mut reserved = self.backend.allocate(&file, size);
-                if reserved.as_ref().is_err_and(crate::error::io_no_space) && self.release_spare_files(st) {
+                if !matches!(reserved, Ok(true)) && self.release_spare_files(st) {
+                    // Files kept for reuse held the space this segment needs.
                     reserved = self.backend.allocate(&file, size);
                 }
-                reserved.map_err(|e| cleanup(Error::io("fallocate", path.clone(), e)))?;
-                Arc::new(file)
+                let reserved = reserved.map_err(|e| cleanup(Error::io("fallocate", path.clone(), e)))?;
+                (Arc::new(file), reserved)
             }
         };
         let mut hb = AlignedBuf::zeroed(self.align as usize, self.align as usize);
@@ -261,7 +271,7 @@ impl<B: Backend> SegmentLog<B> {
         st.dir_dirty = true;
         st.dir_new_segments = true;
         self.files.write().unwrap_or_else(|p| p.into_inner()).insert(id, file.clone());
-        st.segs.insert(id, SegMeta::new(size, data_start));
+        st.segs.insert(id, SegMeta { reserved, ..SegMeta::new(size, data_start) });
         st.active = Some(Active {
             id,
             file,
@@ -274,27 +284,28 @@ impl<B: Backend> SegmentLog<B> {
             max_epoch: st.epoch,
             dirty: true,
             last_is_mark: false,
+            reserved,
         });
         Ok(())
     }
 
-    /// The file of a deleted segment, renamed to `path`, for a new segment of `size` bytes: `None`
-    /// if none is kept or the size differs (a segment sized for one large record). A file that
-    /// cannot be renamed is unlinked instead.
+    /// The file of a deleted segment, renamed to `path`, for a new segment of `size` bytes, and
+    /// whether its space is reserved: `None` if none is kept or the size differs (a segment sized
+    /// for one large record). A file that cannot be renamed is unlinked instead.
     pub(super) fn reuse_spare_file(
         &self,
         st: &mut WriterState<B::File>,
         path: &Path,
         size: u64,
-    ) -> Option<Arc<B::File>> {
+    ) -> Option<(Arc<B::File>, bool)> {
         if size != self.opts.segment_bytes {
             return None;
         }
         while let Some(spare) = st.spare_files.pop() {
             let old = self.seg_path(spare.id);
-            let reserved = if spare.punched { self.backend.allocate(&spare.file, size) } else { Ok(()) };
-            match reserved.and_then(|()| self.backend.rename(&old, path)) {
-                Ok(()) => return Some(spare.file),
+            let reserved = if spare.punched { self.backend.allocate(&spare.file, size) } else { Ok(true) };
+            match reserved.and_then(|r| self.backend.rename(&old, path).map(|()| r)) {
+                Ok(reserved) => return Some((spare.file, reserved)),
                 Err(e) => {
                     if e.kind() == io::ErrorKind::Unsupported {
                         st.no_rename = true;

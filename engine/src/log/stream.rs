@@ -420,7 +420,7 @@ impl<B: Backend> SegmentLog<B> {
         let io_err = |op: &'static str| move |e: io::Error| self.write_failed(op, path.to_path_buf(), e);
         let written = (|| -> Result<RecordHeader> {
             let mut reserved = self.backend.allocate(&file, size);
-            if reserved.as_ref().is_err_and(crate::error::io_no_space) && self.release_spare_files(&mut self.writer()) {
+            if !matches!(reserved, Ok(true)) && self.release_spare_files(&mut self.writer()) {
                 // Files kept for reuse held the space this stream's own segment needs.
                 reserved = self.backend.allocate(&file, size);
             }

@@ -308,7 +308,9 @@ impl<B: Backend> SegmentLog<B> {
         // Write-behind: keep a small batch pending in the tail if it fits the budget (writing what is
         // pending first if the batch would overflow it); any other batch writes what is pending first.
         let budget = self.opts.write_behind_bytes;
-        let defer = budget > 0 && chunk.iter().all(|p| !matches!(p.rec, NewRecord::SyncMark));
+        let defer = budget > 0
+            && st.active.as_ref().is_some_and(|a| a.reserved)
+            && chunk.iter().all(|p| !matches!(p.rec, NewRecord::SyncMark));
         let total: u64 = chunk.iter().map(|p| padded(p.len)).sum();
         let pending_len = |st: &WriterState<B::File>| st.active.as_ref().map_or(0, |a| a.tail.len() as u64);
         if defer && pending_len(st) + total > budget {
