@@ -37,6 +37,29 @@ fn objects_go_straight_to_disk_and_exactly_down_to_the_target() {
 }
 
 #[test]
+fn each_place_lists_its_keys_in_the_order_they_entered_it() {
+    // dask's store iterates `fast` and `slow` in the order keys entered them: a read moves a key in
+    // memory to the end of the LRU order, not of this one; a key read back enters memory last.
+    let s = open_dask(10_000);
+    for c in b"abcd" {
+        s.put(&[*c], val(*c, 1999)).unwrap(); // 2000 each
+    }
+    s.get(b"a").unwrap();
+    s.get(b"c").unwrap();
+    s.put(b"e", val(b'e', 5999)).unwrap(); // 14000: b and d (least recently used) go
+    let keys = |v: Vec<Vec<u8>>| v.into_iter().map(|k| k[0] as char).collect::<String>();
+    let (mem, disk) = s.keys_by_place();
+    assert_eq!((keys(mem), keys(disk)), ("ace".into(), "bd".into()));
+    s.remove(b"a").unwrap();
+    s.get(b"d").unwrap(); // back into memory, last
+    let (mem, disk) = s.keys_by_place();
+    assert_eq!((keys(mem), keys(disk)), ("ced".into(), "b".into()));
+    s.evict().unwrap(); // c, least recently used: onto disk, after b
+    let (mem, disk) = s.keys_by_place();
+    assert_eq!((keys(mem), keys(disk)), ("ed".into(), "bc".into()));
+}
+
+#[test]
 fn an_object_lighter_as_frames_still_goes_to_disk() {
     // A "bloated" object weighs 20 times its frames. The default policy demotes it to frames in
     // memory, which brings memory under the target; dask's rules write it.
@@ -87,10 +110,37 @@ fn a_heavy_value_that_cannot_be_written_makes_the_others_go() {
     s.put(b"a", val(1, 999)).unwrap();
     s.put(b"b", val(2, 999)).unwrap();
     s.put(b"heavy", val(3, 8000)).unwrap();
-    assert_eq!(s.tier(b"heavy"), Some(Tier::Serialized), "kept in memory: no room on disk");
+    // Kept in memory (no room on disk) as the object it was put as, weighed as one (dask keeps the
+    // object it could not spill), not as its frames.
+    assert_eq!(s.tier(b"heavy"), Some(Tier::Materialized), "kept in memory: no room on disk");
+    assert_eq!(s.memory_bytes(), s.codec().size_of(&val(3, 8000)));
     assert_eq!(s.tier(b"a"), Some(Tier::Disk));
     assert_eq!(s.tier(b"b"), Some(Tier::Disk));
+    assert_eq!(s.codec().deserialized.load(Ordering::SeqCst), 0);
     assert_eq!(*s.get(b"heavy").unwrap().unwrap(), val(3, 8000));
+    assert_eq!(s.codec().deserialized.load(Ordering::SeqCst), 0, "the object itself, not unpickled");
+    s.check_accounting().unwrap();
+}
+
+#[test]
+fn a_heavy_value_served_from_disk_comes_back_as_the_same_object_while_it_is_held() {
+    // A value heavier than the target lives on disk and a get does not bring it into memory; while
+    // the caller holds what a get returned, the next get hands back that object (dask's store's
+    // weak-reference cache), without a read.
+    let s = open_weak(1000);
+    s.put(b"h", val(1, 5000)).unwrap();
+    assert_eq!(s.tier(b"h"), Some(Tier::Disk));
+    let first = s.get(b"h").unwrap().unwrap();
+    assert_eq!(s.tier(b"h"), Some(Tier::Disk));
+    let reads = s.metrics().of(Activity::DiskRead).count;
+    let again = s.get(b"h").unwrap().unwrap();
+    assert!(Arc::ptr_eq(&first, &again), "the object the caller holds");
+    assert_eq!(s.metrics().of(Activity::DiskRead).count, reads, "no read");
+    assert_eq!(s.tier(b"h"), Some(Tier::Disk));
+    drop((first, again));
+    let third = s.get(b"h").unwrap().unwrap();
+    assert_eq!(*third, val(1, 5000));
+    assert_eq!(s.metrics().of(Activity::DiskRead).count, reads + 1, "nobody held it: read");
     s.check_accounting().unwrap();
 }
 

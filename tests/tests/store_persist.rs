@@ -201,8 +201,8 @@ fn a_persistent_flush_moves_a_heavy_value_it_writes_to_disk() {
     let s = Store::open(TestCodec::default(), SimBackend::new(), "/store", c).unwrap();
     s.put(b"a", val(b'a', 5_000)).unwrap();
     assert_eq!(s.tier(b"a"), Some(Tier::Disk));
-    s.put(b"b", val(b'b', 5_000)).unwrap(); // refused by max_spill: kept in memory, serialized
-    assert_eq!(s.tier(b"b"), Some(Tier::Serialized));
+    s.put(b"b", val(b'b', 5_000)).unwrap(); // refused by max_spill: kept in memory, as the object
+    assert_eq!(s.tier(b"b"), Some(Tier::Materialized));
     assert!(s.memory_bytes() > 3_000);
     assert!(s.remove(b"a").unwrap());
     s.flush().unwrap();

@@ -67,6 +67,10 @@ pub(super) struct Entry<V> {
     pub(super) disk_bytes: u64,
     /// LRU position (memory-resident entries only).
     pub(super) tick: u64,
+    /// When the value entered the place it is in (memory or disk), on the clock of `tick`: the
+    /// order in which [`Store::keys_by_place`] lists each place, as dask's store iterates `fast`
+    /// and `slow` (a read moves an entry in the LRU order, not in this one).
+    pub(super) placed: u64,
     /// Heavier than the target on arrival: lives on disk, served without promotion.
     pub(super) large: bool,
     /// Eviction of this entry failed (max_spill, serialize or disk error): skip it until things change.
@@ -89,6 +93,7 @@ impl<V> Entry<V> {
             disk_raw: 0,
             disk_bytes: 0,
             tick: 0,
+            placed: 0,
             large: false,
             stuck: false,
             logged_serialize: false,
@@ -266,13 +271,14 @@ impl<C: Codec, B: Backend> Store<C, B> {
         }
         self.drop_entry(inner, key)?;
         let k: Arc<[u8]> = Arc::from(key);
+        e.placed = inner.next_tick;
         if e.tier != Tier::Disk {
             e.tick = inner.next_tick;
-            inner.next_tick += 1;
             if !e.stuck {
                 inner.lru.insert(e.tick, k.clone());
             }
         }
+        inner.next_tick += 1;
         inner.count_in(Acct::of(&e));
         inner.map.insert(k.clone(), e);
         Ok(k)
@@ -348,8 +354,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
         }
     }
 
-    /// Change `key`'s entry in place with `f`, keeping the accounting and the LRU order in step (the
-    /// entry's tick is its LRU position: set it in `f` to move the entry). One hash lookup, where
+    /// Change `key`'s entry in place with `f`, keeping the accounting, the LRU order and the entry's
+    /// `placed` stamp in step (the entry's tick is its LRU position: set it in `f` to move the entry;
+    /// an entry that moves between memory and disk is stamped anew). One hash lookup, where
     /// detaching and re-attaching the entry cost a removal and an insertion.
     pub(super) fn modify_entry<R>(
         inner: &mut Inner<C::Value>,
@@ -360,6 +367,10 @@ impl<C: Codec, B: Backend> Store<C, B> {
         let before = Acct::of(e);
         let r = f(e);
         let after = Acct::of(e);
+        if (before.tier == Tier::Disk) != (after.tier == Tier::Disk) {
+            e.placed = inner.next_tick;
+            inner.next_tick += 1;
+        }
         if before != after {
             inner.count_out(before);
             inner.count_in(after);

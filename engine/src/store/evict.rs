@@ -412,7 +412,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
 
     /// A record of `key` (`raw` serialized bytes, `len` in the log) landed: the entry gets its disk
     /// copy, and a serialized or compressed entry moves to the disk tier: every such entry for a
-    /// spill, only one heavier than the target (which lives on disk) with `only_large`, for a flush.
+    /// spill, only one heavier than the target (which lives on disk) with `only_large`, for a flush,
+    /// which also moves there an object heavier than the target (kept in memory when its own write
+    /// was refused) unless a reader holds its slot right now.
     /// `weight` is the value's weight from then on (an object's, for frames it was serialized into).
     pub(super) fn note_landed(
         inner: &mut Inner<C::Value>,
@@ -423,7 +425,12 @@ impl<C: Codec, B: Backend> Store<C, B> {
         weight: Option<u64>,
     ) {
         Self::modify_entry(inner, key, |ne| {
-            if (ne.large || !only_large) && matches!(ne.tier, Tier::Serialized | Tier::Compressed) {
+            let demote = match ne.tier {
+                Tier::Serialized | Tier::Compressed => ne.large || !only_large,
+                Tier::Materialized => only_large && ne.large && ne.slot.evict().is_some(),
+                Tier::Disk => false,
+            };
+            if demote {
                 ne.tier = Tier::Disk;
                 ne.frames = None;
                 ne.compressed = None;

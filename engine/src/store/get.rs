@@ -360,6 +360,13 @@ impl<C: Codec, B: Backend> Store<C, B> {
             let weight = self.codec.size_of(&v);
             (v, weight)
         });
+        // A value served from disk without promotion is handed back by the next get while the
+        // caller still holds it (as dask's store does): a weak handle, made before the lock (the
+        // codec's may wait too).
+        let weak = match &got {
+            Ok((v, weight)) if *weight > self.target() => self.keep_weak(v),
+            _ => None,
+        };
         let mut inner = self.lock();
         let current = inner.map.get(k).filter(|e| Arc::ptr_eq(&e.slot, slot));
         let (v, weight) = match got {
@@ -384,6 +391,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
             // as a `put` of it would go to disk. (Judged by the object, as dask judges a read back:
             // frames heavier than the target whose object is light come back into memory.)
             slot.evict();
+            if let Some(revive) = weak {
+                inner.weak.insert(k.clone(), WeakHandle { slot: slot.clone(), revive });
+            }
             return Ok(Some(v));
         }
         // A value read back from disk keeps its disk copy (disk_* fields unchanged): evicting it again

@@ -26,8 +26,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 }
             };
             // Handed back by a get while something else still holds it (as an evicted object is).
-            let weak = if C::KEEPS_WEAK { self.keep_weak(&sync::Arc::new(value)) } else { None };
-            return self.put_large(self.lock(), key, frames, Some(weight), true, weak);
+            let value = sync::Arc::new(value);
+            let weak = if C::KEEPS_WEAK { self.keep_weak(&value) } else { None };
+            return self.put_large(self.lock(), key, frames, Some((value, weight)), true, weak);
         }
         let mut inner = self.lock();
         let e = Entry::new(Slot::ready(sync::Arc::new(value)), Tier::Materialized, weight);
@@ -58,21 +59,23 @@ impl<C: Codec, B: Backend> Store<C, B> {
         self.put_large(self.lock(), key, frames, None, large, None)
     }
 
-    /// A value heavier than the target: straight to disk, written outside the lock like any spill. On
-    /// disk it keeps `object_weight` (the object's, when it was put as one) or the frames' length.
-    /// `large`: served from disk without promotion (heavier than the target).
-    /// (meanwhile it is served from memory). If it cannot be written (max_spill, disk error) it stays
-    /// in memory, serialized, the condition is reported, and the other values are evicted instead.
+    /// A value heavier than the target: straight to disk, written outside the lock like any spill
+    /// (meanwhile it is served from memory). On disk it keeps the weight of `object` (the object and
+    /// its weight, when it was put as one) or the frames' length. `large`: served from disk without
+    /// promotion (heavier than the target). If it cannot be written (max_spill, disk error) it stays
+    /// in memory (as the object it was put as, else serialized), the condition is reported, and the
+    /// other values are evicted instead.
     pub(super) fn put_large<'a>(
         &'a self,
         inner: MutexGuard<'a, Inner<C::Value>>,
         key: &[u8],
         frames: Frames,
-        object_weight: Option<u64>,
+        object: Option<(sync::Arc<C::Value>, u64)>,
         large: bool,
         weak: Option<Revive<C::Value>>,
     ) -> Result<()> {
         let raw = frames.total_len();
+        let object_weight = object.as_ref().map(|(_, w)| *w);
         let mut inner = self.wait_unwritten(inner, key);
         let e = Entry::serialized(frames.clone(), large);
         let slot = e.slot.clone();
@@ -81,6 +84,10 @@ impl<C: Codec, B: Backend> Store<C, B> {
             inner.weak.insert(k.clone(), WeakHandle { slot: slot.clone(), revive });
         }
         if !self.spill_allowed(&mut inner, key, raw) {
+            let slot = match object {
+                Some(o) => Self::keep_object(&mut inner, &k, &slot, o),
+                None => slot,
+            };
             self.set_stuck(&mut inner, &k);
             // It stays in memory, over the target: the others are evicted instead, as dask does.
             return self.enforce_sparing(inner, None, Some(&slot));
@@ -94,10 +101,45 @@ impl<C: Codec, B: Backend> Store<C, B> {
             object_weight,
         };
         Self::mark_writing(&mut inner, &planned);
-        let (inner, _) = self.spill(inner, Plan::new(vec![planned]), None);
+        let (mut inner, _) = self.spill(inner, Plan::new(vec![planned]), None);
+        let slot = match object {
+            Some(o) => Self::keep_object(&mut inner, &k, &slot, o),
+            None => slot,
+        };
         // Memory may be over the target still (values that could not go before), or again (the
         // value did not go to disk, a disk error): the others are evicted, as dask does.
         self.enforce_sparing(inner, None, Some(&slot))
+    }
+
+    /// After `put_large` of an object: if its frames are still in memory (the write was refused or
+    /// failed), the entry of `slot` holds the object again, with its weight, as dask's store keeps
+    /// the object it could not spill (the same object for the caller, weighed as it weighs it).
+    /// A fresh ready slot: a reader already materializing the frames finds its entry replaced and
+    /// keeps what it made. Returns the entry's slot.
+    fn keep_object(
+        inner: &mut Inner<C::Value>,
+        k: &Arc<[u8]>,
+        slot: &Arc<Slot<C::Value, Error>>,
+        (value, weight): (sync::Arc<C::Value>, u64),
+    ) -> Arc<Slot<C::Value, Error>> {
+        let serialized = inner
+            .map
+            .get(k)
+            .is_some_and(|e| Arc::ptr_eq(&e.slot, slot) && e.tier == Tier::Serialized && e.disk_bytes == 0);
+        if !serialized {
+            return slot.clone();
+        }
+        let fresh = Arc::new(Slot::ready(value));
+        Self::modify_entry(inner, k, |ne| {
+            ne.slot = fresh.clone();
+            ne.tier = Tier::Materialized;
+            ne.frames = None;
+            ne.weight = weight;
+        });
+        if !inner.weak.is_empty() {
+            inner.weak.remove(k);
+        }
+        fresh
     }
 
     /// Wait (releasing the lock) until no spill write of `key` is running: a value written to the log
