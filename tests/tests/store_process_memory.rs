@@ -60,6 +60,28 @@ fn a_process_above_its_target_spills_the_oldest_values_down_to_it() {
 }
 
 #[test]
+fn with_a_trigger_the_process_spills_only_above_it_and_then_down_to_the_target() {
+    // dask's memory monitor: nothing below the `spill` threshold; above it, down to `target`.
+    let s = open();
+    rss_tracking(&s, 90 * MIB);
+    s.set_process_target(Some(100 * MIB));
+    s.set_process_trigger(Some(110 * MIB));
+    assert_eq!(s.process_trigger(), Some(110 * MIB));
+    for i in 0..20u8 {
+        s.put(&[i], mib(i)).unwrap(); // RSS 91 .. 110 MiB: at most the trigger
+    }
+    assert_eq!(on_disk(&s, 20), 0, "nothing spilled at or below the trigger");
+    s.put(&[20], mib(20)).unwrap(); // RSS 111 MiB: above it
+                                    // Down to the target (within one check's worth), not just below the trigger.
+    assert!(s.memory_bytes() <= 10 * MIB + RSS_CHECK_BYTES, "{}", s.memory_bytes());
+    assert!(on_disk(&s, 21) >= 10, "{}", on_disk(&s, 21));
+    // A trigger below the target is the target.
+    s.set_process_trigger(Some(MIB));
+    assert_eq!(s.process_trigger(), Some(100 * MIB));
+    s.check_accounting().unwrap();
+}
+
+#[test]
 fn puts_that_replace_what_tasks_release_are_checked_too() {
     // A worker's tasks put outputs as fast as they release inputs: the store's weight stays the same
     // while the process's memory grows. The RSS is read per MiB brought in, not per MiB of change.

@@ -1,13 +1,15 @@
 //! Process memory: a store whose process holds other memory too (a dask worker's heap, the
 //! allocator's arenas, values referenced elsewhere) also spills when the process's resident set is
-//! above a target of its own ([`Store::set_process_target`]): what dask's memory monitor does every
-//! 100 ms from its event loop, done here as memory grows.
+//! above a threshold of its own ([`Store::set_process_trigger`]), down to a target
+//! ([`Store::set_process_target`]): what dask's memory monitor does every 100 ms from its event
+//! loop (above the `spill` fraction of the memory limit, down to the `target` fraction), done here
+//! as memory grows.
 //!
 //! * After a put, or a get that brought a value into memory, the RSS is read once per
 //!   [`RSS_CHECK_BYTES`] of weight brought in (puts and reads back, whatever was removed meanwhile: a
 //!   worker whose tasks put outputs as fast as they release inputs keeps the same weight while its
-//!   RSS grows); above the target, least-recently-used values are evicted (sparing the key just put
-//!   or read) until their weight covers the excess.
+//!   RSS grows); above the trigger, least-recently-used values are evicted (sparing the key just put
+//!   or read) until their weight covers the excess over the target.
 //! * Memory that spilling does not give back to the system is learned as *out of reach*: a round that
 //!   evicted W bytes of weight while the RSS fell by less than W/2 adds the difference, and later
 //!   checks evict only for the RSS above it (it shrinks again as the RSS falls, and never exceeds a
@@ -37,6 +39,8 @@ pub type RssProbe = Arc<dyn Fn() -> Option<u64> + Send + Sync>;
 pub(super) struct ProcessMemory {
     /// The process target in bytes; 0 when off.
     target: StdAtomicU64,
+    /// The RSS above which to evict (down to the target); 0: the target itself.
+    trigger: StdAtomicU64,
     /// RSS above the target that spilling did not bring down (see the module's notes).
     out_of_reach: StdAtomicU64,
     /// How the RSS is read (held only to clone it).
@@ -53,6 +57,7 @@ impl Default for ProcessMemory {
         let probe: RssProbe = Arc::new(read_rss);
         ProcessMemory {
             target: StdAtomicU64::new(0),
+            trigger: StdAtomicU64::new(0),
             out_of_reach: StdAtomicU64::new(0),
             probe: StdMutex::new(probe),
             added: StdAtomicU64::new(0),
@@ -85,6 +90,20 @@ impl<C: Codec, B: Backend> Store<C, B> {
         Some(self.process.target.load(StdOrdering::Relaxed)).filter(|&t| t > 0)
     }
 
+    /// Evict for process memory only once the RSS is above `bytes` (and then down to the process
+    /// target), as dask's memory monitor starts at its `spill` threshold and stops below its
+    /// `target`; `None` (or anything below the target): at the target itself.
+    pub fn set_process_trigger(&self, bytes: Option<u64>) {
+        self.process.trigger.store(bytes.unwrap_or(0), StdOrdering::Relaxed);
+    }
+
+    /// The RSS above which process memory is relieved: the trigger, at least the target; `None`
+    /// without a process target.
+    pub fn process_trigger(&self) -> Option<u64> {
+        let goal = self.process_target()?;
+        Some(self.process.trigger.load(StdOrdering::Relaxed).max(goal))
+    }
+
     /// Read the process's RSS with `probe` instead of `/proc/self/statm`.
     pub fn set_rss_probe(&self, probe: RssProbe) {
         *self.process.probe.lock().unwrap_or_else(|p| p.into_inner()) = probe;
@@ -94,14 +113,14 @@ impl<C: Codec, B: Backend> Store<C, B> {
         self.process.probe.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    /// How many bytes the process may still grow by before it is above the process target, the RSS
-    /// read now (less what was learned out of reach); `None` without a target or an RSS. For
-    /// deciding where data about to arrive should go.
+    /// How many bytes the process may still grow by before it is above the trigger, the RSS read
+    /// now (less what was learned out of reach); `None` without a target or an RSS. For deciding
+    /// where data about to arrive should go.
     pub fn process_headroom(&self) -> Option<u64> {
-        let goal = self.process_target()?;
+        let trigger = self.process_trigger()?;
         let rss = self.rss_probe()()?;
         let reach = self.process.out_of_reach.load(StdOrdering::Relaxed);
-        Some((goal + reach).saturating_sub(rss))
+        Some((trigger + reach).saturating_sub(rss))
     }
 
     /// RSS above what spilling brought down, learned so far (see the `pressure` notes).
@@ -110,10 +129,10 @@ impl<C: Codec, B: Backend> Store<C, B> {
     }
 
     /// After a put or a get that brought `added` bytes of weight into memory: evict for the
-    /// process's memory if it is above the process target (sparing `spare`). Never fails: a spill
-    /// that does not happen is reported as any other.
+    /// process's memory if it is above the trigger, down to the process target (sparing `spare`).
+    /// Never fails: a spill that does not happen is reported as any other.
     pub(super) fn relieve_process_memory(&self, spare: Option<&[u8]>, added: u64) {
-        let Some(goal) = self.process_target() else { return };
+        let (Some(goal), Some(trigger)) = (self.process_target(), self.process_trigger()) else { return };
         if self.process.added.fetch_add(added, StdOrdering::Relaxed) + added < RSS_CHECK_BYTES {
             return;
         }
@@ -123,7 +142,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         let Some(rss) = probe() else { return };
         let over = rss.saturating_sub(goal);
         let reach = self.process.out_of_reach.load(StdOrdering::Relaxed).min(over);
-        let excess = over - reach;
+        let excess = if rss - reach > trigger { over - reach } else { 0 };
         if excess > 0 {
             let freed = self.evict_bytes(excess, spare).unwrap_or(0);
             if freed > 0 {
