@@ -132,15 +132,17 @@ from collections.abc import Hashable, ItemsView, Iterator, Mapping, MutableMappi
 from time import perf_counter
 from typing import Any, Literal, NamedTuple
 
-from spillway import codec
+from spillway import codec, config
 from spillway._core import Corrupt, SerializeError, Store
 from spillway.keys import encode_key
 from spillway.messages import (
     DISK_ERROR_MESSAGE,
+    LOGGER,
     MAX_SPILL_MESSAGE,
     PICKLE_ERROR_MESSAGE,
     _install_rate_limits,
     reset_log_rate_limits,
+    spill_logger,
 )
 from spillway.received import _SERVING, PeerValues, PickledFrames, ReceivedRecord
 
@@ -154,7 +156,7 @@ __all__ = [
     "reset_log_rate_limits",
 ]
 
-logger = logging.getLogger("spillway")
+logger = logging.getLogger(LOGGER)
 
 #: Locks that order the sets and deletes of one key (a key's is chosen by its hash).
 _STRIPES = 64
@@ -177,6 +179,25 @@ class PickleError(TypeError):
     def __str__(self) -> str:
         return f"Failed to pickle {self.key!r}"
 
+
+#: What dask's store reports in ``cumulative_metrics`` and to distributed's ``context_meter``: the
+#: ``(label, unit)`` pairs a caller of dask's store can see.
+DASK_METRICS = frozenset(
+    {
+        ("memory-read", "count"),
+        ("memory-read", "bytes"),
+        ("disk-read", "count"),
+        ("disk-read", "bytes"),
+        ("disk-read", "seconds"),
+        ("disk-write", "count"),
+        ("disk-write", "bytes"),
+        ("disk-write", "seconds"),
+        ("serialize", "seconds"),
+        ("deserialize", "seconds"),
+        ("compress", "seconds"),
+        ("decompress", "seconds"),
+    }
+)
 
 #: The store's tiers, as the buffer names them.
 _TIERS = {"materialized": "object", "serialized": "frames", "compressed": "frames", "disk": "disk"}
@@ -262,15 +283,21 @@ class SpillBuffer(PeerValues, MutableMapping):
         Directory in which a fresh ``spillway-*`` store directory is created (and removed on close).
     target:
         In-memory weight, in bytes, above which least-recently-used values are spilled (settable).
+        ``"auto"``: what dask's worker computes from its memory limit and
+        ``distributed.worker.memory.target``, taken from the dask worker whose ``data`` this buffer
+        is when it is first used (nothing spills before that).
     max_spill:
         Most pickled bytes on disk; ``False`` (or ``None``) for no limit.
     compression:
-        The log's compression: ``"none"`` or ``"lz4"``.
+        The log's compression, by dask's names: ``None``/``False``/``"none"``, ``"lz4"`` or
+        ``"auto"`` (:func:`spillway.config.compression`). Default: dask's
+        ``distributed.worker.memory.spill-compression``.
     backend:
         The log's I/O backend: ``"auto"``, ``"uring"``, ``"portable"`` or ``"sim"`` (the simulated
-        disk, in memory, whose faults tests script with ``buf.log._inject_fault``).
+        disk, in memory, whose faults tests script with ``buf.log._inject_fault``). Default:
+        ``spillway.backend`` in dask's config.
     segment_bytes:
-        Size of the log's segment files.
+        Size of the log's segment files. Default: ``spillway.segment-bytes``.
     serialized_in_memory:
         Whether frames given to :meth:`set_serialized` stay in memory (tier ``"frames"``, weighed by
         their byte length and spilled in LRU order like objects). If False they go straight to disk.
@@ -280,8 +307,9 @@ class SpillBuffer(PeerValues, MutableMapping):
     process_target:
         Bytes of process memory (RSS) above which a set or a read back also spills
         least-recently-used keys, until their weight covers the excess. ``"auto"`` (the default):
-        inside a dask worker whose ``data`` this buffer is, the worker's memory limit times
-        ``distributed.worker.memory.target`` (or ``.spill``); elsewhere, off. ``None``: off.
+        inside a dask worker whose ``data`` this buffer is, what its memory monitor does: above the
+        memory limit times ``distributed.worker.memory.spill``, down to the limit times ``.target``
+        (off where ``spill`` is False or there is no limit); elsewhere, off. ``None``: off.
     """
 
     #: keys whose pickling error was logged (dask's attribute of the same name)
@@ -290,12 +318,12 @@ class SpillBuffer(PeerValues, MutableMapping):
     def __init__(
         self,
         spill_directory: str | os.PathLike,
-        target: int,
+        target: int | Literal["auto"],
         max_spill: int | Literal[False] | None = False,
         *,
-        compression: str = "none",
-        backend: str = "auto",
-        segment_bytes: int = 64 << 20,
+        compression: str | None | Literal[False] = config.CONFIGURED,
+        backend: str | None = None,
+        segment_bytes: int | None = None,
         serialized_in_memory: bool = True,
         writeable: bool = True,
         process_target: int | Literal["auto"] | None = "auto",
@@ -308,24 +336,24 @@ class SpillBuffer(PeerValues, MutableMapping):
 
         os.makedirs(spill_directory, exist_ok=True)
         self._parent = os.path.abspath(os.fspath(spill_directory))
-        self._store_options = {
+        options = {
             "policy": "dask",
-            "compression": compression,
-            "backend": backend,
-            "segment_bytes": segment_bytes,
+            "compression": config.compression(compression),
+            "backend": backend or config.get("backend"),
+            "segment_bytes": segment_bytes or config.get_bytes("segment-bytes"),
             "writeable": writeable,
             "report_failures": True,
         }
-        #: bytes, None (off), or "auto" until the dask worker whose data this is is found
-        self._process_target = process_target
+        #: "auto" settings still to take from the dask worker whose data this buffer is
+        self._auto = {name for name, v in (("target", target), ("process", process_target)) if v == "auto"}
         self._next_resolve = 0.0  # when to look for that worker again
         self.directory = tempfile.mkdtemp(prefix="spillway-", dir=self._parent)
         try:
             store = Store(
                 self.directory,
-                target,
+                sys.maxsize if target == "auto" else target,
                 None if self.max_spill is False else self.max_spill,
-                **self._store_options,
+                **options,
             )
         except BaseException:
             shutil.rmtree(self.directory, ignore_errors=True)
@@ -343,6 +371,8 @@ class SpillBuffer(PeerValues, MutableMapping):
         self._incoming = 0  # frames received into memory (``receive``) and not yet let go of
         self._extra_metrics: defaultdict = defaultdict(float)  # the side channel's, spillway.dask
         self._log_views: dict = {}  # log number -> its view (``log``)
+        self._fast = _TierView(self, in_memory=True)
+        self._slow = _TierView(self, in_memory=False)
         self._logs_seen = 1
         # Inside a dask worker, also report metrics to distributed's context meter (as dask's
         # SpillBuffer does), so that they appear in the worker's fine performance metrics.
@@ -376,15 +406,15 @@ class SpillBuffer(PeerValues, MutableMapping):
 
     @property
     def fast(self) -> _TierView:
-        """Keys in memory (objects and held frames). For inspection: reading through this view
-        neither changes tiers nor the LRU order."""
-        return _TierView(self, in_memory=True)
+        """Keys in memory (objects and held frames), in the order they entered memory. For
+        inspection: reading through this view neither changes tiers nor the LRU order."""
+        return self._fast
 
     @property
     def slow(self) -> _TierView:
-        """Keys on disk. For inspection: reading through this view neither changes tiers nor the LRU
-        order."""
-        return _TierView(self, in_memory=False)
+        """Keys on disk, in the order they were spilled. For inspection: reading through this view
+        neither changes tiers nor the LRU order."""
+        return self._slow
 
     memory = fast
     disk = slow
@@ -398,11 +428,25 @@ class SpillBuffer(PeerValues, MutableMapping):
 
     @property
     def cumulative_metrics(self) -> defaultdict:
-        """(label, unit) -> ever-increasing total, with dask's labels (see the module docstring)."""
+        """(label, unit) -> ever-increasing total: what dask's store reports, under its labels and
+        nothing else (see the module docstring); spillway's own in :attr:`spillway_metrics`."""
         m: defaultdict = defaultdict(float)
-        for (label, unit), value in self._store.metrics().items():
-            if value:
-                m[label, unit] += value
+        with contextlib.suppress(ValueError):  # (closed)
+            for (label, unit), value in self._store.metrics().items():
+                if value and (label, unit) in DASK_METRICS:
+                    m[label, unit] += value
+        return m
+
+    @property
+    def spillway_metrics(self) -> defaultdict:
+        """(label, unit) -> ever-increasing total of everything spillway counts: dask's metrics
+        with every unit (``("serialize", "count")``, ...), the writes spared by copies
+        (``disk-write-saved``) and :mod:`spillway.dask`'s transfers."""
+        m: defaultdict = defaultdict(float)
+        with contextlib.suppress(ValueError):  # (closed)
+            for (label, unit), value in self._store.metrics().items():
+                if value:
+                    m[label, unit] += value
         for k, v in self._extra_metrics.items():
             m[k] += v
         return m
@@ -421,9 +465,9 @@ class SpillBuffer(PeerValues, MutableMapping):
         return len(self._keys)
 
     def __iter__(self) -> Iterator[Hashable]:
-        with self._lock:
-            keys = list(self._keys)
-        return iter(keys)
+        """The keys in memory, then those on disk (as dask's store iterates)."""
+        mem, disk = self._keys_by_place()
+        return iter(mem + disk)
 
     def __contains__(self, key: object) -> bool:
         return key in self._keys
@@ -451,6 +495,8 @@ class SpillBuffer(PeerValues, MutableMapping):
         if type(value) is ReceivedRecord:
             self._adopt(key, value)
             return
+        if "target" in self._auto:
+            self._resolve_worker()
         with self._stripe(key):
             skey = self._place(key)
             try:
@@ -513,8 +559,15 @@ class SpillBuffer(PeerValues, MutableMapping):
 
     def evict(self) -> int:
         """Spill the least-recently-used key in memory, even if below ``target``. Returns its
-        in-memory weight, or -1 if nothing could be spilled (nothing in memory, pickling error, disk
-        error or ``max_spill``; the cause is logged). Never raises."""
+        in-memory weight, or -1 if it could not be spilled (pickling error, disk error or
+        ``max_spill``; the cause is logged). With nothing in memory, raises KeyError, as dask's
+        store does (its callers check ``fast`` first)."""
+        try:
+            empty = not self._fast
+        except ValueError:  # closed
+            return -1
+        if empty:
+            raise KeyError("evict(): dictionary is empty")
         try:
             weight = self._store.evict()
         except Exception:
@@ -551,6 +604,8 @@ class SpillBuffer(PeerValues, MutableMapping):
         frames = [codec.byte_frame(f) for f in frames]
         if not frames:
             raise ValueError("frames must hold at least the pickle header")
+        if "target" in self._auto:
+            self._resolve_worker()
         with self._stripe(key):
             skey = self._place(key)
             self._store.put_serialized(skey, frames, not self.serialized_in_memory)
@@ -606,46 +661,50 @@ class SpillBuffer(PeerValues, MutableMapping):
         failures = self._store.take_failures()
         if failures:
             self._report(failures)
-        if self._process_target == "auto" and perf_counter() >= self._next_resolve:
-            self._resolve_process_target()
+        if self._auto and perf_counter() >= self._next_resolve:
+            self._resolve_worker()
         meter = self._context_meter
         if meter is not None:
             for label, unit, value in self._store.take_metric_deltas():
-                meter.digest_metric(label, value, unit)
+                if (label, unit) in DASK_METRICS:
+                    meter.digest_metric(label, value, unit)
 
     def _report(self, failures: list) -> None:
         """Log the store's failed spills in dask's words."""
         for skey, kind, error in failures:
             if kind == "max_spill":
-                logger.warning(MAX_SPILL_MESSAGE)
+                spill_logger.warning(MAX_SPILL_MESSAGE)
             elif kind == "disk":
-                logger.error(DISK_ERROR_MESSAGE, exc_info=error)
+                spill_logger.error(DISK_ERROR_MESSAGE, exc_info=error)
             else:
                 with self._lock:
                     key = self._owners.get(skey, skey)
                     first = key not in self.logged_pickle_errors
                     self.logged_pickle_errors.add(key)
                 if first:
-                    logger.error(PICKLE_ERROR_MESSAGE, key, exc_info=error)
+                    spill_logger.error(PICKLE_ERROR_MESSAGE, key, exc_info=error)
 
-    def _resolve_process_target(self) -> int | None:
-        """``process_target`` in bytes; for "auto", that of the dask worker whose data this buffer
-        is (memory_limit x the target fraction, or the spill fraction), looked for (at most every
-        ``_RESOLVE_EVERY`` seconds) until found, then given to the stores."""
-        target = self._process_target
-        if target != "auto":
-            return target
+    def _resolve_worker(self) -> bool:
+        """Take the ``"auto"`` settings (``target``, the process thresholds) from the dask worker
+        whose data this buffer is, as its memory manager has them (:func:`spillway.config.thresholds`
+        of its memory limit); looked for at most every ``_RESOLVE_EVERY`` seconds until found.
+        Returns whether they are settled."""
+        if not self._auto:
+            return True
         self._next_resolve = perf_counter() + _RESOLVE_EVERY
         worker_module = sys.modules.get("distributed.worker")
         for worker in list(getattr(getattr(worker_module, "Worker", None), "_instances", ())):
             manager = getattr(worker, "memory_manager", None)
             if getattr(manager, "data", None) is self:
-                fraction = manager.memory_target_fraction or manager.memory_spill_fraction
-                limit = manager.memory_limit
-                self._process_target = int(limit * fraction) if limit and fraction else None
-                self._store.process_target = self._process_target
-                return self._process_target
-        return None
+                t = config.thresholds(manager.memory_limit)
+                if "target" in self._auto:
+                    self._store.target = t.target
+                if "process" in self._auto:
+                    self._store.process_target = t.process_target
+                    self._store.process_trigger = t.process_trigger
+                self._auto = set()
+                return True
+        return False
 
     def _digest_locked(self, label: str, value: float, unit: str) -> None:
         """Add to ``cumulative_metrics`` (and to distributed's context meter): the metrics only
@@ -672,14 +731,19 @@ class SpillBuffer(PeerValues, MutableMapping):
                 raise _damaged(key, error) from error
         raise KeyError(key)
 
+    def _keys_by_place(self) -> tuple[list, list]:
+        """(keys in memory, keys on disk), each in the order they entered that place."""
+        with contextlib.suppress(ValueError):  # (closed: empty)
+            mem, disk = self._store.keys_by_place()
+            owners = self._owners
+            return (
+                [k for k in (owners.get(s, _NO_KEY) for s in mem) if k is not _NO_KEY],
+                [k for k in (owners.get(s, _NO_KEY) for s in disk) if k is not _NO_KEY],
+            )
+        return [], []
+
     def _keys_in(self, in_memory: bool) -> list:
-        mem, disk = self._store.keys_by_place()
-        out = []
-        for skey in mem if in_memory else disk:
-            key = self._owners.get(skey, _NO_KEY)
-            if key is not _NO_KEY:
-                out.append(key)
-        return out
+        return self._keys_by_place()[0 if in_memory else 1]
 
 
 _NO_KEY = object()  # "no key" where None would be a valid key

@@ -83,7 +83,7 @@ from spillway.received import PickledFrames, ReceivedRecord
 
 __all__ = ["MARKER", "SIDE_MARKER", "SpillwayPlugin", "dask_setup", "dask_teardown", "install", "uninstall"]
 
-logger = logging.getLogger("spillway.dask")
+logger = logging.getLogger("distributed.spillway.dask")
 
 #: Named last among the deserializers of a spillway worker's data requests. A stock sender tries
 #: the families in order and stops at "pickle", so it never looks this name up; a spillway sender
@@ -313,8 +313,11 @@ def _serialized_values(
         except Exception:  # (logged as stock dask would: the stock handler reads it and fails)
             continue
         if not peer_runs_spillway and codec.spillway_only(frames):
-            out[key] = codec.loads(frames, False)  # the array: dask serializes it
-            continue
+            stock = codec.stock_frames(frames)
+            if stock is None:
+                out[key] = codec.loads(frames, True)  # the object: dask serializes it
+                continue
+            frames = stock  # the array as numpy's own pickle of it
         out[key] = _to_serialized(frames)
         if tiers[key] != "object":
             sent += 1
@@ -352,9 +355,13 @@ def _grant(buf: SpillBuffer, key: Hashable, side, tickets: list) -> Serialized |
 
 def _to_serialized(frames: list) -> Serialized:
     """Frames as dask's ``Serialized`` with the pickle header a stock receiver reads: one writeable
-    flag per out-of-band buffer. A fresh header for each send (dask adds to it as it writes)."""
-    writeable = tuple(not memoryview(b).readonly for b in frames[1:])
-    header = {"serializer": "pickle", "writeable": writeable, SENT_BY: True}
+    flag per out-of-band buffer. A fresh header for each send (dask adds to it as it writes).
+
+    Every flag is True: dask's flag says whether the object's buffer was writeable, and pickle's
+    own stream already says which were not (protocol 5 marks a read-only buffer), so the receiver
+    makes exactly those read-only. (The frames sent may be read-only views of what the store holds
+    or read; that says nothing about the object.)"""
+    header = {"serializer": "pickle", "writeable": (True,) * (len(frames) - 1), SENT_BY: True}
     return Serialized(header, list(frames))
 
 

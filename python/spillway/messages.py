@@ -1,10 +1,16 @@
-"""spillway's log messages in dask's words, rate-limited as dask rate-limits its own.
+"""Where spillway's Python package logs, and dask's spill messages with dask's rate limits.
 
-The messages a ``SpillBuffer`` logs on the ``spillway`` logger when a spill does not happen are
-dask's (``distributed.spill``): "Spill file on disk reached capacity; keeping data in memory",
-"Spill to disk failed; keeping data in memory", "Failed to pickle %r". The first two are let through
-at most once every 10 s each, with distributed's ``RateLimiterFilter`` once distributed is loaded
-(so that its ``reset_timer("spillway")``, which dask's test suite uses, resets them too).
+* The messages of the spill buffer that dask's own store logs ("Spill file on disk reached
+  capacity; keeping data in memory", "Spill to disk failed; keeping data in memory", "Failed to
+  pickle %r") go to dask's logger for them, ``distributed.spill``, so that dask's logging config,
+  ``Client.get_worker_logs()`` and tools that watch that logger see them as they see dask's.
+* Everything else spillway says (the engine, the buffer, the plugin) goes to loggers under
+  ``distributed.spillway``: inside distributed's hierarchy, so dask's ``logging:`` config and the
+  worker's log handlers cover it.
+* The first two messages are let through at most once every 10 s each, by distributed's own
+  ``RateLimiterFilter`` on ``distributed.spill`` (so ``RateLimiterFilter.reset_timer
+  ("distributed.spill")``, which dask's tests use, resets them); where distributed is not loaded, by
+  an equivalent filter of spillway's, replaced by dask's once distributed is loaded.
 """
 
 from __future__ import annotations
@@ -15,17 +21,33 @@ import re
 import sys
 from time import monotonic
 
-__all__ = ["DISK_ERROR_MESSAGE", "MAX_SPILL_MESSAGE", "PICKLE_ERROR_MESSAGE", "reset_log_rate_limits"]
+__all__ = [
+    "DISK_ERROR_MESSAGE",
+    "LOGGER",
+    "MAX_SPILL_MESSAGE",
+    "PICKLE_ERROR_MESSAGE",
+    "SPILL_LOGGER",
+    "reset_log_rate_limits",
+]
 
-logger = logging.getLogger("spillway")
+#: dask's spill buffer's logger: the messages dask's store logs go there.
+SPILL_LOGGER = "distributed.spill"
+#: The root of the loggers of everything else spillway says.
+LOGGER = "distributed.spillway"
+
+spill_logger = logging.getLogger(SPILL_LOGGER)
 
 MAX_SPILL_MESSAGE = "Spill file on disk reached capacity; keeping data in memory"
 DISK_ERROR_MESSAGE = "Spill to disk failed; keeping data in memory"
 PICKLE_ERROR_MESSAGE = "Failed to pickle %r"
 
+#: The messages rate-limited as dask rate-limits them: the patterns of dask's filters.
+_RATE_LIMITED = ("Spill file on disk reached capacity", "Spill to disk failed")
+
+
 class _RateLimit(logging.Filter):
-    """Where distributed is not installed: let a record whose message starts with ``prefix``
-    through at most once every ``seconds``. (With distributed, its own ``RateLimiterFilter``.)"""
+    """Where distributed is not loaded: let a record whose message starts with ``prefix`` through at
+    most once every ``seconds``, as distributed's ``RateLimiterFilter`` does."""
 
     def __init__(self, prefix: str, seconds: float = 10.0):
         super().__init__()
@@ -42,35 +64,35 @@ class _RateLimit(logging.Filter):
         return True
 
 
-#: The messages rate-limited as dask rate-limits its own (``distributed.spill``): the prefixes dask's
-#: filters match.
-_RATE_LIMITED = ("Spill file on disk reached capacity", "Spill to disk failed")
-_rate_filters: list = []
+def _dask_limiter() -> type | None:
+    return getattr(sys.modules.get("distributed.utils"), "RateLimiterFilter", None)
 
 
 def _install_rate_limits() -> None:
-    """Rate-limit ``_RATE_LIMITED`` on the ``spillway`` logger: with distributed's
-    ``RateLimiterFilter`` once distributed is loaded (so its ``reset_timer("spillway")``, which dask's
-    test suite uses, resets them), else with ``_RateLimit``. Run whenever a buffer is made (in a
-    dask worker, distributed is loaded by then), so that spillway itself never imports distributed."""
-    utils = sys.modules.get("distributed.utils")
-    limiter = getattr(utils, "RateLimiterFilter", None)
-    if _rate_filters and (limiter is None or isinstance(_rate_filters[0], limiter)):
-        return
-    for f in _rate_filters:
-        logger.removeFilter(f)
-    if limiter is None:
-        _rate_filters[:] = [_RateLimit(prefix) for prefix in _RATE_LIMITED]
-    else:
-        _rate_filters[:] = [limiter(re.escape(prefix)) for prefix in _RATE_LIMITED]
-    for f in _rate_filters:
-        logger.addFilter(f)
+    """Make sure ``distributed.spill`` rate-limits the two messages: nothing to do where dask's
+    filters are on it already (``distributed.spill`` was imported); else distributed's
+    ``RateLimiterFilter`` once ``distributed.utils`` is loaded, or spillway's own filter before.
+    Run whenever a buffer is made (in a dask worker, distributed is loaded by then), so that
+    spillway itself never imports distributed."""
+    limiter = _dask_limiter()
+    ours = [f for f in spill_logger.filters if isinstance(f, _RateLimit)]
+    if limiter is not None:
+        for f in ours:
+            spill_logger.removeFilter(f)
+        patterns = {f.pattern.pattern for f in spill_logger.filters if isinstance(f, limiter)}
+        for prefix in _RATE_LIMITED:
+            if prefix not in patterns and re.escape(prefix) not in patterns:
+                spill_logger.addFilter(limiter(re.escape(prefix)))
+    elif not ours:
+        for prefix in _RATE_LIMITED:
+            spill_logger.addFilter(_RateLimit(prefix))
 
 
 def reset_log_rate_limits() -> None:
     """Let the next rate-limited message through at once (for tests)."""
-    for f in _rate_filters:
+    for f in spill_logger.filters:
         if isinstance(f, _RateLimit):
             f.last = -math.inf
-        else:
-            type(f).reset_timer(logger)
+    limiter = _dask_limiter()
+    if limiter is not None:
+        limiter.reset_timer(spill_logger)

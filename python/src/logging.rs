@@ -1,5 +1,6 @@
-//! The engine's `log` records in Python's `logging`, as loggers named after the Rust modules
-//! (`spillway.store.evict`, ...), children of the `spillway` logger that dask users configure.
+//! The engine's `log` records in Python's `logging`, as loggers named after the Rust modules under
+//! distributed's hierarchy (`distributed.spillway.store.evict`, ...; see `spillway/messages.py`), so
+//! that dask's logging config and a worker's log handlers cover them.
 //!
 //! The engine logs under its locks (a failed spill is reported while the store settles it). Taking
 //! the GIL there would run Python code under the lock: logging handlers, and any finalizer that
@@ -61,7 +62,11 @@ impl log::Log for Logger {
         if !self.enabled(r.metadata()) {
             return;
         }
-        let msg = Msg { logger: r.target().replace("::", "."), level: py_level(r.level()), text: r.args().to_string() };
+        let msg = Msg {
+            logger: format!("distributed.{}", r.target().replace("::", ".")),
+            level: py_level(r.level()),
+            text: r.args().to_string(),
+        };
         let mut p = b.progress.lock().unwrap_or_else(PoisonError::into_inner);
         match b.tx.try_send(msg) {
             Ok(()) => p.queued += 1,

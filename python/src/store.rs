@@ -87,10 +87,35 @@ fn own_frames(py: Python<'_>, frames: &Bound<'_, PyAny>) -> PyResult<Frames> {
     Ok(Frames(parts))
 }
 
-/// A Python exception as a codec error: kept whole, so that the caller of the store call that met it
-/// gets the same exception back (see [`to_py_err`]).
+/// A Python exception the codec raised, kept whole so that the caller of the store call that met it
+/// gets the same exception back (see [`to_py_err`]), with its text and its causes' (`__cause__`)
+/// read while the GIL is held: the engine formats errors under its lock, where no Python may run.
+#[derive(Debug)]
+struct PyCodecError {
+    err: PyErr,
+    text: String,
+}
+
+impl std::fmt::Display for PyCodecError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+impl std::error::Error for PyCodecError {}
+
 fn codec_error(e: PyErr) -> CodecError {
-    Box::new(e)
+    let text = Python::with_gil(|py| {
+        let mut text = e.to_string();
+        let mut cause = e.cause(py);
+        for _ in 0..8 {
+            let Some(c) = cause else { break };
+            text.push_str(&format!(", caused by {c}"));
+            cause = c.cause(py);
+        }
+        text
+    });
+    Box::new(PyCodecError { err: e, text })
 }
 
 /// An engine error as a Python exception: a failed serialize is a `SerializeError` whose
@@ -98,7 +123,7 @@ fn codec_error(e: PyErr) -> CodecError {
 /// it was; anything else as `to_py` maps it.
 fn to_py_err(py: Python<'_>, e: Error) -> PyErr {
     if let Error::Codec { op, source, .. } = &e {
-        if let Some(err) = source.downcast_ref::<PyErr>() {
+        if let Some(PyCodecError { err, .. }) = source.downcast_ref::<PyCodecError>() {
             if *op != "serialize" {
                 return err.clone_ref(py);
             }
@@ -113,7 +138,7 @@ fn to_py_err(py: Python<'_>, e: Error) -> PyErr {
 /// The codec's own exception behind a failed serialize (for `take_failures`), else `to_py_err`.
 fn codec_cause(py: Python<'_>, e: Error) -> PyErr {
     if let Error::Codec { source, .. } = &e {
-        if let Some(err) = source.downcast_ref::<PyErr>() {
+        if let Some(PyCodecError { err, .. }) = source.downcast_ref::<PyCodecError>() {
             return err.clone_ref(py);
         }
     }
@@ -399,8 +424,21 @@ impl Store {
         Ok(())
     }
 
+    /// Bytes of process memory (RSS) above which process memory is relieved (down to
+    /// `process_target`): dask's `spill` threshold; `None`: `process_target` itself.
+    #[getter]
+    fn get_process_trigger(&self) -> PyResult<Option<u64>> {
+        Ok(self.inner()?.process_trigger())
+    }
+
+    #[setter]
+    fn set_process_trigger(&self, bytes: Option<u64>) -> PyResult<()> {
+        self.inner()?.set_process_trigger(bytes);
+        Ok(())
+    }
+
     /// How many bytes the process may still grow by before its RSS (read now) passes
-    /// `process_target`, counting what spilling was learned not to bring down; `None` without a
+    /// `process_trigger`, counting what spilling was learned not to bring down; `None` without a
     /// process target.
     fn process_headroom(&self, py: Python<'_>) -> PyResult<Option<u64>> {
         let s = self.inner()?;
@@ -414,7 +452,7 @@ impl Store {
         Ok(self.inner()?.process_out_of_reach())
     }
 
-    /// `(keys in memory, keys on disk)`, unordered.
+    /// `(keys in memory, keys on disk)`, each in the order the keys entered that place.
     #[allow(clippy::type_complexity)]
     fn keys_by_place<'py>(&self, py: Python<'py>) -> PyResult<(Vec<Bound<'py, PyBytes>>, Vec<Bound<'py, PyBytes>>)> {
         let s = self.inner()?;
@@ -649,6 +687,15 @@ impl Store {
     #[getter]
     fn backend(&self) -> &'static str {
         self.backend
+    }
+
+    /// The log's compression of spilled values: `"none"` or `"lz4"`.
+    #[getter]
+    fn compression(&self) -> PyResult<&'static str> {
+        Ok(match self.inner()?.config().log.compression {
+            Compression::None => "none",
+            Compression::Lz4 => "lz4",
+        })
     }
 
     /// Recompute the accounting from the entries; ValueError naming the difference (for tests).

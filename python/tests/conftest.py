@@ -20,8 +20,10 @@ def _fresh_log_rate_limits():
 
 @pytest.fixture
 def caplog_spillway(caplog):
-    """caplog capturing the ``spillway`` logger from DEBUG up."""
-    caplog.set_level(logging.DEBUG, logger="spillway")
+    """caplog capturing spillway's loggers from DEBUG up: dask's ``distributed.spill``, where the
+    buffer logs dask's messages, and ``distributed.spillway``, where everything else goes."""
+    caplog.set_level(logging.DEBUG, logger="distributed.spill")
+    caplog.set_level(logging.DEBUG, logger="distributed.spillway")
     return caplog
 
 

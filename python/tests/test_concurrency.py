@@ -203,7 +203,10 @@ def test_mixed_operations_from_many_threads(make_buffer):
                     v = pickle.loads(frames[0], buffers=frames[1:])
                     assert v[0] == key
                 else:
-                    buf.evict()
+                    try:
+                        buf.evict()
+                    except KeyError:
+                        pass  # nothing was in memory, as dask's store says it
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 
@@ -290,7 +293,7 @@ def test_a_light_key_set_while_the_older_keys_are_busy_is_not_spilled_by_its_own
     assert not t.is_alive()
     assert out["value"].payload == b"p" * 700
     assert buf["c"] is value
-    assert [r.getMessage() for r in caplog_spillway.records if r.name == "spillway"] == []
+    assert [r.getMessage() for r in caplog_spillway.records if r.name == "distributed.spill"] == []
     assert_consistent(buf)
 
 

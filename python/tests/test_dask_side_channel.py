@@ -35,11 +35,11 @@ def _cluster(n_workers=2, memory_limit="400MiB", **kwargs):
 
 
 def _metrics(dask_worker):
-    return {f"{k[0]} {k[1]}": v for k, v in dask_worker.data.cumulative_metrics.items()}
+    return {f"{k[0]} {k[1]}": v for k, v in dask_worker.data.spillway_metrics.items()}
 
 
 def _spill_all(dask_worker):
-    while dask_worker.data.evict() > 0:
+    while dask_worker.data.fast and dask_worker.data.evict() > 0:
         pass
     return len(dask_worker.data.slow)
 

@@ -36,13 +36,15 @@ class Unpicklable:
 
 
 def messages(caplog, level=None):
-    """What the ``spillway`` loggers said: the buffer's (``spillway``) and the engine's
-    (``spillway.<module>``, emitted by the engine's log thread: flushed first)."""
+    """What spillway's loggers said: the buffer's dask messages (``distributed.spill``) and the
+    rest (``distributed.spillway.<module>``; the engine's are emitted by its log thread: flushed
+    first)."""
     spillway._core._flush_logs()
     return [
         r.getMessage()
         for r in caplog.records
-        if r.name.split(".")[0] == "spillway" and (level is None or r.levelno == level)
+        if r.name.split(".")[:2] in (["distributed", "spill"], ["distributed", "spillway"])
+        and (level is None or r.levelno == level)
     ]
 
 
@@ -91,7 +93,7 @@ def test_the_rate_limits_are_distributeds_own_filters(make_buffer, caplog_spillw
     buf = make_buffer(target=1000, max_spill=3500)
     patterns = {
         f.pattern.pattern
-        for f in logging.getLogger("spillway").filters
+        for f in logging.getLogger("distributed.spill").filters
         if isinstance(f, utils.RateLimiterFilter)
     }
     assert {p.replace("\\", "") for p in patterns} == {
@@ -102,7 +104,7 @@ def test_the_rate_limits_are_distributeds_own_filters(make_buffer, caplog_spillw
     buf["b"] = bytes(3000)  # refused: max_spill
     assert buf.evict() == -1  # refused again, within 10 s: not logged
     assert messages(caplog_spillway, logging.WARNING) == [MAX_SPILL_MESSAGE]
-    utils.RateLimiterFilter.reset_timer("spillway")
+    utils.RateLimiterFilter.reset_timer("distributed.spill")
     assert buf.evict() == -1
     assert messages(caplog_spillway, logging.WARNING) == [MAX_SPILL_MESSAGE] * 2
 
@@ -135,7 +137,10 @@ def test_unpicklable_value_being_set_raises_and_is_forgotten(make_buffer, caplog
     with pytest.raises(TypeError, match=r"^Failed to pickle 'x'$") as info:
         buf["x"] = Unpicklable(b"y" * 1000)  # heavier than target: must go to disk
     assert isinstance(info.value, spillway.PickleError)
-    assert isinstance(info.value.__cause__, Refuses)
+    # As dask chains it: dask's TypeError("Could not serialize object of type ..."), then the error.
+    assert type(info.value.__cause__) is TypeError
+    assert str(info.value.__cause__).startswith("('Could not serialize object of type Unpicklable'")
+    assert isinstance(info.value.__cause__.__cause__, Refuses)
     assert "x" not in buf and "x" not in buf.fast and "x" not in buf.slow
     assert buf["other"] == 1
     assert len(buf.log) == 0  # nothing of "x" is left, and "other" never went to disk
@@ -152,7 +157,7 @@ def test_unpicklable_evicted_key_stays_in_memory_and_is_logged_once(make_buffer,
     assert set(buf.fast) == {"bad", "good"} and not buf.slow
     assert buf["bad"] is bad
 
-    errors = [r for r in caplog_spillway.records if r.name == "spillway"]
+    errors = [r for r in caplog_spillway.records if r.name == "distributed.spill"]
     assert [r.getMessage() for r in errors] == ["Failed to pickle 'bad'"]
     assert errors[0].levelno == logging.ERROR
     assert errors[0].exc_info is not None
@@ -163,7 +168,7 @@ def test_unpicklable_evicted_key_stays_in_memory_and_is_logged_once(make_buffer,
 
     buf["more"] = bytes(600)
     assert buf.evict() == -1  # the LRU head is "bad"
-    assert len([r for r in caplog_spillway.records if r.name == "spillway"]) == 1  # once per key
+    assert len([r for r in caplog_spillway.records if r.name == "distributed.spill"]) == 1  # once per key
 
     del buf["bad"]
     assert "bad" not in buf.logged_pickle_errors
@@ -317,7 +322,8 @@ def _spill_into_readonly_directory(directory: str, conn) -> None:
             def emit(self, record):
                 records.append((record.getMessage(), record.exc_info and record.exc_info[1]))
 
-        logging.getLogger("spillway").addHandler(Keep())
+        logging.getLogger("distributed.spill").addHandler(Keep())
+        logging.getLogger("distributed.spillway").addHandler(Keep())
         reset_log_rate_limits()
         buf = spillway.SpillBuffer(directory, target=0, segment_bytes=64 * 1024, backend="portable")
         buf["first"] = np.full(40_000, 1, dtype=np.uint8)
@@ -411,7 +417,7 @@ def test_full_disk_keeps_data_in_memory(tiny_tmpfs, caplog_spillway):
         assert buf.fast, "the 1.6 MB never filled the 512 KiB tmpfs"
         for i in range(40):
             assert (buf[i] == i).all()
-        errors = [r for r in caplog_spillway.records if r.name == "spillway"]
+        errors = [r for r in caplog_spillway.records if r.name == "distributed.spill"]
         assert errors and errors[0].getMessage() == DISK_ERROR_MESSAGE
         assert errors[0].exc_info[1].errno == errno.ENOSPC
         # A full disk is not a broken one: deleting spilled keys frees space, and spilling resumes.

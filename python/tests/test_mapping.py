@@ -194,14 +194,16 @@ def test_spilled_total_tracks_disk(make_buffer):
 
 def test_evict(make_buffer):
     buf = make_buffer()
-    assert buf.evict() == -1  # nothing in memory; dask raises KeyError here
+    with pytest.raises(KeyError):
+        buf.evict()  # nothing in memory: as dask
     buf["a"] = blob(100)
     buf["b"] = blob(200)
     buf["a"]
     assert buf.evict() == sizeof(blob(200))  # least recently used
     assert set(buf.slow) == {"b"}
     assert buf.evict() == sizeof(blob(100))
-    assert buf.evict() == -1
+    with pytest.raises(KeyError):
+        buf.evict()
     assert set(buf.slow) == {"a", "b"} and buf["a"] == blob(100)
 
 
@@ -257,6 +259,10 @@ def test_cumulative_metrics_use_dask_labels(make_buffer):
         "memory-read",
     }
     assert {unit for _, unit in m} <= {"count", "bytes", "seconds"}
+    # What dask's store never reports is in spillway_metrics only.
+    assert ("serialize", "count") not in m and ("memory-read", "seconds") not in m
+    assert buf.spillway_metrics["serialize", "count"] == 1
+    assert buf.spillway_metrics["disk-write", "count"] == 1
 
 
 def test_repr(make_buffer):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 
 import pytest
 
@@ -30,7 +31,7 @@ def test_a_value_read_back_keeps_its_record_and_is_evicted_again_without_a_write
     del got  # (not in the weak cache then: the next read goes to the log)
     assert buf.evict() > 0 and buf.tier("a") == "disk"
     assert buf.cumulative_metrics["disk-write", "count"] == 1, "evicting it again wrote it again"
-    assert buf.cumulative_metrics["disk-write-saved", "count"] == 1
+    assert buf.spillway_metrics["disk-write-saved", "count"] == 1
     assert buf.spilled_total.disk > 100_000
     np.testing.assert_array_equal(buf["a"], a)
     del buf["a"]
@@ -45,7 +46,7 @@ def test_a_value_changed_in_place_after_it_was_read_back_is_written_again(make_b
     got[:10] = 7  # a task mutating its input in place
     assert buf.evict() > 0 and buf.tier("a") == "disk"
     assert buf.cumulative_metrics["disk-write", "count"] == 2
-    assert buf.cumulative_metrics["disk-write-saved", "count"] == 0
+    assert buf.spillway_metrics["disk-write-saved", "count"] == 0
     del got
     np.testing.assert_array_equal(buf["a"][:10], 7)
     assert len(buf.log) == 1  # the stale copy was deleted
@@ -100,29 +101,48 @@ def test_without_process_target_only_target_counts(make_buffer):
         buf["a"] = array(1 << 20, 1)
         buf["b"] = array(1 << 20, 2)
         assert buf.tier("a") == "object" and buf.tier("b") == "object"
-        assert buf._resolve_process_target() is None
+        assert buf._resolve_worker() is (process_target is None)
+        assert buf._store.process_target is None
 
 
-def test_process_target_auto_is_the_workers_memory_limit_times_its_target_fraction():
+@pytest.mark.parametrize(
+    "fractions",
+    [{"target": 0.6, "spill": 0.7}, {"target": False, "spill": 0.7}, {"target": 0.5, "spill": False}],
+    ids=["default", "no-target", "no-spill"],
+)
+def test_auto_thresholds_are_the_workers_as_dask_computes_them(fractions):
+    """``data=spillway.worker_data`` alone: the target and the process thresholds come from the
+    worker's memory limit and dask's fractions, as dask's worker and memory monitor use them."""
     distributed = pytest.importorskip("distributed")
+    import dask
+
+    limit = 1 << 30
+    config = {f"distributed.worker.memory.{k}": v for k, v in fractions.items()}
     with (
+        dask.config.set(config),
         distributed.LocalCluster(
             n_workers=1,
             processes=False,
-            memory_limit="1GiB",
+            memory_limit=limit,
             dashboard_address=":0",
-            data=(spillway.worker_data, {"memory_limit": "1GiB"}),
+            data=spillway.worker_data,
         ) as cluster,
         distributed.Client(cluster) as client,
     ):
-        ((goal, store_goal),) = client.run(
+        assert client.submit(lambda: 1).result() == 1
+        ((target, goal, trigger),) = client.run(
             lambda dask_worker: (
-                dask_worker.data._resolve_process_target(),
+                dask_worker.data.target,
                 dask_worker.data._store.process_target,
+                dask_worker.data._store.process_trigger,
             )
         ).values()
-    fraction = distributed.worker_memory.dask.config.get("distributed.worker.memory.target")
-    assert goal == store_goal == int((1 << 30) * fraction)
+    t, s = fractions["target"], fractions["spill"]
+    assert target == (int(limit * t) if t else sys.maxsize)
+    if s is False:
+        assert goal is None and trigger is None
+    else:
+        assert goal == int(limit * (t or s)) and trigger == int(limit * s)
 
 
 def test_a_buffer_nobody_holds_is_collected_with_its_directory(tmp_path):

@@ -51,7 +51,7 @@ def test_a_granted_value_arrives_in_memory_under_target_and_on_disk_over_it(make
         assert receiver.tier("v") == "disk"
         assert receiver.spilled_total.disk == nbytes
         assert receiver["v"] == value
-        m = receiver.cumulative_metrics
+        m = receiver.spillway_metrics
         assert m["receive-memory", "count"] == 1 and m["receive-disk", "count"] == 1
         assert m["disk-write", "count"] == writes, "a received value is not written again"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -34,8 +35,12 @@ def test_worker_data_uses_dask_config(tmp_path):
         assert buf.target == 1234 and buf.max_spill is False
     finally:
         buf.close()
-    with pytest.raises(TypeError):
-        spillway.worker_data(str(tmp_path))
+    with dask.config.set({"distributed.worker.memory.target": False}):
+        buf = spillway.worker_data(str(tmp_path), memory_limit="100 MiB")
+    try:
+        assert buf.target == sys.maxsize, "no target, as dask's worker sets none"
+    finally:
+        buf.close()
 
 
 def test_local_cluster_with_spillway_spills_and_computes():
