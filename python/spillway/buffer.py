@@ -1,120 +1,19 @@
 """``SpillBuffer``: dask's spill store, as a mapping over the engine's store.
 
-A ``collections.abc.MutableMapping`` from dask keys to objects with the public contract of
+A ``collections.abc.MutableMapping`` from dask keys to objects with the contract of
 ``distributed.spill.SpillBuffer``: least-recently-used values are pickled and written to disk when
-the total in-memory weight passes ``target``. Pass it to a dask worker as ``data=`` (see
-:func:`spillway.worker_data`).
+the total in-memory weight passes ``target``. What a caller of dask's store can observe through its
+public API is the same here (``python/tests/test_spill_contract.py`` checks it against dask's store
+in the same run); docs/dask.md "The buffer's contract" states it, with the few deliberate
+differences and what the store does beyond dask's policy.
 
 The store is the engine's (``spillway._core.Store``, ``engine/src/store/``): its tiers, LRU order,
-eviction, accounting, ``max_spill``, read-back copies and the per-key slot that deserializes a value
-exactly once whatever the number of threads asking (model-checked with loom) are all in Rust, under
+eviction, accounting, ``max_spill``, read-back copies, process thresholds and the per-key slot that
+deserializes a value exactly once whatever the number of threads asking are all in Rust, under
 dask's rules (``EvictionPolicy::dask``). This module maps dask keys to the store's byte keys, says
-what the store reports in dask's words, and adds what only Python knows: the process's memory, the
-side channel's transfers, and the values it is handed while serving a peer.
-
-Tiers
------
-Each key is in exactly one tier (:meth:`SpillBuffer.tier`):
-
-* ``"object"``: the Python object, weighed with ``dask.sizeof.sizeof`` (``sys.getsizeof`` when dask
-  is not installed), exactly as dask weighs it, so the same sequence of sets and gets spills the
-  same keys as dask's ``SpillBuffer`` (``test_dask_parity.py``);
-* ``"frames"``: pickled frames held in memory (from :meth:`SpillBuffer.set_serialized`), weighed by
-  their exact byte length and spilled in the same LRU order as objects;
-  :meth:`~SpillBuffer.__getitem__` unpickles them once and keeps the object (one heavier than
-  ``target`` is not kept, and is built on copies of the frames' buffers);
-* ``"disk"``: a record in the store's segment log.
-
-``fast`` (alias ``memory``) views the first two tiers, ``slow`` (alias ``disk``) the third.
-
-Policy (as dask's)
-------------------
-* Setting a key adds it to the tail of the LRU; while the in-memory weight is above ``target``, the
-  head is pickled and written to disk, straight (no frames held in between). A value heavier than
-  ``target`` is written at once and served from disk without being brought back into memory.
-  Reading a spilled key that is not heavier than ``target`` brings it back (and may spill others).
-* A key not heavier than ``target`` is never spilled by its own set.
-* A failed spill ends the eviction that met it, and the key keeps its place in the LRU; if the key
-  being set is heavier than ``target`` and cannot be spilled, the other keys are spilled instead.
-* ``max_spill``: a spill that would take the pickled bytes on disk above it is refused; the key stays
-  in memory and "Spill file on disk reached capacity; keeping data in memory" is logged (at most
-  every 10 s).
-* A disk error, or a value the log refuses (more than 65535 out-of-band buffers, larger than the
-  log's value limit), keeps the key in memory and logs "Spill to disk failed; keeping data in
-  memory" with the error (at most every 10 s).
-* A failed write that left the log read-only (an EIO: the log cannot tell what reached the file)
-  makes the store open a fresh log in a subdirectory, where the spill that failed and the later ones
-  go; the read-only log keeps serving its records until they are read back or deleted. After three
-  fresh logs the last read-only one is kept: spills fail as above, and that data is kept in memory
-  from now on is logged once (``engine/src/store/logs.rs``).
-* A value that fails to pickle: if it is the one being set and is heavier than ``target`` (the only
-  case in which its own set spills it), ``__setitem__`` raises :class:`PickleError` (a TypeError,
-  ``"Failed to pickle 'key'"``, the pickling error as ``__cause__``) and the key is forgotten;
-  otherwise it stays in memory and "Failed to pickle 'key'" is logged once per key.
-* A spilled object that is still referenced elsewhere comes back without a read (the store keeps a
-  weak reference; types that allow weak references).
-* **An object must not be changed in place while it is in the buffer** (dask's rule for task
-  inputs): its buffers are written to disk without a copy, with the GIL released.
-
-Beyond dask's policy (memory under pressure)
---------------------------------------------
-* **Copies.** A value read back from disk keeps its record as a copy, with the crc the read checked
-  (unless ``max_spill`` is set: the copy's bytes would count against it). Evicting it again pickles
-  it and compares: if the frames are the same (it was not changed in place) nothing is written
-  (``("disk-write-saved", "count"|"bytes")``); otherwise they are written anew.
-* **Process memory.** With ``process_target`` (by default, inside a dask worker: its memory limit
-  times ``distributed.worker.memory.target``), a set or a read back that finds the process's RSS
-  above it also spills least-recently-used keys, until their weight covers the excess: what dask's
-  memory monitor does every 100 ms from the event loop, done as memory grows, by the store
-  (``engine/src/store/pressure.rs``: the RSS is read once per MiB of weight brought in,
-  and memory that spilling does not give back is learned as out of reach, not chased).
-
-Metrics
--------
-``cumulative_metrics`` maps ``(label, unit)`` to an ever-increasing total, with dask's labels:
-``("disk-write", ...)``, ``("disk-read", ...)``, ``("serialize", ...)``, ``("deserialize", ...)``
-and ``("memory-read", "count"|"bytes")`` (reads answered from memory, bytes being their weight),
-units ``count``, ``bytes`` and ``seconds``. Bytes are pickled bytes. When ``distributed`` is loaded,
-what each call adds is also reported to its ``context_meter``, as dask's store does, so that
-spilling shows in a worker's fine performance metrics.
-
-Differences from dask's ``SpillBuffer``
----------------------------------------
-* ``evict()`` returns -1 when there is nothing to evict (dask raises ``KeyError``).
-* A spill failure while *reading* a key is logged and not raised (dask raises it from
-  ``__getitem__``).
-* ``spilled_total.disk`` counts pickled bytes before the log's compression.
-* ``get_serialized`` of a key on disk returns read-only views of what was read.
-
-Serialization
--------------
-:mod:`spillway.codec`: ``pickle`` protocol 5 with out-of-band buffers (frames ``[header,
-*buffers]``, handed to the store without joining them), the cloudpickle fallback, and the numpy fast
-path whose header is pickled once per kind of array. An object read back from disk is built on the
-buffer the read filled (writeable, no copy); frames the store keeps in memory are handed to the
-unpickler read-only, and with ``writeable=True`` (the default) its read-only out-of-band buffers
-are copied once, so an object handed out never shares memory the store keeps.
-
-Keys
-----
-The mapping itself follows dict semantics: ``1`` and ``"1"`` are distinct keys, while ``1``, ``1.0``
-and ``True`` are the same key. A key's store key is ``encode_key(key)`` (deterministic, injective over
-dask keys up to dict equality; see :func:`encode_key`), with a suffix if another key already has it.
-
-Directory
----------
-Like dask's, a ``SpillBuffer`` starts empty: its store lives in a new ``spillway-*`` subdirectory of
-``spill_directory``, removed by :meth:`~SpillBuffer.close` (also run when the buffer is garbage-
-collected or the interpreter exits).
-
-Threads
--------
-All methods may be called from several threads. The store releases the GIL for its work (pickling
-and unpickling take it back); a set and a delete of the same key take turns (a lock per group of
-keys), everything else runs side by side. Concurrent ``__getitem__`` of a key that is not in memory
-as an object unpickles it once: the first thread reads and unpickles, the others wait in the key's
-slot (GIL released) and receive the same object, or the same exception (the data then stays where it
-was).
+what the store reports in dask's words (:mod:`spillway.messages`), takes its settings from dask's
+config (:mod:`spillway.config`) and from the worker it belongs to, and adds what only Python knows:
+the values a peer sends or is sent (:mod:`spillway.received`).
 """
 
 from __future__ import annotations
@@ -347,6 +246,7 @@ class SpillBuffer(PeerValues, MutableMapping):
         #: "auto" settings still to take from the dask worker whose data this buffer is
         self._auto = {name for name, v in (("target", target), ("process", process_target)) if v == "auto"}
         self._next_resolve = 0.0  # when to look for that worker again
+        self._worker = None  # a weak reference to it, once found
         self.directory = tempfile.mkdtemp(prefix="spillway-", dir=self._parent)
         try:
             store = Store(
@@ -422,6 +322,8 @@ class SpillBuffer(PeerValues, MutableMapping):
     @property
     def spilled_total(self) -> SpilledSize:
         """(in-memory weight, pickled bytes) of the keys on disk."""
+        if self._worker is None:
+            self._find_worker()  # (read by the worker's heartbeat from its start)
         with contextlib.suppress(ValueError):  # (closed)
             return SpilledSize(*self._store.spilled)
         return SpilledSize(0, 0)
@@ -453,10 +355,16 @@ class SpillBuffer(PeerValues, MutableMapping):
 
     def tier(self, key: Hashable) -> str:
         """``"object"``, ``"frames"`` or ``"disk"``; KeyError if absent."""
-        tier = self._store.tier(self._keys[key])
+        tier = self.tier_if_present(key)
         if tier is None:
             raise KeyError(key)
-        return _TIERS[tier]
+        return tier
+
+    def tier_if_present(self, key: Hashable) -> str | None:
+        """``"object"``, ``"frames"`` or ``"disk"``; None if absent."""
+        skey = self._keys.get(key)
+        tier = None if skey is None else self._store.tier(skey)
+        return None if tier is None else _TIERS[tier]
 
     # ---------------------------------------------------------------------------------------------
     # Mapping
@@ -496,7 +404,7 @@ class SpillBuffer(PeerValues, MutableMapping):
             self._adopt(key, value)
             return
         if "target" in self._auto:
-            self._resolve_worker()
+            self._find_worker(force=True)
         with self._stripe(key):
             skey = self._place(key)
             try:
@@ -579,21 +487,26 @@ class SpillBuffer(PeerValues, MutableMapping):
     # ---------------------------------------------------------------------------------------------
     # Serialized data
 
-    def get_serialized(self, key: Hashable) -> list:
+    def get_serialized(self, key: Hashable, *, as_read: bool = False) -> list:
         """The pickled frames of ``key`` (``[header, *buffers]``, for ``pickle.loads(frames[0],
         buffers=frames[1:])`` or :meth:`set_serialized` elsewhere), without changing its tier.
         An object is pickled (raising PickleError if it cannot be); frames held in memory are
         returned as views of their buffers; a key on disk is read into read-only views. A key in
-        memory moves to the tail of the LRU."""
+        memory moves to the tail of the LRU. ``as_read``: the key moves as ``buf[key]`` would move
+        it, a key on disk coming back into memory (as the frames read, not unpickled) unless it is
+        heavier than ``target``, others being spilled for it."""
         for _ in range(3):
             try:
-                return self._store.get_serialized(self._keys[key])
+                frames = self._store.get_serialized(self._keys[key], as_read)
             except KeyError:
                 continue
             except SerializeError as error:
                 raise PickleError(key) from error.__cause__
             except Corrupt as error:
                 raise _damaged(key, error) from error
+            if as_read:
+                self._settle()
+            return frames
         raise KeyError(key)
 
     def set_serialized(self, key: Hashable, frames: list) -> None:
@@ -605,7 +518,7 @@ class SpillBuffer(PeerValues, MutableMapping):
         if not frames:
             raise ValueError("frames must hold at least the pickle header")
         if "target" in self._auto:
-            self._resolve_worker()
+            self._find_worker(force=True)
         with self._stripe(key):
             skey = self._place(key)
             self._store.put_serialized(skey, frames, not self.serialized_in_memory)
@@ -661,8 +574,8 @@ class SpillBuffer(PeerValues, MutableMapping):
         failures = self._store.take_failures()
         if failures:
             self._report(failures)
-        if self._auto and perf_counter() >= self._next_resolve:
-            self._resolve_worker()
+        if self._worker is None:
+            self._find_worker()
         meter = self._context_meter
         if meter is not None:
             for label, unit, value in self._store.take_metric_deltas():
@@ -684,26 +597,35 @@ class SpillBuffer(PeerValues, MutableMapping):
                 if first:
                     spill_logger.error(PICKLE_ERROR_MESSAGE, key, exc_info=error)
 
-    def _resolve_worker(self) -> bool:
-        """Take the ``"auto"`` settings (``target``, the process thresholds) from the dask worker
-        whose data this buffer is, as its memory manager has them (:func:`spillway.config.thresholds`
-        of its memory limit); looked for at most every ``_RESOLVE_EVERY`` seconds until found.
-        Returns whether they are settled."""
-        if not self._auto:
+    def _find_worker(self, force: bool = False) -> bool:
+        """Find the dask worker whose data this buffer is (looked for at most every
+        ``_RESOLVE_EVERY`` seconds, or now with ``force``, until found): take the ``"auto"``
+        settings from it (``target``, the process thresholds: :func:`spillway.config.thresholds` of
+        its memory limit), and close with it if empty (:func:`_close_with`: dask's worker never
+        closes its data, and its own store holds no open files). Returns whether it is found."""
+        if self._worker is not None:
             return True
-        self._next_resolve = perf_counter() + _RESOLVE_EVERY
+        now = perf_counter()
+        if not force and now < self._next_resolve:
+            return False
+        self._next_resolve = now + _RESOLVE_EVERY
         worker_module = sys.modules.get("distributed.worker")
         for worker in list(getattr(getattr(worker_module, "Worker", None), "_instances", ())):
             manager = getattr(worker, "memory_manager", None)
-            if getattr(manager, "data", None) is self:
-                t = config.thresholds(manager.memory_limit)
-                if "target" in self._auto:
-                    self._store.target = t.target
-                if "process" in self._auto:
-                    self._store.process_target = t.process_target
-                    self._store.process_trigger = t.process_trigger
-                self._auto = set()
-                return True
+            if getattr(manager, "data", None) is not self:
+                continue
+            t = config.thresholds(manager.memory_limit)
+            if "target" in self._auto:
+                self._store.target = t.target
+            if "process" in self._auto:
+                self._store.process_target = t.process_target
+                self._store.process_trigger = t.process_trigger
+            self._auto = set()
+            self._worker = weakref.ref(worker)
+            loop = getattr(worker, "loop", None)
+            if loop is not None and hasattr(worker, "finished"):
+                loop.add_callback(_close_with, weakref.ref(self), worker)
+            return True
         return False
 
     def _digest_locked(self, label: str, value: float, unit: str) -> None:
@@ -749,11 +671,23 @@ class SpillBuffer(PeerValues, MutableMapping):
 _NO_KEY = object()  # "no key" where None would be a valid key
 
 
+async def _close_with(buffer_ref: weakref.ref, worker: object) -> None:
+    """Close the buffer once ``worker`` has finished closing (``Server.finished``), if it holds
+    nothing: a closed worker's data stays readable as dask's does (dask's tests check a closed
+    worker's state against it), and an empty one gives back its files and threads at once."""
+    await worker.finished()
+    buffer = buffer_ref()
+    if buffer is not None and len(buffer) == 0:
+        buffer.close()
+
+
 class _TierView(Mapping):
     """Read-only view of the keys of a SpillBuffer in memory (``in_memory=True``) or on disk."""
 
     def __init__(self, buffer: SpillBuffer, in_memory: bool):
-        self._buffer = buffer
+        # A proxy: the buffer holds its views, and a cycle would keep a buffer nobody holds (and
+        # its open files) alive until the garbage collector runs.
+        self._buffer = weakref.proxy(buffer)
         self._in_memory = in_memory
 
     def __contains__(self, key: object) -> bool:

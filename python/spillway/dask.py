@@ -61,14 +61,17 @@ the hooks it uses; otherwise it logs why and leaves the worker as stock dask.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
+import pickle
 import weakref
 from collections.abc import Collection, Hashable
 
 import distributed.worker
 from distributed import WorkerPlugin
 from distributed.comm.addressing import get_address_host, parse_address
+from distributed.comm.utils import OFFLOAD_THRESHOLD
 from distributed.core import context_meter_to_server_digest
 from distributed.protocol import Serialized
 from distributed.protocol.compression import decompress
@@ -122,6 +125,15 @@ _plugged: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 #: many bytes go by it).
 _side: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
+#: Each plugged worker -> {key: the type of the value received for it still pickled}, until the key
+#: reaches memory (``SpillwayPlugin.transition``).
+_types: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+#: A key in the header of frames a spillway sender sends: the pickled type of the value (as dask's
+#: worker sends a task's type to the scheduler), so that the receiver records the right type without
+#: unpickling the value.
+TYPE = "spillway-type"
+
 
 class SpillwayPlugin(WorkerPlugin):
     """A ``distributed.WorkerPlugin`` that turns on :mod:`spillway.dask` on each worker (see the
@@ -134,12 +146,26 @@ class SpillwayPlugin(WorkerPlugin):
     def __init__(self, side_channel: bool = True, side_channel_min_bytes: int = SIDE_CHANNEL_MIN_BYTES):
         self.side_channel = side_channel
         self.side_channel_min_bytes = side_channel_min_bytes
+        self._worker = None
 
     def setup(self, worker: distributed.Worker) -> None:
+        self._worker = weakref.ref(worker)
         install(worker, side_channel=self.side_channel, side_channel_min_bytes=self.side_channel_min_bytes)
 
     def teardown(self, worker: distributed.Worker) -> None:
         uninstall(worker)
+
+    def transition(self, key: Hashable, start: str, finish: str, **kwargs) -> None:
+        """A value received still pickled reached memory: the worker's record of its type (dask
+        sets the type of what it stored, frames here) is the value's own, as on a stock worker."""
+        worker = self._worker() if self._worker is not None else None
+        types = _types.get(worker) if worker is not None else None
+        if not types or key not in types:
+            return
+        t = types.pop(key)
+        ts = worker.state.tasks.get(key) if finish == "memory" else None
+        if t is not None and ts is not None and ts.type in (PickledFrames, ReceivedRecord):
+            ts.type = t
 
 
 def dask_setup(worker: distributed.Worker) -> None:
@@ -223,7 +249,21 @@ def install(
     get_data.stock = stock_handler
     worker.handlers["get_data"] = get_data
     _plugged[worker.rpc] = worker
+    _types[worker] = {}
     distributed.worker.get_data_from_worker = get_data_from_worker
+    stock_execute = worker.execute
+
+    async def execute(key: Hashable, *, stimulus_id: str):
+        await _unpickle_large_inputs(worker, key)
+        return await stock_execute(key, stimulus_id=stimulus_id)
+
+    execute.stock = stock_execute
+    worker.execute = execute
+    if "spillway" not in worker.plugins:
+        # (a preload: the transition hook needs a plugin; close removes it, calling teardown)
+        plugin = SpillwayPlugin(side_channel=side_channel, side_channel_min_bytes=side_channel_min_bytes)
+        plugin._worker = weakref.ref(worker)
+        worker.plugins["spillway"] = plugin
     return True
 
 
@@ -235,10 +275,14 @@ def uninstall(worker: distributed.Worker) -> None:
         side[0].close()
     if _plugged.pop(worker.rpc, None) is None:
         return
+    _types.pop(worker, None)
     handler = worker.handlers.get("get_data")
     stock = getattr(handler, "stock", None)
     if stock is not None:
         worker.handlers["get_data"] = stock
+    stock = getattr(worker.__dict__.get("execute"), "stock", None)
+    if stock is not None:
+        del worker.execute
 
 
 def _peer_ip(comm) -> str | None:
@@ -288,7 +332,14 @@ async def _prepare(
     wanted = [k for k, t in tiers.items() if t != "object" or peer_runs_spillway]
     if not wanted:
         return {}
-    return await offload(_serialized_values, buf, wanted, tiers, peer_runs_spillway, side, tickets)
+    out = await offload(_serialized_values, buf, wanted, tiers, peer_runs_spillway, side, tickets)
+    if peer_runs_spillway:
+        for key, value in out.items():
+            ts = worker.state.tasks.get(key)
+            if isinstance(value, Serialized) and ts is not None and ts.type is not None:
+                with contextlib.suppress(Exception):  # (a type that does not pickle: left out)
+                    value.header[TYPE] = pickle.dumps(ts.type)
+    return out
 
 
 def _serialized_values(
@@ -307,7 +358,9 @@ def _serialized_values(
                 nbytes += ref.header[SIDE][4]
                 continue
         try:
-            frames = buf.get_serialized(key)
+            # As stock get_data's data[key]: the key moves in the LRU order and, if it was spilled
+            # and is not heavier than the target, comes back into memory (as frames, unpickled).
+            frames = buf.get_serialized(key, as_read=True)
         except KeyError:  # deleted meanwhile: the stock handler skips it too
             continue
         except Exception:  # (logged as stock dask would: the stock handler reads it and fails)
@@ -410,6 +463,7 @@ async def get_data_from_worker(
     again = [key for key, value in data.items() if value is _IN_BAND]
     for key in again:
         del data[key]
+    stock = {}  # what stock dask's comm would have deserialized as the message arrived
     for key, value in data.items():
         if type(value) in (PickledFrames, ReceivedRecord):
             kept += 1
@@ -419,11 +473,19 @@ async def get_data_from_worker(
             continue
         frames = _pickle_frames(value)
         if frames is None:
-            data[key] = _deserialize(value, stock_deserializers)
+            stock[key] = value
         else:
             data[key] = PickledFrames(frames)
+            _note_type(me, key, value.header)
             kept += 1
             nbytes += codec.frame_bytes(frames)
+    if stock:
+        # In dask's offload thread when they are large, as dask's comm does for a large message.
+        size = sum(codec.frame_bytes(v.frames) for v in stock.values())
+        if size > OFFLOAD_THRESHOLD:
+            data.update(await offload(_deserialize_all, stock, stock_deserializers))
+        else:
+            data.update(_deserialize_all(stock, stock_deserializers))
     if kept:
         buf = me.data
         buf._digest_locked("receive-serialized", kept, "count")
@@ -491,9 +553,53 @@ async def _fetch_references(buf: SpillBuffer, msg) -> None:
         for key, value in msg["data"].items()
         if isinstance(value, Serialized) and SIDE in value.header
     }
+    worker = _plugged_worker_of(buf)
+    for key in refs:
+        _note_type(worker, key, msg["data"][key].header)
     if refs:
         loop = asyncio.get_running_loop()
         msg["data"].update(await loop.run_in_executor(None, _fetch_all, buf, refs))
+
+
+def _note_type(worker, key: Hashable, header: dict) -> None:
+    """Remember the type a spillway sender says a value received still pickled has, for the
+    worker's record of it (``SpillwayPlugin.transition``)."""
+    types = _types.get(worker) if worker is not None else None
+    raw = header.get(TYPE)
+    if types is None or not raw:
+        return
+    try:
+        types[key] = pickle.loads(raw)
+    except Exception:  # a type this process cannot import: dask's record says frames
+        pass
+
+
+def _plugged_worker_of(buf: SpillBuffer):
+    return next((w for w in list(_types) if w.data is buf), None)
+
+
+async def _unpickle_large_inputs(worker, key: Hashable) -> None:
+    """Before a task runs: its inputs held as frames received from a peer and larger than dask's
+    ``distributed.comm.offload`` threshold are unpickled now, in dask's offload thread, where
+    stock dask unpickles a message that large when it arrives; ``Worker.execute`` then finds them
+    in memory instead of unpickling them on the event loop."""
+    ts = worker.state.tasks.get(key)
+    buf = worker.data
+    if ts is None or not isinstance(buf, SpillBuffer):
+        return
+    large = [
+        d.key
+        for d in ts.dependencies
+        if (d.nbytes or 0) > OFFLOAD_THRESHOLD and buf.tier_if_present(d.key) == "frames"
+    ]
+    if large:
+        await offload(_read_all, buf, large)
+
+
+def _read_all(buf: SpillBuffer, keys: list) -> None:
+    for key in keys:
+        with contextlib.suppress(KeyError):  # (released meanwhile: execute sees to it)
+            buf[key]
 
 
 def _fetch_all(buf: SpillBuffer, refs: dict) -> dict:
@@ -539,6 +645,10 @@ def _pickle_frames(value: Serialized) -> list | None:
     if not frames or writeable is None or len(writeable) != len(frames) - 1:
         return None
     return frames
+
+
+def _deserialize_all(values: dict, deserializers: list | None) -> dict:
+    return {key: _deserialize(value, deserializers) for key, value in values.items()}
 
 
 def _deserialize(value: Serialized, deserializers: list | None):

@@ -113,7 +113,7 @@ class PeerValues:
         the value stays pickled until a task reads it; set it with ``buf[key] = value``. Raises
         KeyError if the server no longer has it, OSError or SpillwayError if the transfer fails or
         the value is not ``nbytes`` (nothing is kept)."""
-        self._resolve_worker()
+        self._find_worker()
         headroom = self._store.process_headroom()
         with self._lock:
             memory = self.fast.total_weight

@@ -557,10 +557,14 @@ impl Store {
     }
 
     /// The pickled frames of `key` as read-only memoryviews (KeyError if absent), never
-    /// unpickling: an object is pickled, frames are returned as they are, a record is read.
-    fn get_serialized<'py>(&self, py: Python<'py>, key: &[u8]) -> PyResult<Bound<'py, PyList>> {
+    /// unpickling: an object is pickled, frames are returned as they are, a record is read. With
+    /// `promote`, the value moves as a `get` would move it (from disk back into memory, as frames,
+    /// unless heavier than the target).
+    #[pyo3(signature = (key, promote = false))]
+    fn get_serialized<'py>(&self, py: Python<'py>, key: &[u8], promote: bool) -> PyResult<Bound<'py, PyList>> {
         let s = self.inner()?;
-        match py.allow_threads(|| s.get_serialized(key)) {
+        let got = py.allow_threads(|| if promote { s.get_serialized_promoting(key) } else { s.get_serialized(key) });
+        match got {
             Ok(Some(f)) => frames_to_list(py, f, false),
             Ok(None) => Err(key_error(py, key)),
             Err(e) => Err(to_py_err(py, e)),

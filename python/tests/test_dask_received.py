@@ -10,6 +10,8 @@ equal.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 distributed = pytest.importorskip("distributed")
@@ -20,6 +22,27 @@ import spillway  # noqa: E402
 import spillway.dask  # noqa: E402
 
 MiB = 1 << 20
+
+
+class Where:
+    """A value of 11 MiB (above dask's ``distributed.comm.offload`` threshold) that remembers
+    whether it was unpickled on its process's main thread (a worker's event loop)."""
+
+    def __init__(self, payload: bytes):
+        self.payload = payload
+        self.on_main_thread = None
+
+    def __reduce__(self):
+        return _rebuild_where, (self.payload,)
+
+    def __sizeof__(self):
+        return len(self.payload)
+
+
+def _rebuild_where(payload):
+    w = Where(payload)
+    w.on_main_thread = threading.current_thread() is threading.main_thread()
+    return w
 
 
 def make(kind: str, i: int):
@@ -38,10 +61,12 @@ def make(kind: str, i: int):
         )
     if kind == "dict":
         return {"a": rng.random(100_000), "b": [1, 2, 3]}
+    if kind == "large-object":
+        return Where(rng.bytes(11 * MiB))
     raise ValueError(kind)
 
 
-KINDS = ("array", "small-array", "readonly-array", "frame", "dict")
+KINDS = ("array", "small-array", "readonly-array", "frame", "dict", "large-object")
 
 
 def describe(value) -> tuple:
@@ -61,6 +86,8 @@ def describe(value) -> tuple:
         return ("DataFrame", value.shape, cols)
     if isinstance(value, dict):
         return ("dict", tuple((k, describe(v)) for k, v in sorted(value.items())))
+    if isinstance(value, Where):
+        return ("Where", len(value.payload), value.on_main_thread)
     return (type(value).__name__,)
 
 
@@ -127,14 +154,29 @@ def test_what_peers_clients_and_tasks_receive_is_what_a_stock_worker_gives():
                 ):
                     task = client.submit(use, fut, workers=[addr[worker]], pure=False)
                     record[kind, where] = task.result()
+                    # The type the receiving worker records for the value (dask's TaskState.type).
+                    record[kind, where, "type"] = client.run(
+                        lambda dask_worker, k=fut.key: str(dask_worker.state.tasks[k].type),
+                        workers=[addr[worker]],
+                    )[addr[worker]]
                 if kind in ("array", "small-array", "readonly-array"):
                     np.testing.assert_array_equal(got, make(kind, KINDS.index(kind)))
                 elif kind == "frame":
                     pd.testing.assert_frame_equal(got, make(kind, KINDS.index(kind)))
             seen[source] = record
+        # Where a value was unpickled is the same, but on its own worker: there spillway has
+        # unpickled it off the event loop (the client's gather brought it into memory as frames,
+        # and the task's input is unpickled in dask's offload thread) where stock dask unpickled it
+        # on the event loop when it read it back for the gather. Not something to copy.
+        own = ("large-object", "own worker")
+        assert seen["k1"][own][2] is True and seen["s1"][own][2] is False
+        del seen["s1"][own], seen["k1"][own]
         assert seen["s1"] == seen["k1"]
         # The point of it: an array a stock client gathers, or a task receives, is writeable.
         assert seen["s1"]["array", "client"][3] is True
         assert all(
             seen["s1"]["array", w][3] is True for w in ("stock peer", "same kind", "own worker")
         )
+        # A large value received still pickled is unpickled off the event loop, as stock dask does.
+        assert seen["s1"]["large-object", "same kind"][2] is False
+        assert seen["s1"]["dict", "same kind", "type"] == str(dict)

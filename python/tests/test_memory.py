@@ -101,7 +101,7 @@ def test_without_process_target_only_target_counts(make_buffer):
         buf["a"] = array(1 << 20, 1)
         buf["b"] = array(1 << 20, 2)
         assert buf.tier("a") == "object" and buf.tier("b") == "object"
-        assert buf._resolve_worker() is (process_target is None)
+        assert buf._find_worker(force=True) is False  # not a worker's data
         assert buf._store.process_target is None
 
 

@@ -74,3 +74,42 @@ def test_local_cluster_with_spillway_spills_and_computes():
         spilled = client.run(lambda dask_worker: dask_worker.data.spilled_total)
         assert list(spilled.values())[0].disk > 0
         np.testing.assert_array_equal(x.compute(), ref)
+
+
+def _kill_me():
+    import signal
+
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_worker_the_nanny_finds_dead_leaves_no_spilled_data_behind():
+    """dask's store's files go with a worker its nanny kills (the nanny removes the worker's
+    directory, where the store lives): spillway's segment files do too."""
+    distributed = pytest.importorskip("distributed")
+    import glob
+    import time
+
+    with (
+        distributed.LocalCluster(
+            n_workers=1,
+            threads_per_worker=1,
+            memory_limit="400MiB",
+            dashboard_address=None,
+            data=spillway.worker_data,
+        ) as cluster,
+        distributed.Client(cluster) as client,
+    ):
+        client.submit(lambda: b"x" * 1000, key="myspill").result()
+        client.run(lambda dask_worker: dask_worker.data.evict())
+        (files,) = client.run(
+            lambda dask_worker: glob.glob(f"{dask_worker.local_directory}/**/*.seg", recursive=True)
+        ).values()
+        assert files and all(os.path.exists(f) for f in files)
+        (old,) = client.scheduler_info()["workers"]
+        with pytest.raises(OSError):  # the comm dies with the worker (CommClosedError)
+            client.run(_kill_me)
+        deadline = time.monotonic() + 60
+        while set(client.scheduler_info()["workers"]) in (set(), {old}):
+            assert time.monotonic() < deadline, "the nanny did not restart the worker"
+            time.sleep(0.1)
+        assert not any(os.path.exists(f) for f in files)

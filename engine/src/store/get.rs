@@ -488,6 +488,18 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// heavier than the target or [`EvictionPolicy::serialized_reads_promote`] is off, promoted to
     /// the serialized tier.
     pub fn get_serialized(&self, key: &[u8]) -> Result<Option<Frames>> {
+        self.get_serialized_as(key, self.cfg.eviction.serialized_reads_promote)
+    }
+
+    /// [`Store::get_serialized`] that moves the value as a [`Store::get`] would, whatever the
+    /// policy: to the end of the LRU order, and, from disk, back into memory (as its frames, not
+    /// deserialized) unless it is heavier than the target, others being evicted for it. For a
+    /// caller that stands in for a get (dask's `get_data` reads `data[key]`, which unspills).
+    pub fn get_serialized_promoting(&self, key: &[u8]) -> Result<Option<Frames>> {
+        self.get_serialized_as(key, true)
+    }
+
+    fn get_serialized_as(&self, key: &[u8], promote: bool) -> Result<Option<Frames>> {
         loop {
             let (k, slot, source, large) = match self.begin_get_serialized(key)? {
                 SerStart::Done(f) => return Ok(f),
@@ -499,7 +511,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             if !was_disk {
                 return got.map(Some); // in-memory sources cannot vanish under a reader
             }
-            if let Some(f) = self.finish_get_serialized(&k, &slot, large, got)? {
+            if let Some(f) = self.finish_get_serialized(&k, &slot, large, got, promote)? {
                 return Ok(Some(f));
             }
         }
@@ -518,7 +530,8 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 return self.fetch(&k, source).map(Some);
             }
             let got = self.fetch_disk_async(&k).await;
-            if let Some(f) = self.finish_get_serialized(&k, &slot, large, got)? {
+            let promote = self.cfg.eviction.serialized_reads_promote;
+            if let Some(f) = self.finish_get_serialized(&k, &slot, large, got, promote)? {
                 return Ok(Some(f));
             }
         }
@@ -550,13 +563,14 @@ impl<C: Codec, B: Backend> Store<C, B> {
 
     /// Second half of `get_serialized` after a disk read: `None` to start over (the entry was removed
     /// or replaced while being read, and the read failed); otherwise the frames, after promoting them
-    /// to the serialized tier unless the value is heavier than the target.
+    /// to the serialized tier (with `promote`) unless the value is heavier than the target.
     pub(super) fn finish_get_serialized(
         &self,
         k: &Arc<[u8]>,
         slot: &Arc<Slot<C::Value, Error>>,
         large: bool,
         got: Result<Frames>,
+        promote: bool,
     ) -> Result<Option<Frames>> {
         let mut inner = self.lock();
         let current = inner.map.get(k).is_some_and(|e| Arc::ptr_eq(&e.slot, slot));
@@ -569,7 +583,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             Err(_) if !on_disk => return Ok(None),
             Err(e) => return Err(e),
         };
-        if !large && self.cfg.eviction.serialized_reads_promote && on_disk {
+        if !large && promote && on_disk {
             let tick = inner.next_tick;
             inner.next_tick += 1;
             Self::modify_entry(&mut inner, k, |ne| {
