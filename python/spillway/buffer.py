@@ -103,8 +103,8 @@ _TIERS = {"materialized": "object", "serialized": "frames", "compressed": "frame
 
 
 class SpilledSize(NamedTuple):
-    """Size of what is on disk: ``memory`` is its in-memory weight (sizeof), ``disk`` its pickled
-    bytes."""
+    """Size of what is on disk: ``memory`` is the in-memory weight (sizeof) of the keys on disk,
+    ``disk`` the pickled bytes on disk (the copies of keys read back included)."""
 
     memory: int
     disk: int
@@ -321,7 +321,9 @@ class SpillBuffer(PeerValues, MutableMapping):
 
     @property
     def spilled_total(self) -> SpilledSize:
-        """(in-memory weight, pickled bytes) of the keys on disk."""
+        """(in-memory weight of the keys on disk, pickled bytes on disk): dask subtracts the first
+        from the managed memory it counts in memory, and shows the second as spilled. The bytes
+        count the copies that keys read back keep (they are on disk too)."""
         if self._worker is None:
             self._find_worker()  # (read by the worker's heartbeat from its start)
         with contextlib.suppress(ValueError):  # (closed)

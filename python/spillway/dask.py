@@ -62,14 +62,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import dataclasses
+import functools
 import ipaddress
 import logging
+import os
 import pickle
+import threading
 import weakref
+from time import monotonic
 from collections.abc import Collection, Hashable
 
 import distributed.worker
-from distributed import WorkerPlugin
+from distributed import Nanny, WorkerPlugin
 from distributed.comm.addressing import get_address_host, parse_address
 from distributed.comm.utils import OFFLOAD_THRESHOLD
 from distributed.core import context_meter_to_server_digest
@@ -79,7 +85,8 @@ from distributed.protocol.serialize import merge_and_deserialize
 from distributed.protocol.utils import host_array_from_buffers, merge_memoryviews
 from distributed.utils import offload
 
-from spillway import codec
+import spillway.worker
+from spillway import codec, config
 from spillway._core import TransferServer
 from spillway.buffer import SpillBuffer
 from spillway.received import PickledFrames, ReceivedRecord
@@ -100,14 +107,39 @@ SIDE_MARKER = "spillway-side-1"
 #: The header key of a side-channel reference: ``[host, port, ticket, record key, nbytes]``.
 SIDE = "spillway-side"
 
-#: Values on disk of at least this many bytes go by the side channel (smaller ones in-band: a
-#: connection of their own costs more than their read).
-SIDE_CHANNEL_MIN_BYTES = 4 << 20
-
-#: Seconds a side-channel ticket stays valid, and the fetch's timeout (each network call; the
-#: whole value must also arrive at 1 MiB/s or more).
+#: Seconds a side-channel ticket stays valid (it is revoked as soon as the reply is acknowledged).
 SIDE_TICKET_SECONDS = 60.0
-SIDE_TIMEOUT_SECONDS = 30.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The plugin's settings on one worker: ``spillway:`` in dask's config (``spillway.yaml``), or
+    :class:`SpillwayPlugin`'s arguments."""
+
+    #: Spilled values go to plugged peers by a transfer server of this worker's.
+    side_channel: bool
+    #: Values on disk of at least this many bytes go by the side channel (smaller ones in-band: a
+    #: connection of their own costs more than their read).
+    side_channel_min_bytes: int
+    #: Seconds connecting to a peer's server (and its greeting) may take. A peer whose server does
+    #: not answer within this is not tried again for ``side_channel_retry_after`` seconds: its
+    #: values come in-band meanwhile.
+    side_channel_connect_timeout: float
+    side_channel_retry_after: float
+    #: Seconds each network call of a fetch may take (the whole value must also arrive at 1 MiB/s).
+    side_channel_timeout: float
+
+    @classmethod
+    def from_config(cls, **overrides) -> Settings:
+        values = {
+            "side_channel": bool(config.get("side-channel")),
+            "side_channel_min_bytes": config.get_bytes("side-channel-min-bytes"),
+            "side_channel_connect_timeout": config.get_seconds("side-channel-connect-timeout"),
+            "side_channel_retry_after": config.get_seconds("side-channel-retry-after"),
+            "side_channel_timeout": config.get_seconds("side-channel-timeout"),
+        }
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
 
 #: A key in the header of the frames a spillway sender sends as they are (stock receivers ignore it):
 #: only those are kept pickled on arrival. Values from stock senders are deserialized as stock dask
@@ -129,6 +161,37 @@ _side: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 #: reaches memory (``SpillwayPlugin.transition``).
 _types: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
+#: Each plugged worker -> its :class:`Settings`.
+_settings: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class _Unreachable:
+    """Peers (by worker address) whose side channel failed, and until when it is not used for
+    them: their values come in-band meanwhile. A blocked port costs one connect timeout per peer,
+    not one per value."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._until: dict = {}
+
+    def blocked(self, peer: str) -> bool:
+        with self._lock:
+            until = self._until.get(peer)
+            if until is not None and monotonic() >= until:
+                del self._until[peer]
+                until = None
+        return until is not None
+
+    def failed(self, peer: str, seconds: float) -> bool:
+        """Note a failure; whether the peer was not noted already."""
+        with self._lock:
+            new = peer not in self._until
+            self._until[peer] = monotonic() + seconds
+        return new
+
+
+_unreachable = _Unreachable()
+
 #: A key in the header of frames a spillway sender sends: the pickled type of the value (as dask's
 #: worker sends a task's type to the scheduler), so that the receiver records the right type without
 #: unpickling the value.
@@ -137,20 +200,33 @@ TYPE = "spillway-type"
 
 class SpillwayPlugin(WorkerPlugin):
     """A ``distributed.WorkerPlugin`` that turns on :mod:`spillway.dask` on each worker (see the
-    module's documentation): ``client.register_plugin(SpillwayPlugin())``. ``side_channel=False``
-    sends every value in-band; ``side_channel_min_bytes`` is the smallest value on disk that goes
-    by the side channel."""
+    module's documentation): ``client.register_plugin(SpillwayPlugin())``. Each argument left None
+    is taken from dask's config on the worker (``spillway.side-channel``, ...: :class:`Settings`);
+    ``side_channel=False`` sends every value in-band."""
 
     name = "spillway"
 
-    def __init__(self, side_channel: bool = True, side_channel_min_bytes: int = SIDE_CHANNEL_MIN_BYTES):
+    def __init__(
+        self,
+        side_channel: bool | None = None,
+        side_channel_min_bytes: int | None = None,
+        **settings: float,
+    ):
         self.side_channel = side_channel
         self.side_channel_min_bytes = side_channel_min_bytes
+        self.settings = settings
         self._worker = None
 
     def setup(self, worker: distributed.Worker) -> None:
         self._worker = weakref.ref(worker)
-        install(worker, side_channel=self.side_channel, side_channel_min_bytes=self.side_channel_min_bytes)
+        install(
+            worker,
+            Settings.from_config(
+                side_channel=self.side_channel,
+                side_channel_min_bytes=self.side_channel_min_bytes,
+                **self.settings,
+            ),
+        )
 
     def teardown(self, worker: distributed.Worker) -> None:
         uninstall(worker)
@@ -168,14 +244,96 @@ class SpillwayPlugin(WorkerPlugin):
             ts.type = t
 
 
-def dask_setup(worker: distributed.Worker) -> None:
-    """``dask worker --preload spillway.dask``."""
-    install(worker)
+def dask_setup(server) -> None:
+    """Run a worker on spillway with dask's own means: ``dask worker ... --preload-nanny
+    spillway.dask`` (a nanny) or ``--preload spillway.dask`` (a worker), or the same module in
+    dask's config (``distributed.nanny.preload``, ``distributed.worker.preload``).
+
+    * A nanny gives the worker it starts ``data=spillway.worker_data`` (with ``spillway.data``,
+      unless it was given a ``data`` of its own) and this module as a worker preload (with
+      ``spillway.plugin``), before the worker process starts.
+    * A worker whose ``data`` is dask's own (empty) ``SpillBuffer`` gets a ``spillway.SpillBuffer``
+      in its place (with ``spillway.data``), made as :func:`spillway.worker_data` makes it, and the
+      plugin (with ``spillway.plugin``).
+
+    It never stops a server from starting: whatever fails is logged and the server runs stock."""
+    try:
+        if isinstance(server, Nanny):
+            _setup_nanny(server)
+        elif isinstance(server, distributed.Worker):
+            _setup_worker(server)
+        else:
+            logger.warning(
+                "spillway.dask: a preload of %s, neither a nanny nor a worker: nothing to do",
+                _name(server),
+            )
+    except Exception:
+        logger.exception("spillway.dask: left %s as stock dask", _name(server))
 
 
-def dask_teardown(worker: distributed.Worker) -> None:
-    """The end of ``--preload spillway.dask``."""
-    uninstall(worker)
+def _name(server) -> str:
+    """How the logs name ``server`` (its address, when it has one yet)."""
+    try:
+        return str(server.address)
+    except Exception:
+        return type(server).__name__
+
+
+def dask_teardown(server) -> None:
+    """The end of the preload."""
+    if isinstance(server, distributed.Worker):
+        uninstall(server)
+
+
+#: What a preload names to run this module (as a nanny's worker preload).
+PRELOAD = "spillway.dask"
+
+
+def _setup_nanny(nanny) -> None:
+    if config.get("data") and "data" not in nanny.worker_kwargs:
+        nanny.worker_kwargs["data"] = spillway.worker.worker_data
+    if config.get("plugin"):
+        preload = [nanny.preload] if isinstance(nanny.preload, str) else list(nanny.preload or ())
+        if PRELOAD not in preload:
+            argv = nanny.preload_argv
+            if argv and not isinstance(argv[0], str):  # one list of arguments per preload
+                nanny.preload_argv = [*argv, []]
+            elif argv:  # one list for every preload: now one each
+                nanny.preload_argv = [list(argv)] * len(preload) + [[]]
+            nanny.preload = [*preload, PRELOAD]
+
+
+def _setup_worker(worker) -> None:
+    if config.get("data"):
+        reason = _use_spillway_data(worker)
+        if reason:
+            logger.warning("spillway.dask: %s keeps its data: %s", _name(worker), reason)
+    if config.get("plugin"):
+        install(worker, Settings.from_config())
+
+
+def _use_spillway_data(worker) -> str:
+    """Give ``worker`` a ``spillway.SpillBuffer`` where it has dask's own empty one (as at a
+    preload, before it has any data); why not, or "" if it did."""
+    import distributed.spill
+
+    data = getattr(worker, "data", None)
+    if isinstance(data, SpillBuffer):
+        return ""
+    if type(data) is not distributed.spill.SpillBuffer:
+        return f"it is a {type(data).__name__}, not dask's SpillBuffer (dask was given data= or spills nothing)"
+    if len(data):
+        return "it already holds data"
+    manager = getattr(worker, "memory_manager", None)
+    state = getattr(worker, "state", None)
+    if getattr(manager, "data", None) is not data or getattr(state, "data", None) is not data:
+        return "this dask keeps its data elsewhere than memory_manager.data and state.data"
+    buf = spillway.worker.worker_data(worker.local_directory)
+    manager.data = buf
+    state.data = buf
+    with contextlib.suppress(OSError):  # dask's store's empty directory
+        os.rmdir(os.path.join(worker.local_directory, "storage"))
+    return ""
 
 
 def _side_channel_off(worker) -> str:
@@ -189,13 +347,11 @@ def _side_channel_off(worker) -> str:
     return ""
 
 
-def install(
-    worker: distributed.Worker,
-    *,
-    side_channel: bool = True,
-    side_channel_min_bytes: int = SIDE_CHANNEL_MIN_BYTES,
-) -> bool:
-    """Turn the plugin on for ``worker``; False (logged) when it stays stock dask."""
+def install(worker: distributed.Worker, settings: Settings | None = None) -> bool:
+    """Turn the plugin on for ``worker`` (``settings``: from dask's config by default); False
+    (logged) when it stays stock dask."""
+    if settings is None:
+        settings = Settings.from_config()
     reason = _cannot_install(worker)
     if reason:
         logger.warning("spillway.dask is off on %s: %s", worker.address, reason)
@@ -203,7 +359,8 @@ def install(
     if worker.rpc in _plugged:
         return True
     stock_handler = worker.handlers["get_data"]
-    if side_channel:
+    _settings[worker] = settings
+    if settings.side_channel:
         off = _side_channel_off(worker)
         if off:
             logger.info("spillway.dask: the side channel is off on %s: %s", worker.address, off)
@@ -215,7 +372,7 @@ def install(
             except Exception:
                 logger.exception("spillway.dask: no side channel on %s", worker.address)
             else:
-                _side[worker] = (server, side_channel_min_bytes)
+                _side[worker] = (server, settings.side_channel_min_bytes)
 
     async def get_data(
         comm,
@@ -261,7 +418,7 @@ def install(
     worker.execute = execute
     if "spillway" not in worker.plugins:
         # (a preload: the transition hook needs a plugin; close removes it, calling teardown)
-        plugin = SpillwayPlugin(side_channel=side_channel, side_channel_min_bytes=side_channel_min_bytes)
+        plugin = SpillwayPlugin(**dataclasses.asdict(settings))
         plugin._worker = weakref.ref(worker)
         worker.plugins["spillway"] = plugin
     return True
@@ -276,6 +433,7 @@ def uninstall(worker: distributed.Worker) -> None:
     if _plugged.pop(worker.rpc, None) is None:
         return
     _types.pop(worker, None)
+    _settings.pop(worker, None)
     handler = worker.handlers.get("get_data")
     stock = getattr(handler, "stock", None)
     if stock is not None:
@@ -401,9 +559,14 @@ def _grant(buf: SpillBuffer, key: Hashable, side, tickets: list) -> Serialized |
     if ticket is None:  # moved (read back and deleted, replaced) meanwhile
         return None
     tickets.append(ticket)
-    host, port = server.address
+    host, port = _advertised(server)
     header = {"serializer": "pickle", SENT_BY: True, SIDE: [host, port, ticket, log_key, nbytes]}
     return Serialized(header, [])
+
+
+def _advertised(server: TransferServer) -> tuple:
+    """The address a reference names for ``server``: where it listens (the worker's own host)."""
+    return server.address
 
 
 def _to_serialized(frames: list) -> Serialized:
@@ -435,12 +598,19 @@ async def get_data_from_worker(
     stock_deserializers = getattr(rpc, "deserializers", None)
     # What a stock request accepts (the default families when the pool names none), and the markers.
     accepted = [*(stock_deserializers or ("dask", "pickle")), MARKER]
-    side = _side_channel and not _side_channel_off(me) and parse_address(worker)[0] == "tcp"
+    settings = _settings.get(me) or Settings.from_config()
+    side = (
+        _side_channel
+        and settings.side_channel
+        and not _side_channel_off(me)
+        and parse_address(worker)[0] == "tcp"
+        and not _unreachable.blocked(worker)
+    )
     if side:
         accepted.append(SIDE_MARKER)
     try:
         response = await _stock_get_data_from_worker(
-            _UndeserializedPool(rpc, me.data if side else None),
+            _UndeserializedPool(rpc, me.data if side else None, settings),
             keys,
             worker,
             who=who,
@@ -517,9 +687,10 @@ class _UndeserializedPool:
     side-channel references are fetched into ``buf`` as the reply is read, before the caller
     acknowledges it."""
 
-    def __init__(self, pool, buf: SpillBuffer | None = None):
+    def __init__(self, pool, buf: SpillBuffer | None = None, settings: Settings | None = None):
         self.pool = pool
         self.buf = buf
+        self.settings = settings
         self.serializers = pool.serializers
         self.deserializers = pool.deserializers
 
@@ -527,11 +698,11 @@ class _UndeserializedPool:
         comm = await self.pool.connect(addr, *args, **kwargs)
         comm.deserialize = False
         if self.buf is not None:
-            read, buf = comm.read, self.buf
+            read, buf, settings = comm.read, self.buf, self.settings
 
             async def read_and_fetch(*args, **kwargs):
                 msg = await read(*args, **kwargs)
-                await _fetch_references(buf, msg)
+                await _fetch_references(buf, msg, addr, settings)
                 return msg
 
             comm.read = read_and_fetch
@@ -543,9 +714,10 @@ class _UndeserializedPool:
         self.pool.reuse(addr, comm)
 
 
-async def _fetch_references(buf: SpillBuffer, msg) -> None:
-    """Replace each side-channel reference in the ``get_data`` reply ``msg`` with the value,
-    fetched into ``buf`` (off the event loop), or with ``_IN_BAND`` if the fetch failed."""
+async def _fetch_references(buf: SpillBuffer, msg, peer: str, settings: Settings) -> None:
+    """Replace each side-channel reference in the ``get_data`` reply ``msg`` from ``peer`` with
+    the value, fetched into ``buf`` (off the event loop, in this context: what it costs goes to the
+    metrics of the activity that asked, gather-dep), or with ``_IN_BAND`` if the fetch failed."""
     if not isinstance(msg, dict) or msg.get("status") != "OK" or not isinstance(msg.get("data"), dict):
         return
     refs = {
@@ -558,7 +730,8 @@ async def _fetch_references(buf: SpillBuffer, msg) -> None:
         _note_type(worker, key, msg["data"][key].header)
     if refs:
         loop = asyncio.get_running_loop()
-        msg["data"].update(await loop.run_in_executor(None, _fetch_all, buf, refs))
+        fetch = functools.partial(_fetch_all, buf, refs, peer, settings)
+        msg["data"].update(await loop.run_in_executor(None, contextvars.copy_context().run, fetch))
 
 
 def _note_type(worker, key: Hashable, header: dict) -> None:
@@ -602,22 +775,38 @@ def _read_all(buf: SpillBuffer, keys: list) -> None:
             buf[key]
 
 
-def _fetch_all(buf: SpillBuffer, refs: dict) -> dict:
+def _fetch_all(buf: SpillBuffer, refs: dict, peer: str, settings: Settings) -> dict:
+    """Each reference's value, or ``_IN_BAND``. After a failed fetch, the peer's side channel is
+    not used for ``side_channel_retry_after`` seconds: the remaining references of this reply go
+    in-band at once, and so do the peer's later values."""
     out = {}
     for key, (host, port, ticket, log_key, nbytes) in refs.items():
+        if _unreachable.blocked(peer):
+            out[key] = _IN_BAND
+            continue
         try:
             out[key] = buf.receive(
-                key, (host, port), ticket, log_key, nbytes, timeout=SIDE_TIMEOUT_SECONDS
+                key,
+                (host, port),
+                ticket,
+                log_key,
+                nbytes,
+                timeout=settings.side_channel_timeout,
+                connect_timeout=settings.side_channel_connect_timeout,
             )
         except Exception as error:
-            logger.info(
-                "spillway.dask: fetching %r from %s:%d by the side channel failed (%s); asking "
-                "for it in-band",
-                key,
-                host,
-                port,
-                error,
-            )
+            buf._digest_locked("receive-side-failed", 1, "count")
+            if _unreachable.failed(peer, settings.side_channel_retry_after):
+                logger.warning(
+                    "spillway.dask: fetching %r from %s's side channel (%s:%d) failed (%s); its "
+                    "values come in-band for the next %.0f s",
+                    key,
+                    peer,
+                    host,
+                    port,
+                    error,
+                    settings.side_channel_retry_after,
+                )
             out[key] = _IN_BAND
     return out
 

@@ -104,6 +104,7 @@ class PeerValues:
         nbytes: int,
         *,
         timeout: float = 30.0,
+        connect_timeout: float | None = None,
     ) -> PickledFrames | ReceivedRecord:
         """Fetch ``key``'s value, ``nbytes`` of frames, from the spillway transfer server at
         ``address`` (``(host, port)``), which granted ``ticket`` for its record ``remote_key``. If it
@@ -112,7 +113,8 @@ class PeerValues:
         straight onto this buffer's disk, never held in memory: a :class:`ReceivedRecord`. Either way
         the value stays pickled until a task reads it; set it with ``buf[key] = value``. Raises
         KeyError if the server no longer has it, OSError or SpillwayError if the transfer fails or
-        the value is not ``nbytes`` (nothing is kept)."""
+        the value is not ``nbytes`` (nothing is kept). ``timeout`` bounds each network call,
+        ``connect_timeout`` connecting and the server's greeting (default: ``timeout``)."""
         self._find_worker()
         headroom = self._store.process_headroom()
         with self._lock:
@@ -131,7 +133,9 @@ class PeerValues:
         t0 = perf_counter()
         if not to_disk:
             try:
-                frames = fetch(address, ticket, remote_key, nbytes, timeout=timeout)
+                frames = fetch(
+                    address, ticket, remote_key, nbytes, timeout=timeout, connect_timeout=connect_timeout
+                )
                 if frames is None:
                     raise KeyError(key)
                 value = PickledFrames(frames)
@@ -145,7 +149,16 @@ class PeerValues:
         try:
             # The store does not hold its lock while the bytes arrive (a large value goes into a
             # segment of its own): spills go on meanwhile.
-            n = fetch_into_store(store, address, ticket, remote_key, skey, nbytes, timeout=timeout)
+            n = fetch_into_store(
+                store,
+                address,
+                ticket,
+                remote_key,
+                skey,
+                nbytes,
+                timeout=timeout,
+                connect_timeout=connect_timeout,
+            )
         except BaseException:
             self._drop_pending(skey)
             raise

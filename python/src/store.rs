@@ -662,13 +662,15 @@ impl Store {
         Ok(py.allow_threads(|| s.memory_bytes()))
     }
 
-    /// `(weight, serialized bytes)` of what is on disk: dask's `spilled_total` (the weight is each
-    /// value's weight when it was last in memory).
+    /// dask's `spilled_total`: `(weight, serialized bytes)`, the weight of the values that are on
+    /// disk only (each one's weight when it was last in memory: what dask subtracts from the managed
+    /// memory it counts in memory) and the serialized bytes of every record on disk, the copies that
+    /// values read back keep included (what dask shows as spilled).
     #[getter]
     fn spilled(&self, py: Python<'_>) -> PyResult<(u64, u64)> {
         let s = self.inner()?;
         let m = py.allow_threads(|| s.metrics());
-        Ok((m.spilled_weight, m.spilled_raw))
+        Ok((m.spilled_weight, m.spilled_memory_bytes))
     }
 
     /// Cumulative metrics with dask's labels: `{(activity, unit): value}` for activities

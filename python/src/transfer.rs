@@ -188,10 +188,16 @@ impl Drop for TransferServer {
 /// Options of a fetch of a value of `nbytes` (its frames' total, as its sender announced it): the
 /// stored form may be that plus the 64-byte gaps between frames, or lz4's expansion of it, and
 /// nothing larger is accepted (or allocated).
-fn client_options(timeout: f64, min_bytes_per_sec: u64, nbytes: u64) -> PyResult<TransferOptions> {
+fn client_options(
+    timeout: f64,
+    connect_timeout: Option<f64>,
+    min_bytes_per_sec: u64,
+    nbytes: u64,
+) -> PyResult<TransferOptions> {
     let laid_out = nbytes.saturating_add(64 * spillway::format::MAX_FRAMES as u64);
     Ok(TransferOptions {
         timeout: seconds(timeout, "timeout")?,
+        connect_timeout: connect_timeout.map(|t| seconds(t, "connect_timeout")).transpose()?,
         min_bytes_per_sec,
         max_value_bytes: laid_out.saturating_add(laid_out / 255 + 16),
         ..TransferOptions::default()
@@ -207,8 +213,9 @@ fn wrong_size(announced: u64, got: u64) -> PyErr {
 /// `ticket`, into memory: its frames as writable memoryviews, checked against the sender's crc. A
 /// value larger than announced is refused before it is read; one whose frames add up to anything
 /// else is an error. None if the server has no such key.
+/// `connect_timeout` bounds connecting and the server's greeting (default: `timeout`).
 #[pyfunction]
-#[pyo3(signature = (address, ticket, key, nbytes, *, timeout = 30.0, min_bytes_per_sec = 1 << 20))]
+#[pyo3(signature = (address, ticket, key, nbytes, *, timeout = 30.0, connect_timeout = None, min_bytes_per_sec = 1 << 20))]
 fn fetch<'py>(
     py: Python<'py>,
     address: (String, u16),
@@ -216,9 +223,10 @@ fn fetch<'py>(
     key: &[u8],
     nbytes: u64,
     timeout: f64,
+    connect_timeout: Option<f64>,
     min_bytes_per_sec: u64,
 ) -> PyResult<Option<Bound<'py, PyList>>> {
-    let (ticket, opts) = (ticket_of(ticket)?, client_options(timeout, min_bytes_per_sec, nbytes)?);
+    let (ticket, opts) = (ticket_of(ticket)?, client_options(timeout, connect_timeout, min_bytes_per_sec, nbytes)?);
     let got =
         py.allow_threads(|| Client::connect((address.0.as_str(), address.1), ticket, opts)?.get(key)).map_err(to_py)?;
     match got {
@@ -233,8 +241,9 @@ fn fetch<'py>(
 /// such key. `nbytes` is reserved against the log's `max_disk_bytes` first; a value larger than
 /// that is refused before it is read, one whose frames add up to anything else is an error. On any
 /// failure nothing is stored and `as_key`'s old value, if any, stays.
+/// `connect_timeout` bounds connecting and the server's greeting (default: `timeout`).
 #[pyfunction]
-#[pyo3(signature = (log, address, ticket, key, as_key, nbytes, *, timeout = 30.0, min_bytes_per_sec = 1 << 20))]
+#[pyo3(signature = (log, address, ticket, key, as_key, nbytes, *, timeout = 30.0, connect_timeout = None, min_bytes_per_sec = 1 << 20))]
 #[allow(clippy::too_many_arguments)] // Python keyword arguments
 fn fetch_into(
     py: Python<'_>,
@@ -245,9 +254,10 @@ fn fetch_into(
     as_key: &[u8],
     nbytes: u64,
     timeout: f64,
+    connect_timeout: Option<f64>,
     min_bytes_per_sec: u64,
 ) -> PyResult<Option<u64>> {
-    let (ticket, opts) = (ticket_of(ticket)?, client_options(timeout, min_bytes_per_sec, nbytes)?);
+    let (ticket, opts) = (ticket_of(ticket)?, client_options(timeout, connect_timeout, min_bytes_per_sec, nbytes)?);
     let inner = log.inner()?;
     py.allow_threads(|| {
         let _turn = inner.claim(as_key);
@@ -299,8 +309,9 @@ fn fetch_into(
 /// max_spill has no room for it: then into memory, serialized). Returns the value's bytes, or None
 /// if the server has no such key. A value whose frames add up to anything else than `nbytes` is
 /// refused and not kept; on any failure `as_key`'s old value, if any, stays.
+/// `connect_timeout` bounds connecting and the server's greeting (default: `timeout`).
 #[pyfunction]
-#[pyo3(signature = (store, address, ticket, key, as_key, nbytes, *, timeout = 30.0, min_bytes_per_sec = 1 << 20))]
+#[pyo3(signature = (store, address, ticket, key, as_key, nbytes, *, timeout = 30.0, connect_timeout = None, min_bytes_per_sec = 1 << 20))]
 #[allow(clippy::too_many_arguments)] // Python keyword arguments
 fn fetch_into_store(
     py: Python<'_>,
@@ -311,9 +322,10 @@ fn fetch_into_store(
     as_key: &[u8],
     nbytes: u64,
     timeout: f64,
+    connect_timeout: Option<f64>,
     min_bytes_per_sec: u64,
 ) -> PyResult<Option<u64>> {
-    let (ticket, opts) = (ticket_of(ticket)?, client_options(timeout, min_bytes_per_sec, nbytes)?);
+    let (ticket, opts) = (ticket_of(ticket)?, client_options(timeout, connect_timeout, min_bytes_per_sec, nbytes)?);
     let s = store.arc()?;
     py.allow_threads(|| {
         let found = Client::connect((address.0.as_str(), address.1), ticket, opts)

@@ -26,7 +26,8 @@ def test_a_value_read_back_keeps_its_record_and_is_evicted_again_without_a_write
     assert buf.cumulative_metrics["disk-write", "count"] == 1
     got = buf["a"]
     np.testing.assert_array_equal(got, a)
-    assert buf.tier("a") == "object" and buf.spilled_total == (0, 0)
+    assert buf.tier("a") == "object"
+    assert buf.spilled_total.memory == 0 and buf.spilled_total.disk > 100_000  # (the copy)
     assert len(buf.log) == 1  # the copy
     del got  # (not in the weak cache then: the next read goes to the log)
     assert buf.evict() > 0 and buf.tier("a") == "disk"

@@ -25,16 +25,21 @@ impl Client {
     pub fn connect(addr: impl ToSocketAddrs, ticket: Ticket, opts: TransferOptions) -> Result<Client> {
         let addrs: Vec<_> = addr.to_socket_addrs().map_err(|e| io_err("resolve address", e))?.collect();
         let mut last = io::Error::new(io::ErrorKind::InvalidInput, "no address to connect to");
+        let greet = opts.connect_timeout.unwrap_or(opts.timeout);
         for a in addrs {
-            match TcpStream::connect_timeout(&a, opts.timeout) {
+            match TcpStream::connect_timeout(&a, greet) {
                 Ok(mut stream) => {
-                    stream.set_read_timeout(Some(opts.timeout)).map_err(|e| io_err("set timeout", e))?;
-                    stream.set_write_timeout(Some(opts.timeout)).map_err(|e| io_err("set timeout", e))?;
+                    let set = |s: &TcpStream, t: Duration| -> Result<()> {
+                        s.set_read_timeout(Some(t)).map_err(|e| io_err("set timeout", e))?;
+                        s.set_write_timeout(Some(t)).map_err(|e| io_err("set timeout", e))
+                    };
+                    set(&stream, greet)?;
                     let _ = stream.set_nodelay(true);
                     stream.write_all(&hello()).map_err(|e| io_err("send hello", e))?;
                     let mut h = [0u8; 8];
                     stream.read_exact(&mut h).map_err(|e| io_err("receive hello", e))?;
                     check_hello(&h)?;
+                    set(&stream, opts.timeout)?;
                     return Ok(Client { stream, opts, ticket, broken: false, answered_error: false, sent: false });
                 }
                 Err(e) => last = e,

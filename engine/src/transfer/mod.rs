@@ -64,6 +64,9 @@ pub struct TransferOptions {
     pub copy: bool,
     /// Socket read and write timeout.
     pub timeout: Duration,
+    /// Client: how long connecting, and the server's greeting, may take; `None`: `timeout`. A peer
+    /// whose port is blocked (a firewall dropping packets) costs this, not `timeout`.
+    pub connect_timeout: Option<Duration>,
     /// Server: connections served at once; more are refused with an error response (at most
     /// [`MAX_REFUSING`] at a time; beyond that they are closed unanswered).
     pub max_connections: usize,
@@ -151,6 +154,7 @@ impl Default for TransferOptions {
             max_value_bytes: 4 << 30,
             copy: false,
             timeout: Duration::from_secs(30),
+            connect_timeout: None,
             max_connections: 64,
             max_connections_per_peer: 16,
             splice_min_bytes: 8 << 20,
