@@ -216,6 +216,7 @@ fn wrong_size(announced: u64, got: u64) -> PyErr {
 /// `connect_timeout` bounds connecting and the server's greeting (default: `timeout`).
 #[pyfunction]
 #[pyo3(signature = (address, ticket, key, nbytes, *, timeout = 30.0, connect_timeout = None, min_bytes_per_sec = 1 << 20))]
+#[allow(clippy::too_many_arguments)] // Python keyword arguments
 fn fetch<'py>(
     py: Python<'py>,
     address: (String, u16),
