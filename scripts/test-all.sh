@@ -12,7 +12,12 @@ rustup component add rustfmt clippy >/dev/null 2>&1 || true
 # cargo-fuzz (stable toolchain, run with -s none): builds in about two minutes.
 cargo fuzz --help >/dev/null 2>&1 || cargo install cargo-fuzz --locked
 python3 -m pip install -q --disable-pip-version-check maturin pytest pytest-timeout numpy "dask[dataframe]" \
-  distributed psutil prometheus_client
+  distributed psutil prometheus_client bokeh
+# Debian's Chromium, for the test that looks at dask's dashboard (test_dashboard.py).
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 \
+    || echo "chromium could not be installed: test_dashboard.py will be skipped"
+fi
 
 step "format"
 cargo fmt --all -- --check
@@ -36,6 +41,22 @@ rm -rf target/python && mkdir -p target/python
 python3 -m zipfile -e "$(ls -t target/wheels/spillway-*.whl | head -1)" target/python
 # A test that hangs (a cluster that lost a worker, say) fails after 10 minutes instead of stalling CI.
 PYTHONPATH="$PWD/target/python" python3 -m pytest -p no:cacheprovider -q --timeout=600 python/tests 2>&1 | tee -a "$log"
+
+step "python bindings against the lowest distributed spillway supports (python/pyproject.toml)"
+# A virtual environment with that dask (and a pandas it knows): the tests where dask meets spillway.
+lowest=$(sed -n 's/.*"distributed>=\([0-9.]*\),.*/\1/p' python/pyproject.toml)
+venv=target/venv-distributed-$lowest
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install -q --disable-pip-version-check "distributed==$lowest" "dask[dataframe]==$lowest" \
+    "pandas<3" numpy pytest pytest-timeout psutil prometheus_client
+fi
+echo "distributed $("$venv/bin/python" -c 'import distributed; print(distributed.__version__)')"
+PYTHONPATH="$PWD/target/python" "$venv/bin/python" -m pytest -p no:cacheprovider -q --timeout=600 \
+  python/tests/test_spill_contract.py python/tests/test_dask_parity.py python/tests/test_config.py \
+  python/tests/test_worker.py python/tests/test_memory.py python/tests/test_dask_plugin.py \
+  python/tests/test_dask_received.py python/tests/test_dask_side_channel.py \
+  python/tests/test_dask_metrics.py python/tests/test_dask_cli.py 2>&1 | tee -a "$log"
 
 step "fuzz smoke: every cargo-fuzz target for ${FUZZ_SECONDS:-20} s from its seed corpus"
 for t in $(cargo fuzz list); do

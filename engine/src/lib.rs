@@ -48,8 +48,8 @@ pub use log::{
     StoredValue, StreamedValue, VerifyProblem, MAX_SEGMENT_BYTES, MAX_VALUE_BYTES,
 };
 pub use store::{
-    read_rss, Activity, ActivityStats, Codec, CodecError, EvictionPolicy, MetricsSnapshot, Revive, RssProbe,
-    SpillFailure, SpillFailureKind, Store, StoreConfig, Tier, RSS_CHECK_BYTES, SPILL_WRITE_BEHIND_BYTES,
+    read_rss, take_thread_metrics, Activity, ActivityStats, Codec, CodecError, EvictionPolicy, MetricsSnapshot, Revive,
+    RssProbe, SpillFailure, SpillFailureKind, Store, StoreConfig, Tier, RSS_CHECK_BYTES, SPILL_WRITE_BEHIND_BYTES,
 };
 pub use value::Frames;
 

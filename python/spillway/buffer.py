@@ -32,7 +32,7 @@ from time import perf_counter
 from typing import Any, Literal, NamedTuple
 
 from spillway import codec, config
-from spillway._core import Corrupt, SerializeError, Store
+from spillway._core import Corrupt, SerializeError, Store, take_thread_metrics
 from spillway.keys import encode_key
 from spillway.messages import (
     DISK_ERROR_MESSAGE,
@@ -506,8 +506,7 @@ class SpillBuffer(PeerValues, MutableMapping):
                 raise PickleError(key) from error.__cause__
             except Corrupt as error:
                 raise _damaged(key, error) from error
-            if as_read:
-                self._settle()
+            self._settle()
             return frames
         raise KeyError(key)
 
@@ -580,7 +579,9 @@ class SpillBuffer(PeerValues, MutableMapping):
             self._find_worker()
         meter = self._context_meter
         if meter is not None:
-            for label, unit, value in self._store.take_metric_deltas():
+            # This thread's work since the last report: this call's (the engine works on the
+            # caller's thread), reported under the caller's activity.
+            for label, unit, value in take_thread_metrics():
                 if (label, unit) in DASK_METRICS:
                     meter.digest_metric(label, value, unit)
 
@@ -631,12 +632,11 @@ class SpillBuffer(PeerValues, MutableMapping):
         return False
 
     def _digest_locked(self, label: str, value: float, unit: str) -> None:
-        """Add to ``cumulative_metrics`` (and to distributed's context meter): the metrics only
-        Python sees (the side channel's, :mod:`spillway.dask`)."""
+        """Add to ``spillway_metrics`` the counts only Python sees (:mod:`spillway.dask`'s
+        transfers). They are spillway's own: dask's metrics get the engine's work they stand for
+        (:meth:`_settle`), under dask's labels."""
         with self._lock:
             self._extra_metrics[label, unit] += value
-        if self._context_meter is not None:
-            self._context_meter.digest_metric(label, value, unit)
 
     def _digest_io(self, label: str, nbytes: int, seconds: float) -> None:
         self._digest_locked(label, 1, "count")

@@ -1,58 +1,44 @@
-"""Deserialize on demand inside dask: values move between spillway workers still pickled.
+"""spillway inside dask: workers on spillway's store, and values that move between them pickled.
 
-Turn it on with one step, on workers whose ``data`` is a :class:`spillway.SpillBuffer` (for example
-``data=(spillway.worker_data, {...})``)::
+Turn it on with dask's own means (docs/dask.md, "Running workers on spillway")::
 
-    client.register_plugin(spillway.dask.SpillwayPlugin())     # running and future workers
-    # or: dask worker ... --preload spillway.dask
-    # or: LocalCluster(..., plugins={spillway.dask.SpillwayPlugin()})
+    dask worker SCHED --preload-nanny spillway.dask      # or --preload spillway.dask
+    # dask's config: distributed.worker.preload: [spillway.dask]; spillway: {...} for the settings
+    # Python: LocalCluster(..., preload_nanny=["spillway.dask"]), or on workers whose data is a
+    #         spillway.SpillBuffer: client.register_plugin(spillway.dask.SpillwayPlugin())
 
-What changes on a worker with the plugin (nothing changes for its peers or clients):
+What the plugin changes on a worker (what its peers, clients and the scheduler receive is what stock
+dask gives them):
 
-* **Sending** (``Worker.get_data``, the handler behind task dependencies, the Active Memory
-  Manager, ``rebalance``, ``replicate`` and ``client.gather``): a value the store holds serialized,
-  in memory or on disk, is sent as the frames the store holds, as dask's ``Serialized`` with the
-  pickle header, without being unpickled and pickled again, and without being brought back into
-  memory. Disk reads run off the event loop, in dask's offload thread. A value in memory as an
-  object goes the stock way, except to a spillway requester, which is sent spillway's pickle of it.
-  Frames that only spillway can unpickle (its numpy fast path) go to a requester that does not run
-  spillway as the array they stand for, which dask then serializes as it serializes any array.
-* **Receiving** (``distributed.worker.get_data_from_worker``, through which task dependencies, AMM
-  replicas, ``rebalance``, ``replicate`` and ``scatter(broadcast=True)`` all acquire data): a
-  request from this worker names a marker among its deserializers (:data:`MARKER`) so that the
-  sender knows it runs spillway, and reads the reply without deserializing it. Plain pickle frames
-  go into the store's frames tier (or to disk, under pressure) as :class:`~spillway.PickledFrames`,
-  weighed by their byte length; a task that needs one unpickles it once (exactly once, however many
-  threads ask at once). Only frames a spillway sender marked as sent as stored (``SENT_BY`` in
-  their header, which stock receivers ignore) are kept; everything else (any stock sender's value,
-  dask-serialized arrays, compressed or split frames) is deserialized as stock dask does. Clients
-  and schedulers in the same process, workers without the plugin, and in-process comms (which hand
-  objects over without serializing them) keep dask's own function.
-* **Spilled values go by the side channel** (``tcp://`` clusters without TLS): each plugged worker
-  runs a spillway transfer server on its own host. A value on disk of at least
-  ``side_channel_min_bytes`` (default 4 MiB), asked for by a plugged worker, is answered in
-  ``get_data`` with a small reference (the server's address, a one-time ticket of 192 random bits,
-  the record's key, its size) instead of its bytes, and the record is pinned meanwhile. The
-  requester fetches it from that server before it acknowledges the ``get_data`` reply, so dask's
-  transfer limits and its rule that a sender drops a key only after the receiver has it hold as
-  they are. The sender splices the record from its file to the socket (file -> pipe -> socket), so
-  its memory does not grow by the value; a receiver over its ``target`` writes it straight into its
-  own log (:class:`~spillway.ReceivedRecord`), one under it takes the frames into memory. A fetch
-  that fails (refused, timed out, the peer gone, a bad checksum) is asked for again in-band;
-  nothing half-received is kept, and neither the sender nor the tasks are marked failed. The side
-  channel is off when the worker's address is not ``tcp://`` or dask requires encryption (it does
-  not encrypt); values then go in-band, under dask's own security.
-* **Failures** fall back to stock behaviour: a send whose preparation fails sends the stock way;
-  a receive whose unusual path fails before data arrives asks again the stock way. Errors that
-  stock dask would raise (a peer that hangs up, data that fails to deserialize) are raised as
-  stock dask raises them, so ``gather_dep`` handles them as it always does.
-* **Metrics** in the buffer's ``cumulative_metrics`` (and so in dask's Prometheus endpoint, as
-  ``dask_worker_spill_*_total{activity=...}``, next to the spill metrics):
-  ``("send-serialized", "count"|"bytes")`` and ``("receive-serialized", "count"|"bytes")``, the
-  values that crossed still pickled (by either channel); ``("send-side", "count"|"bytes")``, the
-  values sent by the side channel, and ``("receive-memory"|"receive-disk",
-  "count"|"bytes"|"seconds")``, those received by it into memory and straight to disk; and ``("unpickle-avoided", "count")`` and
-  ``("pickle-avoided", "count")``, the work a stock worker would have done for them.
+* **Sending** (``Worker.get_data``: task dependencies, the Active Memory Manager, ``rebalance``,
+  ``replicate``, ``client.gather``): a value the store holds pickled, in memory or on disk, is sent
+  as the frames it holds (read off the event loop, in dask's offload thread), never unpickled and
+  pickled again; the key moves as stock ``get_data``'s read moves it (to the end of the LRU, a
+  spilled value back into memory, as its frames). A stock receiver reads them with dask's
+  ``pickle_loads`` (writeable arrays where stock dask gives writeable arrays); frames only spillway
+  unpickles (its numpy fast path) go to it as numpy's own pickle of the array.
+* **Receiving** (``distributed.worker.get_data_from_worker``, through which all of those acquire
+  data): this worker's requests name a marker (:data:`MARKER`) so a spillway sender knows it, and
+  read the reply without deserializing it. Frames a spillway sender marked (``SENT_BY``) are stored
+  pickled (:class:`~spillway.PickledFrames`, or on disk under pressure) with the type the sender
+  reports (dask's ``TaskState.type``); everything else is deserialized as stock dask does (in its
+  offload thread when large). A task's inputs held pickled are unpickled once, just before it runs
+  (large ones in the offload thread), exactly once however many threads ask.
+* **The side channel** (``tcp://`` clusters without required encryption): a value on disk of at
+  least ``spillway.side-channel-min-bytes`` (4 MiB) asked for by a plugged peer is answered with a
+  reference to a transfer server of this worker's (a one-time ticket; the record pinned until the
+  reply is acknowledged); the peer fetches it (file -> pipe -> socket on this side, straight into its
+  own log if it is over its target) before it acknowledges. A fetch that fails is asked for again
+  in-band, and the peer's side channel is not tried again for ``side-channel-retry-after`` seconds;
+  a server that does not answer costs ``side-channel-connect-timeout`` (2 s), once per peer.
+* **Failures** fall back to stock behaviour: a send whose preparation fails goes the stock way, a
+  receive whose unusual path fails before data arrives asks again the stock way, and errors stock
+  dask would raise are raised as stock dask raises them.
+* **Metrics**: the store's work goes to dask's fine performance metrics under the activity that
+  caused it, with dask's labels; the plugin's own counts (``send-serialized``,
+  ``receive-serialized``, ``send-side``, ``receive-memory``, ``receive-disk``,
+  ``receive-side-failed``, ``unpickle-avoided``, ``pickle-avoided``) are in the buffer's
+  ``spillway_metrics``.
 
 The plugin checks that the worker's ``data`` is a :class:`~spillway.SpillBuffer` and that dask has
 the hooks it uses; otherwise it logs why and leaves the worker as stock dask.
@@ -79,6 +65,7 @@ from distributed import Nanny, WorkerPlugin
 from distributed.comm.addressing import get_address_host, parse_address
 from distributed.comm.utils import OFFLOAD_THRESHOLD
 from distributed.core import context_meter_to_server_digest
+from distributed.metrics import time
 from distributed.protocol import Serialized
 from distributed.protocol.compression import decompress
 from distributed.protocol.serialize import merge_and_deserialize
@@ -411,7 +398,7 @@ def install(worker: distributed.Worker, settings: Settings | None = None) -> boo
     stock_execute = worker.execute
 
     async def execute(key: Hashable, *, stimulus_id: str):
-        await _unpickle_large_inputs(worker, key)
+        await _unpickle_inputs(worker, key)
         return await stock_execute(key, stimulus_id=stimulus_id)
 
     execute.stock = stock_execute
@@ -751,22 +738,27 @@ def _plugged_worker_of(buf: SpillBuffer):
     return next((w for w in list(_types) if w.data is buf), None)
 
 
-async def _unpickle_large_inputs(worker, key: Hashable) -> None:
-    """Before a task runs: its inputs held as frames received from a peer and larger than dask's
-    ``distributed.comm.offload`` threshold are unpickled now, in dask's offload thread, where
-    stock dask unpickles a message that large when it arrives; ``Worker.execute`` then finds them
-    in memory instead of unpickling them on the event loop."""
+async def _unpickle_inputs(worker, key: Hashable) -> None:
+    """Before a task runs: its inputs held pickled in memory (received from a peer, or read back
+    for one) are unpickled now, where stock dask unpickled them as they arrived: those larger than
+    dask's ``distributed.comm.offload`` threshold in dask's offload thread, the others on the event
+    loop. ``Worker.execute`` then finds them in memory; and the task stream shows the time as
+    ``deserialize`` (which it is), not as the ``disk-read`` dask names any slow read of an input."""
     ts = worker.state.tasks.get(key)
     buf = worker.data
     if ts is None or not isinstance(buf, SpillBuffer):
         return
-    large = [
-        d.key
-        for d in ts.dependencies
-        if (d.nbytes or 0) > OFFLOAD_THRESHOLD and buf.tier_if_present(d.key) == "frames"
-    ]
+    held = [d for d in ts.dependencies if buf.tier_if_present(d.key) == "frames"]
+    if not held:
+        return
+    start = time()
+    _read_all(buf, [d.key for d in held if (d.nbytes or 0) <= OFFLOAD_THRESHOLD])
+    large = [d.key for d in held if (d.nbytes or 0) > OFFLOAD_THRESHOLD]
     if large:
         await offload(_read_all, buf, large)
+    stop = time()
+    if stop - start > 0.005:  # (dask's own threshold for recording a read of an input)
+        ts.startstops.append({"action": "deserialize", "start": start, "stop": stop})
 
 
 def _read_all(buf: SpillBuffer, keys: list) -> None:

@@ -145,6 +145,7 @@ class PeerValues:
             # Counted as coming until the caller is done with it (it was set, or dropped).
             weakref.finalize(value, self._arrived, nbytes)
             self._digest_io("receive-memory", codec.frame_bytes(frames), perf_counter() - t0)
+            self._settle()
             return value
         try:
             # The store does not hold its lock while the bytes arrive (a large value goes into a
@@ -166,6 +167,7 @@ class PeerValues:
             self._drop_pending(skey)
             raise KeyError(key)
         self._digest_io("receive-disk", n, perf_counter() - t0)
+        self._settle()  # its writing to disk, to dask's metrics (the activity that asked)
         return ReceivedRecord(self, key, store, skey, n)
 
     def _arrived(self, nbytes: int) -> None:

@@ -646,6 +646,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // The engine's log records reach Python's `logging`, as `spillway.<module>` loggers.
     logging::install();
     m.add_function(wrap_pyfunction!(logging::flush_logs, m)?)?;
+    m.add_function(wrap_pyfunction!(store::take_thread_metrics, m)?)?;
     m.add_class::<Log>()?;
     m.add_class::<Frame>()?;
     m.add_class::<store::Store>()?;

@@ -24,8 +24,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyMemoryView, PyTuple};
 use spillway::backend::UringOptions;
 use spillway::{
-    Activity, ActivityStats, AutoBackend, Backend, BackendKind, Codec, CodecError, Compression, Error, EvictionPolicy,
-    Frames, LogOptions, Revive, SpillFailureKind, StoreConfig,
+    Activity, AutoBackend, Backend, BackendKind, Codec, CodecError, Compression, Error, EvictionPolicy, Frames,
+    LogOptions, Revive, SpillFailureKind, StoreConfig,
 };
 
 use crate::transfer::Granted;
@@ -232,8 +232,6 @@ type Inner = StoreInner;
 pub(crate) struct Store {
     inner: RwLock<Option<Arc<Inner>>>,
     backend: &'static str,
-    /// The metrics as `take_metric_deltas` last saw them.
-    seen: std::sync::Mutex<Vec<(&'static str, ActivityStats)>>,
     /// What transfer grants send from, while the store is open.
     granted: std::sync::Mutex<Option<Arc<Granted>>>,
 }
@@ -371,12 +369,7 @@ impl Store {
             let be = AutoBackend::with_options(kind, uring).map_err(|e| to_py(Error::io("start backend", None, e)))?;
             let name = be.name();
             let store = Inner::open(codec, be, &directory, cfg).map_err(to_py)?;
-            Ok(Store {
-                inner: RwLock::new(Some(Arc::new(store))),
-                backend: name,
-                seen: std::sync::Mutex::new(Vec::new()),
-                granted: std::sync::Mutex::new(None),
-            })
+            Ok(Store { inner: RwLock::new(Some(Arc::new(store))), backend: name, granted: std::sync::Mutex::new(None) })
         })
     }
 
@@ -497,31 +490,6 @@ impl Store {
                 (PyBytes::new(py, &f.key).unbind(), kind, exc)
             })
             .collect())
-    }
-
-    /// What the metrics gained since the last call: `[(activity, unit, delta)]` for the counters
-    /// that moved (seconds as floats), for a caller that reports them as they happen (dask's
-    /// `context_meter`).
-    fn take_metric_deltas(&self, py: Python<'_>) -> PyResult<Vec<(&'static str, &'static str, PyObject)>> {
-        let s = self.inner()?;
-        let now: Vec<(&'static str, ActivityStats)> = s.metrics().activities;
-        let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
-        let mut out = Vec::new();
-        for (i, (name, st)) in now.iter().enumerate() {
-            let before = seen.get(i).map(|(_, b)| *b).unwrap_or_default();
-            if st.count != before.count {
-                out.push((*name, "count", (st.count - before.count).into_pyobject(py)?.into_any().unbind()));
-            }
-            if st.bytes != before.bytes {
-                out.push((*name, "bytes", (st.bytes - before.bytes).into_pyobject(py)?.into_any().unbind()));
-            }
-            if st.ns != before.ns {
-                let secs = (st.ns - before.ns) as f64 * 1e-9;
-                out.push((*name, "seconds", secs.into_pyobject(py)?.into_any().unbind()));
-            }
-        }
-        *seen = now;
-        Ok(out)
     }
 
     /// `(records, payload bytes)` of the logs: their live records (values on disk and the copies
@@ -729,4 +697,25 @@ impl Store {
     fn __exit__(&self, py: Python<'_>, _t: PyObject, _v: PyObject, _tb: PyObject) {
         self.close(py)
     }
+}
+
+/// What the stores of this process did on the calling thread since the last call on it:
+/// `[(activity, unit, value)]` for what moved (seconds as floats), dask's labels. A store call does
+/// its work on its caller's thread, so taken after each call this is that call's own work, for a
+/// caller that reports it under the activity that made the call (dask's `context_meter`).
+#[pyfunction]
+pub(crate) fn take_thread_metrics(py: Python<'_>) -> PyResult<Vec<(&'static str, &'static str, PyObject)>> {
+    let mut out = Vec::new();
+    for (a, st) in spillway::take_thread_metrics() {
+        if st.count != 0 {
+            out.push((a.name(), "count", st.count.into_pyobject(py)?.into_any().unbind()));
+        }
+        if st.bytes != 0 {
+            out.push((a.name(), "bytes", st.bytes.into_pyobject(py)?.into_any().unbind()));
+        }
+        if st.ns != 0 {
+            out.push((a.name(), "seconds", (st.ns as f64 * 1e-9).into_pyobject(py)?.into_any().unbind()));
+        }
+    }
+    Ok(out)
 }

@@ -328,7 +328,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 Demoted::Abandoned => {}
                 Demoted::Same(raw) => {
                     if unchanged(&inner) && d.slot.evict().is_some() {
-                        self.metrics.counter(Activity::DiskWriteSaved).add_untimed(raw);
+                        self.metrics.add(Activity::DiskWriteSaved, 1, raw, 0);
                         if let Some(revive) = weak.take() {
                             inner.weak.insert(d.key.clone(), WeakHandle { slot: d.slot.clone(), revive });
                         }
@@ -572,10 +572,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         // Written (and readable) even if the sync below fails: counted either way. The sync is of
         // the log the batch went to (another thread's failed write may have replaced it since).
         let synced = if self.cfg.sync_spills { log.sync() } else { Ok(()) };
-        let m = self.metrics.counter(Activity::DiskWrite);
-        m.count.fetch_add(items.len() as u64, Ordering::Relaxed);
-        m.bytes.fetch_add(bytes, Ordering::Relaxed);
-        m.ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        self.metrics.add(Activity::DiskWrite, items.len() as u64, bytes, t.elapsed().as_nanos() as u64);
         synced
     }
 

@@ -237,11 +237,8 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 read[i] = Some(res.and_then(|f| f.ok_or_else(|| vanished(&k))));
             });
             // Disk-read time is the batch's wall time, shared out over its reads.
-            let m = self.metrics.counter(Activity::DiskRead);
             let ok: Vec<u64> = read.iter().flatten().filter_map(|r| r.as_ref().ok().map(|f| f.total_len())).collect();
-            m.count.fetch_add(ok.len() as u64, Ordering::Relaxed);
-            m.bytes.fetch_add(ok.iter().sum(), Ordering::Relaxed);
-            m.ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            self.metrics.add(Activity::DiskRead, ok.len() as u64, ok.iter().sum(), t.elapsed().as_nanos() as u64);
             if let Err(e) = r {
                 // The pipeline itself failed (its ring could not be set up): what was not read yet
                 // is read one by one below.
@@ -291,6 +288,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             let w = e.weight;
             inner.object_reads.0 += 1;
             inner.object_reads.1 += w;
+            metrics::note_thread(Activity::MemoryRead, 1, w, 0);
             Self::touch(&mut inner, &k);
             return Ok(GetStart::Done(Some(v)));
         }

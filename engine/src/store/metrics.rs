@@ -1,5 +1,10 @@
 //! Metrics: the [`Activity`] counters (count, bytes, time), and [`MetricsSnapshot`] with the
 //! accounting, in Prometheus text with dask's names.
+//!
+//! Every count also goes to a ledger of the thread that did the work ([`take_thread_metrics`]): a
+//! store call does its work on the caller's thread, so what the ledger gained across a call is that
+//! call's own work (its serializing, writing, reading...), whatever other threads did meanwhile.
+//! An embedding reports it under the activity that made the call (dask's `context_meter`).
 
 use super::*;
 
@@ -62,17 +67,6 @@ pub(super) struct Counter {
 }
 
 impl Counter {
-    pub(super) fn add(&self, bytes: u64, since: Instant) {
-        self.count.fetch_add(1, Ordering::Relaxed);
-        self.bytes.fetch_add(bytes, Ordering::Relaxed);
-        self.ns.fetch_add(since.elapsed().as_nanos() as u64, Ordering::Relaxed);
-    }
-    /// One more of `bytes`, with no time of its own.
-    pub(super) fn add_untimed(&self, bytes: u64) {
-        self.count.fetch_add(1, Ordering::Relaxed);
-        self.bytes.fetch_add(bytes, Ordering::Relaxed);
-    }
-
     pub(super) fn snap(&self) -> ActivityStats {
         ActivityStats {
             count: self.count.load(Ordering::Relaxed),
@@ -95,8 +89,44 @@ impl Metrics {
     }
     /// Count one `a` of `bytes` that started at `since`.
     pub(super) fn record(&self, a: Activity, bytes: u64, since: Instant) {
-        self.counter(a).add(bytes, since);
+        self.add(a, 1, bytes, since.elapsed().as_nanos() as u64);
     }
+    /// Count `count` of `a`, of `bytes` in all, that took `ns`.
+    pub(super) fn add(&self, a: Activity, count: u64, bytes: u64, ns: u64) {
+        let c = self.counter(a);
+        c.count.fetch_add(count, Ordering::Relaxed);
+        c.bytes.fetch_add(bytes, Ordering::Relaxed);
+        if ns > 0 {
+            c.ns.fetch_add(ns, Ordering::Relaxed);
+        }
+        note_thread(a, count, bytes, ns);
+    }
+}
+
+std::thread_local! {
+    /// This thread's ledger (see the module's notes).
+    static THREAD: std::cell::RefCell<[ActivityStats; Activity::ALL.len()]> =
+        const { std::cell::RefCell::new([ActivityStats { count: 0, bytes: 0, ns: 0 }; Activity::ALL.len()]) };
+}
+
+/// Add to this thread's ledger only (work counted in the store's totals another way).
+pub(super) fn note_thread(a: Activity, count: u64, bytes: u64, ns: u64) {
+    THREAD.with(|t| {
+        let mut t = t.borrow_mut();
+        let s = &mut t[a as usize];
+        s.count += count;
+        s.bytes += bytes;
+        s.ns += ns;
+    });
+}
+
+/// What the stores of this process counted on this thread since the last call on it, per activity
+/// that moved (see the module's notes); the ledger starts again from zero.
+pub fn take_thread_metrics() -> Vec<(Activity, ActivityStats)> {
+    THREAD.with(|t| {
+        let taken = std::mem::take(&mut *t.borrow_mut());
+        Activity::ALL.iter().map(|&a| (a, taken[a as usize])).filter(|(_, s)| *s != ActivityStats::default()).collect()
+    })
 }
 
 /// Count, bytes and nanoseconds of one activity.

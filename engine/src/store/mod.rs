@@ -84,7 +84,7 @@ pub use self::entry::Tier;
 pub use self::evict::{SpillFailure, SpillFailureKind, MAX_REPORTED_FAILURES};
 pub use self::get::{GET_MANY_BATCH, GET_MANY_DEPTH};
 pub use self::logs::MAX_FRESH_LOGS;
-pub use self::metrics::{Activity, ActivityStats, MetricsSnapshot};
+pub use self::metrics::{take_thread_metrics, Activity, ActivityStats, MetricsSnapshot};
 pub use self::pressure::{read_rss, RssProbe, RSS_CHECK_BYTES};
 
 use self::entry::*;

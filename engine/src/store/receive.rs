@@ -76,10 +76,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             self.settle_failed_stream(&mut inner, key, old, superseded);
             return Err(e);
         }
-        let m = self.metrics.counter(Activity::DiskWrite);
-        m.count.fetch_add(1, Ordering::Relaxed);
-        m.bytes.fetch_add(raw, Ordering::Relaxed);
-        m.ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        self.metrics.add(Activity::DiskWrite, 1, raw, t.elapsed().as_nanos() as u64);
         if superseded || old.is_some_and(|o| o.disk_bytes > 0) {
             // Disk space comes free: the streamed record, or the old one it superseded.
             Self::unstick(&mut inner);
