@@ -617,12 +617,16 @@ class SpillBuffer(PeerValues, MutableMapping):
             manager = getattr(worker, "memory_manager", None)
             if getattr(manager, "data", None) is not self:
                 continue
-            t = config.thresholds(manager.memory_limit)
-            if "target" in self._auto:
-                self._store.target = t.target
-            if "process" in self._auto:
-                self._store.process_target = t.process_target
-                self._store.process_trigger = t.process_trigger
+            try:
+                t = config.thresholds(manager.memory_limit)
+            except Exception:  # (a bad setting: logged, and the buffer keeps what it has)
+                logger.exception("spillway: cannot take the settings of %s", worker)
+            else:
+                if "target" in self._auto:
+                    self._store.target = t.target
+                if "process" in self._auto:
+                    self._store.process_target = t.process_target
+                    self._store.process_trigger = t.process_trigger
             self._auto = set()
             self._worker = weakref.ref(worker)
             loop = getattr(worker, "loop", None)

@@ -68,8 +68,14 @@ _DASK_MEMORY_DEFAULTS = {
 class Thresholds(NamedTuple):
     """What dask's config makes of a memory limit: the store's ``target`` (managed memory to spill
     at: ``sys.maxsize`` when ``target`` is False, as dask's worker sets it), and the process
-    thresholds of dask's memory monitor (spill when the RSS is above ``process_trigger``, down to
-    ``process_target``; both None when ``spill`` is False or there is no limit)."""
+    thresholds (spill when the RSS is above ``process_trigger``, down to ``process_target``: the
+    limit times dask's ``target``, or its ``spill`` where ``target`` is False; both None when
+    ``spill`` is False or there is no limit, where dask's memory monitor does not spill either).
+
+    The trigger is where ``spillway.process-trigger`` says: ``target`` (the default) spills as soon
+    as the RSS passes the target, which keeps a worker further from the nanny's 95 % than dask's
+    monitor does (measured: docs/benchmarks.md); ``spill`` waits for dask's own ``spill`` threshold,
+    as dask's memory monitor does."""
 
     target: int
     process_target: int | None
@@ -86,7 +92,11 @@ def thresholds(memory_limit: int | None) -> Thresholds:
     if spill_fraction is False:
         return Thresholds(target, None, None)
     goal = int(memory_limit * (target_fraction or spill_fraction))
-    return Thresholds(target, goal, int(memory_limit * spill_fraction))
+    at = get("process-trigger")
+    if at not in ("target", "spill"):
+        raise ValueError(f"spillway.process-trigger={at!r}: 'target' or 'spill'")
+    trigger = goal if at == "target" else max(goal, int(memory_limit * spill_fraction))
+    return Thresholds(target, goal, trigger)
 
 
 def max_spill() -> int | Literal[False]:

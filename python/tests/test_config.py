@@ -19,16 +19,22 @@ GIB = 1 << 30
 
 
 def test_thresholds_are_dasks():
-    cases = [
-        ({"target": 0.6, "spill": 0.7}, (int(0.6 * GIB), int(0.6 * GIB), int(0.7 * GIB))),
-        ({"target": False, "spill": 0.7}, (sys.maxsize, int(0.7 * GIB), int(0.7 * GIB))),
-        ({"target": 0.5, "spill": False}, (GIB // 2, None, None)),
-        ({"target": False, "spill": False}, (sys.maxsize, None, None)),
+    six, seven = int(0.6 * GIB), int(0.7 * GIB)
+    cases = [  # (fractions, process-trigger) -> (target, process target, process trigger)
+        ({"target": 0.6, "spill": 0.7}, "target", (six, six, six)),
+        ({"target": 0.6, "spill": 0.7}, "spill", (six, six, seven)),
+        ({"target": False, "spill": 0.7}, "target", (sys.maxsize, seven, seven)),
+        ({"target": False, "spill": 0.7}, "spill", (sys.maxsize, seven, seven)),
+        ({"target": 0.5, "spill": False}, "target", (GIB // 2, None, None)),
+        ({"target": False, "spill": False}, "spill", (sys.maxsize, None, None)),
     ]
-    for fractions, expected in cases:
-        with dask.config.set({f"distributed.worker.memory.{k}": v for k, v in fractions.items()}):
-            assert tuple(config.thresholds(GIB)) == expected, fractions
+    for fractions, at, expected in cases:
+        settings = {f"distributed.worker.memory.{k}": v for k, v in fractions.items()}
+        with dask.config.set({**settings, "spillway.process-trigger": at}):
+            assert tuple(config.thresholds(GIB)) == expected, (fractions, at)
             assert tuple(config.thresholds(None)) == (sys.maxsize, None, None)
+    with dask.config.set({"spillway.process-trigger": "soon"}), pytest.raises(ValueError):
+        config.thresholds(GIB)
 
 
 def test_max_spill_is_dasks():

@@ -7,7 +7,6 @@ how often they are pickled and unpickled.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 
@@ -17,6 +16,7 @@ distributed = pytest.importorskip("distributed")
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "bench"))
 import counted  # (worker processes import it by name: they inherit sys.path)
+import side_channel_blocked
 
 import spillway
 import spillway.dask
@@ -202,26 +202,6 @@ def test_the_side_channel_is_off_where_it_cannot_run():
     assert "encryption" in spillway.dask._side_channel_off(Encrypted)
 
 
-def _blackhole_the_side_channel(dask_worker):
-    """Make this worker's references name a port that never answers: a listening socket whose
-    queue is full, so connections to it hang as behind a firewall that drops packets."""
-    import socket
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(0)
-    port = sock.getsockname()[1]
-    queued = []
-    for _ in range(3):
-        c = socket.socket()
-        c.setblocking(False)
-        with contextlib.suppress(BlockingIOError):
-            c.connect(("127.0.0.1", port))
-        queued.append(c)
-    spillway.dask._blackhole = (sock, queued)  # kept open for the worker's life
-    spillway.dask._advertised = lambda server: ("127.0.0.1", port)
-
-
 def test_a_side_channel_port_that_never_answers_costs_one_connect_timeout_per_peer():
     """A firewall that drops the side channel's packets (its port blocked, dask's open): the first
     fetch waits out the connect timeout (2 s by default), and the peer's values, those of the
@@ -232,7 +212,7 @@ def test_a_side_channel_port_that_never_answers_costs_one_connect_timeout_per_pe
         n = 10
         values = _make_on(client, sender, n, 8 * MiB)
         client.run(_spill_all, workers=[sender])
-        client.run(_blackhole_the_side_channel, workers=[sender])
+        client.run(side_channel_blocked.blackhole_side_channel, workers=[sender])
         got = client.gather(
             [client.submit(counted.digest, v, workers=[receiver], pure=False) for v in values]
         )
