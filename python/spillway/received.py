@@ -122,8 +122,8 @@ class PeerValues:
             to_disk = memory + self._incoming + nbytes > self.target or (
                 headroom is not None and self._incoming + nbytes > headroom
             )
-            # A key the buffer has (a second fetch) keeps its value until the new one is set.
-            to_disk = to_disk and key not in self._keys
+            # (A key the buffer has already keeps its value until the new one is set: the record
+            # goes under a store key of its own, which ``buf[key] = record`` then makes the key's.)
             if to_disk:
                 skey = self._free_store_key(key)
                 self._pending[skey] = key

@@ -40,11 +40,13 @@ impl Source for Granted {
     }
 }
 
+/// A caller's duration: a positive number of seconds, at most a year (anything longer is a
+/// mistake, and unchecked it would overflow the deadlines made from it).
 fn seconds(s: f64, what: &str) -> PyResult<Duration> {
-    Duration::try_from_secs_f64(s)
-        .ok()
-        .filter(|d| !d.is_zero())
-        .ok_or_else(|| PyValueError::new_err(format!("{what} must be a positive number of seconds, not {s}")))
+    const YEAR: f64 = 365.0 * 24.0 * 3600.0;
+    Duration::try_from_secs_f64(s).ok().filter(|d| !d.is_zero() && s <= YEAR).ok_or_else(|| {
+        PyValueError::new_err(format!("{what} must be a positive number of seconds, at most a year, not {s}"))
+    })
 }
 
 fn ticket_of(b: &[u8]) -> PyResult<Ticket> {
@@ -228,8 +230,13 @@ fn fetch<'py>(
     min_bytes_per_sec: u64,
 ) -> PyResult<Option<Bound<'py, PyList>>> {
     let (ticket, opts) = (ticket_of(ticket)?, client_options(timeout, connect_timeout, min_bytes_per_sec, nbytes)?);
-    let got =
-        py.allow_threads(|| Client::connect((address.0.as_str(), address.1), ticket, opts)?.get(key)).map_err(to_py)?;
+    let got = py
+        .allow_threads(|| {
+            let mut c = Client::connect((address.0.as_str(), address.1), ticket, opts)?;
+            c.expect_frames_total(nbytes);
+            c.get(key)
+        })
+        .map_err(to_py)?;
     match got {
         Some(frames) if frames.total_len() != nbytes => Err(wrong_size(nbytes, frames.total_len())),
         got => got.map(|frames| frames_to_list(py, frames, true)).transpose(),
@@ -273,26 +280,15 @@ fn fetch_into(
             }
             s.reserved += nbytes;
         }
+        // A value whose frames do not add up to what was announced is refused as its header
+        // arrives (`expect_frames_total`): nothing of it is stored, `as_key`'s old value stays.
         let received = Client::connect((address.0.as_str(), address.1), ticket, opts)
-            .and_then(|mut c| c.get_into(key, &inner.log, as_key))
-            .map_err(to_py)
-            .and_then(|found| {
-                if !found {
-                    return Ok(None);
-                }
-                // The record is in the log: it must hold what was announced, or it goes.
-                let got = inner.log.stored_value(as_key).map(|sv| sv.map(|sv| sv.meta.frame_lens.iter().sum::<u64>()));
-                match got {
-                    Ok(Some(n)) if n == nbytes => Ok(Some(n)),
-                    got => {
-                        let _ = if inner.durable { inner.log.delete(as_key) } else { inner.log.forget(as_key) };
-                        match got {
-                            Err(e) => Err(to_py(e)),
-                            Ok(n) => Err(wrong_size(nbytes, n.unwrap_or(0))),
-                        }
-                    }
-                }
-            });
+            .and_then(|mut c| {
+                c.expect_frames_total(nbytes);
+                c.get_into(key, &inner.log, as_key)
+            })
+            .map(|found| found.then_some(nbytes))
+            .map_err(to_py);
         let mut s = inner.sizes();
         if inner.max_disk.is_some() {
             s.reserved -= nbytes;
@@ -329,19 +325,15 @@ fn fetch_into_store(
     let (ticket, opts) = (ticket_of(ticket)?, client_options(timeout, connect_timeout, min_bytes_per_sec, nbytes)?);
     let s = store.arc()?;
     py.allow_threads(|| {
+        // A value whose frames do not add up to what was announced is refused as its header
+        // arrives (`expect_frames_total`): nothing of it is stored, `as_key`'s old value stays.
         let found = Client::connect((address.0.as_str(), address.1), ticket, opts)
-            .and_then(|mut c| c.stream_into_store(key, &s, as_key))
+            .and_then(|mut c| {
+                c.expect_frames_total(nbytes);
+                c.stream_into_store(key, &s, as_key)
+            })
             .map_err(to_py)?;
-        if !found {
-            return Ok(None);
-        }
-        // What arrived must be what was announced, or it goes.
-        let got = s.stored_len(as_key);
-        if got != Some(nbytes) {
-            let _ = s.remove(as_key);
-            return Err(wrong_size(nbytes, got.unwrap_or(0)));
-        }
-        Ok(Some(nbytes))
+        Ok(found.then_some(nbytes))
     })
 }
 

@@ -32,9 +32,10 @@ def _pixels(png: bytes) -> bytes:
     return zlib.decompress(data)
 
 
-def test_the_fine_performance_metrics_page_shows_spillways_work(tmp_path):
+def test_the_fine_performance_metrics_page_shows_spillways_work(tmp_path, capsys):
     out = tmp_path / "page.png"
-    assert dashboard.main(["--small", str(out)]) == 0  # (1: an activity missing from the metrics)
+    code = dashboard.main(["--small", str(out)])
+    assert code == 0, capsys.readouterr()  # (1: an activity missing from the metrics)
     png = out.read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     # A blank page is one colour: the drawn page has plots (many distinct byte values).

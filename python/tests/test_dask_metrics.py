@@ -65,10 +65,13 @@ def test_spillways_work_shows_in_dasks_fine_metrics_under_its_activity():
         on_receiver = [
             client.submit(counted.digest, v, workers=[receiver], pure=False) for v in big + small
         ]
-        on_sender = [client.submit(counted.digest, v, workers=[sender], pure=False) for v in small]
         expected = [counted.digest(counted.make(i, 8 * MiB)) for i in range(4)]
         expected += [counted.digest(counted.make(i, MiB)) for i in range(8)]
         assert client.gather(on_receiver) == expected
+        # (After: the sender's own tasks would bring the small values back into memory, and its
+        # peer would be sent them from there, with no read.)
+        client.run(_spill_all, workers=[sender])
+        on_sender = [client.submit(counted.digest, v, workers=[sender], pure=False) for v in small]
         assert client.gather(on_sender) == expected[4:]
 
         s = client.run(_digests, workers=[sender])[sender]

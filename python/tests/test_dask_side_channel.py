@@ -220,3 +220,41 @@ def test_a_side_channel_port_that_never_answers_costs_one_connect_timeout_per_pe
         r = client.run(_metrics, workers=[receiver])[receiver]
         assert r["receive-side-failed count"] == 1, "one attempt, then in-band"
         assert r["receive-serialized count"] == n
+
+
+def test_a_tls_cluster_moves_spilled_values_in_band_still_pickled():
+    """A real TLS cluster (``Security.temporary()``: dask requires encryption): the side channel,
+    which does not encrypt, is off, and spilled values move between plugged workers in-band under
+    dask's TLS, still pickled, with the right results."""
+    from distributed import Security
+
+    security = Security.temporary()
+    with (
+        distributed.LocalCluster(
+            n_workers=2,
+            threads_per_worker=1,
+            memory_limit="400MiB",
+            protocol="tls://",
+            security=security,
+            dashboard_address=None,
+            data=spillway.worker_data,
+        ) as cluster,
+        distributed.Client(cluster, security=security) as client,
+    ):
+        client.register_plugin(spillway.dask.SpillwayPlugin())
+        sender, receiver = sorted(client.scheduler_info()["workers"])
+        assert sender.startswith("tls://")
+        assert client.run(lambda dask_worker: dask_worker in spillway.dask._side) == {
+            sender: False,
+            receiver: False,
+        }
+        n = 6
+        values = _make_on(client, sender, n, 8 * MiB)
+        client.run(_spill_all, workers=[sender])
+        got = client.gather(
+            [client.submit(counted.digest, v, workers=[receiver], pure=False) for v in values]
+        )
+        assert got == [counted.digest(counted.make(i, 8 * MiB)) for i in range(n)]
+        r = client.run(_metrics, workers=[receiver])[receiver]
+        assert r["receive-serialized count"] == n, "in-band, still pickled"
+        assert r.get("receive-memory count", 0) + r.get("receive-disk count", 0) == 0

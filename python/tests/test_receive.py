@@ -164,3 +164,80 @@ def test_a_value_that_is_not_the_size_announced_is_refused_and_not_kept(make_buf
             with pytest.raises(spillway.SpillwayError, match="over the limit"):
                 receiver.receive("v", server.address, ticket, log_key, 1000)
             assert receiver.log.disk_bytes == 0 and len(receiver.log) == 0
+
+
+def test_a_fetch_into_a_key_that_fails_leaves_its_old_value_and_its_accounting(make_buffer, tmp_path):
+    """``fetch_into`` (a ``Log``) and ``fetch_into_store`` (a ``Store``) of a value whose size is not
+    what was announced: refused as its header arrives, so the key's old value stays (on a durable
+    log, across a reopen too) and the log's accounting is what it was."""
+    from spillway._core import Store, fetch_into, fetch_into_store
+
+    sender = make_buffer(target=1 * MiB, process_target=None)
+    sender["v"] = bytes(range(256)) * (4 * 4096)  # 4 MiB
+    log_, log_key, nbytes = sender.disk_record("v")
+    with TransferServer() as server:
+        path = str(tmp_path / "log")
+        log = spillway.Log(path, durable=True, max_disk_bytes=64 * MiB, backend="portable")
+        log.put(b"k", [b"old value"])
+        before = (log.disk_bytes, log.stored_bytes(b"k"))
+        for wrong in (nbytes - 1, nbytes + 1):
+            with pytest.raises(spillway.SpillwayError, match="announced"):
+                fetch_into(log, server.address, server.grant(log_, log_key), log_key, b"k", wrong)
+            assert [bytes(f) for f in log.get(b"k")] == [b"old value"]
+            assert (log.disk_bytes, log.stored_bytes(b"k")) == before
+        # The right size replaces it.
+        assert fetch_into(log, server.address, server.grant(log_, log_key), log_key, b"k", nbytes) == nbytes
+        assert b"".join(bytes(f) for f in log.get(b"k")) == b"".join(bytes(f) for f in sender.get_serialized("v"))
+        log.close()
+
+        log = spillway.Log(path, durable=True, backend="portable")
+        log.put(b"j", [b"kept"])
+        log.sync()
+        with pytest.raises(spillway.SpillwayError, match="announced"):
+            fetch_into(log, server.address, server.grant(log_, log_key), log_key, b"j", nbytes - 1)
+        log.close()
+        log = spillway.Log(path, durable=True, backend="portable")  # what a reopen finds
+        assert [bytes(f) for f in log.get(b"j")] == [b"kept"]
+        log.close()
+
+        store = Store(str(tmp_path / "store"), 1 << 30)
+        try:
+            store.put(b"s", b"old")
+            with pytest.raises(spillway.SpillwayError, match="announced"):
+                fetch_into_store(store, server.address, server.grant(log_, log_key), log_key, b"s", nbytes + 1)
+            assert store.get(b"s") == b"old"
+            store.check_accounting()
+        finally:
+            store.close()
+
+
+def test_impossible_durations_are_a_value_error_not_a_panic():
+    from spillway._core import fetch
+
+    for bad in (1e19, float("inf"), float("nan"), -1.0, 0.0, 366 * 24 * 3600.0):
+        with pytest.raises(ValueError, match="seconds"):
+            TransferServer(lifetime=bad)
+        with pytest.raises(ValueError, match="seconds"):
+            TransferServer(timeout=bad)
+        with pytest.raises(ValueError, match="seconds"):
+            fetch(("127.0.0.1", 1), bytes(24), b"k", 1, timeout=bad)
+        with pytest.raises(ValueError, match="seconds"):
+            fetch(("127.0.0.1", 1), bytes(24), b"k", 1, connect_timeout=bad)
+
+
+def test_a_key_the_buffer_holds_is_received_by_the_same_rule_as_any_other(make_buffer):
+    """Over the target, a second fetch of a key the buffer has goes straight to disk, as a first
+    one does (it used to come into memory whatever the target); the key keeps its old value
+    until the new one is set."""
+    sender = make_buffer(target=1 * MiB, process_target=None)
+    sender["v"] = bytes(range(256)) * (8 * 4096)  # 8 MiB
+    log, log_key, nbytes = sender.disk_record("v")
+    receiver = make_buffer(target=4 * MiB, process_target=None)
+    receiver["v"] = b"old"
+    with TransferServer() as server:
+        got = receiver.receive("v", server.address, server.grant(log, log_key), log_key, nbytes)
+        assert type(got) is spillway.ReceivedRecord, "over the target: straight to disk"
+        assert receiver["v"] == b"old", "the old value until the new one is set"
+        receiver["v"] = got
+    assert receiver.tier("v") == "disk" and receiver["v"] == sender["v"]
+    assert len(receiver) == 1

@@ -1135,3 +1135,71 @@ fn closing_an_access_cuts_its_transfers_and_lets_go_of_its_sources() {
     }
     assert_eq!(short.live_grants(), 0, "expired grants are swept");
 }
+
+/// Durations from a caller of any size (a lifetime, a timeout, `Duration::MAX`) make deadlines
+/// at most `MAX_WAIT` away: a grant, a served request and a fetch go on as usual, no `Instant`
+/// overflows (which panicked the grant table under its lock, every server connection, and the
+/// client).
+#[test]
+fn durations_of_any_size_never_overflow_a_deadline() {
+    let src = tempfile::tempdir().unwrap();
+    let log = Arc::new(log_at(src.path(), Compression::None));
+    log.put(b"a", &frames_for(b"a", 100_000)).unwrap();
+    let access = Arc::new(transfer::Access::grants_only(Duration::MAX));
+    let huge = TransferOptions { timeout: Duration::MAX, splice_min_bytes: 0, min_bytes_per_sec: 1, ..opts() };
+    let addr = serve_access(access.clone(), huge.clone());
+    let t = access.grant(&log, b"a", None).unwrap().unwrap();
+    let client_opts = TransferOptions { connect_timeout: Some(Duration::MAX), ..huge };
+    let mut c = Client::connect(&addr, t, client_opts).unwrap();
+    assert_eq!(c.get(b"a").unwrap().unwrap(), frames_for(b"a", 100_000));
+}
+
+/// A value whose frames say when they are let go of.
+struct Pinned(Arc<std::sync::atomic::AtomicBool>);
+impl AsRef<[u8]> for Pinned {
+    fn as_ref(&self) -> &[u8] {
+        b"pinned value"
+    }
+}
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// A source whose one value is in memory, as `Pinned` frames.
+struct Held {
+    log: SegmentLog,
+    released: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl transfer::Source for Held {
+    type Backend = spillway::PortableBackend;
+    fn log_holding(&self, _: &spillway::StoredValue<std::fs::File>) -> &SegmentLog {
+        &self.log
+    }
+    fn outgoing(&self, _key: &[u8]) -> spillway::Result<Option<transfer::Outgoing<std::fs::File>>> {
+        let frames = Frames(vec![bytes::Bytes::from_owner(Pinned(self.released.clone()))]);
+        Ok(Some(transfer::Outgoing::Frames(frames)))
+    }
+}
+
+/// A grant nobody redeems lets go of its value when it expires, with no request or grant to sweep
+/// the table meanwhile (a requester that takes a reply and never comes kept a deleted segment's
+/// descriptor, and its blocks, for as long as the server saw no other traffic).
+#[test]
+fn an_expired_grant_lets_go_of_its_value_without_other_traffic() {
+    let dir = tempfile::tempdir().unwrap();
+    let released = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let src = Arc::new(Held { log: log_at(dir.path(), Compression::None), released: released.clone() });
+    let access = Arc::new(transfer::Access::grants_only(Duration::from_millis(100)));
+    let _addr = serve_access(access.clone(), opts());
+    let t = access.grant(&src, b"k", None).unwrap().unwrap();
+    assert!(!released.load(std::sync::atomic::Ordering::SeqCst), "held by the grant");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !released.load(std::sync::atomic::Ordering::SeqCst) {
+        assert!(std::time::Instant::now() < deadline, "the expired grant still holds its value");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(!access.revoke(&t), "expired");
+}

@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
-use super::{Outgoing, Source};
+use super::{Outgoing, Source, MAX_WAIT};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 
@@ -260,7 +260,7 @@ impl<S: Source> Access<S> {
             secret: id.secret,
             key: key.to_vec(),
             to,
-            expires: now + self.lifetime,
+            expires: now + self.lifetime.min(MAX_WAIT),
             src: Arc::downgrade(src),
             value,
         };
@@ -287,6 +287,13 @@ impl<S: Source> Access<S> {
     /// Grants live now.
     pub fn live_grants(&self) -> usize {
         self.grants().live.len()
+    }
+
+    /// Drop the grants that expired (and their pins) now; how long until the next one expires
+    /// (`None`: no grant is live).
+    pub(crate) fn sweep_expired(&self) -> Option<Duration> {
+        let g = self.grants();
+        g.first_expiry.map(|t| t.saturating_duration_since(Instant::now()))
     }
 
     /// What a request for `key` with `ticket` from the peer address `peer` may read, or `None`

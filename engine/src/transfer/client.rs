@@ -17,6 +17,8 @@ pub struct Client {
     /// The current request has been (or may have been) sent: after that, a failure leaves the
     /// connection in step only if it was a whole ERROR response.
     pub(super) sent: bool,
+    /// What the next value's frames must add up to ([`Client::expect_frames_total`]).
+    pub(super) expect_frames: Option<u64>,
 }
 
 impl Client {
@@ -40,7 +42,15 @@ impl Client {
                     stream.read_exact(&mut h).map_err(|e| io_err("receive hello", e))?;
                     check_hello(&h)?;
                     set(&stream, opts.timeout)?;
-                    return Ok(Client { stream, opts, ticket, broken: false, answered_error: false, sent: false });
+                    return Ok(Client {
+                        stream,
+                        opts,
+                        ticket,
+                        broken: false,
+                        answered_error: false,
+                        sent: false,
+                        expect_frames: None,
+                    });
                 }
                 Err(e) => last = e,
             }
@@ -51,6 +61,14 @@ impl Client {
     /// The ticket later requests carry (a grant is good for one request).
     pub fn set_ticket(&mut self, ticket: Ticket) {
         self.ticket = ticket;
+    }
+
+    /// The next request's value must have frames adding up to `bytes` (what its sender announced
+    /// elsewhere): a value header that says otherwise fails the request as it arrives, before any
+    /// of the value is read or stored, so a fetch into a key never replaces its old value with a
+    /// value it then has to take back.
+    pub fn expect_frames_total(&mut self, bytes: u64) {
+        self.expect_frames = Some(bytes);
     }
 
     /// Run `f` (one request and its response), marking the connection unusable if it fails midway.
@@ -79,12 +97,22 @@ impl Client {
         req.extend_from_slice(&self.ticket.to_bytes());
         req.extend_from_slice(&(key.len() as u32).to_le_bytes());
         req.extend_from_slice(key);
+        let expect = self.expect_frames.take();
         self.sent = true;
         self.stream.write_all(&req).map_err(|e| io_err("send request", e))?;
         let mut st = [0u8; 1];
         self.stream.read_exact(&mut st).map_err(|e| io_err("receive response", e))?;
         match st[0] {
-            ST_VALUE => read_value_header(&mut self.stream, self.opts.max_value_bytes).map(Some),
+            ST_VALUE => {
+                let m = read_value_header(&mut self.stream, self.opts.max_value_bytes)?;
+                let total: u64 = m.frame_lens.iter().sum();
+                match expect {
+                    Some(n) if n != total => {
+                        Err(proto(format!("the peer announced {n} bytes and sends a value of {total}")))
+                    }
+                    _ => Ok(Some(m)),
+                }
+            }
             ST_NOT_FOUND => Ok(None),
             ST_ERROR => {
                 let mut l = [0u8; 4];

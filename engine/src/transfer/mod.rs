@@ -115,9 +115,18 @@ impl<'a, S> Paced<'a, S> {
 
     fn check(&mut self) -> io::Result<()> {
         let Some(allowance) = self.allowance else { return Ok(()) };
-        let deadline = *self.deadline.get_or_insert_with(|| Instant::now() + allowance);
+        let deadline = *self.deadline.get_or_insert_with(|| after(allowance));
         check_deadline(Some(deadline))
     }
+}
+
+/// The longest wait any deadline of a transfer is set to: a duration from a caller (a lifetime,
+/// a timeout) of any size makes a deadline this far off at most, never an `Instant` overflow.
+pub const MAX_WAIT: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// `d` from now (at most [`MAX_WAIT`]).
+pub(crate) fn after(d: Duration) -> Instant {
+    Instant::now() + d.min(MAX_WAIT)
 }
 
 /// `TimedOut` once `deadline` has passed.

@@ -84,6 +84,8 @@ pub const MAX_REFUSING: usize = 8;
 /// not a listening socket). Failures that concern one connection or pass (an aborted handshake,
 /// out of descriptors or memory) are logged and serving goes on.
 pub fn serve<S: Source>(access: Arc<Access<S>>, listener: TcpListener, opts: TransferOptions) -> Result<()> {
+    // Grants expire on time whether or not a request comes: their pins go with them.
+    let _sweeper = Sweeper::start(access.clone());
     /// A place in a count of threads (`max_connections`, [`MAX_REFUSING`]), given back when the
     /// thread ends however it ends (a panic included), or with its closure if it never starts.
     struct Held(Arc<AtomicUsize>);
@@ -108,6 +110,9 @@ pub fn serve<S: Source>(access: Arc<Access<S>>, listener: TcpListener, opts: Tra
     let active = Arc::new(AtomicUsize::new(0));
     let refusing = Arc::new(AtomicUsize::new(0));
     let peers: Arc<Mutex<HashMap<IpAddr, usize>>> = Arc::default();
+    // Failed accepts are logged at most every ACCEPT_WARN_EVERY, with how many were not.
+    let mut warned: Option<Instant> = None;
+    let mut unlogged = 0u64;
     loop {
         let (stream, peer) = match listener.accept() {
             Ok(c) => c,
@@ -118,8 +123,16 @@ pub fn serve<S: Source>(access: Arc<Access<S>>, listener: TcpListener, opts: Tra
             }
             Err(e) => {
                 // Out of descriptors, an aborted handshake...: this connection only. Back off a little
-                // so a persistent condition does not spin.
-                log::warn!("transfer: accept failed: {e}");
+                // so a persistent condition does not spin, and say so now and then, not each time.
+                if warned.is_none_or(|t| t.elapsed() >= ACCEPT_WARN_EVERY) {
+                    let more =
+                        if unlogged > 0 { format!(" ({unlogged} more since the last message)") } else { String::new() };
+                    log::warn!("transfer: accept failed: {e}{more}");
+                    warned = Some(Instant::now());
+                    unlogged = 0;
+                } else {
+                    unlogged += 1;
+                }
                 std::thread::sleep(Duration::from_millis(10));
                 continue;
             }
@@ -200,6 +213,50 @@ pub(super) fn send_refusal(stream: &mut TcpStream, why: &str) -> io::Result<()> 
     stream.write_all(&out)
 }
 
+/// While a server runs, a thread of its own drops its grants as they expire (at most
+/// [`SWEEP_EVERY`] late), so that a ticket nobody redeems stops pinning its record on time, not
+/// when the next request or grant happens to sweep. Stopped (and joined) when dropped.
+struct Sweeper {
+    stop: Arc<(Mutex<bool>, std::sync::Condvar)>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// The longest a [`Sweeper`] sleeps.
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
+
+impl Sweeper {
+    fn start<S: Source>(access: Arc<Access<S>>) -> Sweeper {
+        let stop: Arc<(Mutex<bool>, std::sync::Condvar)> = Arc::default();
+        let stopped = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("spillway-grants".into())
+            .spawn(move || loop {
+                let wait = access.sweep_expired().unwrap_or(SWEEP_EVERY).clamp(Duration::from_millis(1), SWEEP_EVERY);
+                let (lock, cv) = &*stopped;
+                let g = lock.lock().unwrap_or_else(PoisonError::into_inner);
+                let (g, _) = cv.wait_timeout_while(g, wait, |s| !*s).unwrap_or_else(PoisonError::into_inner);
+                if *g {
+                    return;
+                }
+            })
+            .ok(); // no thread: grants are swept by requests and grants, as before
+        Sweeper { stop, thread }
+    }
+}
+
+impl Drop for Sweeper {
+    fn drop(&mut self) {
+        *self.stop.0.lock().unwrap_or_else(PoisonError::into_inner) = true;
+        self.stop.1.notify_all();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// A failed `accept` (out of descriptors, say) is logged at most this often.
+pub const ACCEPT_WARN_EVERY: Duration = Duration::from_secs(10);
+
 /// Fill `buf` from `stream` before `deadline` (each read waits at most until then, and at most
 /// `timeout`): a peer that trickles a message a byte at a time cannot stretch it past the deadline.
 pub(super) fn read_by(stream: &mut TcpStream, buf: &mut [u8], deadline: Instant, timeout: Duration) -> io::Result<()> {
@@ -238,8 +295,7 @@ pub fn serve_connection<S: Source>(access: &Access<S>, mut stream: TcpStream, op
     let _ = stream.set_nodelay(true);
     let peer = stream.peer_addr().ok().map(|a| a.ip());
     let mut h = [0u8; 8];
-    read_by(&mut stream, &mut h, Instant::now() + opts.timeout, opts.timeout)
-        .map_err(|e| io_err("receive hello", e))?;
+    read_by(&mut stream, &mut h, after(opts.timeout), opts.timeout).map_err(|e| io_err("receive hello", e))?;
     if let Err(e) = check_hello(&h) {
         let _ = send_refusal(&mut stream, &e.to_string()); // its greeting was just read
         return Err(e);
@@ -255,7 +311,7 @@ pub fn serve_connection<S: Source>(access: &Access<S>, mut stream: TcpStream, op
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(io_err("receive request", e)),
         }
-        let deadline = Instant::now() + opts.timeout;
+        let deadline = after(opts.timeout);
         read_by(&mut stream, &mut req[1..], deadline, opts.timeout).map_err(|e| io_err("receive request", e))?;
         let ticket = Ticket::from_bytes(&req[1..1 + TICKET_BYTES]).expect("ticket-sized");
         let key_len = u32::from_le_bytes(req[1 + TICKET_BYTES..].try_into().expect("4 bytes")) as usize;
@@ -330,7 +386,7 @@ pub(super) fn send_outgoing<S: Source + ?Sized>(
         None if direct => None,
         None => fd,
     };
-    let deadline = opts.allowance(sv.meta.stored_len).map(|a| Instant::now() + a);
+    let deadline = opts.allowance(sv.meta.stored_len).map(after);
     let sent = match splice_fd {
         Some(fd) => {
             if pipe.is_none() {
