@@ -99,7 +99,8 @@ def test_a_worker_the_nanny_finds_dead_leaves_no_spilled_data_behind():
         ) as cluster,
         distributed.Client(cluster) as client,
     ):
-        client.submit(lambda: b"x" * 1000, key="myspill").result()
+        held = client.submit(lambda: b"x" * 1000, key="myspill")
+        held.result()  # the future stays held: a released key may be gone before the evict
         client.run(lambda dask_worker: dask_worker.data.evict())
         (files,) = client.run(
             lambda dask_worker: glob.glob(f"{dask_worker.local_directory}/**/*.seg", recursive=True)
