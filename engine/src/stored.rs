@@ -82,6 +82,173 @@ pub fn decode(stored: Bytes, lz4: bool, raw_len: u64, frame_lens: &[u64]) -> Res
     cut(&data, frame_lens)
 }
 
+/// Checks a stored form as it arrives, a piece at a time, before it replaces anything: its crc32
+/// against the one announced and, for an lz4 block, that it decompresses to exactly `raw_len` bytes
+/// (see [`Lz4Check`]). The streamed puts of the log use it, so that what they publish reads back.
+pub struct PayloadCheck {
+    crc: crc32fast::Hasher,
+    lz4: Option<Lz4Check>,
+}
+
+impl PayloadCheck {
+    /// A check of the stored form `m` announces.
+    pub fn new(m: &StreamedValue) -> Self {
+        PayloadCheck { crc: crc32fast::Hasher::new(), lz4: m.lz4.then(|| Lz4Check::new(m.raw_len)) }
+    }
+
+    /// The next piece of the stored form.
+    pub fn update(&mut self, piece: &[u8]) {
+        self.crc.update(piece);
+        if let Some(c) = &mut self.lz4 {
+            c.update(piece);
+        }
+    }
+
+    /// After the last piece: a crc32 other than `m`'s is a `ChecksumMismatch` (segment 0: bytes
+    /// from elsewhere, not damage on disk) about `what`; an lz4 block that does not decompress to
+    /// `raw_len` a `Protocol` error.
+    pub fn finish(self, m: &StreamedValue, what: &'static str) -> Result<()> {
+        let actual = self.crc.finalize();
+        if actual != m.payload_crc {
+            return Err(Error::ChecksumMismatch { segment: 0, offset: 0, what, expected: m.payload_crc, actual });
+        }
+        if self.lz4.is_some_and(|c| !c.finish()) {
+            return Err(Error::Protocol(format!("{what}: {}", Malformed::Lz4.reason())));
+        }
+        Ok(())
+    }
+}
+
+/// Whether bytes are an lz4 block (`lz4_flex::block`) that decompresses to exactly `raw_len`
+/// bytes, decided a piece at a time in constant memory, without decompressing. Whether a block
+/// decodes does not depend on the bytes it produces, only on its sequences: each a token, a
+/// literal length (extended by bytes while they are 255), the literals, then, unless the block
+/// ends right there, a 2-byte match offset (neither 0 nor reaching before the start of the output)
+/// and a match length (extended the same way). The output may never pass `raw_len`, and must end
+/// exactly at it. These are the rules `lz4_flex::block::decompress_into`, which every read of a
+/// stored form decodes with, applies; a test holds the two to the same verdicts.
+#[derive(Debug, Clone)]
+pub struct Lz4Check {
+    raw_len: u64,
+    /// Bytes the block has produced so far.
+    out: u64,
+    state: Lz4State,
+    bad: bool,
+}
+
+/// Where in a sequence an [`Lz4Check`] is. `matched`: the match length the token gave (its low
+/// nibble + 4; 19 means more bytes follow the offset).
+#[derive(Debug, Clone, Copy)]
+enum Lz4State {
+    Token,
+    LiteralLen {
+        len: u64,
+        matched: u64,
+    },
+    Literals {
+        left: u64,
+        matched: u64,
+    },
+    /// Right after a sequence's literals: the block may end here.
+    Offset {
+        matched: u64,
+    },
+    OffsetHigh {
+        low: u8,
+        matched: u64,
+    },
+    MatchLen {
+        len: u64,
+    },
+}
+
+/// lz4's shortest match.
+const LZ4_MIN_MATCH: u64 = 4;
+
+impl Lz4Check {
+    /// A check of a block that must decompress to `raw_len` bytes.
+    pub fn new(raw_len: u64) -> Self {
+        Lz4Check { raw_len, out: 0, state: Lz4State::Token, bad: false }
+    }
+
+    fn literals(left: u64, matched: u64) -> Lz4State {
+        if left == 0 {
+            Lz4State::Offset { matched }
+        } else {
+            Lz4State::Literals { left, matched }
+        }
+    }
+
+    /// The next piece of the block.
+    pub fn update(&mut self, mut piece: &[u8]) {
+        use Lz4State::*;
+        while let Some((&b, rest)) = piece.split_first() {
+            if self.bad {
+                return;
+            }
+            self.state = match self.state {
+                Token => {
+                    piece = rest;
+                    let matched = (b & 15) as u64 + LZ4_MIN_MATCH;
+                    match b >> 4 {
+                        15 => LiteralLen { len: 15, matched },
+                        n => Self::literals(n as u64, matched),
+                    }
+                }
+                LiteralLen { len, matched } => {
+                    piece = rest;
+                    match b {
+                        255 => LiteralLen { len: len + 255, matched },
+                        b => Self::literals(len + b as u64, matched),
+                    }
+                }
+                Literals { left, matched } => {
+                    let n = left.min(piece.len() as u64);
+                    piece = &piece[n as usize..];
+                    self.out += n;
+                    Self::literals(left - n, matched)
+                }
+                Offset { matched } => {
+                    piece = rest;
+                    OffsetHigh { low: b, matched }
+                }
+                OffsetHigh { low, matched } => {
+                    piece = rest;
+                    let offset = u16::from_le_bytes([low, b]) as u64;
+                    if offset == 0 || offset > self.out {
+                        self.bad = true;
+                        return;
+                    }
+                    if matched == 15 + LZ4_MIN_MATCH {
+                        MatchLen { len: matched }
+                    } else {
+                        self.out += matched;
+                        Token
+                    }
+                }
+                MatchLen { len } => {
+                    piece = rest;
+                    match b {
+                        255 => MatchLen { len: len + 255 },
+                        b => {
+                            self.out += len + b as u64;
+                            Token
+                        }
+                    }
+                }
+            };
+            if self.out > self.raw_len {
+                self.bad = true;
+            }
+        }
+    }
+
+    /// After the last piece: whether the block decompresses to exactly `raw_len` bytes.
+    pub fn finish(&self) -> bool {
+        !self.bad && matches!(self.state, Lz4State::Offset { .. }) && self.out == self.raw_len
+    }
+}
+
 /// Check what `m` announces before anything is allocated for it: at most `MAX_FRAMES` frames whose
 /// lengths lay out to `raw_len`; an uncompressed value stored as it is; an lz4 block whose length
 /// some compression of `raw_len` bytes can have (so `raw_len` is bounded by the stored length).
@@ -161,5 +328,64 @@ mod tests {
         assert_eq!(decode(Bytes::from(block[..block.len() - 1].to_vec()), true, raw, &[10, 20]), Err(Malformed::Lz4));
         assert_eq!(decode(Bytes::from(lay_out(&v)), false, raw, &[10, 21]), Err(Malformed::Layout));
         assert_eq!(cut(&Bytes::from(vec![0u8; 5]), &[u64::MAX, 1]), Err(Malformed::Layout));
+    }
+
+    /// `Lz4Check`'s verdict, fed in pieces split at random, against whether
+    /// `lz4_flex::block::decompress_into` decodes the same bytes to exactly `raw_len`: over real
+    /// blocks of data of every compressibility, and those blocks damaged (a byte changed, cut short,
+    /// one byte longer, announced a byte shorter or longer), and random bytes.
+    #[test]
+    fn the_lz4_check_agrees_with_the_decoder_on_every_block() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        let decodes = |block: &[u8], raw_len: u64| {
+            let mut out = vec![0u8; raw_len as usize];
+            matches!(lz4_flex::block::decompress_into(block, &mut out), Ok(n) if n as u64 == raw_len)
+        };
+        let (mut good, mut bad) = (0, 0);
+        for _ in 0..20_000 {
+            // Runs of a repeated byte among random ones: from all runs to all noise.
+            let len = rng.gen_range(0..3000usize);
+            let noise = rng.gen_range(0.0..1.0);
+            let mut data = Vec::with_capacity(len);
+            while data.len() < len {
+                if rng.gen_bool(noise) {
+                    data.push(rng.gen());
+                } else {
+                    let b: u8 = rng.gen();
+                    data.extend(std::iter::repeat_n(b, rng.gen_range(1..300)));
+                }
+            }
+            data.truncate(len);
+            let block = lz4_flex::block::compress(&data);
+            let raw = data.len() as u64;
+            let mut cases = vec![(block.clone(), raw)];
+            let mut changed = block.clone();
+            let at = rng.gen_range(0..changed.len());
+            changed[at] = rng.gen();
+            cases.push((changed, raw));
+            cases.push((block[..rng.gen_range(0..block.len())].to_vec(), raw));
+            cases.push(([&block[..], &[rng.gen()]].concat(), raw));
+            cases.push((block.clone(), raw + 1));
+            cases.push((block.clone(), raw.saturating_sub(1)));
+            cases.push(((0..rng.gen_range(0..64)).map(|_| rng.gen()).collect(), rng.gen_range(0..256)));
+            for (bytes, raw_len) in cases {
+                let mut check = Lz4Check::new(raw_len);
+                let mut rest = &bytes[..];
+                while !rest.is_empty() {
+                    let (piece, after) = rest.split_at(rng.gen_range(1..=rest.len()));
+                    check.update(piece);
+                    rest = after;
+                }
+                let expected = decodes(&bytes, raw_len);
+                assert_eq!(check.finish(), expected, "{bytes:?} to {raw_len} bytes");
+                if expected {
+                    good += 1;
+                } else {
+                    bad += 1;
+                }
+            }
+        }
+        assert!(good > 20_000 && bad > 60_000, "both verdicts well covered: {good} good, {bad} bad");
     }
 }

@@ -275,6 +275,126 @@ fn a_short_lz4_block_is_an_error_not_a_panic_and_the_client_stops_reading() {
     }
 }
 
+/// An lz4 block with the right checksum that does not decompress to the length its header
+/// announces is refused by a receiving log before it replaces anything, whether it is read into
+/// memory first (small) or streamed into a segment of its own (over 1 MiB): the key keeps its old
+/// value, and the log goes on.
+#[test]
+fn an_lz4_block_that_does_not_decode_is_not_stored_and_the_old_value_stays() {
+    use rand::{RngCore, SeedableRng};
+    let mut noise = vec![0u8; 2 << 20];
+    rand::rngs::StdRng::seed_from_u64(1).fill_bytes(&mut noise);
+    // Each block decompresses to 64 bytes less than announced.
+    for data in [vec![7u8; 936], noise] {
+        let block = lz4_flex::block::compress(&data);
+        let raw = data.len() as u64 + 64;
+        let m = StreamedValue {
+            lz4: true,
+            frame_lens: vec![raw],
+            raw_len: raw,
+            stored_len: block.len() as u64,
+            payload_crc: spillway::format::payload_crc(&block),
+        };
+        let mut resp = transfer::encode_value_response(&m);
+        resp.extend_from_slice(&block);
+        let dst = tempfile::tempdir().unwrap();
+        let log = log_at(dst.path(), Compression::None);
+        log.put(b"k", &frames_for(b"old", 100)).unwrap();
+        let mut c = Client::connect(fake_server(resp), TICKET, opts()).unwrap();
+        let err = c.get_into(b"k", &log, b"k").unwrap_err();
+        assert!(
+            matches!(&err, spillway::Error::Protocol(m) if m.contains("does not decompress")),
+            "{} stored bytes: {err}",
+            block.len()
+        );
+        assert_eq!(log.get(b"k").unwrap(), Some(frames_for(b"old", 100)), "{} stored bytes", block.len());
+        log.put(b"after", &frames_for(b"after", 100)).unwrap();
+        assert_eq!(log.get(b"after").unwrap(), Some(frames_for(b"after", 100)));
+    }
+}
+
+/// A fake server on an ephemeral loopback port that answers one request with the header of a
+/// 1 GiB value and then runs `rest` on the connection. Returns its address.
+fn announce_a_gib_then(rest: impl FnOnce(&mut TcpStream) + Send + 'static) -> String {
+    let m =
+        StreamedValue { lz4: false, frame_lens: vec![1 << 30], raw_len: 1 << 30, stored_len: 1 << 30, payload_crc: 0 };
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let mut hello = [0u8; 8];
+        s.read_exact(&mut hello).unwrap();
+        s.write_all(&transfer::greeting()).unwrap();
+        let mut req = vec![0u8; raw_request(&TICKET, b"k").len()];
+        s.read_exact(&mut req).unwrap();
+        s.write_all(&transfer::encode_value_response(&m)).unwrap();
+        rest(&mut s);
+    });
+    addr
+}
+
+/// A peer that announces a large value and stalls holds little of the receiver's disk, and not for
+/// long: the receiving log reserves its segment's space as the bytes arrive (at most 64 MiB past
+/// them), not as announced, and the transfer must keep its pace from the first byte (`timeout +
+/// bytes so far / min_bytes_per_sec`), so a trickle is cut off after about `timeout` however much
+/// it announced. Nothing of the value stays behind.
+#[test]
+fn a_peer_that_announces_a_large_value_and_stalls_holds_little_disk_and_is_cut_off() {
+    // Disk: the value's own segment, while 4 KiB of the announced 1 GiB have arrived.
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let addr = announce_a_gib_then(move |s| {
+        s.write_all(&[1u8; 4096]).unwrap();
+        let _ = go_rx.recv_timeout(Duration::from_secs(60)); // then hang up
+    });
+    let dst = tempfile::tempdir().unwrap();
+    let log = Arc::new(log_at(dst.path(), Compression::None));
+    let receiving = {
+        let log = log.clone();
+        std::thread::spawn(move || {
+            let o = TransferOptions { timeout: Duration::from_secs(60), ..opts() };
+            Client::connect(&addr, TICKET, o).unwrap().get_into(b"k", &log, b"k").map_err(|e| e.to_string())
+        })
+    };
+    let largest = || {
+        std::fs::read_dir(dst.path().join("segments"))
+            .unwrap()
+            .filter_map(|e| e.ok()?.metadata().ok())
+            .map(|m| {
+                use std::os::unix::fs::MetadataExt;
+                (m.len(), m.blocks() * 512)
+            })
+            .max()
+    };
+    // The value's segment has its first reservation once it has a size: poll for it, bounded.
+    let seen = (0..6000).find_map(|_| match largest() {
+        Some((len, blocks)) if len > (8 << 20) || blocks > (8 << 20) => Some((len, blocks)),
+        _ => {
+            std::thread::sleep(Duration::from_millis(10));
+            None
+        }
+    });
+    let (len, blocks) = seen.expect("the value's segment appears");
+    assert!(len <= (65 << 20) && blocks <= (65 << 20), "{len} bytes long, {blocks} allocated, for 4 KiB received");
+    go_tx.send(()).unwrap();
+    let err = receiving.join().unwrap().unwrap_err();
+    assert!(err.contains("stopped before the whole value"), "{err}");
+    assert_eq!(log.get(b"k").unwrap(), None);
+
+    // Time: a byte every 100 ms, each within the 1 s socket timeout, for 10 s at most.
+    let addr = announce_a_gib_then(|s| {
+        for _ in 0..100 {
+            if s.write_all(&[1u8]).is_err() {
+                return; // cut off
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    });
+    let o = TransferOptions { timeout: Duration::from_secs(1), min_bytes_per_sec: 1 << 20, ..opts() };
+    let err = Client::connect(&addr, TICKET, o).unwrap().get_into(b"k", &log, b"k").unwrap_err().to_string();
+    assert!(err.contains("not through in time"), "the trickle of a value announced as 1 GiB ran out: {err}");
+    assert_eq!(log.get(b"k").unwrap(), None);
+}
+
 /// A server of one key ("k" = "v") with `max_connections = 1`, and the client that holds that
 /// place (having read the key once). The temporary directory lives as long as the first item.
 fn serve_with_one_place_taken() -> (tempfile::TempDir, String, Client) {
@@ -1039,7 +1159,7 @@ fn a_trickled_request_is_cut_off_by_its_deadline() {
     assert!(sent < raw_request(&TICKET, b"k").len());
 
     // Through `serve` with one place: a peer that sends the first byte of a request and stalls
-    // holds the place only until the deadline, and then the place serves another client.
+    // does not keep another client out.
     let src = tempfile::tempdir().unwrap();
     let log = log_at(src.path(), Compression::None);
     log.put(b"k", &frames_for(b"k", 1000)).unwrap();
@@ -1061,30 +1181,56 @@ fn a_trickled_request_is_cut_off_by_its_deadline() {
     drop(stalled);
 }
 
-/// One peer address cannot take more than `max_connections_per_peer` places: the next connection
-/// is told why, and a place freed is taken again.
+/// Connections that have not had a request admitted (no ticket shown) give their places up, oldest
+/// first, to newer ones: past `max_connections_per_peer` of them from one address, or past
+/// `max_connections` in all. Admitted connections are not counted per address (the workers of one
+/// host share it) and keep their places: with every place admitted, one more is refused.
 #[test]
-fn one_peer_cannot_hold_more_than_its_share_of_connections() {
+fn unadmitted_connections_give_their_places_up_to_peers_with_tickets() {
     let src = tempfile::tempdir().unwrap();
     let log = log_at(src.path(), Compression::None);
     log.put(b"k", &frames_for(b"k", 1000)).unwrap();
-    let addr = serve_access(open_to(Arc::new(log)), TransferOptions { max_connections_per_peer: 2, ..opts() });
-    let mut held: Vec<Client> = (0..2).map(|_| Client::connect(&addr, TICKET, opts()).unwrap()).collect();
-    for c in &mut held {
-        assert!(c.get(b"k").unwrap().is_some());
-    }
-    let err = Client::connect(&addr, TICKET, opts()).and_then(|mut c| c.get(b"k")).unwrap_err();
-    assert!(err.to_string().contains("too many connections from this peer"), "{err}");
-    drop(held.pop());
-    // The server notices the hang-up when its thread reads end of file: retry until it has.
-    let served = (0..1000).any(|_| {
-        let ok = Client::connect(&addr, TICKET, opts()).and_then(|mut c| c.get(b"k")).is_ok();
-        if !ok {
-            std::thread::sleep(Duration::from_millis(10));
+    let o = TransferOptions {
+        max_connections: 4,
+        max_connections_per_peer: 2,
+        timeout: Duration::from_secs(120),
+        ..opts()
+    };
+    let addr = serve_access(open_to(Arc::new(log)), o);
+    // Two connections that greet and then say nothing: the per-address share of 127.0.0.1.
+    let mut idle: Vec<TcpStream> = (0..2)
+        .map(|_| {
+            let mut s = TcpStream::connect(&addr).unwrap();
+            s.write_all(&transfer::greeting()).unwrap();
+            let mut greeting = [0u8; 8];
+            s.read_exact(&mut greeting).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+            s
+        })
+        .collect();
+    let cut_off = |s: &mut TcpStream| {
+        let mut rest = Vec::new();
+        // End of file (or a reset) well before the server's 120 s timeout would close it.
+        s.read_to_end(&mut rest).map_or_else(|e| e.kind() == std::io::ErrorKind::ConnectionReset, |_| rest.is_empty())
+    };
+    // Peers with a ticket from the same address: the first takes the oldest idle one's place,
+    // the next two find free places, the fourth takes the other idle one's.
+    let mut served = Vec::new();
+    for i in 0..4 {
+        let mut c = Client::connect(&addr, TICKET, opts()).unwrap();
+        assert_eq!(c.get(b"k").unwrap(), Some(frames_for(b"k", 1000)), "client {i} was kept out");
+        served.push(c);
+        if i == 0 {
+            assert!(cut_off(&mut idle[0]), "the oldest idle connection keeps its place");
         }
-        ok
-    });
-    assert!(served, "the freed place was never taken again");
+    }
+    assert!(cut_off(&mut idle[1]), "an idle connection keeps its place against a peer with a ticket");
+    // Every place admitted: one more is refused, and told why.
+    let err = Client::connect(&addr, TICKET, opts()).and_then(|mut c| c.get(b"k")).unwrap_err();
+    assert!(err.to_string().contains("too many connections"), "{err}");
+    for c in &mut served {
+        assert_eq!(c.get(b"k").unwrap(), Some(frames_for(b"k", 1000)), "an admitted connection was cut off");
+    }
 }
 
 /// `Access::close` cuts a value being sent, so that the source is no longer held (a closing log
@@ -1202,4 +1348,47 @@ fn an_expired_grant_lets_go_of_its_value_without_other_traffic() {
         std::thread::sleep(Duration::from_millis(20));
     }
     assert!(!access.revoke(&t), "expired");
+}
+
+/// A peer that paces the head of its answer (the greeting; a value's status, header and frame
+/// table) one byte at a time, each well within the socket timeout, is cut off once the head as a
+/// whole has taken the timeout: it cannot hold a client for a timeout per byte.
+#[test]
+fn a_trickled_greeting_or_response_head_is_cut_off_by_its_deadline() {
+    let (payload, meta) = spillway_tests::streamed(&frames_for(b"k", 100));
+    let head = transfer::encode_value_response(&meta);
+    assert!(head.len() >= 10, "the head takes over 1 s at 200 ms a byte");
+    let trickle = |s: &mut TcpStream, bytes: &[u8]| {
+        for b in bytes {
+            if s.write_all(std::slice::from_ref(b)).is_err() {
+                return false; // the client gave up
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        true
+    };
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        // First connection: the greeting trickles.
+        let (mut s, _) = listener.accept().unwrap();
+        let mut hello = [0u8; 8];
+        s.read_exact(&mut hello).unwrap();
+        trickle(&mut s, &transfer::greeting());
+        // Second: the greeting comes at once, the value's head trickles, then the payload.
+        let (mut s, _) = listener.accept().unwrap();
+        s.read_exact(&mut hello).unwrap();
+        s.write_all(&transfer::greeting()).unwrap();
+        let mut req = vec![0u8; raw_request(&TICKET, b"k").len()];
+        s.read_exact(&mut req).unwrap();
+        if trickle(&mut s, &head) {
+            let _ = s.write_all(&payload);
+        }
+    });
+    let o = TransferOptions { timeout: Duration::from_secs(1), ..opts() };
+    let err = Client::connect(addr, TICKET, o.clone()).err().expect("the trickled greeting is cut off").to_string();
+    assert!(err.contains("receive hello") && err.contains("in time"), "{err}");
+    let mut c = Client::connect(addr, TICKET, o).unwrap();
+    let err = c.get(b"k").unwrap_err().to_string();
+    assert!(err.contains("not through in time"), "{err}");
 }

@@ -29,6 +29,10 @@ pub(super) type Streams = HashMap<Vec<u8>, Vec<(u64, bool)>>;
 /// values of a few MiB must not cost a file each.)
 pub(super) const STREAM_BUFFERED_MAX: u64 = 1 << 20;
 
+/// A value streamed into a segment of its own has the segment's space reserved (`fallocate`) at
+/// most this far past the bytes that arrived, not all of it as the value's header announced.
+pub(super) const STREAM_RESERVE_AHEAD: u64 = 64 << 20;
+
 /// The error of a peer that stopped before the whole value arrived.
 pub(super) fn stopped_early() -> io::Error {
     io::Error::new(io::ErrorKind::UnexpectedEof, "the sender stopped before the whole value arrived")
@@ -54,7 +58,8 @@ impl<B: Backend> SegmentLog<B> {
     /// arrives: a value of at most that many stored bytes is read first, then appended like any
     /// record; a larger one is written into a segment of its own as the bytes arrive (see
     /// `put_stream_apart`). The payload checksum is computed on the way, and the key is published
-    /// only when all `meta.stored_len` bytes arrived and match `meta.payload_crc`. On a short read
+    /// only when all `meta.stored_len` bytes arrived, match `meta.payload_crc` and, for an lz4
+    /// block, decompress to `meta.raw_len` (`stored::PayloadCheck`). On a short read
     /// (the sender hung up), a read error or a checksum mismatch, nothing becomes visible, nothing
     /// of the value stays on disk, and the log stays usable. A write of the key published while the
     /// value arrives wins over it (the streamed record is dead on arrival).
@@ -155,7 +160,7 @@ impl<B: Backend> SegmentLog<B> {
         buf.extend_from_slice(&old_tail);
         buf.extend_from_slice(&head);
         let mut buf_base = base;
-        let mut crc = crc32fast::Hasher::new();
+        let mut check = stored::PayloadCheck::new(meta);
         let mut left = meta.stored_len;
         let file = &a.file;
         let end = start + len;
@@ -198,7 +203,7 @@ impl<B: Backend> SegmentLog<B> {
                             ),
                         ));
                     }
-                    crc.update(&buf[at..at + n]);
+                    check.update(&buf[at..at + n]);
                     left -= n as u64;
                 }
                 if left == 0 {
@@ -214,17 +219,8 @@ impl<B: Backend> SegmentLog<B> {
             Ok(())
         })();
         let result = result.and_then(|()| {
-            let actual = crc.finalize();
-            if actual != meta.payload_crc {
-                // Bad bytes from the peer, not damage on disk (the record is zeroed below): segment 0.
-                return Err(Error::ChecksumMismatch {
-                    segment: 0,
-                    offset: 0,
-                    what: "streamed value payload",
-                    expected: meta.payload_crc,
-                    actual,
-                });
-            }
+            // Bad bytes from the peer (the record is zeroed below).
+            check.finish(meta, "streamed value payload")?;
             // Last piece: pad the record and the block, write, keep the new tail block.
             let at = buf.len();
             let rec_end = (end - buf_base) as usize;
@@ -398,7 +394,7 @@ impl<B: Backend> SegmentLog<B> {
     }
 
     /// The segment of a `put_stream_apart`: created at `path`, its header, the record (its payload
-    /// from `src`, checked against `meta.payload_crc`), made durable first in a durable log, then
+    /// from `src`, checked by `stored::PayloadCheck`), made durable first in a durable log, then
     /// its footer and trailer. On failure the file is removed (it was never part of the log).
     #[allow(clippy::too_many_arguments)] // one value's record, as `put_stream_apart` placed it
     pub(super) fn write_streamed_segment(
@@ -418,13 +414,29 @@ impl<B: Backend> SegmentLog<B> {
         // As on every write path: a full file system fails this call alone, any other failure
         // makes the log read-only (see `write_failed`).
         let io_err = |op: &'static str| move |e: io::Error| self.write_failed(op, path.to_path_buf(), e);
-        let written = (|| -> Result<RecordHeader> {
-            let mut reserved = self.backend.allocate(&file, size);
-            if !matches!(reserved, Ok(true)) && self.release_spare_files(&mut self.writer()) {
-                // Files kept for reuse held the space this stream's own segment needs.
-                reserved = self.backend.allocate(&file, size);
+        // The file's space is reserved as the value arrives, at most STREAM_RESERVE_AHEAD past it:
+        // a peer that announces gigabytes and stalls holds little of the disk (and only while it
+        // keeps the transfer's pace).
+        let (mut reserved_to, mut spares_released) = (0u64, false);
+        let mut reserve = |upto: u64| -> Result<()> {
+            let upto = upto.saturating_add(STREAM_RESERVE_AHEAD).min(size);
+            if upto <= reserved_to {
+                return Ok(());
+            }
+            let mut reserved = self.backend.allocate(&file, upto);
+            if !matches!(reserved, Ok(true)) && !spares_released {
+                // Files kept for reuse may hold the space this stream's own segment needs.
+                spares_released = true;
+                if self.release_spare_files(&mut self.writer()) {
+                    reserved = self.backend.allocate(&file, upto);
+                }
             }
             reserved.map_err(io_err("fallocate"))?;
+            reserved_to = upto;
+            Ok(())
+        };
+        let written = (|| -> Result<RecordHeader> {
+            reserve(0)?;
             let mut hb = AlignedBuf::zeroed(align, align);
             let header = format::SegmentHeader {
                 segment: id,
@@ -445,7 +457,7 @@ impl<B: Backend> SegmentLog<B> {
             buf.set_len(0);
             buf.extend_from_slice(&head);
             let (mut at, mut left) = (data_start, meta.stored_len);
-            let mut crc = crc32fast::Hasher::new();
+            let mut check = stored::PayloadCheck::new(meta);
             loop {
                 while left > 0 && buf.len() < fill {
                     let from = buf.len();
@@ -464,12 +476,13 @@ impl<B: Backend> SegmentLog<B> {
                         }
                     };
                     buf.set_len(from + n);
-                    crc.update(&buf[from..from + n]);
+                    check.update(&buf[from..from + n]);
                     left -= n as u64;
                 }
                 if left == 0 {
                     break;
                 }
+                reserve(at + buf.len() as u64)?;
                 let (r, b) =
                     self.backend.write_at(&file, at, std::mem::replace(&mut buf, AlignedBuf::zeroed(0, align)));
                 buf = b;
@@ -477,18 +490,8 @@ impl<B: Backend> SegmentLog<B> {
                 at += buf.len() as u64;
                 buf.set_len(0);
             }
-            let actual = crc.finalize();
-            if actual != meta.payload_crc {
-                // Bad bytes from the peer, not damage on disk: segment 0.
-                let what = "streamed value payload";
-                return Err(Error::ChecksumMismatch {
-                    segment: 0,
-                    offset: 0,
-                    what,
-                    expected: meta.payload_crc,
-                    actual,
-                });
-            }
+            check.finish(meta, "streamed value payload")?;
+            reserve(size)?;
             let end = buf.len();
             buf.set_len(align_up(end as u64, self.align) as usize);
             buf[end..].fill(0);

@@ -39,7 +39,7 @@ impl Client {
                     let _ = stream.set_nodelay(true);
                     stream.write_all(&hello()).map_err(|e| io_err("send hello", e))?;
                     let mut h = [0u8; 8];
-                    stream.read_exact(&mut h).map_err(|e| io_err("receive hello", e))?;
+                    Paced::head(&mut stream, greet).read_exact(&mut h).map_err(|e| io_err("receive hello", e))?;
                     check_hello(&h)?;
                     set(&stream, opts.timeout)?;
                     return Ok(Client {
@@ -100,11 +100,15 @@ impl Client {
         let expect = self.expect_frames.take();
         self.sent = true;
         self.stream.write_all(&req).map_err(|e| io_err("send request", e))?;
+        // The response's head (status, an error's text, a value's header and frame table) under
+        // one deadline, however the peer paces its bytes; the payload then has its own.
+        let timeout = self.opts.timeout;
+        let mut head = Paced::head(&mut self.stream, timeout);
         let mut st = [0u8; 1];
-        self.stream.read_exact(&mut st).map_err(|e| io_err("receive response", e))?;
+        head.read_exact(&mut st).map_err(|e| io_err("receive response", e))?;
         match st[0] {
             ST_VALUE => {
-                let m = read_value_header(&mut self.stream, self.opts.max_value_bytes)?;
+                let m = read_value_header(&mut head, self.opts.max_value_bytes)?;
                 let total: u64 = m.frame_lens.iter().sum();
                 match expect {
                     Some(n) if n != total => {
@@ -116,10 +120,10 @@ impl Client {
             ST_NOT_FOUND => Ok(None),
             ST_ERROR => {
                 let mut l = [0u8; 4];
-                self.stream.read_exact(&mut l).map_err(|e| io_err("receive error", e))?;
+                head.read_exact(&mut l).map_err(|e| io_err("receive error", e))?;
                 let len = u32::from_le_bytes(l) as usize;
                 let mut msg = vec![0u8; len.min(MAX_ERROR_BYTES)];
-                self.stream.read_exact(&mut msg).map_err(|e| io_err("receive error", e))?;
+                head.read_exact(&mut msg).map_err(|e| io_err("receive error", e))?;
                 // A server never sends more than MAX_ERROR_BYTES; past that the rest is unread.
                 self.answered_error = len <= MAX_ERROR_BYTES;
                 Err(proto(format!("server error: {}", String::from_utf8_lossy(&msg))))
@@ -141,8 +145,7 @@ impl Client {
     /// Read the stored payload announced by `m` into memory, verify it, decompress it, cut it into
     /// frames (bounded by `max_value_bytes`, checked when the header was read).
     pub(super) fn receive_whole(&mut self, m: &StreamedValue) -> Result<Frames> {
-        let allowance = self.opts.allowance(m.stored_len);
-        stored::read(m, &mut Paced::new(&mut self.stream, allowance), self.opts.max_value_bytes)
+        stored::read(m, &mut Paced::payload(&mut self.stream, &self.opts), self.opts.max_value_bytes)
     }
 
     /// Fetch `key` straight into `log` under `as_key`, in stored form, never holding the value in
@@ -150,8 +153,8 @@ impl Client {
     pub fn get_into<B: Backend>(&mut self, key: &[u8], log: &SegmentLog<B>, as_key: &[u8]) -> Result<bool> {
         self.guarded(|c| {
             let Some(m) = c.request(key)? else { return Ok(false) };
-            let allowance = c.opts.allowance(m.stored_len);
-            log.put_stream(as_key, &m, &mut Paced::new(&mut c.stream, allowance)).map(|()| true)
+            let opts = c.opts.clone();
+            log.put_stream(as_key, &m, &mut Paced::payload(&mut c.stream, &opts)).map(|()| true)
         })
     }
 
@@ -166,8 +169,8 @@ impl Client {
     ) -> Result<bool> {
         self.guarded(|c| {
             let Some(m) = c.request(key)? else { return Ok(false) };
-            let allowance = c.opts.allowance(m.stored_len);
-            store.put_stream(as_key, &m, &mut Paced::new(&mut c.stream, allowance)).map(|()| true)
+            let opts = c.opts.clone();
+            store.put_stream(as_key, &m, &mut Paced::payload(&mut c.stream, &opts)).map(|()| true)
         })
     }
 
@@ -178,8 +181,8 @@ impl Client {
     pub fn get_into_store<C: Codec, B: Backend>(&mut self, key: &[u8], store: &Store<C, B>) -> Result<bool> {
         self.guarded(|c| {
             let Some(m) = c.request(key)? else { return Ok(false) };
-            let allowance = c.opts.allowance(m.stored_len);
-            store.receive(key, &m, &mut Paced::new(&mut c.stream, allowance)).map(|()| true)
+            let opts = c.opts.clone();
+            store.receive(key, &m, &mut Paced::payload(&mut c.stream, &opts)).map(|()| true)
         })
     }
 
@@ -205,7 +208,7 @@ impl Client {
         let mut crc = crc32fast::Hasher::new();
         let mut buf = vec![0u8; PIPE_BYTES];
         let mut pos = 0u64;
-        let mut src = Paced::new(&mut self.stream, self.opts.allowance(m.stored_len));
+        let mut src = Paced::payload(&mut self.stream, &self.opts);
         while pos < m.stored_len {
             let want = ((m.stored_len - pos) as usize).min(buf.len());
             let n = match src.read(&mut buf[..want]) {

@@ -41,7 +41,6 @@ pub use wire::{encode_value_response, greeting, read_value_header, NOT_AUTHORIZE
 use self::server::*;
 use self::wire::*;
 
-use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, Shutdown, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -67,11 +66,14 @@ pub struct TransferOptions {
     /// Client: how long connecting, and the server's greeting, may take; `None`: `timeout`. A peer
     /// whose port is blocked (a firewall dropping packets) costs this, not `timeout`.
     pub connect_timeout: Option<Duration>,
-    /// Server: connections served at once; more are refused with an error response (at most
-    /// [`MAX_REFUSING`] at a time; beyond that they are closed unanswered).
+    /// Server: connections served at once. One more takes the place of the oldest connection
+    /// not yet admitted (no request of it admitted by a ticket), which is cut off; if every place
+    /// is admitted, it is refused with an error response (at most [`MAX_REFUSING`] at a time;
+    /// beyond that they are closed unanswered).
     pub max_connections: usize,
-    /// Server: connections served at once from one peer address (refused like those over
-    /// `max_connections`), so that one peer cannot hold every place.
+    /// Server: connections not yet admitted from one peer address; one more takes the place of
+    /// that address's oldest such connection. Admitted connections are not counted: the workers of
+    /// one host share its address.
     pub max_connections_per_peer: usize,
     /// Server: values smaller than this are copied (read and written 1 MiB at a time)
     /// rather than spliced. Measured on loopback into a receiving log: splice ran at 0.35x the copy
@@ -79,44 +81,78 @@ pub struct TransferOptions {
     /// (docs/benchmarks.md has the current numbers).
     pub splice_min_bytes: u64,
     /// Slowest average rate, in bytes per second, at which a value's payload may arrive (client)
-    /// or leave (server); 0 for no limit. A payload of `n` bytes must be through within
-    /// `timeout + n / min_bytes_per_sec`, or the transfer fails with `TimedOut`. The socket
-    /// timeout bounds each call only: a peer that sends (or reads) a byte every few seconds would
-    /// otherwise hold the transfer, its connection slot and, for a value streamed into a log, the
-    /// log's writer lock, for good.
+    /// or leave (server); 0 for no limit. A payload must keep pace from its first byte on: `n`
+    /// bytes of it through within `timeout + n / min_bytes_per_sec`, or the transfer fails with
+    /// `TimedOut`. The socket timeout bounds each call only: a peer that sends (or reads) a byte
+    /// every few seconds would otherwise hold the transfer, its connection slot, a receiving
+    /// store's room for the value and the disk reserved for it, for good; counted by the bytes so
+    /// far, not the size announced, a peer that announces gigabytes and stalls is cut off after
+    /// about `timeout`.
     pub min_bytes_per_sec: u64,
 }
 
-impl TransferOptions {
-    /// How long a payload of `bytes` may take (see [`TransferOptions::min_bytes_per_sec`]);
-    /// `None` for no limit.
-    fn allowance(&self, bytes: u64) -> Option<Duration> {
-        if self.min_bytes_per_sec == 0 {
-            return None;
+/// The pace a transfer must keep, counted from its first call: `done` bytes through within
+/// `timeout + done / min_bytes_per_sec` (see [`TransferOptions::min_bytes_per_sec`]).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Pace {
+    start: Option<Instant>,
+    timeout: Duration,
+    /// 0: no bound at all.
+    min_bytes_per_sec: u64,
+    /// What the error says was too late.
+    late: &'static str,
+}
+
+impl Pace {
+    /// A payload's pace (none if `opts.min_bytes_per_sec` is 0).
+    pub(super) fn payload(opts: &TransferOptions) -> Pace {
+        Pace {
+            start: None,
+            timeout: opts.timeout,
+            min_bytes_per_sec: opts.min_bytes_per_sec,
+            late: server::PAYLOAD_LATE,
         }
-        let pace = Duration::from_secs_f64((bytes as f64 / self.min_bytes_per_sec as f64).min(1e9));
-        Some(self.timeout.saturating_add(pace))
+    }
+
+    /// The head of a response (its status, an error's text, a value's header and frame table) or
+    /// a greeting: all of it within `timeout`, however a peer paces its bytes.
+    fn head(timeout: Duration) -> Pace {
+        let late = "the response was not through in time (timeout)";
+        Pace { start: None, timeout, min_bytes_per_sec: u64::MAX, late }
+    }
+
+    /// `TimedOut` if `done` bytes are behind the pace.
+    pub(super) fn check(&mut self, done: u64) -> io::Result<()> {
+        if self.min_bytes_per_sec == 0 {
+            return Ok(());
+        }
+        let start = *self.start.get_or_insert_with(Instant::now);
+        let owed = Duration::try_from_secs_f64(done as f64 / self.min_bytes_per_sec as f64).unwrap_or(MAX_WAIT);
+        if start.elapsed() > self.timeout.saturating_add(owed) {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, self.late));
+        }
+        Ok(())
     }
 }
 
-/// A socket (or any reader or writer) whose calls fail with `TimedOut` once an allowance, counted
-/// from its first call, has passed: it bounds a whole payload, where the socket timeout bounds each
+/// A socket (or any reader or writer) whose calls fail with `TimedOut` once the bytes through it
+/// fall behind a [`Pace`]: it bounds a whole payload or head, where the socket timeout bounds each
 /// call. Counting from the first call leaves out a wait before it (a receiving log's writer lock).
 struct Paced<'a, S> {
     inner: &'a mut S,
-    allowance: Option<Duration>,
-    deadline: Option<Instant>,
+    pace: Pace,
+    done: u64,
 }
 
 impl<'a, S> Paced<'a, S> {
-    fn new(inner: &'a mut S, allowance: Option<Duration>) -> Self {
-        Paced { inner, allowance, deadline: None }
+    /// For a payload (see [`TransferOptions::min_bytes_per_sec`]).
+    fn payload(inner: &'a mut S, opts: &TransferOptions) -> Self {
+        Paced { inner, pace: Pace::payload(opts), done: 0 }
     }
 
-    fn check(&mut self) -> io::Result<()> {
-        let Some(allowance) = self.allowance else { return Ok(()) };
-        let deadline = *self.deadline.get_or_insert_with(|| after(allowance));
-        check_deadline(Some(deadline))
+    /// For a head: see [`Pace::head`].
+    fn head(inner: &'a mut S, timeout: Duration) -> Self {
+        Paced { inner, pace: Pace::head(timeout), done: 0 }
     }
 }
 
@@ -129,28 +165,21 @@ pub(crate) fn after(d: Duration) -> Instant {
     Instant::now() + d.min(MAX_WAIT)
 }
 
-/// `TimedOut` once `deadline` has passed.
-fn check_deadline(deadline: Option<Instant>) -> io::Result<()> {
-    if deadline.is_some_and(|d| Instant::now() > d) {
-        return Err(io::Error::new(
-            io::ErrorKind::TimedOut,
-            "the value was not through in time (timeout + size / min_bytes_per_sec)",
-        ));
-    }
-    Ok(())
-}
-
 impl<S: Read> Read for Paced<'_, S> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        self.check()?;
-        self.inner.read(buf)
+        self.pace.check(self.done)?;
+        let n = self.inner.read(buf)?;
+        self.done += n as u64;
+        Ok(n)
     }
 }
 
 impl<S: Write> Write for Paced<'_, S> {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.check()?;
-        self.inner.write(buf)
+        self.pace.check(self.done)?;
+        let n = self.inner.write(buf)?;
+        self.done += n as u64;
+        Ok(n)
     }
     fn flush(&mut self) -> io::Result<()> {
         self.inner.flush()

@@ -77,8 +77,63 @@ impl<C: Codec, B: Backend> Source for Store<C, B> {
 /// connections are closed unanswered: a flood costs no more than this many threads.
 pub const MAX_REFUSING: usize = 8;
 
+/// The connections [`serve`] is serving, oldest first. A connection is *unadmitted* until a ticket
+/// of its is admitted: until then it has proved nothing, and it gives its place up to a newer one.
+#[derive(Default)]
+struct Places {
+    next_id: u64,
+    taken: Vec<Place>,
+}
+
+struct Place {
+    id: u64,
+    ip: IpAddr,
+    /// A handle to cut the connection off with, while it is unadmitted; `None` once admitted.
+    unadmitted: Option<TcpStream>,
+}
+
+/// What a new connection from `ip` gets (see [`serve`]).
+enum Room {
+    Free,
+    /// The place at this index, cut off.
+    Taken(usize),
+    Refused(&'static str),
+}
+
+impl Places {
+    fn room_for(&self, ip: IpAddr, opts: &TransferOptions) -> Room {
+        let oldest_unadmitted = |of: Option<IpAddr>| {
+            self.taken.iter().position(|p| p.unadmitted.is_some() && of.is_none_or(|ip| p.ip == ip))
+        };
+        let from_ip = self.taken.iter().filter(|p| p.unadmitted.is_some() && p.ip == ip).count();
+        if from_ip >= opts.max_connections_per_peer {
+            return oldest_unadmitted(Some(ip))
+                .map_or(Room::Refused("too many connections from this peer"), Room::Taken);
+        }
+        if self.taken.len() >= opts.max_connections {
+            return oldest_unadmitted(None).map_or(Room::Refused("too many connections"), Room::Taken);
+        }
+        Room::Free
+    }
+
+    fn admitted(&mut self, id: u64) {
+        if let Some(p) = self.taken.iter_mut().find(|p| p.id == id) {
+            p.unadmitted = None;
+        }
+    }
+
+    fn give_back(&mut self, id: u64) {
+        self.taken.retain(|p| p.id != id);
+    }
+}
+
 /// Serve what `access` lets through on `listener`: one thread per connection, at most
-/// `opts.max_connections` at once and `opts.max_connections_per_peer` from one address.
+/// `opts.max_connections` at once, of which at most `opts.max_connections_per_peer` from one
+/// address unadmitted (before a request of theirs is admitted). A connection over either limit
+/// takes the place of the oldest unadmitted one (of its own address for the per-address limit),
+/// which is cut off; if every place is admitted, it is refused ("too many connections"). So
+/// connections that prove nothing, however many and however renewed, never keep out a peer with a
+/// ticket, and the workers of one host (one address) are not limited to one peer's share.
 /// Returns `Ok(())` once the listener is shut down ([`shutdown_listener`] on a clone of it, from
 /// another thread), or the error if `accept` fails in a way that will not pass (the descriptor is
 /// not a listening socket). Failures that concern one connection or pass (an aborted handshake,
@@ -86,30 +141,23 @@ pub const MAX_REFUSING: usize = 8;
 pub fn serve<S: Source>(access: Arc<Access<S>>, listener: TcpListener, opts: TransferOptions) -> Result<()> {
     // Grants expire on time whether or not a request comes: their pins go with them.
     let _sweeper = Sweeper::start(access.clone());
-    /// A place in a count of threads (`max_connections`, [`MAX_REFUSING`]), given back when the
-    /// thread ends however it ends (a panic included), or with its closure if it never starts.
-    struct Held(Arc<AtomicUsize>);
-    impl Drop for Held {
+    /// A place in the count of refusing threads ([`MAX_REFUSING`]), given back when the thread ends
+    /// however it ends (a panic included), or with its closure if it never starts.
+    struct Refusing(Arc<AtomicUsize>);
+    impl Drop for Refusing {
         fn drop(&mut self) {
             self.0.fetch_sub(1, Ordering::SeqCst);
         }
     }
-    /// A place in the count of one peer address's connections.
-    struct PeerHeld(Arc<Mutex<HashMap<IpAddr, usize>>>, IpAddr);
-    impl Drop for PeerHeld {
+    /// A connection's place in [`Places`], given back as `Refusing` is.
+    struct Held(Arc<Mutex<Places>>, u64);
+    impl Drop for Held {
         fn drop(&mut self) {
-            let mut peers = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-            if let Some(n) = peers.get_mut(&self.1) {
-                *n -= 1;
-                if *n == 0 {
-                    peers.remove(&self.1);
-                }
-            }
+            self.0.lock().unwrap_or_else(PoisonError::into_inner).give_back(self.1);
         }
     }
-    let active = Arc::new(AtomicUsize::new(0));
     let refusing = Arc::new(AtomicUsize::new(0));
-    let peers: Arc<Mutex<HashMap<IpAddr, usize>>> = Arc::default();
+    let places: Arc<Mutex<Places>> = Arc::default();
     // Failed accepts are logged at most every ACCEPT_WARN_EVERY, with how many were not.
     let mut warned: Option<Instant> = None;
     let mut unlogged = 0u64;
@@ -137,48 +185,59 @@ pub fn serve<S: Source>(access: Arc<Access<S>>, listener: TcpListener, opts: Tra
                 continue;
             }
         };
-        let peer_held = {
-            let mut p = peers.lock().unwrap_or_else(PoisonError::into_inner);
-            let n = p.entry(peer.ip()).or_insert(0);
-            if *n < opts.max_connections_per_peer {
-                *n += 1;
-                Some(PeerHeld(peers.clone(), peer.ip()))
-            } else {
-                None
+        let placed = {
+            let mut p = places.lock().unwrap_or_else(PoisonError::into_inner);
+            match p.room_for(peer.ip(), &opts) {
+                Room::Refused(why) => Err(why),
+                room => {
+                    if let Room::Taken(i) = room {
+                        let cut = p.taken.remove(i);
+                        log::debug!("transfer: cutting off an unadmitted connection from {} for {peer}", cut.ip);
+                        if let Some(s) = cut.unadmitted {
+                            let _ = s.shutdown(Shutdown::Both);
+                        }
+                    }
+                    match stream.try_clone() {
+                        Ok(handle) => {
+                            let id = p.next_id;
+                            p.next_id += 1;
+                            p.taken.push(Place { id, ip: peer.ip(), unadmitted: Some(handle) });
+                            Ok(Held(places.clone(), id))
+                        }
+                        Err(e) => {
+                            log::warn!("transfer: closing {peer}: cannot hold a handle of its connection: {e}");
+                            continue;
+                        }
+                    }
+                }
             }
         };
-        let why = match &peer_held {
-            None => Some("too many connections from this peer"),
-            Some(_) if active.fetch_add(1, Ordering::SeqCst) >= opts.max_connections => {
-                active.fetch_sub(1, Ordering::SeqCst);
-                Some("too many connections")
-            }
-            Some(_) => None,
-        };
-        if let Some(why) = why {
-            drop(peer_held);
-            if refusing.fetch_add(1, Ordering::SeqCst) >= MAX_REFUSING {
-                // A flood: close it unanswered rather than start a thread per connection.
-                refusing.fetch_sub(1, Ordering::SeqCst);
-                log::debug!("transfer: closing {peer}: {why}, and too many being refused");
+        let held = match placed {
+            Ok(held) => held,
+            Err(why) => {
+                if refusing.fetch_add(1, Ordering::SeqCst) >= MAX_REFUSING {
+                    // A flood: close it unanswered rather than start a thread per connection.
+                    refusing.fetch_sub(1, Ordering::SeqCst);
+                    log::debug!("transfer: closing {peer}: {why}, and too many being refused");
+                    continue;
+                }
+                // Refusing waits for the client's greeting (up to a second): not on the accept loop.
+                let held = Refusing(refusing.clone());
+                let refused = std::thread::Builder::new().name("spillway-refuse".into()).spawn(move || {
+                    let _held = held;
+                    let mut stream = stream;
+                    let _ = refuse(&mut stream, why);
+                });
+                if let Err(e) = refused {
+                    log::warn!("transfer: cannot start a thread to refuse {peer}: {e}");
+                }
                 continue;
             }
-            // Refusing waits for the client's greeting (up to a second): not on the accept loop.
-            let held = Held(refusing.clone());
-            let refused = std::thread::Builder::new().name("spillway-refuse".into()).spawn(move || {
-                let _held = held;
-                let mut stream = stream;
-                let _ = refuse(&mut stream, why);
-            });
-            if let Err(e) = refused {
-                log::warn!("transfer: cannot start a thread to refuse {peer}: {e}");
-            }
-            continue;
-        }
-        let (access, opts, held) = (access.clone(), opts.clone(), (Held(active.clone()), peer_held));
+        };
+        let (access, opts) = (access.clone(), opts.clone());
         let spawned = std::thread::Builder::new().name(format!("spillway-serve-{peer}")).spawn(move || {
-            let _held = held;
-            if let Err(e) = serve_connection(&access, stream, &opts) {
+            let admitted = || held.0.lock().unwrap_or_else(PoisonError::into_inner).admitted(held.1);
+            if let Err(e) = serve_admitting(&access, stream, &opts, &admitted) {
                 log::info!("transfer: connection from {peer} ended: {e}");
             }
         });
@@ -254,6 +313,9 @@ impl Drop for Sweeper {
     }
 }
 
+/// What a payload that fell behind its pace fails with.
+pub(super) const PAYLOAD_LATE: &str = "the value was not through in time (timeout + bytes so far / min_bytes_per_sec)";
+
 /// A failed `accept` (out of descriptors, say) is logged at most this often.
 pub const ACCEPT_WARN_EVERY: Duration = Duration::from_secs(10);
 
@@ -288,7 +350,17 @@ pub(super) fn read_by(stream: &mut TcpStream, buf: &mut [u8], deadline: Instant,
 /// error response where one can still be sent). The greeting, and each request from its first
 /// byte to its last, must arrive within `opts.timeout`; a request `access` refuses is answered
 /// "not authorized" and ends the connection.
-pub fn serve_connection<S: Source>(access: &Access<S>, mut stream: TcpStream, opts: &TransferOptions) -> Result<()> {
+pub fn serve_connection<S: Source>(access: &Access<S>, stream: TcpStream, opts: &TransferOptions) -> Result<()> {
+    serve_admitting(access, stream, opts, &|| {})
+}
+
+/// [`serve_connection`], calling `on_admitted` when the first request is admitted.
+fn serve_admitting<S: Source>(
+    access: &Access<S>,
+    mut stream: TcpStream,
+    opts: &TransferOptions,
+    on_admitted: &dyn Fn(),
+) -> Result<()> {
     let Some(_serving) = access.enter(&stream) else { return Ok(()) }; // closed
     stream.set_read_timeout(Some(opts.timeout)).map_err(|e| io_err("set timeout", e))?;
     stream.set_write_timeout(Some(opts.timeout)).map_err(|e| io_err("set timeout", e))?;
@@ -302,6 +374,7 @@ pub fn serve_connection<S: Source>(access: &Access<S>, mut stream: TcpStream, op
     }
     stream.write_all(&hello()).map_err(|e| io_err("send hello", e))?;
     let mut pipe = None;
+    let mut told = false;
     loop {
         let mut req = [0u8; REQUEST_HEAD];
         match stream.read(&mut req[..1]) {
@@ -326,6 +399,10 @@ pub fn serve_connection<S: Source>(access: &Access<S>, mut stream: TcpStream, op
             let _ = send_error(&mut stream, NOT_AUTHORIZED);
             return Err(proto(format!("a request with ticket {ticket:?} was refused")));
         };
+        if !told {
+            on_admitted();
+            told = true;
+        }
         let outgoing = match admitted.value {
             Some(v) => Ok(Some(v)),
             None => admitted.src.outgoing(&key),
@@ -356,9 +433,7 @@ pub(super) fn send_outgoing<S: Source + ?Sized>(
                     let msg = format!("value of {} frames is over the limit of {}", frames.len(), format::MAX_FRAMES);
                     send_error(stream, &msg)
                 }
-                Some(n) if n <= opts.max_value_bytes => {
-                    send_frames(&mut Paced::new(stream, opts.allowance(n)), &frames)
-                }
+                Some(n) if n <= opts.max_value_bytes => send_frames(&mut Paced::payload(stream, opts), &frames),
                 _ => send_error(stream, &format!("value of {} bytes is over the limit", frames.total_len())),
             };
         }
@@ -386,17 +461,17 @@ pub(super) fn send_outgoing<S: Source + ?Sized>(
         None if direct => None,
         None => fd,
     };
-    let deadline = opts.allowance(sv.meta.stored_len).map(after);
+    let pace = Pace::payload(opts);
     let sent = match splice_fd {
         Some(fd) => {
             if pipe.is_none() {
                 *pipe = Some(make_pipe().map_err(|e| io_err("create pipe", e))?);
             }
             let (r, w) = pipe.as_ref().expect("just made");
-            splice_out(fd, sv.payload_offset, sv.meta.stored_len, r, w, stream, deadline)
+            splice_out(fd, sv.payload_offset, sv.meta.stored_len, r, w, stream, pace)
                 .map_err(|e| io_err("splice value", e))
         }
-        None => copy_out(log, &sv, stream, deadline),
+        None => copy_out(log, &sv, stream, pace),
     };
     if sent.is_err() {
         // Part of the value may have gone out (or be stuck in the pipe): the connection cannot
@@ -407,19 +482,20 @@ pub(super) fn send_outgoing<S: Source + ?Sized>(
 }
 
 /// The copy path: the stored payload read and written [`PIPE_BYTES`] at a time (never the whole
-/// value in memory), within `deadline`.
+/// value in memory), keeping `pace`.
 pub(super) fn copy_out<B: Backend>(
     log: &SegmentLog<B>,
     sv: &StoredValue<B::File>,
     stream: &mut TcpStream,
-    deadline: Option<Instant>,
+    pace: Pace,
 ) -> Result<()> {
+    let mut out = Paced { inner: stream, pace, done: 0 };
     let mut at = 0u64;
     while at < sv.meta.stored_len {
-        check_deadline(deadline).map_err(|e| io_err("send value", e))?;
+        out.pace.check(at).map_err(|e| io_err("send value", e))?;
         let n = (sv.meta.stored_len - at).min(PIPE_BYTES as u64);
         let part = log.read_stored_part(sv, at, n)?;
-        stream.write_all(&part).map_err(|e| io_err("send value", e))?;
+        out.write_all(&part).map_err(|e| io_err("send value", e))?;
         at += n;
     }
     Ok(())
@@ -485,14 +561,14 @@ pub(super) fn splice_out(
     r: &std::os::fd::OwnedFd,
     w: &std::os::fd::OwnedFd,
     sock: &TcpStream,
-    deadline: Option<Instant>,
+    mut pace: Pace,
 ) -> io::Result<()> {
     use rustix::pipe::{splice, SpliceFlags};
     let _held = crate::sigpipe::SigpipeHeld::new();
     let mut off = offset;
     let mut left = len;
     while left > 0 {
-        check_deadline(deadline)?;
+        pace.check(len - left)?;
         let want = (left as usize).min(PIPE_BYTES);
         // EINTR (a signal handler ran) retries: splice is never restarted after a handler.
         let n = match splice(file, Some(&mut off), w, None, want, SpliceFlags::empty()) {
@@ -508,7 +584,7 @@ pub(super) fn splice_out(
         // final partial segment back (about 200 ms per value for values of a pipe or less).
         let flags = if left > n as u64 { SpliceFlags::MORE } else { SpliceFlags::empty() };
         while in_pipe > 0 {
-            check_deadline(deadline)?;
+            pace.check(len - left + (n - in_pipe) as u64)?;
             let m = match splice(r, None, sock, None, in_pipe, flags) {
                 Ok(m) => m,
                 Err(rustix::io::Errno::INTR) => continue,
