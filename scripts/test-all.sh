@@ -11,8 +11,9 @@ step "tools: what the tests need, installed where missing"
 rustup component add rustfmt clippy >/dev/null 2>&1 || true
 # cargo-fuzz (stable toolchain, run with -s none): builds in about two minutes.
 cargo fuzz --help >/dev/null 2>&1 || cargo install cargo-fuzz --locked
+# cryptography: dask's Security.temporary(), for the TLS cluster test.
 python3 -m pip install -q --disable-pip-version-check maturin pytest pytest-timeout numpy "dask[dataframe]" \
-  distributed psutil prometheus_client bokeh
+  distributed psutil prometheus_client bokeh cryptography
 # Debian's Chromium, for the test that looks at dask's dashboard (test_dashboard.py).
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 \
@@ -46,11 +47,9 @@ step "python bindings against the lowest distributed spillway supports (python/p
 # A virtual environment with that dask (and a pandas it knows): the tests where dask meets spillway.
 lowest=$(sed -n 's/.*"distributed>=\([0-9.]*\),.*/\1/p' python/pyproject.toml)
 venv=target/venv-distributed-$lowest
-if [ ! -x "$venv/bin/python" ]; then
-  python3 -m venv "$venv"
-  "$venv/bin/pip" install -q --disable-pip-version-check "distributed==$lowest" "dask[dataframe]==$lowest" \
-    "pandas<3" numpy pytest pytest-timeout psutil prometheus_client
-fi
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+"$venv/bin/pip" install -q --disable-pip-version-check "distributed==$lowest" "dask[dataframe]==$lowest" \
+  "pandas<3" numpy pytest pytest-timeout psutil prometheus_client cryptography
 echo "distributed $("$venv/bin/python" -c 'import distributed; print(distributed.__version__)')"
 PYTHONPATH="$PWD/target/python" "$venv/bin/python" -m pytest -p no:cacheprovider -q --timeout=600 \
   python/tests/test_spill_contract.py python/tests/test_dask_parity.py python/tests/test_config.py \

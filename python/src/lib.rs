@@ -1,5 +1,5 @@
-//! `spillway._core`: the segment log and the three-tier store for Python (`store.rs`);
-//! `spillway.SpillBuffer` is written in Python on top of the log.
+//! `spillway._core`: the segment log (`Log`, here) and the three-tier store (`Store`, `store.rs`)
+//! for Python; `spillway.SpillBuffer` (python/spillway/buffer.py) is dask's mapping over `Store`.
 //!
 //! * `put` takes the frames of a pickle protocol 5 dump (header plus out-of-band buffers) without
 //!   joining or copying them: each frame is borrowed through the buffer protocol for the duration of
