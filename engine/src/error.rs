@@ -157,6 +157,13 @@ impl Error {
         }
     }
 
+    /// Bytes received from a peer (about `what`) whose crc32 is `actual`, not the `expected` their
+    /// sender announced: a [`Error::ChecksumMismatch`] of segment 0, which no segment has, so it is
+    /// never taken for damage on disk.
+    pub fn peer_checksum(what: &'static str, expected: u32, actual: u32) -> Error {
+        Error::ChecksumMismatch { segment: 0, offset: 0, what, expected, actual }
+    }
+
     /// True when this error reports bytes on disk that failed validation.
     pub fn is_corruption(&self) -> bool {
         match self {

@@ -104,13 +104,13 @@ impl PayloadCheck {
         }
     }
 
-    /// After the last piece: a crc32 other than `m`'s is a `ChecksumMismatch` (segment 0: bytes
-    /// from elsewhere, not damage on disk) about `what`; an lz4 block that does not decompress to
+    /// After the last piece: a crc32 other than `m`'s is [`Error::peer_checksum`] about `what`; an
+    /// lz4 block that does not decompress to
     /// `raw_len` a `Protocol` error.
     pub fn finish(self, m: &StreamedValue, what: &'static str) -> Result<()> {
         let actual = self.crc.finalize();
         if actual != m.payload_crc {
-            return Err(Error::ChecksumMismatch { segment: 0, offset: 0, what, expected: m.payload_crc, actual });
+            return Err(Error::peer_checksum(what, m.payload_crc, actual));
         }
         if self.lz4.is_some_and(|c| !c.finish()) {
             return Err(Error::Protocol(format!("{what}: {}", Malformed::Lz4.reason())));
@@ -281,13 +281,7 @@ pub fn read(m: &StreamedValue, src: &mut dyn Read, max: u64) -> Result<Frames> {
     src.read_exact(&mut buf).map_err(|e| Error::io("receive value", None, e))?;
     let actual = format::payload_crc(&buf);
     if actual != m.payload_crc {
-        return Err(Error::ChecksumMismatch {
-            segment: 0,
-            offset: 0,
-            what: "received value",
-            expected: m.payload_crc,
-            actual,
-        });
+        return Err(Error::peer_checksum("received value", m.payload_crc, actual));
     }
     decode(buf.freeze(), m.lz4, m.raw_len, &m.frame_lens).map_err(|e| Error::Protocol(e.reason().into()))
 }

@@ -234,7 +234,7 @@ impl Client {
         }
         let actual = crc.finalize();
         if actual != m.payload_crc {
-            return Err(received_crc_mismatch("received value (already written out)", m.payload_crc, actual));
+            return Err(Error::peer_checksum("received value (already written out)", m.payload_crc, actual));
         }
         Ok(true)
     }

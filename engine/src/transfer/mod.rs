@@ -205,11 +205,6 @@ fn io_err(op: &'static str, e: io::Error) -> Error {
     Error::io(op, None, e)
 }
 
-/// A received payload whose crc32 differs from the one its header announced.
-fn received_crc_mismatch(what: &'static str, expected: u32, actual: u32) -> Error {
-    Error::ChecksumMismatch { segment: 0, offset: 0, what, expected, actual }
-}
-
 fn proto(msg: impl Into<String>) -> Error {
     Error::Protocol(msg.into())
 }
