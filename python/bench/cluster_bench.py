@@ -183,6 +183,7 @@ class RunResult:
     peak_rss: list = field(default_factory=list)  # per worker slot, across restarts (bytes)
     worker_stats: dict = field(default_factory=dict)  # phase -> {worker: stats from inside it}
     unmanaged: list = field(default_factory=list)  # scheduler's samples (bytes), all workers
+    link_bytes: dict = field(default_factory=dict)  # phase -> bytes over the workers' links (--net)
     backend: str = ""
 
     @property
@@ -430,10 +431,15 @@ def _digest(value) -> str:
     return hashlib.blake2b(data, digest_size=12).hexdigest()
 
 
-def _cluster(store: str, size: Size, local_directory: str, threads: int = 1):
+def _cluster(store: str, size: Size, local_directory: str, threads: int = 1, net: str | None = None):
     from distributed import LocalCluster
 
     import spillway
+
+    if net:
+        from netns import NetCluster
+
+        return NetCluster(size.workers, size.memory_limit, store, net, local_directory, threads)
 
     kwargs = {}
     if store == "baseline":
@@ -849,9 +855,12 @@ def run_one(
     phases=WORKLOADS["memory"],
     directory: str | None = None,
     threads: int = 1,
+    net: str | None = None,
 ):
     """One store's run of the phases on a fresh cluster of ``size.workers`` workers with ``threads``
-    threads each. Never raises for a failed phase: the result says what failed."""
+    threads each (with ``net``, a rate: ``dask worker`` processes in network namespaces whose
+    links are limited to it, ``netns.py``). Never raises for a failed phase: the result says what
+    failed."""
     import tempfile
 
     import cloudpickle
@@ -864,10 +873,11 @@ def run_one(
             tempfile.TemporaryDirectory(prefix="cluster-bench-", dir=directory)
         )
         stack.enter_context(_config(size))
-        cluster = stack.enter_context(_cluster(store, size, tmp, threads))
-        client = stack.enter_context(Client(cluster))
+        cluster = stack.enter_context(_cluster(store, size, tmp, threads, net))
+        client = stack.enter_context(Client(cluster.scheduler_address if net else cluster))
         client.register_plugin(MemorySampler(), name=MemorySampler.name)
-        if store in ("spillway+plugin", "spillway+inband"):
+        # (The CLI workers of --net get the plugin from their preload, as users' do.)
+        if store in ("spillway+plugin", "spillway+inband") and not net:
             import spillway.dask
 
             side = store == "spillway+plugin"
@@ -878,8 +888,11 @@ def run_one(
         try:
             for name, phase in _phases(client, size, phases, result.notes):
                 t0 = time.perf_counter()
+                wire0 = cluster.link_bytes() if net else 0
                 value = phase()
                 result.phase_seconds[name] = time.perf_counter() - t0
+                if net:
+                    result.link_bytes[name] = cluster.link_bytes() - wire0
                 result.results[name] = _digest(value)
                 result.values[name] = value
                 result.worker_stats[name] = {
@@ -890,7 +903,7 @@ def run_one(
             result.error = f"{type(error).__name__}: {error}"[:500]
         watch.close()
         result.restarts = watch.restarts
-        result.nanny_kills = watch.kills
+        result.nanny_kills = watch.kills + (cluster.kills() if net else 0)
         result.peak_rss = [watch.rss[k] for k in sorted(watch.rss)]
         result.unmanaged = watch.unmanaged
     return result
@@ -942,6 +955,10 @@ def summarize(results: list) -> dict:
             "phase_median_seconds": {
                 p: statistics.median(r.phase_seconds[p] for r in done if p in r.phase_seconds)
                 for p in (done[0].phase_seconds if done else {})
+            },
+            "phase_median_link_mib": {
+                p: statistics.median(r.link_bytes[p] for r in done if p in r.link_bytes) / MiB
+                for p in (done[0].link_bytes if done else {})
             },
         }
     return out
@@ -1032,7 +1049,10 @@ def report(results: list) -> str:
             for p, t in stores[other]["phase_median_seconds"].items():
                 d = stores["dask"]["phase_median_seconds"].get(p)
                 if d:
-                    lines.append(f"    {p}: dask {d:.1f} s, {other} {t:.1f} s, {d / t:.2f}x")
+                    wire = stores[other]["phase_median_link_mib"].get(p)
+                    dwire = stores["dask"]["phase_median_link_mib"].get(p)
+                    moved = f", over the links {dwire:.0f} / {wire:.0f} MiB" if wire is not None else ""
+                    lines.append(f"    {p}: dask {d:.1f} s, {other} {t:.1f} s, {d / t:.2f}x{moved}")
     by_activity = time_by_activity(results)
     if by_activity:
         lines.append("")
@@ -1074,12 +1094,37 @@ def main(argv=None) -> int:
     )
     p.add_argument("--json", default=None, help="write every run's raw result here")
     p.add_argument(
+        "--workers",
+        default=None,
+        help="comma-separated worker counts (e.g. 2,4,8), each run in turn; the data grows with "
+        "the count (the size's array and dataframe are for its own workers), so every worker "
+        "holds and spills as much as in the size itself",
+    )
+    p.add_argument(
+        "--net",
+        metavar="RATE",
+        default=None,
+        help="run `dask worker` processes in network namespaces, each link limited to RATE (tc's "
+        "syntax: 1gbit, 100mbit; needs root; netns.py) instead of a LocalCluster on loopback",
+    )
+    p.add_argument("--plot", metavar="FILE", default=None, help="with --workers: a plot of the "
+                   "speed-ups by worker count (needs matplotlib)")
+    p.add_argument("--replot", metavar="JSON", default=None, help="no runs: --plot (and the "
+                   "scaling table) from the --json of an earlier run with --workers")
+    p.add_argument(
         "--baseline",
         metavar="FILE",
         help="another build's buffer.py (git show REV:python/spillway/buffer.py > FILE): the "
         "'baseline' store, added to the stores",
     )
     args = p.parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            summaries = {int(n): v["summary"] for n, v in json.load(f).items()}
+        print(scaling_table(summaries))
+        if args.plot:
+            plot_scaling(summaries, args.plot, args.net)
+        return 0
     default_stores = {
         "forward": ("dask", "spillway", "spillway+plugin"),
         "big": ("dask", "spillway+inband", "spillway+plugin"),
@@ -1099,31 +1144,133 @@ def main(argv=None) -> int:
     for x in phases:
         if x not in PHASES:
             p.error(f"unknown phase {x!r}")
-    size = SIZES[args.size]
+    base = SIZES[args.size]
     if args.workload == "big":
-        size = dataclasses.replace(size, memory_limit=size.big_memory_limit)
-    print(
-        f"size {args.size}: {size}; phases {phases}; {args.runs} runs per store, alternating",
-        flush=True,
-    )
-    results = []
-    for run in range(args.runs):
-        order = stores if run % 2 == 0 else stores[::-1]
-        for store in order:
-            r = run_one(store, size, run, phases, args.dir, threads)
-            results.append(r)
-            print(report([r]).split("\n\n")[0], flush=True)
-    print()
-    print(report(results))
+        base = dataclasses.replace(base, memory_limit=base.big_memory_limit)
+    counts = [int(n) for n in args.workers.split(",")] if args.workers else [base.workers]
+    ok = True
+    by_count = {}
+    for n in counts:
+        size = scaled(base, n)
+        print(
+            f"size {args.size}: {size}; phases {phases}; {args.runs} runs per store, alternating"
+            + (f"; links at {args.net}" if args.net else ""),
+            flush=True,
+        )
+        results = []
+        for run in range(args.runs):
+            order = stores if run % 2 == 0 else stores[::-1]
+            for store in order:
+                r = run_one(store, size, run, phases, args.dir, threads, args.net)
+                results.append(r)
+                print(report([r]).split("\n\n")[0], flush=True)
+        print()
+        print(report(results))
+        s = summarize(results)
+        by_count[n] = {"size": asdict(size), "runs": results, "summary": s}
+        spillway_done = all(r.completed for r in results if r.store.startswith("spillway"))
+        ok &= s["identical"] and spillway_done
+    if len(counts) > 1:
+        print()
+        print(scaling_table({n: v["summary"] for n, v in by_count.items()}))
     if args.json:
         with open(args.json, "w") as f:
-            runs = [{k: v for k, v in asdict(r).items() if k != "values"} for r in results]
-            json.dump(
-                {"size": asdict(size), "runs": runs, "summary": summarize(results)}, f, indent=1
+            out = {
+                n: dict(
+                    v,
+                    runs=[{k: x for k, x in asdict(r).items() if k != "values"} for r in v["runs"]],
+                )
+                for n, v in by_count.items()
+            }
+            json.dump(out if len(counts) > 1 else out[counts[0]], f, indent=1)
+    if args.plot:
+        plot_scaling({n: v["summary"] for n, v in by_count.items()}, args.plot, args.net)
+    return 0 if ok else 1
+
+
+def scaled(size: Size, workers: int) -> Size:
+    """``size`` for ``workers`` workers: the array and the dataframe grow with the count, so each
+    worker holds (and spills) as much as in ``size`` itself; what one worker sends another
+    (``transfer_bytes``) stays."""
+    if workers == size.workers:
+        return size
+    grow = workers / size.workers
+    return dataclasses.replace(
+        size,
+        workers=workers,
+        array_bytes=int(size.array_bytes * grow),
+        frame_bytes=int(size.frame_bytes * grow),
+    )
+
+
+def scaling_table(summaries: dict) -> str:
+    """Workers -> store: completed, restarts, median seconds, and the speed-up over dask's store
+    (total and per phase)."""
+    lines = ["workers | store | completed | restarts | median s | speed-up | per phase (dask / store)"]
+    for n, s in summaries.items():
+        stores = s["stores"]
+        dask = stores.get("dask", {})
+        for store, st in stores.items():
+            total = st["median_seconds"]
+            ratio = (
+                f"{dask['median_seconds'] / total:.2f}x"
+                if store != "dask" and total and dask.get("median_seconds")
+                else "-"
             )
-    s = summarize(results)
-    spillway_done = all(r.completed for r in results if r.store.startswith("spillway"))
-    return 0 if s["identical"] and spillway_done else 1
+            phases = ", ".join(
+                f"{p} {dask['phase_median_seconds'][p] / t:.2f}x"
+                for p, t in st["phase_median_seconds"].items()
+                if store != "dask" and t and p in dask.get("phase_median_seconds", {})
+            )
+            lines.append(
+                f"{n} | {store} | {st['completed']}/{st['runs']} | {st['restarts']} | "
+                f"{total if total is None else round(total, 1)} | {ratio} | {phases or '-'}"
+            )
+    return "\n".join(lines)
+
+
+def plot_scaling(summaries: dict, path: str, net: str | None) -> None:
+    """Speed-up over dask's store by worker count, per store and per phase, to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    counts = sorted(summaries)
+    stores = [st for st in summaries[counts[0]]["stores"] if st != "dask"]
+    phases = list(summaries[counts[0]]["stores"]["dask"]["phase_median_seconds"])
+    fig, axes = plt.subplots(1, len(stores), figsize=(5 * len(stores), 4), squeeze=False)
+    for ax, store in zip(axes[0], stores):
+        def ratio(n, phase=None):
+            d, o = summaries[n]["stores"]["dask"], summaries[n]["stores"][store]
+            if phase is None:
+                a, b = d["median_seconds"], o["median_seconds"]
+            else:
+                a, b = d["phase_median_seconds"].get(phase), o["phase_median_seconds"].get(phase)
+            return a / b if a and b else float("nan")
+
+        ax.plot(counts, [ratio(n) for n in counts], "k-o", linewidth=2.5, label="total")
+        for phase in phases:
+            ax.plot(counts, [ratio(n, phase) for n in counts], "--.", label=phase)
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        for n in counts:  # where dask's store completed no run there is no ratio: say why
+            d = summaries[n]["stores"]["dask"]
+            if not d["median_seconds"]:
+                ax.annotate(
+                    f"dask's store: {d['completed']}/{d['runs']} runs completed,\n"
+                    f"restarts {d['restarts']}; {store} {summaries[n]['stores'][store]['completed']}"
+                    f"/{summaries[n]['stores'][store]['runs']}, restarts "
+                    f"{summaries[n]['stores'][store]['restarts']}",
+                    (n, 1.0), xytext=(0, 30), textcoords="offset points", ha="right", fontsize=7,
+                    arrowprops={"arrowstyle": "->"},
+                )
+        ax.set_xticks(counts)
+        ax.set_xlabel("workers")
+        ax.set_ylabel("speed-up over dask's store (median time)")
+        ax.set_title(store + (f", links at {net}" if net else ""))
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -52,3 +52,37 @@ def test_a_tight_memory_cluster_restarts_no_worker_and_computes_what_dask_comput
             np.testing.assert_allclose(got, value, rtol=1e-12, err_msg=phase)
         else:
             np.testing.assert_array_equal(np.asarray(got), np.asarray(value), err_msg=phase)
+
+
+def _can_make_namespaces() -> bool:
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
+        return False
+    made = subprocess.run(["ip", "netns", "add", "spwb-probe"], capture_output=True)
+    subprocess.run(["ip", "netns", "del", "spwb-probe"], capture_output=True)
+    return made.returncode == 0
+
+
+@pytest.mark.skipif(not _can_make_namespaces(), reason="needs root, ip and tc (network namespaces)")
+def test_cli_workers_in_network_namespaces_move_spilled_data_over_their_links(tmp_path):
+    """The harness's honest network (``cluster_bench.py --net``): ``dask worker`` processes with
+    spillway's preload, each in a network namespace on a rate-limited link. What one worker reads
+    from the other crosses both links (and nothing else carries it), no worker restarts, and the
+    result is what dask computes without a cluster."""
+    size = cluster_bench.SIZES["ci"]
+    phases = ("persist", "transfer")
+    run = cluster_bench.run_one(
+        "spillway+plugin", size, phases=phases, directory=str(tmp_path), net="1gbit"
+    )
+    assert run.completed, run.error
+    assert run.backend, "the CLI workers' data is not a spillway SpillBuffer"
+    assert run.restarts == 0 and run.nanny_kills == 0, (run.restarts, run.nanny_kills)
+    moved = run.notes["transfer received bytes"]
+    assert moved >= size.transfer_bytes, run.notes
+    # Sent over the sender's link and received over the receiver's.
+    assert run.link_bytes["transfer"] >= 2 * moved, (run.link_bytes, moved)
+    expected = cluster_bench.reference(size, phases)
+    np.testing.assert_array_equal(np.asarray(run.values["transfer"]), np.asarray(expected["transfer"]))
+    assert not any(n.startswith("spwb-") for n in os.listdir("/sys/class/net")), "links left behind"
