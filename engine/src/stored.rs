@@ -17,8 +17,24 @@ use bytes::Bytes;
 use crate::buf::AlignedBuf;
 use crate::error::{Error, Result};
 use crate::format;
-use crate::log::StreamedValue;
 use crate::value::Frames;
+
+/// The stored form of a value announced before its bytes arrive (a peer's VALUE header): what
+/// [`read`] and [`PayloadCheck`] check the bytes against, and what
+/// [`SegmentLog::put_stream`](crate::SegmentLog::put_stream) stores.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamedValue {
+    /// The payload is an lz4 block of the laid-out frames.
+    pub lz4: bool,
+    /// Length of each frame.
+    pub frame_lens: Vec<u64>,
+    /// Length of the laid-out frames ([`format::frame_layout`]).
+    pub raw_len: u64,
+    /// Bytes that follow on the stream.
+    pub stored_len: u64,
+    /// crc32 of those bytes.
+    pub payload_crc: u32,
+}
 
 /// What is wrong with bytes that claim to be a stored form.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

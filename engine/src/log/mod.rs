@@ -74,9 +74,9 @@ pub use self::index::Location;
 pub use self::options::{Compression, LogOptions};
 pub use self::read::StoredValue;
 pub use self::recover::RecoveryReport;
-pub use self::stream::StreamedValue;
 pub use self::verify::{LogStats, VerifyProblem};
 pub use self::write_behind::MAX_WRITE_BEHIND_BYTES;
+pub use crate::stored::StreamedValue;
 
 use self::gather::*;
 use self::gc::*;

@@ -4,21 +4,6 @@
 
 use super::*;
 
-/// The stored form of a value arriving from a peer, for [`SegmentLog::put_stream`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StreamedValue {
-    /// The payload is an lz4 block of the laid-out frames.
-    pub lz4: bool,
-    /// Length of each frame.
-    pub frame_lens: Vec<u64>,
-    /// Length of the laid-out frames ([`format::frame_layout`]).
-    pub raw_len: u64,
-    /// Bytes that follow on the stream.
-    pub stored_len: u64,
-    /// crc32 of those bytes.
-    pub payload_crc: u32,
-}
-
 /// Values streaming into segments of their own, by key: (sequence number, overtaken) of each (see
 /// [`SegmentLog::put_stream`]).
 pub(super) type Streams = HashMap<Vec<u8>, Vec<(u64, bool)>>;
