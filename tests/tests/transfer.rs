@@ -313,11 +313,9 @@ fn an_lz4_block_that_does_not_decode_is_not_stored_and_the_old_value_stays() {
     }
 }
 
-/// A fake server on an ephemeral loopback port that answers one request with the header of a
-/// 1 GiB value and then runs `rest` on the connection. Returns its address.
-fn announce_a_gib_then(rest: impl FnOnce(&mut TcpStream) + Send + 'static) -> String {
-    let m =
-        StreamedValue { lz4: false, frame_lens: vec![1 << 30], raw_len: 1 << 30, stored_len: 1 << 30, payload_crc: 0 };
+/// A fake server on an ephemeral loopback port that answers one request (for a key of `key_len`
+/// bytes) with the header of `m` and then runs `rest` on the connection. Returns its address.
+fn announce_then(m: StreamedValue, key_len: usize, rest: impl FnOnce(&mut TcpStream) + Send + 'static) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     std::thread::spawn(move || {
@@ -325,12 +323,19 @@ fn announce_a_gib_then(rest: impl FnOnce(&mut TcpStream) + Send + 'static) -> St
         let mut hello = [0u8; 8];
         s.read_exact(&mut hello).unwrap();
         s.write_all(&transfer::greeting()).unwrap();
-        let mut req = vec![0u8; raw_request(&TICKET, b"k").len()];
+        let mut req = vec![0u8; raw_request(&TICKET, &vec![0; key_len]).len()];
         s.read_exact(&mut req).unwrap();
         s.write_all(&transfer::encode_value_response(&m)).unwrap();
         rest(&mut s);
     });
     addr
+}
+
+/// [`announce_then`] with a 1 GiB value, for key "k".
+fn announce_a_gib_then(rest: impl FnOnce(&mut TcpStream) + Send + 'static) -> String {
+    let m =
+        StreamedValue { lz4: false, frame_lens: vec![1 << 30], raw_len: 1 << 30, stored_len: 1 << 30, payload_crc: 0 };
+    announce_then(m, 1, rest)
 }
 
 /// A peer that announces a large value and stalls holds little of the receiver's disk, and not for
@@ -666,23 +671,14 @@ fn a_client_hanging_up_mid_splice_does_not_kill_the_server_with_sigpipe() {
 }
 
 /// A sender that trickles a value (a byte every 20 ms, each well within the socket timeout) is cut
-/// off once the value is not through within `timeout + size / min_bytes_per_sec`; the receiving
+/// off once it falls behind its pace (`timeout + bytes so far / min_bytes_per_sec`); the receiving
 /// log, whose writer lock the stream holds, takes other puts again. Without the bound, the transfer
 /// (and the lock) would be held for as long as the trickle lasted.
 #[test]
 fn a_trickling_sender_is_cut_off_and_the_receiving_log_goes_on() {
     let announced = 1 << 20;
     let (payload, meta) = spillway_tests::streamed(&frames_for(b"slow", announced));
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
-    std::thread::spawn(move || {
-        let (mut s, _) = listener.accept().unwrap();
-        let mut hello = [0u8; 8];
-        s.read_exact(&mut hello).unwrap();
-        s.write_all(&transfer::greeting()).unwrap();
-        let mut req = [0u8; 9]; // GET, key length, "slow"
-        s.read_exact(&mut req).unwrap();
-        s.write_all(&transfer::encode_value_response(&meta)).unwrap();
+    let addr = announce_then(meta, b"slow".len(), move |s| {
         for b in payload.iter().take(10_000) {
             if s.write_all(std::slice::from_ref(b)).is_err() {
                 return; // the receiver gave up
@@ -696,7 +692,7 @@ fn a_trickling_sender_is_cut_off_and_the_receiving_log_goes_on() {
     {
         let log = log.clone();
         std::thread::spawn(move || {
-            // 1 s + 1 MiB at 1 MiB/s: the deadline is 2 s after the header.
+            // 1 s + the bytes so far at 1 MiB/s: cut off about 1 s after the header.
             let o = TransferOptions { timeout: Duration::from_secs(1), min_bytes_per_sec: 1 << 20, ..opts() };
             let r = Client::connect(&addr, TICKET, o).unwrap().get_into(b"slow", &log, b"slow");
             done_tx.send(r.map_err(|e| e.to_string())).unwrap();
