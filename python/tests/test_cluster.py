@@ -55,14 +55,24 @@ def test_a_tight_memory_cluster_restarts_no_worker_and_computes_what_dask_comput
 
 
 def _can_make_namespaces() -> bool:
+    """Whether this process may build what ``netns.py`` builds: a namespace, a veth pair into it
+    and a token-bucket qdisc on it (root, ``ip`` and ``tc``, a kernel with veth and tbf)."""
     import shutil
     import subprocess
 
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
         return False
-    made = subprocess.run(["ip", "netns", "add", "spwb-probe"], capture_output=True)
+    steps = [
+        ["ip", "netns", "add", "spwb-probe"],
+        ["ip", "link", "add", "spwb-probe0", "type", "veth", "peer", "name", "spwb-probe1"],
+        ["ip", "link", "set", "spwb-probe1", "netns", "spwb-probe"],
+        ["tc", "qdisc", "add", "dev", "spwb-probe0", "root", "tbf", "rate", "1gbit", "burst",
+         "256kb", "latency", "50ms"],
+    ]
+    ok = all(subprocess.run(step, capture_output=True).returncode == 0 for step in steps)
+    subprocess.run(["ip", "link", "del", "spwb-probe0"], capture_output=True)
     subprocess.run(["ip", "netns", "del", "spwb-probe"], capture_output=True)
-    return made.returncode == 0
+    return ok
 
 
 @pytest.mark.skipif(not _can_make_namespaces(), reason="needs root, ip and tc (network namespaces)")
