@@ -3,6 +3,7 @@
 use bytes::Bytes;
 use spillway::Frames;
 
+pub mod logs;
 pub mod store;
 
 /// A deterministic pseudo-random generator (xorshift64*), so a child process and its parent can agree

@@ -2,29 +2,12 @@
 //! process). Each condition is logged in dask's words, and one condition does not silence another: a
 //! disk failure after a full `max_spill` is logged too.
 
-use std::sync::Mutex;
-
 use bytes::Bytes;
 use spillway::backend::{Fault, FaultKind, FaultOp};
 use spillway::{Codec, CodecError, Frames, SimBackend, Store, StoreConfig};
 
-static LINES: Mutex<Vec<String>> = Mutex::new(Vec::new());
-
-struct Capture;
-impl log::Log for Capture {
-    fn enabled(&self, _: &log::Metadata<'_>) -> bool {
-        true
-    }
-    fn log(&self, r: &log::Record<'_>) {
-        if r.target().starts_with("spillway") {
-            LINES.lock().unwrap().push(format!("{} {}", r.level(), r.args()));
-        }
-    }
-    fn flush(&self) {}
-}
-
 fn count(prefix: &str) -> usize {
-    LINES.lock().unwrap().iter().filter(|l| l.contains(prefix)).count()
+    spillway_tests::logs::lines_with(prefix).len()
 }
 
 /// Values are byte vectors; those starting with `unpicklable` fail to serialize.
@@ -47,8 +30,7 @@ impl Codec for Codec1 {
 
 #[test]
 fn each_condition_is_logged_and_rate_limited_on_its_own() {
-    log::set_logger(&Capture).unwrap();
-    log::set_max_level(log::LevelFilter::Debug);
+    spillway_tests::logs::capture(log::LevelFilter::Debug);
     let be = SimBackend::new();
     // (No fresh log after the EIO: this is about the messages of a store that keeps its log.)
     let mut cfg =
@@ -70,7 +52,7 @@ fn each_condition_is_logged_and_rate_limited_on_its_own() {
         s.put(&[i], vec![i; 400]).unwrap(); // small batches, within max_spill: they reach the disk
     }
     assert!(s.metrics().spill_failures >= 1);
-    assert_eq!(count("Spill to disk failed; keeping data in memory"), 1, "{:?}", LINES.lock().unwrap());
+    assert_eq!(count("Spill to disk failed; keeping data in memory"), 1, "{:?}", spillway_tests::logs::lines());
     drop(s);
 
     // A value that cannot be serialized, retried after space is freed: logged once.
@@ -85,5 +67,5 @@ fn each_condition_is_logged_and_rate_limited_on_its_own() {
         s.remove(&[i]).unwrap(); // frees disk space: eviction of "bad" is retried
     }
     assert!(s.metrics().spill_failures >= 2, "{:?}", s.metrics());
-    assert_eq!(count("Failed to serialize \"bad\""), 1, "{:?}", LINES.lock().unwrap());
+    assert_eq!(count("Failed to serialize \"bad\""), 1, "{:?}", spillway_tests::logs::lines());
 }

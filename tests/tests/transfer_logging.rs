@@ -1,26 +1,13 @@
 //! What the transfer server logs when `accept` keeps failing (its own test binary: the logger and
-//! the descriptor limit are the process's): once, then at most every `ACCEPT_WARN_EVERY`, where it
-//! used to log every 10 ms for as long as the condition lasted.
+//! the descriptor limit are the process's): once, then at most every `ACCEPT_WARN_EVERY`, not at
+//! every try (every 10 ms) for as long as the condition lasts.
 
 use std::net::{TcpListener, TcpStream};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use spillway::transfer::{self, TransferOptions};
 use spillway::SegmentLog;
-
-static LINES: Mutex<Vec<String>> = Mutex::new(Vec::new());
-
-struct Capture;
-impl log::Log for Capture {
-    fn enabled(&self, _: &log::Metadata<'_>) -> bool {
-        true
-    }
-    fn log(&self, r: &log::Record<'_>) {
-        LINES.lock().unwrap().push(format!("{} {}", r.level(), r.args()));
-    }
-    fn flush(&self) {}
-}
 
 fn open_descriptors() -> u64 {
     std::fs::read_dir("/proc/self/fd").unwrap().count() as u64
@@ -28,8 +15,7 @@ fn open_descriptors() -> u64 {
 
 #[test]
 fn an_accept_that_keeps_failing_is_logged_once_not_every_try() {
-    log::set_logger(&Capture).unwrap();
-    log::set_max_level(log::LevelFilter::Warn);
+    spillway_tests::logs::capture(log::LevelFilter::Warn);
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     let stopper = listener.try_clone().unwrap();
@@ -48,7 +34,7 @@ fn an_accept_that_keeps_failing_is_logged_once_not_every_try() {
     transfer::shutdown_listener(&stopper).unwrap();
     server.join().unwrap().unwrap();
     drop(waiting);
-    let failed: Vec<String> = LINES.lock().unwrap().iter().filter(|l| l.contains("accept failed")).cloned().collect();
+    let failed: Vec<String> = spillway_tests::logs::lines_with("accept failed");
     assert_eq!(failed.len(), 1, "{failed:?}");
     assert!(failed[0].contains("Too many open files"), "{failed:?}");
 }

@@ -404,8 +404,11 @@ impl<B: Backend> SegmentLog<B> {
         // keeps the transfer's pace).
         let (mut reserved_to, mut spares_released) = (0u64, false);
         let mut reserve = |upto: u64| -> Result<()> {
+            // Reserved at least half the window past `upto`: no call (one fallocate per 32 MiB,
+            // not per piece written).
+            let ahead = upto.saturating_add(STREAM_RESERVE_AHEAD / 2).min(size);
             let upto = upto.saturating_add(STREAM_RESERVE_AHEAD).min(size);
-            if upto <= reserved_to {
+            if ahead <= reserved_to {
                 return Ok(());
             }
             let mut reserved = self.backend.allocate(&file, upto);
