@@ -9,8 +9,28 @@ use std::time::Duration;
 use spillway::transfer::{self, TransferOptions};
 use spillway::SegmentLog;
 
-fn open_descriptors() -> u64 {
-    std::fs::read_dir("/proc/self/fd").unwrap().count() as u64
+/// Lower the process's descriptor limit to its highest open descriptor and take every free number
+/// under it, so that nothing can open a descriptor until the returned files are dropped (a count of
+/// the open descriptors is not enough: numbers under the highest may be free).
+fn use_up_descriptors() -> Vec<std::fs::File> {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let highest = std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u64>().ok())
+        .max()
+        .unwrap();
+    setrlimit(Resource::Nofile, Rlimit { current: Some(highest + 1), maximum: getrlimit(Resource::Nofile).maximum })
+        .unwrap();
+    let mut taken = Vec::new();
+    loop {
+        match std::fs::File::open("/dev/null") {
+            Ok(f) => taken.push(f),
+            Err(e) => {
+                assert_eq!(e.raw_os_error(), Some(libc::EMFILE), "{e}");
+                return taken;
+            }
+        }
+    }
 }
 
 #[test]
@@ -23,18 +43,20 @@ fn an_accept_that_keeps_failing_is_logged_once_not_every_try() {
     let waiting: Vec<TcpStream> = (0..4).map(|_| TcpStream::connect(addr).unwrap()).collect();
     let access = Arc::new(transfer::Access::<SegmentLog>::grants_only(Duration::from_secs(60)));
     let opts = TransferOptions { timeout: Duration::from_secs(5), ..TransferOptions::default() };
-    // No descriptor left for the accepts (EMFILE) for half a second: about 50 tries.
-    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    // No descriptor left for the accepts (EMFILE) for half a second: about 50 tries. None to spare
+    // from before the server starts: had it one, or had it taken the waiting connections first,
+    // its accepts would not fail.
+    use rustix::process::{getrlimit, setrlimit, Resource};
     let limit = getrlimit(Resource::Nofile);
+    let fillers = use_up_descriptors();
     let server = std::thread::spawn(move || transfer::serve(access, listener, opts));
-    let full = open_descriptors();
-    setrlimit(Resource::Nofile, Rlimit { current: Some(full), maximum: limit.maximum }).unwrap();
     std::thread::sleep(Duration::from_millis(500));
+    drop(fillers);
     setrlimit(Resource::Nofile, limit).unwrap();
     transfer::shutdown_listener(&stopper).unwrap();
     server.join().unwrap().unwrap();
     drop(waiting);
     let failed: Vec<String> = spillway_tests::logs::lines_with("accept failed");
-    assert_eq!(failed.len(), 1, "{failed:?}");
+    assert_eq!(failed.len(), 1, "{:?}", spillway_tests::logs::lines());
     assert!(failed[0].contains("Too many open files"), "{failed:?}");
 }
