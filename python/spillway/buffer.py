@@ -1,19 +1,8 @@
-"""``SpillBuffer``: dask's spill store, as a mapping over the engine's store.
-
-A ``collections.abc.MutableMapping`` from dask keys to objects with the contract of
-``distributed.spill.SpillBuffer``: least-recently-used values are pickled and written to disk when
-the total in-memory weight passes ``target``. What a caller of dask's store can observe through its
-public API is the same here (``python/tests/test_spill_contract.py`` checks it against dask's store
-in the same run); docs/dask.md "The buffer's contract" states it, with the few deliberate
-differences and what the store does beyond dask's policy.
-
-The store is the engine's (``spillway._core.Store``, ``engine/src/store/``): its tiers, LRU order,
-eviction, accounting, ``max_spill``, read-back copies, process thresholds and the per-key slot that
-deserializes a value exactly once whatever the number of threads asking are all in Rust, under
-dask's rules (``EvictionPolicy::dask``). This module maps dask keys to the store's byte keys, says
-what the store reports in dask's words (:mod:`spillway.messages`), takes its settings from dask's
-config (:mod:`spillway.config`) and from the worker it belongs to, and adds what only Python knows:
-the values a peer sends or is sent (:mod:`spillway.received`).
+"""``SpillBuffer``: dask's spill store (the contract of ``distributed.spill.SpillBuffer``), an
+adapter over the engine's store (``spillway._core.Store``, whose tiers, eviction, accounting and
+deserialize-once slots are in Rust under dask's rules). It says what the store reports in dask's
+words and takes its settings from dask's config and its worker. docs/dask.md "The buffer's contract"
+states the contract; docs/architecture.md maps which file owns each rule.
 """
 
 from __future__ import annotations
@@ -24,7 +13,6 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import weakref
 from collections import defaultdict
 from collections.abc import Hashable, ItemsView, Iterator, Mapping, MutableMapping, ValuesView
@@ -33,8 +21,9 @@ from typing import Any, Literal, NamedTuple
 
 from spillway import codec, config
 from spillway._core import Corrupt, SerializeError, Store, take_thread_metrics
-from spillway.keys import encode_key
+from spillway.keys import KeyMap, encode_key
 from spillway.messages import (
+    DASK_METRICS,
     DISK_ERROR_MESSAGE,
     LOGGER,
     MAX_SPILL_MESSAGE,
@@ -43,7 +32,8 @@ from spillway.messages import (
     reset_log_rate_limits,
     spill_logger,
 )
-from spillway.received import _SERVING, PeerValues, PickledFrames, ReceivedRecord
+from spillway.received import NOT_SERVED, PeerValues, PickledFrames, ReceivedRecord
+from spillway.views import LogView, PeekItemsView, PeekValuesView, TierView
 
 __all__ = [
     "PickleError",
@@ -56,9 +46,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(LOGGER)
-
-#: Locks that order the sets and deletes of one key (a key's is chosen by its hash).
-_STRIPES = 64
 
 #: Seconds between two looks for the dask worker whose data a buffer is (``process_target="auto"``).
 _RESOLVE_EVERY = 0.1
@@ -78,25 +65,6 @@ class PickleError(TypeError):
     def __str__(self) -> str:
         return f"Failed to pickle {self.key!r}"
 
-
-#: What dask's store reports in ``cumulative_metrics`` and to distributed's ``context_meter``: the
-#: ``(label, unit)`` pairs a caller of dask's store can see.
-DASK_METRICS = frozenset(
-    {
-        ("memory-read", "count"),
-        ("memory-read", "bytes"),
-        ("disk-read", "count"),
-        ("disk-read", "bytes"),
-        ("disk-read", "seconds"),
-        ("disk-write", "count"),
-        ("disk-write", "bytes"),
-        ("disk-write", "seconds"),
-        ("serialize", "seconds"),
-        ("deserialize", "seconds"),
-        ("compress", "seconds"),
-        ("decompress", "seconds"),
-    }
-)
 
 #: The store's tiers, as the buffer names them.
 _TIERS = {"materialized": "object", "serialized": "frames", "compressed": "frames", "disk": "disk"}
@@ -131,49 +99,11 @@ def _close_store(store: Store, directory: str) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-class _LogView:
-    """What the tests see of one of the store's segment logs (number ``index`` of ``Store.logs``)."""
-
-    __slots__ = ("index", "store")
-
-    def __init__(self, store: Store, index: int):
-        self.store = store
-        self.index = index
-
-    def __len__(self) -> int:
-        """Records in the log: values on disk and the copies that values read back keep."""
-        return self.store.logs[self.index][2]
-
-    @property
-    def disk_bytes(self) -> int:
-        """Pickled bytes of the records of every log of the store."""
-        return self.store.log_records[1]
-
-    @property
-    def read_only(self) -> str | None:
-        return self.store.logs[self.index][1]
-
-    @property
-    def backend(self) -> str:
-        return self.store.backend
-
-    def _inject_fault(self, op: str, after: int, kind: str, sticky: bool = False) -> None:
-        """Script a fault of this log's simulated disk (backend="sim")."""
-        self.store._inject_fault(op, after, kind, sticky, log=self.index)
-
-    def _clear_faults(self) -> None:
-        self.store._clear_faults(log=self.index)
-
-    def sync(self) -> None:
-        """Write back what the log spills go to holds, and fdatasync it."""
-        self.store.sync()
-
-
 # --------------------------------------------------------------------------------------------------
 # SpillBuffer
 
 
-class SpillBuffer(PeerValues, MutableMapping):
+class SpillBuffer(MutableMapping):
     """A mapping from dask keys to objects that spills least-recently-used values to disk.
 
     Parameters
@@ -263,16 +193,12 @@ class SpillBuffer(PeerValues, MutableMapping):
         self._store = store
         self._finalizer = weakref.finalize(self, _close_store, store, self.directory)
 
-        self._lock = threading.RLock()  # the key maps, the store list
-        self._stripes = [threading.RLock() for _ in range(_STRIPES)]
-        self._keys: dict[Hashable, bytes] = {}  # key -> its store key
-        self._owners: dict[bytes, Hashable] = {}  # store key -> key
-        self._pending: dict[bytes, Hashable] = {}  # store keys of received records not yet set
-        self._incoming = 0  # frames received into memory (``receive``) and not yet let go of
-        self._extra_metrics: defaultdict = defaultdict(float)  # the side channel's, spillway.dask
+        self._keys = KeyMap()
+        #: The values peers send this buffer or are sent from it (:mod:`spillway.received`).
+        self.peers = PeerValues(store, self._keys)
         self._log_views: dict = {}  # log number -> its view (``log``)
-        self._fast = _TierView(self, in_memory=True)
-        self._slow = _TierView(self, in_memory=False)
+        self._fast = TierView(self, in_memory=True)
+        self._slow = TierView(self, in_memory=False)
         self._logs_seen = 1
         # Inside a dask worker, also report metrics to distributed's context meter (as dask's
         # SpillBuffer does), so that they appear in the worker's fine performance metrics.
@@ -293,7 +219,7 @@ class SpillBuffer(PeerValues, MutableMapping):
         self._store.target = value
 
     @property
-    def log(self) -> _LogView:
+    def log(self) -> LogView:
         """The segment log new values are spilled to (a fresh one after a failed write: see the
         policy)."""
         with contextlib.suppress(ValueError):  # (closed: the last one seen)
@@ -301,17 +227,17 @@ class SpillBuffer(PeerValues, MutableMapping):
         index = self._logs_seen - 1
         view = self._log_views.get(index)
         if view is None:
-            view = self._log_views[index] = _LogView(self._store, index)
+            view = self._log_views[index] = LogView(self._store, index)
         return view
 
     @property
-    def fast(self) -> _TierView:
+    def fast(self) -> TierView:
         """Keys in memory (objects and held frames), in the order they entered memory. For
         inspection: reading through this view neither changes tiers nor the LRU order."""
         return self._fast
 
     @property
-    def slow(self) -> _TierView:
+    def slow(self) -> TierView:
         """Keys on disk, in the order they were spilled. For inspection: reading through this view
         neither changes tiers nor the LRU order."""
         return self._slow
@@ -351,7 +277,7 @@ class SpillBuffer(PeerValues, MutableMapping):
             for (label, unit), value in self._store.metrics().items():
                 if value:
                     m[label, unit] += value
-        for k, v in self._extra_metrics.items():
+        for k, v in self.peers.metrics().items():
             m[k] += v
         return m
 
@@ -401,18 +327,22 @@ class SpillBuffer(PeerValues, MutableMapping):
         """
         if type(value) is PickledFrames:
             self.set_serialized(key, value.frames)
+            value.settled()
             return
         if type(value) is ReceivedRecord:
-            self._adopt(key, value)
+            with self._keys.stripe(key):
+                if self.peers.adopt(key, value):
+                    return
+            self.set_serialized(key, value.read())  # another buffer's, or set before
             return
         if "target" in self._auto:
             self._find_worker(force=True)
-        with self._stripe(key):
-            skey = self._place(key)
+        with self._keys.stripe(key):
+            skey = self._keys.place(key)
             try:
                 self._store.put(skey, value)
             except SerializeError as error:
-                self._forget(key, skey)  # (the store forgot it: dask's rule)
+                self._keys.forget(key, skey)  # (the store forgot it: dask's rule)
                 raise PickleError(key) from error.__cause__
         self._settle()
 
@@ -421,9 +351,9 @@ class SpillBuffer(PeerValues, MutableMapping):
         frames or on disk is unpickled (once, whatever the number of concurrent readers) and, unless
         heavier than ``target``, kept in memory as an object. Inside :meth:`serving`, the values it
         was given come first."""
-        serving = _SERVING.get()
-        if serving is not None and serving[0] is self and key in serving[1]:
-            return serving[1][key]
+        served = self.peers.served(key)
+        if served is not NOT_SERVED:
+            return served
         for _ in range(3):
             try:
                 value = self._store.get(self._keys[key])
@@ -436,11 +366,9 @@ class SpillBuffer(PeerValues, MutableMapping):
         raise KeyError(key)
 
     def __delitem__(self, key: Hashable) -> None:
-        with self._stripe(key):
-            with self._lock:
-                skey = self._keys.pop(key)  # KeyError if absent
-                del self._owners[skey]
-                self.logged_pickle_errors.discard(key)
+        with self._keys.stripe(key):
+            skey = self._keys.pop(key)  # KeyError if absent
+            self.logged_pickle_errors.discard(key)
             with contextlib.suppress(ValueError):  # closed: its records went with it
                 self._store.remove(skey)
 
@@ -458,11 +386,11 @@ class SpillBuffer(PeerValues, MutableMapping):
 
     def items(self) -> ItemsView:
         """Items; reading them neither changes tiers nor the LRU order."""
-        return _PeekItemsView(self)
+        return PeekItemsView(self)
 
     def values(self) -> ValuesView:
         """Values; reading them neither changes tiers nor the LRU order."""
-        return _PeekValuesView(self)
+        return PeekValuesView(self)
 
     # ---------------------------------------------------------------------------------------------
     # Spilling
@@ -520,10 +448,28 @@ class SpillBuffer(PeerValues, MutableMapping):
             raise ValueError("frames must hold at least the pickle header")
         if "target" in self._auto:
             self._find_worker(force=True)
-        with self._stripe(key):
-            skey = self._place(key)
+        with self._keys.stripe(key):
+            skey = self._keys.place(key)
             self._store.put_serialized(skey, frames, not self.serialized_in_memory)
         self._settle()
+
+    # ---------------------------------------------------------------------------------------------
+    # Peers (:mod:`spillway.received`)
+
+    def receive(self, key: Hashable, *args: Any, **kwargs: Any) -> PickledFrames | ReceivedRecord:
+        """:meth:`PeerValues.receive` (its arguments), under this buffer's settings."""
+        self._find_worker()
+        value = self.peers.receive(key, *args, **kwargs)
+        self._settle()  # a write to disk, to dask's metrics (the activity that asked)
+        return value
+
+    def disk_record(self, key: Hashable) -> tuple | None:
+        """:meth:`PeerValues.disk_record`."""
+        return self.peers.disk_record(key)
+
+    def serving(self, values: Mapping) -> contextlib.AbstractContextManager:
+        """:meth:`PeerValues.serving`: ``buf[key]`` returns ``values[key]`` while in effect."""
+        return self.peers.serving(values)
 
     # ---------------------------------------------------------------------------------------------
     # Lifecycle
@@ -540,34 +486,6 @@ class SpillBuffer(PeerValues, MutableMapping):
 
     # ---------------------------------------------------------------------------------------------
     # Internals
-
-    def _stripe(self, key: Hashable) -> threading.RLock:
-        return self._stripes[hash(key) % _STRIPES]
-
-    def _free_store_key(self, key: Hashable) -> bytes:
-        """Under the lock: a store key for ``key`` that no other key and no received record has."""
-        base = encode_key(key)
-        skey, n = base, 0
-        while skey in self._owners or skey in self._pending:
-            n += 1
-            skey = base + b"#%d" % n
-        return skey
-
-    def _place(self, key: Hashable) -> bytes:
-        """Under the key's stripe: the store key a new value of ``key`` goes to."""
-        with self._lock:
-            skey = self._keys.get(key)
-            if skey is None:
-                skey = self._free_store_key(key)
-                self._keys[key] = skey
-                self._owners[skey] = key
-        return skey
-
-    def _forget(self, key: Hashable, skey: bytes) -> None:
-        with self._lock:
-            if self._keys.get(key) == skey:
-                del self._keys[key]
-                del self._owners[skey]
 
     def _settle(self) -> None:
         """After a call that may have evicted: say what the store could not spill, report metrics to
@@ -593,8 +511,8 @@ class SpillBuffer(PeerValues, MutableMapping):
             elif kind == "disk":
                 spill_logger.error(DISK_ERROR_MESSAGE, exc_info=error)
             else:
-                with self._lock:
-                    key = self._owners.get(skey, skey)
+                with self._keys.lock:
+                    key = self._keys.owner(skey, skey)
                     first = key not in self.logged_pickle_errors
                     self.logged_pickle_errors.add(key)
                 if first:
@@ -635,18 +553,6 @@ class SpillBuffer(PeerValues, MutableMapping):
             return True
         return False
 
-    def _digest_locked(self, label: str, value: float, unit: str) -> None:
-        """Add to ``spillway_metrics`` the counts only Python sees (:mod:`spillway.dask`'s
-        transfers). They are spillway's own: dask's metrics get the engine's work they stand for
-        (:meth:`_settle`), under dask's labels."""
-        with self._lock:
-            self._extra_metrics[label, unit] += value
-
-    def _digest_io(self, label: str, nbytes: int, seconds: float) -> None:
-        self._digest_locked(label, 1, "count")
-        self._digest_locked(label, nbytes, "bytes")
-        self._digest_locked(label, seconds, "seconds")
-
     def _peek(self, key: Hashable) -> object:
         """The object of ``key`` without changing its tier or the LRU order."""
         for _ in range(3):
@@ -663,10 +569,10 @@ class SpillBuffer(PeerValues, MutableMapping):
         """(keys in memory, keys on disk), each in the order they entered that place."""
         with contextlib.suppress(ValueError):  # (closed: empty)
             mem, disk = self._store.keys_by_place()
-            owners = self._owners
+            owner = self._keys.owner
             return (
-                [k for k in (owners.get(s, _NO_KEY) for s in mem) if k is not _NO_KEY],
-                [k for k in (owners.get(s, _NO_KEY) for s in disk) if k is not _NO_KEY],
+                [k for k in (owner(s, _NO_KEY) for s in mem) if k is not _NO_KEY],
+                [k for k in (owner(s, _NO_KEY) for s in disk) if k is not _NO_KEY],
             )
         return [], []
 
@@ -685,62 +591,3 @@ async def _close_with(buffer_ref: weakref.ref, worker: object) -> None:
     buffer = buffer_ref()
     if buffer is not None and len(buffer) == 0:
         buffer.close()
-
-
-class _TierView(Mapping):
-    """Read-only view of the keys of a SpillBuffer in memory (``in_memory=True``) or on disk."""
-
-    def __init__(self, buffer: SpillBuffer, in_memory: bool):
-        # A proxy: the buffer holds its views, and a cycle would keep a buffer nobody holds (and
-        # its open files) alive until the garbage collector runs.
-        self._buffer = weakref.proxy(buffer)
-        self._in_memory = in_memory
-
-    def __contains__(self, key: object) -> bool:
-        b = self._buffer
-        skey = b._keys.get(key)
-        if skey is None:
-            return False
-        tier = b._store.tier(skey)
-        return tier is not None and (tier != "disk") == self._in_memory
-
-    def __getitem__(self, key: Hashable) -> object:
-        if key not in self:
-            raise KeyError(key)
-        return self._buffer._peek(key)
-
-    def __iter__(self) -> Iterator[Hashable]:
-        return iter(self._buffer._keys_in(self._in_memory))
-
-    def __len__(self) -> int:
-        b = self._buffer
-        if not b._pending:
-            in_memory, on_disk = b._store.counts()
-            return in_memory if self._in_memory else on_disk
-        return len(b._keys_in(self._in_memory))
-
-    @property
-    def total_weight(self) -> int:
-        """Sum of the weights of the keys in this view (sizeof for objects, bytes for frames)."""
-        b = self._buffer
-        if self._in_memory:
-            return b._store.memory_bytes
-        return b.spilled_total.memory
-
-    def __repr__(self) -> str:
-        return f"<{'fast' if self._in_memory else 'slow'} view of {len(self)} keys>"
-
-
-class _PeekItemsView(ItemsView):
-    def __iter__(self) -> Iterator[tuple[Hashable, Any]]:
-        for key in self._mapping:
-            try:
-                yield key, self._mapping._peek(key)
-            except KeyError:  # deleted meanwhile
-                pass
-
-
-class _PeekValuesView(ValuesView):
-    def __iter__(self) -> Iterator[Any]:
-        for _, value in _PeekItemsView(self._mapping):
-            yield value

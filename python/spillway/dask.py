@@ -521,13 +521,13 @@ def _serialized_values(
             sent += 1
             nbytes += codec.frame_bytes(frames)
     if side_sent:
-        buf._digest_locked("send-side", side_sent, "count")
-        buf._digest_locked("send-side", side_bytes, "bytes")
+        buf.peers.count("send-side", side_sent, "count")
+        buf.peers.count("send-side", side_bytes, "bytes")
     if sent:
-        buf._digest_locked("send-serialized", sent, "count")
-        buf._digest_locked("send-serialized", nbytes, "bytes")
-        buf._digest_locked("unpickle-avoided", sent, "count")
-        buf._digest_locked("pickle-avoided", sent, "count")
+        buf.peers.count("send-serialized", sent, "count")
+        buf.peers.count("send-serialized", nbytes, "bytes")
+        buf.peers.count("unpickle-avoided", sent, "count")
+        buf.peers.count("pickle-avoided", sent, "count")
     return out
 
 
@@ -645,9 +645,9 @@ async def get_data_from_worker(
             data.update(_deserialize_all(stock, stock_deserializers))
     if kept:
         buf = me.data
-        buf._digest_locked("receive-serialized", kept, "count")
-        buf._digest_locked("receive-serialized", nbytes, "bytes")
-        buf._digest_locked("unpickle-avoided", kept, "count")
+        buf.peers.count("receive-serialized", kept, "count")
+        buf.peers.count("receive-serialized", nbytes, "bytes")
+        buf.peers.count("unpickle-avoided", kept, "count")
     if again:
         # Side-channel fetches that failed: the same values in-band (the sender's pins are gone
         # with its tickets). Keys the second answer lacks are missing, as for any reply without
@@ -787,7 +787,7 @@ def _fetch_all(buf: SpillBuffer, refs: dict, peer: str, settings: Settings) -> d
                 connect_timeout=settings.side_channel_connect_timeout,
             )
         except Exception as error:
-            buf._digest_locked("receive-side-failed", 1, "count")
+            buf.peers.count("receive-side-failed", 1, "count")
             if _unreachable.failed(peer, settings.side_channel_retry_after):
                 logger.warning(
                     "spillway.dask: fetching %r from %s's side channel (%s:%d) failed (%s); its "

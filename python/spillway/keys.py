@@ -1,16 +1,125 @@
-"""Dask keys as bytes: :func:`encode_key`, the store key of a ``SpillBuffer``'s key."""
+"""Dask keys as the store's byte keys: :func:`encode_key`, and :class:`KeyMap`, which store key
+holds each key of a ``SpillBuffer``."""
 
 from __future__ import annotations
 
 import hashlib
 import math
 import numbers
-from collections.abc import Hashable
+import threading
+from collections.abc import Hashable, Iterator
 
-__all__ = ["MAX_ENCODED_KEY_BYTES", "encode_key"]
+__all__ = ["MAX_ENCODED_KEY_BYTES", "KeyMap", "encode_key"]
 
 #: Encoded keys longer than this are shortened to a prefix and a digest (store keys are bounded).
 MAX_ENCODED_KEY_BYTES = 512
+
+#: Locks that order the sets and deletes of one key (a key's is chosen by its hash).
+_STRIPES = 64
+
+
+class KeyMap:
+    """Which store key holds each dask key's value (a key and its store key are each other's: one
+    ``encode_key`` of it, with a ``#n`` suffix where two keys encode alike), and the store keys
+    reserved for values a peer sends straight to disk that are not yet set (:mod:`spillway.received`).
+    ``lock`` orders its changes; :meth:`stripe` orders the sets and deletes of one key."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self._stripes = [threading.RLock() for _ in range(_STRIPES)]
+        self._keys: dict[Hashable, bytes] = {}  # key -> its store key
+        self._owners: dict[bytes, Hashable] = {}  # store key -> key
+        self._reserved: dict[bytes, Hashable] = {}  # store key -> key it was received for
+
+    def stripe(self, key: Hashable) -> threading.RLock:
+        """The lock that orders the sets and deletes of ``key``."""
+        return self._stripes[hash(key) % _STRIPES]
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __iter__(self) -> Iterator[Hashable]:
+        return iter(list(self._keys))
+
+    def __getitem__(self, key: Hashable) -> bytes:
+        """The store key of ``key`` (KeyError if it has none)."""
+        return self._keys[key]
+
+    def get(self, key: Hashable) -> bytes | None:
+        return self._keys.get(key)
+
+    def owner(self, skey: bytes, default: object = None) -> object:
+        """The key whose value ``skey`` holds, or ``default``."""
+        return self._owners.get(skey, default)
+
+    def place(self, key: Hashable) -> bytes:
+        """Under the key's stripe: the store key a new value of ``key`` goes to."""
+        with self.lock:
+            skey = self._keys.get(key)
+            if skey is None:
+                skey = self._free(key)
+                self._keys[key] = skey
+                self._owners[skey] = key
+        return skey
+
+    def forget(self, key: Hashable, skey: bytes) -> None:
+        """``key`` has no value any more if ``skey`` still holds it."""
+        with self.lock:
+            if self._keys.get(key) == skey:
+                del self._keys[key]
+                del self._owners[skey]
+
+    def pop(self, key: Hashable) -> bytes:
+        """Under the key's stripe: forget ``key``, returning its store key (KeyError if absent)."""
+        with self.lock:
+            skey = self._keys.pop(key)
+            del self._owners[skey]
+        return skey
+
+    def reserve(self, key: Hashable) -> bytes:
+        """A store key of its own for a value of ``key`` received while ``key`` may keep its old
+        value; :meth:`adopt` makes it ``key``'s, :meth:`release` gives it up."""
+        with self.lock:
+            skey = self._free(key)
+            self._reserved[skey] = key
+        return skey
+
+    def release(self, skey: bytes) -> bool:
+        """Give up a reserved store key; whether it was reserved (and not adopted)."""
+        with self.lock:
+            return self._reserved.pop(skey, None) is not None
+
+    def adopt(self, key: Hashable, skey: bytes) -> tuple[bool, bytes | None]:
+        """Under the key's stripe: the reserved ``skey`` becomes ``key``'s store key. Returns
+        whether it was reserved (else nothing changes) and the store key it replaces, if any."""
+        with self.lock:
+            if self._reserved.pop(skey, None) is None:
+                return False, None
+            old = self._keys.get(key)
+            self._keys[key] = skey
+            if old is not None:
+                del self._owners[old]
+            self._owners[skey] = key
+        return True, old
+
+    @property
+    def reserved(self) -> frozenset:
+        """The store keys reserved and not yet adopted or released."""
+        with self.lock:
+            return frozenset(self._reserved)
+
+    def _free(self, key: Hashable) -> bytes:
+        """Under the lock: a store key for ``key`` that no other key has and none is reserved."""
+        base = encode_key(key)
+        skey, n = base, 0
+        while skey in self._owners or skey in self._reserved:
+            n += 1
+            skey = base + b"#%d" % n
+        return skey
+
 
 def encode_key(key: Hashable) -> bytes:
     """Deterministic bytes describing a dask key.

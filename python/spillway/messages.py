@@ -1,4 +1,5 @@
-"""Where spillway's Python package logs, and dask's spill messages with dask's rate limits.
+"""What spillway says in dask's words: where the Python package logs, dask's spill messages with
+dask's rate limits, and the metrics dask's store reports (``DASK_METRICS``).
 
 * The messages of the spill buffer that dask's own store logs ("Spill file on disk reached
   capacity; keeping data in memory", "Spill to disk failed; keeping data in memory", "Failed to
@@ -22,6 +23,7 @@ import sys
 from time import monotonic
 
 __all__ = [
+    "DASK_METRICS",
     "DISK_ERROR_MESSAGE",
     "LOGGER",
     "MAX_SPILL_MESSAGE",
@@ -96,3 +98,23 @@ def reset_log_rate_limits() -> None:
     limiter = _dask_limiter()
     if limiter is not None:
         limiter.reset_timer(spill_logger)
+
+
+#: What dask's store reports in ``cumulative_metrics`` and to distributed's ``context_meter``: the
+#: ``(label, unit)`` pairs a caller of dask's store can see.
+DASK_METRICS = frozenset(
+    {
+        ("memory-read", "count"),
+        ("memory-read", "bytes"),
+        ("disk-read", "count"),
+        ("disk-read", "bytes"),
+        ("disk-read", "seconds"),
+        ("disk-write", "count"),
+        ("disk-write", "bytes"),
+        ("disk-write", "seconds"),
+        ("serialize", "seconds"),
+        ("deserialize", "seconds"),
+        ("compress", "seconds"),
+        ("decompress", "seconds"),
+    }
+)

@@ -251,6 +251,24 @@ impl Inner {
         self.sizes.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// During `key`'s claim: reserve `n` bytes for its new value against `max_disk_bytes` (the old
+    /// value's bytes count as free), or `DiskFull` saying it would not fit. The reservation ends
+    /// when dropped; [`Reserved::stored`] makes the value `key`'s size.
+    fn reserve(&self, key: &[u8], n: u64, doing: &str) -> PyResult<Reserved<'_>> {
+        let mut s = self.sizes();
+        if let Some(max) = self.max_disk {
+            let old = s.map.get(key).copied().unwrap_or(0);
+            if s.total - old + s.reserved + n > max {
+                return Err(DiskFull::new_err(format!(
+                    "{doing} {n} bytes would exceed max_disk_bytes {max} ({} stored)",
+                    s.total
+                )));
+            }
+        }
+        s.reserved += n;
+        Ok(Reserved { inner: self, n })
+    }
+
     /// Wait until no other put or delete of `key` is running; `key` is then busy until the
     /// returned claim drops (on every path, a panic included).
     fn claim<'a>(&'a self, key: &'a [u8]) -> Claim<'a> {
@@ -260,6 +278,27 @@ impl Inner {
         }
         s.busy.insert(key.to_vec());
         Claim { inner: self, key }
+    }
+}
+
+/// Bytes reserved for a value being written (see [`Inner::reserve`]).
+struct Reserved<'a> {
+    inner: &'a Inner,
+    n: u64,
+}
+
+impl Reserved<'_> {
+    /// The value is written: it is `key`'s now, of `n` bytes.
+    fn stored(self, key: &[u8]) {
+        let mut s = self.inner.sizes();
+        let old = s.map.insert(key.to_vec(), self.n).unwrap_or(0);
+        s.total = s.total - old + self.n;
+    }
+}
+
+impl Drop for Reserved<'_> {
+    fn drop(&mut self) {
+        self.inner.sizes().reserved -= self.n;
     }
 }
 
@@ -340,9 +379,7 @@ impl Drop for Held {
                 r.remove(&id);
             }
         });
-        if let Some(last) = self.0.take().and_then(Arc::into_inner) {
-            Python::with_gil(|py| py.allow_threads(move || drop(last)));
-        }
+        drop_without_gil(self.0.take());
     }
 }
 
@@ -351,10 +388,16 @@ impl Drop for Log {
     /// and joins the io_uring driver, whose thread may need the GIL meanwhile, to log).
     fn drop(&mut self) {
         drop(self.granted.get_mut().unwrap_or_else(PoisonError::into_inner).take());
-        let taken = self.inner.get_mut().unwrap_or_else(PoisonError::into_inner).take();
-        if let Some(last) = taken.and_then(Arc::into_inner) {
-            Python::with_gil(|py| py.allow_threads(move || drop(last)));
-        }
+        drop_without_gil(self.inner.get_mut().unwrap_or_else(PoisonError::into_inner).take());
+    }
+}
+
+/// Drop `held` if this is its last reference, with the GIL released: dropping a log or a store
+/// writes its pending values and joins its io_uring driver, whose thread may need the GIL meanwhile
+/// (to log).
+pub(crate) fn drop_without_gil<T: Send>(held: Option<Arc<T>>) {
+    if let Some(last) = held.and_then(Arc::into_inner) {
+        Python::with_gil(|py| py.allow_threads(move || drop(last)));
     }
 }
 
@@ -460,27 +503,10 @@ impl Log {
         let key = key.to_vec();
         let result = py.allow_threads(|| {
             let _turn = inner.claim(&key);
-            if let Some(max) = inner.max_disk {
-                let mut s = inner.sizes();
-                let old = s.map.get(&key).copied().unwrap_or(0);
-                if s.total - old + s.reserved + n > max {
-                    return Err(DiskFull::new_err(format!(
-                        "storing {n} bytes would exceed max_disk_bytes {max} ({} stored)",
-                        s.total
-                    )));
-                }
-                s.reserved += n;
-            }
-            let r = inner.log.put(&key, &frames).map_err(to_py);
-            let mut s = inner.sizes();
-            if inner.max_disk.is_some() {
-                s.reserved -= n;
-            }
-            if r.is_ok() {
-                let old = s.map.insert(key.clone(), n).unwrap_or(0);
-                s.total = s.total - old + n;
-            }
-            r
+            let reserved = inner.reserve(&key, n, "storing")?;
+            inner.log.put(&key, &frames).map_err(to_py)?;
+            reserved.stored(&key);
+            Ok(())
         });
         // The borrowed buffers are released here, with the GIL held.
         drop(frames);
@@ -650,6 +676,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Log>()?;
     m.add_class::<Frame>()?;
     m.add_class::<store::Store>()?;
+    m.add_class::<store::Admission>()?;
     m.add_function(wrap_pyfunction!(frames_crc, m)?)?;
     transfer::register(m)?;
     m.add("SpillwayError", m.py().get_type::<SpillwayError>())?;

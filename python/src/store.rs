@@ -29,7 +29,7 @@ use spillway::{
 };
 
 use crate::transfer::Granted;
-use crate::{frames_to_list, to_py};
+use crate::{drop_without_gil, frames_to_list, to_py};
 
 /// The weight of a value whose `sizeof` failed in a way the codec did not handle itself (as
 /// `distributed.sizeof.safe_sizeof`).
@@ -236,6 +236,41 @@ pub(crate) struct Store {
     granted: std::sync::Mutex<Option<Arc<Granted>>>,
 }
 
+/// Room a store gave in memory to a value arriving from a peer (`Store.admit`): counted in the
+/// store's placement of the next arrivals until released (once the value is set in the store, or
+/// let go of), or collected.
+#[pyclass(frozen, module = "spillway._core")]
+pub(crate) struct Admission {
+    held: std::sync::Mutex<Option<(Arc<Inner>, u64)>>,
+}
+
+#[pymethods]
+impl Admission {
+    /// Give the room back (once; later calls do nothing).
+    fn release(&self) {
+        give_back(self.held.lock().unwrap_or_else(PoisonError::into_inner).take());
+    }
+}
+
+impl Drop for Admission {
+    fn drop(&mut self) {
+        give_back(self.held.get_mut().unwrap_or_else(PoisonError::into_inner).take());
+    }
+}
+
+/// An admission's room back to its store, without the GIL (the store's lock may be held by a thread
+/// that waits for it), which may be the store's last reference.
+fn give_back(held: Option<(Arc<Inner>, u64)>) {
+    if let Some((store, nbytes)) = held {
+        Python::with_gil(|py| {
+            py.allow_threads(move || {
+                store.release_admitted(nbytes);
+                drop(store);
+            })
+        });
+    }
+}
+
 /// A call's hold on the store. The last hold (after `close`) drops the store without the GIL:
 /// that writes the pending values and joins the io_uring driver, whose thread may itself need the
 /// GIL meanwhile (to log).
@@ -251,13 +286,6 @@ impl std::ops::Deref for Held {
 impl Drop for Held {
     fn drop(&mut self) {
         drop_without_gil(self.0.take());
-    }
-}
-
-/// Drop `store` if this is its last reference, with the GIL released.
-fn drop_without_gil(store: Option<Arc<Inner>>) {
-    if let Some(last) = store.and_then(Arc::into_inner) {
-        Python::with_gil(|py| py.allow_threads(move || drop(last)));
     }
 }
 
@@ -430,12 +458,15 @@ impl Store {
         Ok(())
     }
 
-    /// How many bytes the process may still grow by before its RSS (read now) passes
-    /// `process_trigger`, counting what spilling was learned not to bring down; `None` without a
-    /// process target.
-    fn process_headroom(&self, py: Python<'_>) -> PyResult<Option<u64>> {
-        let s = self.inner()?;
-        Ok(py.allow_threads(|| s.process_headroom()))
+    /// Room in memory for a value of `nbytes` arriving from a peer, if the store keeps it there
+    /// (engine/src/store/receive.rs, `Store::admit`: it fits under the target and the process's
+    /// headroom, counting what was admitted before and not yet released); None if it is to go
+    /// straight to disk (`fetch_into_store`). The room is held until the `Admission` is released
+    /// or collected.
+    fn admit(&self, py: Python<'_>, nbytes: u64) -> PyResult<Option<Admission>> {
+        let s = self.arc()?;
+        let admitted = py.allow_threads(|| s.admit(nbytes));
+        Ok(admitted.then(|| Admission { held: std::sync::Mutex::new(Some((s, nbytes))) }))
     }
 
     /// Bytes of RSS above `process_target` that evicting was found not to bring down (memory the

@@ -14,7 +14,7 @@ use spillway::transfer::{self, Access, Client, Outgoing, Source, Ticket, Transfe
 use spillway::{AutoBackend, Error, SegmentLog, StoredValue};
 
 use crate::store::{Store, StoreInner};
-use crate::{frames_to_list, to_py, DiskFull, Inner, Log};
+use crate::{frames_to_list, to_py, Inner, Log};
 
 /// What a grant sends from: a `Log`'s records, or a `Store`'s values. Each `Log` and `Store` keeps
 /// one of these while it is open (grants hold it weakly: a closed log or store is not kept for a
@@ -269,35 +269,20 @@ fn fetch_into(
     let inner = log.inner()?;
     py.allow_threads(|| {
         let _turn = inner.claim(as_key);
-        if let Some(max) = inner.max_disk {
-            let mut s = inner.sizes();
-            let old = s.map.get(as_key).copied().unwrap_or(0);
-            if s.total - old + s.reserved + nbytes > max {
-                return Err(DiskFull::new_err(format!(
-                    "receiving {nbytes} bytes would exceed max_disk_bytes {max} ({} stored)",
-                    s.total
-                )));
-            }
-            s.reserved += nbytes;
-        }
+        let reserved = inner.reserve(as_key, nbytes, "receiving")?;
         // A value whose frames do not add up to what was announced is refused as its header
         // arrives (`expect_frames_total`): nothing of it is stored, `as_key`'s old value stays.
-        let received = Client::connect((address.0.as_str(), address.1), ticket, opts)
+        let found = Client::connect((address.0.as_str(), address.1), ticket, opts)
             .and_then(|mut c| {
                 c.expect_frames_total(nbytes);
                 c.get_into(key, &inner.log, as_key)
             })
-            .map(|found| found.then_some(nbytes))
-            .map_err(to_py);
-        let mut s = inner.sizes();
-        if inner.max_disk.is_some() {
-            s.reserved -= nbytes;
+            .map_err(to_py)?;
+        if !found {
+            return Ok(None);
         }
-        if let Ok(Some(n)) = received {
-            let old = s.map.insert(as_key.to_vec(), n).unwrap_or(0);
-            s.total = s.total - old + n;
-        }
-        received
+        reserved.stored(as_key);
+        Ok(Some(nbytes))
     })
 }
 

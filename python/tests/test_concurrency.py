@@ -234,7 +234,7 @@ def assert_consistent(buf):
     buf._store.check_accounting()
     in_memory, on_disk = buf._store.keys_by_place()
     stored = set(in_memory) | set(on_disk)
-    assert {buf._keys[k] for k in buf} == stored - set(buf._pending)
+    assert {buf._keys[k] for k in buf} == stored - buf._keys.reserved
 
 
 def _in_thread(fn):

@@ -241,3 +241,33 @@ def test_a_key_the_buffer_holds_is_received_by_the_same_rule_as_any_other(make_b
         receiver["v"] = got
     assert receiver.tier("v") == "disk" and receiver["v"] == sender["v"]
     assert len(receiver) == 1
+
+
+def test_a_value_received_into_memory_holds_its_room_until_it_is_set_or_dropped(make_buffer):
+    """Where a value goes is the store's rule (``Store.admit``): a value received into memory counts
+    against the next arrivals until it is set (then its frames count, once) or dropped."""
+    sender = make_buffer(target=1 * MiB, process_target=None)
+    for name in "abcd":
+        sender[name] = bytes([ord(name)]) * (3 * MiB // 2)  # heavier than the sender's target
+    receiver = make_buffer(target=4 * MiB, process_target=None)
+    with TransferServer() as server:
+
+        def receive(name):
+            log, log_key, nbytes = sender.disk_record(name)
+            return receiver.receive(name, server.address, server.grant(log, log_key), log_key, nbytes)
+
+        a = receive("a")
+        b = receive("b")
+        assert type(a) is type(b) is spillway.PickledFrames, "3 MiB fit under 4 MiB"
+        c = receive("c")
+        assert type(c) is spillway.ReceivedRecord, "a and b not yet set hold their room"
+        del c
+        receiver["a"] = a
+        assert receiver.tier("a") == "frames"
+        del b
+        gc.collect()
+        d = receive("d")
+        assert type(d) is spillway.PickledFrames, "b, dropped, and a, set, no longer hold room twice"
+        receiver["d"] = d
+    assert receiver["a"] == sender["a"] and receiver["d"] == sender["d"]
+    assert "b" not in receiver and "c" not in receiver

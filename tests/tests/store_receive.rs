@@ -522,3 +522,28 @@ fn a_forged_announcement_is_refused_before_anything_is_allocated() {
         assert!(!s.contains(b"k"));
     }
 }
+
+/// One rule places every arrival (`Store::admit`): a value goes into memory if it fits under the
+/// target with what is in memory and what was admitted before and not yet released; `receive`
+/// follows it too, so a value another receiver holds room for pushes the next one to disk.
+#[test]
+fn arrivals_are_placed_by_one_rule_that_counts_what_is_still_arriving() {
+    let s = Store::open(TestCodec::default(), SimBackend::new(), "/r", cfg(20_000)).unwrap();
+    s.put_serialized(b"held", ser(&val(b'h', 4_000))).unwrap();
+    let weight = s.memory_bytes();
+    assert!(s.admit(20_000 - weight), "exactly what fits");
+    assert!(!s.admit(1), "nothing more while that room is held");
+    s.release_admitted(20_000 - weight);
+    assert!(s.admit(9_000));
+    // An arrival through `receive` that fits with what is in memory, but not with what is admitted:
+    // straight to disk.
+    let (payload, meta) = spillway_tests::streamed(&ser(&val(b'n', 9_000)));
+    s.receive(b"n", &meta, &mut &payload[..]).unwrap();
+    assert_eq!(s.tier(b"n"), Some(Tier::Disk), "the room held for the first arrival counts");
+    s.release_admitted(9_000);
+    s.remove(b"n").unwrap();
+    s.receive(b"m", &meta, &mut &payload[..]).unwrap();
+    assert_eq!(s.tier(b"m"), Some(Tier::Serialized), "released: in memory");
+    assert!(s.admit(20_000 - s.memory_bytes()), "a receive lets go of its own room");
+    assert_eq!(*s.get(b"m").unwrap().unwrap(), val(b'n', 9_000));
+}

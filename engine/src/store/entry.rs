@@ -153,6 +153,9 @@ pub(super) struct Inner<V> {
     pub(super) writing_raw: u64,
     /// Keys a `put_stream` is receiving right now (absent from `map` meanwhile).
     pub(super) streams: KeyMap<Arc<[u8]>, Stream>,
+    /// Bytes of values admitted into memory as they arrive ([`Store::admit`]) and not yet stored
+    /// or let go of.
+    pub(super) admitted: u64,
     /// Gets answered with an object in memory: (count, weight), part of `Activity::MemoryRead`.
     pub(super) object_reads: (u64, u64),
     /// A spill failed since the current eviction began ([`EvictionPolicy::failed_spill_ends_round`]).

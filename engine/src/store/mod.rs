@@ -211,6 +211,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             writing_weight: 0,
             writing_raw: 0,
             streams: KeyMap::default(),
+            admitted: 0,
             weak: KeyMap::default(),
             round_failed: false,
             object_reads: (0, 0),

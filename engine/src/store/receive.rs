@@ -1,5 +1,7 @@
-//! Values arriving in stored form: [`Store::receive`] (memory or disk), and `put_stream` (straight
-//! into the log), with a put or remove of the key meanwhile winning over the arrival.
+//! Values arriving in stored form: where they go ([`Store::admit`]: the one rule, for this store's
+//! own transfers and for an embedding that receives them itself), [`Store::receive`] (memory or
+//! disk), and `put_stream` (straight into the log), with a put or remove of the key meanwhile
+//! winning over the arrival.
 
 use super::*;
 
@@ -104,13 +106,41 @@ impl<C: Codec, B: Backend> Store<C, B> {
     pub fn receive(&self, key: &[u8], meta: &StreamedValue, src: &mut dyn std::io::Read) -> Result<()> {
         stored::check_announced(meta)?;
         let total: u64 = meta.frame_lens.iter().sum(); // laid out within u64: checked above
-        let inner = self.lock();
-        if inner.mem_bytes.saturating_add(total) <= self.target() {
-            self.receive_serialized(inner, key, meta, src, false)
-        } else {
-            drop(inner);
-            self.put_stream(key, meta, src)
+        if !self.admit(total) {
+            return self.put_stream(key, meta, src);
         }
+        /// The admission, let go of however the receive ends.
+        struct Admitted<'a, C: Codec, B: Backend>(&'a Store<C, B>, u64);
+        impl<C: Codec, B: Backend> Drop for Admitted<'_, C, B> {
+            fn drop(&mut self) {
+                self.0.release_admitted(self.1);
+            }
+        }
+        let _admitted = Admitted(self, total);
+        self.receive_serialized(self.lock(), key, meta, src, false)
+    }
+
+    /// Whether a value of `nbytes` (its frames' total) arriving from a peer is to be kept in memory,
+    /// serialized: it fits under the target with what the store holds in memory and what it
+    /// admitted before and is still arriving or waiting to be stored, and under the process's
+    /// headroom ([`Store::process_headroom`]) with what it admitted. If so, its bytes count as
+    /// admitted until [`Store::release_admitted`] (once it is stored, or let go of); if not, it is
+    /// to go straight to disk ([`Store::put_stream`]), never held in memory.
+    pub fn admit(&self, nbytes: u64) -> bool {
+        let headroom = self.process_headroom(); // (reads the RSS: without the lock)
+        let mut inner = self.lock();
+        let admitted = inner.admitted.saturating_add(nbytes);
+        let fits = inner.mem_bytes.saturating_add(admitted) <= self.target() && headroom.is_none_or(|h| admitted <= h);
+        if fits {
+            inner.admitted = admitted;
+        }
+        fits
+    }
+
+    /// `nbytes` admitted by [`Store::admit`] are stored now, or let go of.
+    pub fn release_admitted(&self, nbytes: u64) {
+        let mut inner = self.lock();
+        inner.admitted = inner.admitted.saturating_sub(nbytes);
     }
 
     /// [`Self::receive`] into memory, with the store's lock held on entry. `put_stream` calls it for a value
