@@ -40,3 +40,35 @@ def make_buffer(tmp_path):
     yield make
     for buf in buffers:
         buf.close()
+
+
+@pytest.fixture
+def plugged_cluster():
+    """``with plugged_cluster(workers) as (client, addr):`` a ``SpecCluster`` of Nanny workers, one
+    per ``{name: options}`` (``nthreads=1``, ``memory_limit="1GiB"`` unless given), with
+    :class:`spillway.dask.SpillwayPlugin` registered on all of them; ``addr`` maps each name to its
+    worker's address."""
+    import contextlib
+
+    distributed = pytest.importorskip("distributed")
+    import spillway.dask
+
+    @contextlib.contextmanager
+    def start(workers: dict):
+        spec = {
+            name: {
+                "cls": distributed.Nanny,
+                "options": {"nthreads": 1, "memory_limit": "1GiB", **options},
+            }
+            for name, options in workers.items()
+        }
+        scheduler = {"cls": distributed.Scheduler, "options": {"dashboard_address": None}}
+        with (
+            distributed.SpecCluster(workers=spec, scheduler=scheduler) as cluster,
+            distributed.Client(cluster) as client,
+        ):
+            client.register_plugin(spillway.dask.SpillwayPlugin())
+            addr = {ws["name"]: a for a, ws in client.scheduler_info()["workers"].items()}
+            yield client, addr
+
+    return start

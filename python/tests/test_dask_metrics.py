@@ -41,22 +41,13 @@ def _seconds(digests: dict, context: str, label: str) -> float:
     )
 
 
-def test_spillways_work_shows_in_dasks_fine_metrics_under_its_activity():
-    from distributed import Nanny, Scheduler, SpecCluster
-
+def test_spillways_work_shows_in_dasks_fine_metrics_under_its_activity(plugged_cluster):
     def worker(target):
-        data = (spillway.worker_data, {"target": target})
-        return {"cls": Nanny, "options": {"nthreads": 1, "memory_limit": "1GiB", "data": data}}
+        return {"data": (spillway.worker_data, {"target": target})}
 
     # The receiver's small target sends values arriving by the side channel straight to disk.
     spec = {"sender": worker(256 * MiB), "receiver": worker(4 * MiB)}
-    scheduler = {"cls": Scheduler, "options": {"dashboard_address": None}}
-    with (
-        SpecCluster(workers=spec, scheduler=scheduler) as cluster,
-        distributed.Client(cluster) as client,
-    ):
-        client.register_plugin(spillway.dask.SpillwayPlugin())
-        addr = {ws["name"]: a for a, ws in client.scheduler_info()["workers"].items()}
+    with plugged_cluster(spec) as (client, addr):
         sender, receiver = addr["sender"], addr["receiver"]
         big = [client.submit(counted.make, i, 8 * MiB, key=f"big-{i}", workers=[sender]) for i in range(4)]
         small = [client.submit(counted.make, i, MiB, key=f"small-{i}", workers=[sender]) for i in range(8)]
