@@ -107,11 +107,9 @@ WORKLOADS = {
 PHASES = tuple(p for phases in WORKLOADS.values() for p in phases)
 #: "spillway+plugin": spillway's store and ``client.register_plugin(spillway.dask.SpillwayPlugin())``;
 #: "spillway+inband": the same plugin with ``side_channel=False`` (every value in dask's reply).
-#: "spillway+plugin-loop": the plugin with ``input_readers=0`` (a task's spilled inputs read by
-#: ``Worker.execute`` on the event loop, as dask does).
 #: "baseline": another build's ``SpillBuffer`` (``--baseline FILE``) run as spillway's is, on this
 #: build's ``spillway._core``.
-STORES = ("dask", "spillway", "spillway+plugin", "spillway+inband", "spillway+plugin-loop", "baseline")
+STORES = ("dask", "spillway", "spillway+plugin", "spillway+inband", "baseline")
 
 #: ``--baseline FILE``: the path of another build's ``buffer.py``, for the "baseline" store.
 BASELINE_ENV = "CLUSTER_BENCH_BASELINE"
@@ -879,12 +877,11 @@ def run_one(
         client = stack.enter_context(Client(cluster.scheduler_address if net else cluster))
         client.register_plugin(MemorySampler(), name=MemorySampler.name)
         # (The CLI workers of --net get the plugin from their preload, as users' do.)
-        if store in ("spillway+plugin", "spillway+inband", "spillway+plugin-loop") and not net:
+        if store in ("spillway+plugin", "spillway+inband") and not net:
             import spillway.dask
 
-            side = store != "spillway+inband"
-            readers = {"input_readers": 0} if store == "spillway+plugin-loop" else {}
-            client.register_plugin(spillway.dask.SpillwayPlugin(side_channel=side, **readers))
+            side = store == "spillway+plugin"
+            client.register_plugin(spillway.dask.SpillwayPlugin(side_channel=side))
         watch = Watch(cluster)
         stack.callback(watch.close)
         result.backend = ",".join(sorted({b for b in client.run(_backend).values() if b}))

@@ -103,9 +103,9 @@ class _Worker:
 
 class NetCluster:
     """``n`` CLI workers of ``memory_limit`` bytes and ``threads`` threads each, one per namespace,
-    on ``store`` ("dask", "spillway", "spillway+plugin", "spillway+inband",
-    "spillway+plugin-loop"), links at ``rate`` (tc's syntax: "1gbit", "100mbit"). A context manager;
-    ``.scheduler`` and ``.workers`` as a LocalCluster's, ``.scheduler_address`` for a Client."""
+    on ``store`` ("dask", "spillway", "spillway+plugin", "spillway+inband"), links at ``rate`` (tc's
+    syntax: "1gbit", "100mbit"). A context manager; ``.scheduler`` and ``.workers`` as a
+    LocalCluster's, ``.scheduler_address`` for a Client."""
 
     def __init__(self, n: int, memory_limit: int, store: str, rate: str, local_directory: str,
                  threads: int = 1):
@@ -120,8 +120,6 @@ class NetCluster:
             env["DASK_SPILLWAY__PLUGIN"] = "False"
         elif self.store == "spillway+inband":
             env["DASK_SPILLWAY__SIDE_CHANNEL"] = "False"
-        elif self.store == "spillway+plugin-loop":
-            env["DASK_SPILLWAY__INPUT_READERS"] = "0"
         # The thresholds this harness is about: dask's defaults, spelled out in every process.
         for k, v in (("TARGET", "0.6"), ("SPILL", "0.7"), ("PAUSE", "0.8"), ("TERMINATE", "0.95")):
             env[f"DASK_DISTRIBUTED__WORKER__MEMORY__{k}"] = v

@@ -47,7 +47,6 @@ the hooks it uses; otherwise it logs why and leaves the worker as stock dask.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import contextvars
 import dataclasses
@@ -116,9 +115,6 @@ class Settings:
     side_channel_retry_after: float
     #: Seconds each network call of a fetch may take (the whole value must also arrive at 1 MiB/s).
     side_channel_timeout: float
-    #: Threads that read a task's spilled inputs before it runs, off the event loop; 0: stock dask's
-    #: way (``Worker.execute`` reads them on the event loop).
-    input_readers: int
 
     @classmethod
     def from_config(cls, **overrides) -> Settings:
@@ -128,7 +124,6 @@ class Settings:
             "side_channel_connect_timeout": config.get_seconds("side-channel-connect-timeout"),
             "side_channel_retry_after": config.get_seconds("side-channel-retry-after"),
             "side_channel_timeout": config.get_seconds("side-channel-timeout"),
-            "input_readers": int(config.get("input-readers")),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
@@ -402,18 +397,11 @@ def install(worker: distributed.Worker, settings: Settings | None = None) -> boo
     distributed.worker.get_data_from_worker = get_data_from_worker
     stock_execute = worker.execute
 
-    readers = None
-    if settings.input_readers > 0:
-        readers = concurrent.futures.ThreadPoolExecutor(
-            settings.input_readers, thread_name_prefix="spillway-read"
-        )
-
     async def execute(key: Hashable, *, stimulus_id: str):
-        with worker.data.serving(await _load_inputs(worker, key, readers)):
-            return await stock_execute(key, stimulus_id=stimulus_id)
+        await _unpickle_inputs(worker, key)
+        return await stock_execute(key, stimulus_id=stimulus_id)
 
     execute.stock = stock_execute
-    execute.readers = readers
     worker.execute = execute
     if "spillway" not in worker.plugins:
         # (a preload: the transition hook needs a plugin; close removes it, calling teardown)
@@ -437,11 +425,9 @@ def uninstall(worker: distributed.Worker) -> None:
     stock = getattr(handler, "stock", None)
     if stock is not None:
         worker.handlers["get_data"] = stock
-    execute = worker.__dict__.get("execute")
-    if getattr(execute, "stock", None) is not None:
+    stock = getattr(worker.__dict__.get("execute"), "stock", None)
+    if stock is not None:
         del worker.execute
-        if execute.readers is not None:
-            execute.readers.shutdown(wait=False)
 
 
 def _peer_ip(comm) -> str | None:
@@ -752,58 +738,33 @@ def _plugged_worker_of(buf: SpillBuffer):
     return next((w for w in list(_types) if w.data is buf), None)
 
 
-async def _load_inputs(worker, key: Hashable, readers) -> dict:
-    """Before a task runs, its inputs that are not objects in memory, off dask's event loop where
-    that pays: with ``readers`` (``input-readers`` threads: not dask's offload thread, which also
-    deserializes large messages, so neither waits for the other), those on disk are read and
-    unpickled there (stock dask reads them in ``Worker.execute``, on the event loop; the task stream
-    shows them as ``disk-read`` either way), and returned for the task (``SpillBuffer.serving``: a
-    value too heavy to be kept in memory is not read twice). Those held pickled in memory (received from a peer, or read back for one)
-    are unpickled where stock dask unpickled them as they arrived: those larger than dask's
-    ``distributed.comm.offload`` threshold in dask's offload thread, the others on the event loop
-    (``deserialize`` in the task stream, which it is)."""
+async def _unpickle_inputs(worker, key: Hashable) -> None:
+    """Before a task runs: its inputs held pickled in memory (received from a peer, or read back
+    for one) are unpickled now, where stock dask unpickled them as they arrived: those larger than
+    dask's ``distributed.comm.offload`` threshold in dask's offload thread, the others on the event
+    loop. ``Worker.execute`` then finds them in memory; and the task stream shows the time as
+    ``deserialize`` (which it is), not as the ``disk-read`` dask names any slow read of an input."""
     ts = worker.state.tasks.get(key)
     buf = worker.data
     if ts is None or not isinstance(buf, SpillBuffer):
-        return {}
-    held, spilled = [], []
-    for d in ts.dependencies:
-        tier = buf.tier_if_present(d.key)
-        if tier == "frames":
-            held.append(d)
-        elif tier == "disk" and readers is not None:
-            spilled.append(d.key)
-    values: dict = {}
-    if spilled:
-        start = time()
-        run = contextvars.copy_context().run  # (dask's metrics of this task's activity)
-        values = await asyncio.get_running_loop().run_in_executor(readers, run, _read_all, buf, spilled)
-        _record(ts, "disk-read", start)
-    if held:
-        start = time()
-        _read_all(buf, [d.key for d in held if (d.nbytes or 0) <= OFFLOAD_THRESHOLD])
-        large = [d.key for d in held if (d.nbytes or 0) > OFFLOAD_THRESHOLD]
-        if large:
-            await offload(_read_all, buf, large)
-        _record(ts, "deserialize", start)
-    return values
-
-
-def _record(ts, action: str, start: float) -> None:
-    """A step of a task's start in its task stream, as dask records a read of its inputs (if it
-    took more than dask's 5 ms)."""
+        return
+    held = [d for d in ts.dependencies if buf.tier_if_present(d.key) == "frames"]
+    if not held:
+        return
+    start = time()
+    _read_all(buf, [d.key for d in held if (d.nbytes or 0) <= OFFLOAD_THRESHOLD])
+    large = [d.key for d in held if (d.nbytes or 0) > OFFLOAD_THRESHOLD]
+    if large:
+        await offload(_read_all, buf, large)
     stop = time()
-    if stop - start > 0.005:
-        ts.startstops.append({"action": action, "start": start, "stop": stop})
+    if stop - start > 0.005:  # (dask's own threshold for recording a read of an input)
+        ts.startstops.append({"action": "deserialize", "start": start, "stop": stop})
 
 
-def _read_all(buf: SpillBuffer, keys: list) -> dict:
-    """``{key: buf[key]}`` for the keys still present."""
-    out = {}
+def _read_all(buf: SpillBuffer, keys: list) -> None:
     for key in keys:
         with contextlib.suppress(KeyError):  # (released meanwhile: execute sees to it)
-            out[key] = buf[key]
-    return out
+            buf[key]
 
 
 def _fetch_all(buf: SpillBuffer, refs: dict, peer: str, settings: Settings) -> dict:

@@ -221,7 +221,7 @@ class PeerValues:
         ``buf[key]`` returns ``values[key]`` for the keys ``values`` has, without touching their
         tiers, the LRU or the metrics. :mod:`spillway.dask` uses it to hand dask's ``get_data`` the
         frames of values it reads for a peer, so that they are neither unpickled nor brought back
-        into memory, and ``Worker.execute`` the inputs it read for a task off the event loop."""
+        into memory."""
         token = _SERVING.set((self, values))
         try:
             yield

@@ -31,7 +31,6 @@ class Where:
     def __init__(self, payload: bytes):
         self.payload = payload
         self.on_main_thread = None
-        self.thread = None
 
     def __reduce__(self):
         return _rebuild_where, (self.payload,)
@@ -43,7 +42,6 @@ class Where:
 def _rebuild_where(payload):
     w = Where(payload)
     w.on_main_thread = threading.current_thread() is threading.main_thread()
-    w.thread = threading.current_thread().name
     return w
 
 
@@ -171,21 +169,3 @@ def test_what_peers_clients_and_tasks_receive_is_what_a_stock_worker_gives(plugg
         assert seen["s1"]["large-object", "same kind"][2] is False
         assert seen["s1"]["dict", "same kind", "type"] == str(dict)
 
-
-def _unpickled_where(value) -> tuple:
-    return value.on_main_thread, value.thread
-
-
-def test_a_task_s_spilled_input_is_read_off_the_event_loop_with_the_plugin(plugged_cluster):
-    """Stock dask reads a task's spilled inputs in ``Worker.execute``, on the event loop; with the
-    plugin they are read and unpickled on spillway's reader threads."""
-    with plugged_cluster({"s": {"data": spillway.worker_data}, "k": {}}) as (client, addr):
-        seen = {}
-        for name in ("s", "k"):
-            fut = client.submit(make, "large-object", 1, key=f"where-{name}", workers=[addr[name]])
-            distributed.wait(fut)
-            assert client.run(_spill_all, workers=[addr[name]])[addr[name]] == 1
-            task = client.submit(_unpickled_where, fut, key=f"use-{name}", workers=[addr[name]])
-            seen[name] = task.result()
-        assert seen["k"] == (True, "MainThread"), "stock: on the event loop"
-        assert seen["s"][0] is False and seen["s"][1].startswith("spillway-read"), seen["s"]
