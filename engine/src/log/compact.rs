@@ -1,7 +1,18 @@
 //! Compaction: which segments are sparse (the [`CompactionPolicy`]) and relocating their live
 //! records so the segment can be deleted.
 
-use super::*;
+use bytes::Bytes;
+
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::format::{self, FooterEntry};
+
+use super::index::Location;
+use super::recover::RecoveryReport;
+use super::scan::{entry_matches, FOOTER_MISMATCH};
+use super::segments::{first_segment, SegMeta, WriterState};
+use super::write::NewRecord;
+use super::{padded, SegmentLog, WARN_COMPACT};
 
 /// What [`SegmentLog::compact`] did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

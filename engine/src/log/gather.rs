@@ -1,7 +1,17 @@
 //! Gathered writes: a large payload is written from its own frames (vectored, aligned where the
 //! frames allow) instead of being copied into the write buffer.
 
-use super::*;
+use std::io;
+
+use crate::backend::Backend;
+use crate::error::Result;
+use crate::format::{self, align_down, align_up, RecordHeader};
+use crate::value::Frames;
+
+use super::index::Location;
+use super::segments::WriterState;
+use super::write::{NewRecord, Payload, Placed, Prepared};
+use super::{laid_out_len, padded, SegmentLog, ZEROS};
 
 /// A chunk holding a value at least this large is written gathered (no staging copy) where the
 /// backend supports it.

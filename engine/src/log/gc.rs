@@ -2,7 +2,20 @@
 //! closed segments for large dead records, deleting segments with nothing live and no needed
 //! tombstone, or keeping their files to become new segments (`LogOptions::recycle_segments`).
 
-use super::*;
+use std::io;
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::backend::{Backend, DetachedPunch};
+use crate::error::{Error, Result};
+use crate::format::{self, align_down, align_up};
+use crate::key::KeyMap;
+use crate::sync::{Ordering, RwLock};
+
+use super::index::Location;
+use super::options::LogOptions;
+use super::segments::{SpareFile, WriterState, MAX_KEPT_AT_OPEN, MAX_SPARE_FILES};
+use super::{lock, padded, parse_seg_file_name, SegmentLog, WARN_GC, WARN_PUNCH};
 
 /// Forgotten records at least this large are hole-punched (with `LogOptions::punch_forgotten`).
 pub(super) const PUNCH_MIN_BYTES: u64 = 256 << 10;

@@ -1,7 +1,7 @@
 //! The in-memory index entry: a record's [`Location`] and its packed form (`PackedLoc`, 16 bytes
 //! per key), plus the facts a record's header gives the index (`RecordFacts`).
 
-use super::*;
+use crate::format::{self, FooterEntry, RECORD_ALIGN};
 
 /// Where a live record is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

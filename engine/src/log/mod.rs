@@ -34,9 +34,7 @@
 //! See `docs/architecture.md` for the write and recovery paths step by step, and `docs/format.md`
 //! for the bytes.
 
-use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
-use std::future::Future;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
@@ -45,14 +43,16 @@ use std::sync::{Arc, OnceLock};
 // that touches the index (a read racing a removal, for one) as a step to interleave.
 use crate::sync::{AtomicBool, AtomicU64, Mutex, MutexGuard, Ordering, RwLock};
 
-use bytes::Bytes;
-
-use crate::backend::{Backend, BufResult, DetachedPunch, DirLock, PipelinedRead, PortableBackend};
-use crate::buf::AlignedBuf;
+use self::gc::{discard_segments, Punches, SegmentFiles};
+use self::index::PackedLoc;
+use self::read::SendPins;
+use self::segments::WriterState;
+use self::stream::Streams;
+use self::write_behind::NOTHING_PENDING;
+use crate::backend::{Backend, DirLock, PortableBackend};
 use crate::error::{Error, Result};
-use crate::format::{self, align_down, align_up, FooterEntry, RecordHeader, Salt, RECORD_ALIGN};
-use crate::key::{IndexKey, KeyHasher, KeyMap};
-use crate::stored;
+use crate::format::{self, align_up, Salt, RECORD_ALIGN};
+use crate::key::{IndexKey, KeyMap};
 use crate::value::Frames;
 
 mod compact;
@@ -77,17 +77,6 @@ pub use self::recover::RecoveryReport;
 pub use self::verify::{LogStats, VerifyProblem};
 pub use self::write_behind::MAX_WRITE_BEHIND_BYTES;
 pub use crate::stored::StreamedValue;
-
-use self::gather::*;
-use self::gc::*;
-use self::index::*;
-use self::read::*;
-use self::recover::*;
-use self::scan::*;
-use self::segments::*;
-use self::stream::*;
-use self::write::*;
-use self::write_behind::*;
 
 /// Name of the sub-directory holding segment files.
 pub const SEGMENTS_DIR: &str = "segments";
@@ -467,6 +456,7 @@ impl<B: Backend> SegmentLog<B> {
 mod tests {
     use super::*;
     use crate::backend::SimBackend;
+    use bytes::Bytes;
 
     fn opts() -> LogOptions {
         LogOptions { segment_bytes: 64 * 1024, ..Default::default() }

@@ -1,6 +1,9 @@
 //! What a log is opened with: [`LogOptions`] and the [`Compression`] choice.
 
-use super::*;
+use super::compact::CompactionPolicy;
+use super::gather::GATHER_MIN_BYTES;
+use super::write::{PARALLEL_CRC_MIN_BYTES, WRITE_GROUP_BYTES};
+use super::MAX_VALUE_BYTES;
 
 /// Per-record payload compression.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

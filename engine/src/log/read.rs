@@ -2,7 +2,26 @@
 //! checksum (in parallel for large payloads), pipelined and async reads, and the stored form of a
 //! value for sending ([`StoredValue`], pinned so its bytes stay put while a send reads them).
 
-use super::*;
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::future::Future;
+use std::io;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use bytes::Bytes;
+
+use crate::backend::{Backend, BufResult, PipelinedRead};
+use crate::buf::AlignedBuf;
+use crate::error::{Error, Result};
+use crate::format::{align_down, align_up, Salt};
+use crate::stored::StreamedValue;
+use crate::sync::Mutex;
+use crate::value::Frames;
+use crate::{format, stored};
+
+use super::index::{Location, PackedLoc};
+use super::{lock, SegmentLog, PAGE_BYTES};
 
 /// A value's stored form on disk (see [`SegmentLog::stored_value`]).
 pub struct StoredValue<F> {

@@ -2,7 +2,18 @@
 //! unsealed ones, settle which record of each key wins (sequence numbers), erase torn tails durably,
 //! and build the index and the segment accounting. The outcome is a [`RecoveryReport`].
 
-use super::*;
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::format::{self, align_down, align_up, FooterEntry, Salt, RECORD_ALIGN};
+use crate::key::{IndexKey, KeyHasher, KeyMap};
+
+use super::index::{Location, PackedLoc, RecordFacts};
+use super::segments::{Active, SegMeta};
+use super::{padded, parse_seg_file_name, SegmentLog, MAX_RECORD_BYTES, MAX_SEGMENT_FILE_BYTES, SEQ_LIMIT};
 
 /// What recovery found when the log was opened.
 #[derive(Debug, Clone, Default)]

@@ -2,7 +2,16 @@
 //! unusable): the read window, probing a record at an offset, resynchronising past damage at the
 //! next sync mark, and telling a torn tail from damage in the middle.
 
-use super::*;
+use std::path::Path;
+
+use crate::backend::Backend;
+use crate::buf::AlignedBuf;
+use crate::error::{Error, Result};
+use crate::format::{self, align_down, align_up, FooterEntry, RecordHeader, RECORD_ALIGN};
+
+use super::recover::{RecoveryReport, SegmentScan};
+use super::segments::SegMeta;
+use super::{padded, SegmentLog};
 
 /// Read window used when scanning unsealed segments.
 pub(super) const SCAN_WINDOW: usize = 1 << 20;

@@ -2,7 +2,19 @@
 //! bytes, punched bytes; every change to them goes through its methods), the active segment and the
 //! writer's state, and the segment lifecycle: fit, rotate, seal (footer and trailer), sync.
 
-use super::*;
+use std::collections::BTreeMap;
+use std::io;
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::backend::Backend;
+use crate::buf::AlignedBuf;
+use crate::error::{Error, Result};
+use crate::format::{self, align_up, FooterEntry};
+
+use super::index::PackedLoc;
+use super::write::NewRecord;
+use super::{padded, SegmentLog, WARN_REUSE};
 
 #[derive(Debug, Clone)]
 pub(super) struct SegMeta {

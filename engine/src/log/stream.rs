@@ -2,7 +2,25 @@
 //! and appended under the writer lock; large ones go to a segment of their own written without the
 //! lock, published only if no newer write of the key overtook them.
 
-use super::*;
+use std::collections::HashMap;
+use std::io;
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::backend::Backend;
+use crate::buf::AlignedBuf;
+use crate::error::{Error, Result};
+use crate::format::{align_down, align_up, FooterEntry, RecordHeader};
+use crate::key::IndexKey;
+use crate::stored::StreamedValue;
+use crate::sync::Ordering;
+use crate::value::Frames;
+use crate::{format, stored};
+
+use super::index::{Location, PackedLoc, RecordFacts};
+use super::segments::{first_segment, note_first_segment, SegMeta};
+use super::write::{NewRecord, Payload, Placed, Prepared};
+use super::{lock, padded, SegmentLog, MAX_RECORD_BYTES};
 
 /// Values streaming into segments of their own, by key: (sequence number, overtaken) of each (see
 /// [`SegmentLog::put_stream`]).

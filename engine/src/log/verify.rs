@@ -1,7 +1,17 @@
 //! Inspection: [`LogStats`] and `verify`, which reads every record back and lists
 //! [`VerifyProblem`]s without changing anything.
 
-use super::*;
+use std::sync::Arc;
+
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::format;
+
+use super::gc::PUNCH_MIN_BYTES;
+use super::index::Location;
+use super::recover::RecoveryReport;
+use super::scan::{entry_matches, FOOTER_MISMATCH};
+use super::SegmentLog;
 
 /// Space accounting, as reported by [`SegmentLog::stats`].
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -3,7 +3,21 @@
 //! up to `WRITES_IN_FLIGHT` writes in flight, and publish the batch to the index and the accounting
 //! once its writes are in the kernel. Deletes write tombstones; `forget` drops a key without one.
 
-use super::*;
+use std::io;
+
+use crate::backend::Backend;
+use crate::buf::AlignedBuf;
+use crate::error::{Error, Result};
+use crate::format::{align_down, align_up, FooterEntry, RecordHeader};
+use crate::key::IndexKey;
+use crate::sync::Ordering;
+use crate::value::Frames;
+use crate::{format, stored};
+
+use super::index::{Location, PackedLoc, RecordFacts};
+use super::options::Compression;
+use super::segments::{first_segment, note_first_segment, WriterState};
+use super::{laid_out_len, lock, padded, SegmentLog, Writer, MAX_RECORD_BYTES, MAX_SPARE_BUF};
 
 /// With a backend that queues writes, records are encoded and written in groups of about this size,
 /// up to `WRITES_IN_FLIGHT` at once (see `write_chunk`). Measured for 1 MiB values in batches of 16

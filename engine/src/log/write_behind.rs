@@ -2,7 +2,18 @@
 //! at most [`MAX_WRITE_BEHIND_BYTES`]) until it fills, a read needs them, or a sync; reads of a
 //! pending record are served from the buffer.
 
-use super::*;
+use bytes::Bytes;
+
+use crate::backend::Backend;
+use crate::buf::AlignedBuf;
+use crate::error::Result;
+use crate::format::{self, align_down, align_up};
+use crate::sync::Ordering;
+
+use super::index::Location;
+use super::segments::WriterState;
+use super::write::{Placed, Prepared};
+use super::{lock, padded, SegmentLog, MAX_SPARE_BUF, ZEROS};
 
 /// Largest `LogOptions::write_behind_bytes`.
 pub const MAX_WRITE_BEHIND_BYTES: u64 = 64 << 20;

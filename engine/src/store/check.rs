@@ -1,6 +1,9 @@
 //! `check_accounting`: recompute every total from the entries and compare (tests and fuzzing).
 
-use super::*;
+use crate::backend::Backend;
+
+use super::entry::Tier;
+use super::{key_str, Codec, Store};
 
 impl<C: Codec, B: Backend> Store<C, B> {
     /// Recompute the accounting from the entries and compare it with the running totals, the LRU order

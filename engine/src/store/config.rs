@@ -1,7 +1,7 @@
 //! What a store is opened with: [`StoreConfig`], and the [`EvictionPolicy`] that says how room is
 //! made when memory is over the target.
 
-use super::*;
+use crate::log::LogOptions;
 
 /// Store configuration.
 #[derive(Debug, Clone)]

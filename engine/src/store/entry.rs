@@ -2,7 +2,21 @@
 //! slot, disk copy), the totals per tier that every change goes through (`Inner::count_in` and
 //! `count_out`), the LRU order, and in-memory lz4 blocks.
 
-use super::*;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::key::{KeyMap, KeySet};
+use crate::slot::Slot;
+use crate::stored;
+use crate::value::Frames;
+
+use super::evict::SpillFailure;
+use super::{Codec, Revive, Store};
 
 /// Where an entry's value is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

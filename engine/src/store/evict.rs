@@ -2,7 +2,19 @@
 //! without the lock (serialize, compress, write a batch), and settling it under the lock again;
 //! `max_spill`, failed spills and stuck entries.
 
-use super::*;
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::slot::Slot;
+use crate::sync::{self, MutexGuard, Ordering};
+use crate::value::Frames;
+
+use super::entry::{compress, decompress, Compressed, EntrySlot, Inner, Tier, WeakHandle};
+use super::get::{vanished, Source};
+use super::metrics::Activity;
+use super::{key_str, log_due, panic_message, Codec, Revive, Store};
 
 /// Entries looked at per eviction round.
 pub(super) const EVICT_SCAN: usize = 256;

@@ -1,7 +1,19 @@
 //! Gets: the per-key slot that deserializes once, reading back from disk (one read, or a batch of
 //! pipelined reads for `get_many`), async gets, and `get_serialized` (frames, never an object).
 
-use super::*;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::slot::Slot;
+use crate::sync;
+use crate::value::Frames;
+
+use super::entry::{decompress, Compressed, Tier, WeakHandle};
+use super::metrics::Activity;
+use super::{key_str, metrics, Codec, Revive, Store};
 
 /// The error of a read whose record was removed from the log after the reader looked the key up (a
 /// racing `remove`); readers then start over, so callers never see it.

@@ -22,8 +22,10 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool as StdAtomicBool, AtomicUsize as StdAtomicUsize, Ordering as StdOrdering};
 use std::sync::{Mutex as StdMutex, OnceLock};
 
-use super::*;
-use crate::log::Location;
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::log::{Location, LogOptions, SegmentLog, StreamedValue};
+use crate::value::Frames;
 
 /// Most fresh logs a store can open in its life (the cap of [`StoreConfig::fresh_logs`]).
 pub const MAX_FRESH_LOGS: u32 = 8;

@@ -6,7 +6,13 @@
 //! call's own work (its serializing, writing, reading...), whatever other threads did meanwhile.
 //! An embedding reports it under the activity that made the call (dask's `context_meter`).
 
-use super::*;
+use std::time::Instant;
+
+use crate::backend::Backend;
+use crate::sync::{AtomicU64, Ordering};
+
+use super::entry::TIERS;
+use super::{Codec, Store};
 
 /// What the store spends its time on: each has a count, bytes and time in the metrics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -49,22 +49,21 @@
 //! | `metrics.rs` | [`Activity`] counters and [`MetricsSnapshot`] |
 //! | `check.rs` | `check_accounting` |
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-use bytes::Bytes;
-
 use crate::backend::{Backend, PortableBackend};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::key::{KeyMap, KeySet};
-use crate::log::{LogOptions, SegmentLog, StreamedValue};
+use crate::log::SegmentLog;
 use crate::slot::Slot;
-use crate::stored;
 // Locks, counters and the values' `Arc` come from the sync shim, so the loom models in `loom-tests/`
 // run this code as it is (keys and slots are plain `Arc`s: only their contents are shared state).
-use crate::sync::{self, AtomicU64, Condvar, Mutex, MutexGuard, Ordering};
+use self::entry::{Acct, Entry, Inner};
+use self::metrics::Metrics;
+use crate::sync::{self, Condvar, Mutex, MutexGuard};
 use crate::value::Frames;
 
 mod check;
@@ -86,11 +85,6 @@ pub use self::get::{GET_MANY_BATCH, GET_MANY_DEPTH};
 pub use self::logs::MAX_FRESH_LOGS;
 pub use self::metrics::{take_thread_metrics, Activity, ActivityStats, MetricsSnapshot};
 pub use self::pressure::{read_rss, RssProbe, RSS_CHECK_BYTES};
-
-use self::entry::*;
-use self::evict::*;
-use self::get::*;
-use self::metrics::*;
 
 /// A codec's error.
 pub type CodecError = Box<dyn std::error::Error + Send + Sync>;
@@ -371,7 +365,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
 
 #[cfg(test)]
 mod tests {
+    use self::entry::Entry;
     use super::*;
+    use bytes::Bytes;
 
     /// A store's memory per key is mostly its map bucket (key handle and entry), one per key of
     /// every tier, so a million spilled keys cost a million of them: keep it within 104 bytes (it

@@ -1,6 +1,19 @@
 //! `flush` of a persistent store: every value held only in memory is written and synced.
 
-use super::*;
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::slot::Slot;
+use crate::sync::{self, MutexGuard, Ordering};
+use crate::value::Frames;
+
+use super::entry::{decompress, Compressed, Inner, Tier};
+use super::evict::{Listed, Settled, EVICT_SCAN};
+use super::get::vanished;
+use super::metrics::Activity;
+use super::{key_str, Codec, Store};
 
 /// Passes of a persistent store's `flush` (write a disk copy of everything, wait for the writes)
 /// while values are left in memory without their disk copy.

@@ -24,9 +24,12 @@
 //! process target off).
 
 use std::sync::atomic::{AtomicU64 as StdAtomicU64, Ordering as StdOrdering};
+use std::sync::Arc;
 use std::sync::Mutex as StdMutex;
 
-use super::*;
+use crate::backend::Backend;
+
+use super::{Codec, Store};
 
 /// Bytes of memory weight brought in (put or read back) between two reads of the process's RSS (a
 /// read, a `pread` of `/proc/self/statm`, costs about 2 µs).

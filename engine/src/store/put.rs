@@ -1,7 +1,18 @@
 //! Puts and removes: `put` (an object), `put_serialized` (frames), a value heavier than the
 //! target straight to disk (`put_large`), and waiting for a key's write in flight.
 
-use super::*;
+use std::sync::Arc;
+
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::slot::Slot;
+use crate::sync::{self, MutexGuard};
+use crate::value::Frames;
+
+use super::entry::{Entry, Inner, Tier, WeakHandle};
+use super::evict::{Plan, Planned};
+use super::get::Source;
+use super::{Codec, Revive, Store};
 
 impl<C: Codec, B: Backend> Store<C, B> {
     /// Store a materialized value. If it is heavier than the target it is serialized and written to disk

@@ -3,7 +3,19 @@
 //! disk), and `put_stream` (straight into the log), with a put or remove of the key meanwhile
 //! winning over the arrival.
 
-use super::*;
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::log::StreamedValue;
+use crate::slot::Slot;
+use crate::stored;
+use crate::sync::MutexGuard;
+
+use super::entry::{Entry, Inner, Stream, Tier};
+use super::metrics::Activity;
+use super::{key_str, Codec, Store};
 
 impl<C: Codec, B: Backend> Store<C, B> {
     /// Store a value arriving from a peer (`src`, in the stored form `meta` announces) straight into

@@ -21,9 +21,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
-use super::{Outgoing, Source, MAX_WAIT};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
+
+use super::{Outgoing, Source, MAX_WAIT};
 
 /// Bytes of a [`Ticket`] on the wire: the id (u64, little-endian), then the secret.
 pub const TICKET_BYTES: usize = 24;

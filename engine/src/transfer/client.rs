@@ -1,7 +1,22 @@
 //! The client: [`Client`] connects, greets, and fetches values into memory, into a log, into a
 //! store ([`Store::receive`]) or to a writer, checking every announced length and checksum.
 
-use super::*;
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, TcpStream, ToSocketAddrs};
+use std::time::Duration;
+
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::format::MAX_KEY_BYTES;
+use crate::log::{SegmentLog, StreamedValue};
+use crate::store::{Codec, Store};
+use crate::value::Frames;
+use crate::{format, stored};
+
+use super::access::Ticket;
+use super::server::PIPE_BYTES;
+use super::wire::{check_hello, hello, read_value_header, MAX_ERROR_BYTES, OP_GET, ST_ERROR, ST_NOT_FOUND, ST_VALUE};
+use super::{io_err, proto, Paced, TransferOptions};
 
 /// A connection to a spillway server.
 pub struct Client {

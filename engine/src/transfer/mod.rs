@@ -38,22 +38,10 @@ pub use client::Client;
 pub use server::{serve, serve_connection, shutdown_listener, Outgoing, Source, MAX_REFUSING};
 pub use wire::{encode_value_response, greeting, read_value_header, NOT_AUTHORIZED, PROTOCOL_VERSION};
 
-use self::server::*;
-use self::wire::*;
-
 use std::io::{self, Read, Write};
-use std::net::{IpAddr, Shutdown, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use crate::backend::Backend;
-use crate::error::{Error, Result};
-use crate::format::{self, MAX_FRAMES, MAX_KEY_BYTES};
-use crate::log::{SegmentLog, StoredValue, StreamedValue};
-use crate::store::{Codec, Store, Tier};
-use crate::stored;
-use crate::value::Frames;
+use crate::error::Error;
 /// Settings of a server or a client.
 #[derive(Debug, Clone)]
 pub struct TransferOptions {

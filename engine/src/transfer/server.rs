@@ -2,7 +2,25 @@
 //! accepting within the connection limits, reading requests by their deadlines, checking tickets
 //! ([`Access`]), and the send paths: `splice` (file -> pipe -> socket) or copy, 1 MiB at a time.
 
-use super::*;
+use std::io::{self, Read, Write};
+use std::net::{IpAddr, Shutdown, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::format::{self, MAX_KEY_BYTES};
+use crate::log::{SegmentLog, StoredValue, StreamedValue};
+use crate::store::{Codec, Store, Tier};
+use crate::value::Frames;
+
+use super::access::{Access, Ticket, TICKET_BYTES};
+use super::wire::{
+    check_hello, encode_value_response, hello, MAX_ERROR_BYTES, NOT_AUTHORIZED, OP_GET, REQUEST_HEAD, ST_ERROR,
+    ST_NOT_FOUND,
+};
+use super::{after, io_err, proto, Pace, Paced, TransferOptions};
 
 /// Bytes moved per splice round (the pipe is resized to this where the system allows).
 pub(super) const PIPE_BYTES: usize = 1 << 20;

@@ -1,7 +1,14 @@
 //! The bytes on the wire (`docs/wire.md`): the greeting, a request's head, the VALUE header and the
 //! bounds it is checked against before anything is allocated, the status bytes.
 
-use super::*;
+use std::io::Read;
+
+use crate::error::{Error, Result};
+use crate::format::{self, MAX_FRAMES};
+use crate::log::StreamedValue;
+
+use super::access::TICKET_BYTES;
+use super::{io_err, proto};
 
 /// Protocol version spoken by this build.
 pub const PROTOCOL_VERSION: u16 = 2;
