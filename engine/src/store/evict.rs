@@ -161,93 +161,15 @@ impl<C: Codec, B: Backend> Store<C, B> {
     ) -> (MutexGuard<'a, Inner<C::Value>>, Option<Error>) {
         drop(inner);
         let Plan { writes: batch, demotions, released } = plan;
-        let direct = self.cfg.eviction.direct_to_disk;
         // Weak handles on the objects leaving memory, taken here because a codec may need a lock of
         // its own for them (the GIL).
         let released: Vec<_> = released
             .into_iter()
             .filter_map(|r| self.keep_weak(&r.value).map(|revive| (r.key, WeakHandle { slot: r.slot, revive })))
             .collect();
-        let mut weak: Vec<Option<Revive<C::Value>>> = demotions.iter().map(|d| self.keep_weak(&d.value)).collect();
-        // Under `failed_spill_ends_round`, the values after one that cannot go are not taken: the
-        // eviction ends there, as one that evicts a value at a time would.
-        let ends = self.cfg.eviction.failed_spill_ends_round;
-        let mut ended = false;
-        let mut demoted: Vec<Demoted> = demotions
-            .iter()
-            .map(|d| {
-                if ended {
-                    Demoted::Abandoned
-                } else {
-                    match self.serialize(&d.key, &d.value) {
-                        Err(e) => {
-                            ended = ends;
-                            Demoted::Failed(e)
-                        }
-                        Ok(frames)
-                            if d.copy_crc
-                                .is_some_and(|c| c == crate::format::laid_out_crc(frames.iter().map(|b| &b[..]))) =>
-                        {
-                            Demoted::Same(frames.total_len())
-                        }
-                        Ok(frames) if direct => match self.logs.current().validate(&d.key, &frames) {
-                            Ok(()) => Demoted::ToDisk(frames),
-                            Err(e) => {
-                                ended = ends;
-                                Demoted::Refused(Some(e))
-                            }
-                        },
-                        Ok(frames) => {
-                            let compressed = self.cfg.compress_in_memory.then(|| {
-                                let t = Instant::now();
-                                let c = compress(&frames);
-                                self.metrics.record(Activity::Compress, frames.total_len(), t);
-                                c
-                            });
-                            Demoted::InMemory(frames, compressed)
-                        }
-                    }
-                }
-            })
-            .collect();
-        if demoted.iter().any(|d| matches!(d, Demoted::ToDisk(_))) {
-            // Objects going straight to disk are reserved against max_spill now that their size is
-            // known (the round planned them without it).
-            let mut inner = self.lock();
-            let mut refused = false;
-            for (dm, d) in demotions.iter().zip(&mut demoted) {
-                if let Demoted::ToDisk(f) = d {
-                    let raw = f.total_len();
-                    if refused {
-                        *d = Demoted::Abandoned;
-                    } else if self.spill_allowed(&mut inner, &dm.key, raw) {
-                        inner.writing_raw += raw;
-                    } else {
-                        *d = Demoted::Refused(None);
-                        refused = ends;
-                    }
-                }
-            }
-        }
-        // A compressed value is written decompressed (the log compresses on its own if configured).
-        // A value the log cannot store (too large, too many frames) fails alone, before the write:
-        // in the batch it would fail every other value with it.
-        let data: Vec<Result<Frames>> = batch
-            .iter()
-            .map(|p| {
-                let f = match &p.data {
-                    Source::Frames(f) => f.clone(),
-                    Source::Compressed(c) => {
-                        let t = Instant::now();
-                        let f = decompress(c)?;
-                        self.metrics.record(Activity::Decompress, f.total_len(), t);
-                        f
-                    }
-                    Source::Disk => unreachable!("only in-memory values are planned for writing"),
-                };
-                self.logs.current().validate(&p.key, &f).map(|()| f)
-            })
-            .collect();
+        let weak: Vec<Option<Revive<C::Value>>> = demotions.iter().map(|d| self.keep_weak(&d.value)).collect();
+        let demoted = self.demote(&demotions);
+        let data = self.batch_frames(&batch);
         let items: Vec<(&[u8], &Frames)> = batch
             .iter()
             .zip(&data)
@@ -271,155 +193,298 @@ impl<C: Codec, B: Backend> Store<C, B> {
         let (result, panicked) = self.write_batch(&items);
         drop(items);
         let mut inner = self.lock();
-        let mut protect_failed = None;
-        // Keys this round failed to spill: marked stuck at the end, after any unsticking.
-        let mut stuck: Vec<Arc<[u8]>> = Vec::new();
-        let mut freed = false;
-        let mut landed = false;
-        let mut stale: Vec<Arc<[u8]>> = Vec::new();
         for (k, w) in released {
             if inner.map.get(&k).is_some_and(|e| Arc::ptr_eq(&e.slot, &w.slot) && e.tier == Tier::Disk) {
                 inner.weak.insert(k, w);
             }
         }
-        for (((d, r), weak), before) in demotions.into_iter().zip(demoted).zip(weak.iter_mut()).zip(before) {
-            inner.writing.remove(&d.key);
-            inner.writing_weight -= d.weight;
-            let same = inner.map.get(&d.key).is_some_and(|e| Arc::ptr_eq(&e.slot, &d.slot));
-            let unchanged = |inner: &Inner<C::Value>| {
-                same && inner.map.get(&d.key).is_some_and(|e| e.tier == Tier::Materialized && e.tick == d.tick)
-            };
+        let first = batch.first().map(|p| &p.key);
+        let mut settled = Settled {
+            result: &result,
+            first,
+            landed: false,
+            freed: false,
+            stuck: Vec::new(),
+            stale: Vec::new(),
+            panicked,
+        };
+        let mut protect_failed = None;
+        for (((d, r), weak), before) in demotions.into_iter().zip(demoted).zip(weak).zip(before) {
             match r {
                 Demoted::Failed(err) if protect.is_some_and(|p| Arc::ptr_eq(p, &d.slot)) => {
-                    if same {
+                    Self::end_demotion(&mut inner, &d);
+                    if inner.map.get(&d.key).is_some_and(|e| Arc::ptr_eq(&e.slot, &d.slot)) {
                         // In memory (no disk copy), so dropping it touches no log record.
                         let _ = self.drop_entry(&mut inner, &d.key);
                     }
                     protect_failed = Some(err);
                 }
-                Demoted::Failed(err) => {
-                    if same {
-                        self.metrics.spill_failures.fetch_add(1, Ordering::Relaxed);
-                        let e = inner.map.get_mut(&d.key).expect("present");
-                        let first = !std::mem::replace(&mut e.logged_serialize, true);
-                        if !self.report(&mut inner, &d.key, SpillFailureKind::Serialize, Some(&err)) && first {
-                            log::error!("Failed to serialize {:?}; keeping it in memory: {err}", key_str(&d.key));
-                        }
-                        stuck.push(d.key.clone());
-                    }
-                }
-                Demoted::Refused(err) => {
-                    if same {
-                        if let Some(err) = err {
-                            self.spill_failed(&mut inner, &d.key, &err);
-                        }
-                        stuck.push(d.key.clone());
-                    }
-                }
-                Demoted::InMemory(frames, compressed) => {
-                    // `evict` fails if a reader is inside the slot's fast path this instant: skip.
-                    if !unchanged(&inner) || d.slot.evict().is_none() {
-                        continue;
-                    }
-                    if let Some(revive) = weak.take() {
-                        inner.weak.insert(d.key.clone(), WeakHandle { slot: d.slot.clone(), revive });
-                    }
-                    Self::modify_entry(&mut inner, &d.key, |ne| match compressed {
-                        Some(c) => {
-                            ne.weight = c.block.len() as u64;
-                            ne.compressed = Some(Box::new(c));
-                            ne.tier = Tier::Compressed;
-                        }
-                        None => {
-                            ne.weight = frames.total_len();
-                            ne.frames = Some(frames);
-                            ne.tier = Tier::Serialized;
-                        }
-                    });
-                }
-                Demoted::Abandoned => {}
-                Demoted::Same(raw) => {
-                    if unchanged(&inner) && d.slot.evict().is_some() {
-                        self.metrics.add(Activity::DiskWriteSaved, 1, raw, 0);
-                        if let Some(revive) = weak.take() {
-                            inner.weak.insert(d.key.clone(), WeakHandle { slot: d.slot.clone(), revive });
-                        }
-                        inner.copy_crc.remove(&d.key);
-                        Self::modify_entry(&mut inner, &d.key, |ne| ne.tier = Tier::Disk);
-                    }
-                }
-                Demoted::ToDisk(frames) => {
-                    let raw = frames.total_len();
-                    inner.writing_raw -= raw;
-                    let written = self.logs.place(&d.key).filter(|p| Some(*p) != before).map(|(_, loc)| loc);
-                    if same && written.is_none() && before.is_some() {
-                        // The new frames did not land; the record there is an old copy, no longer
-                        // known to match (the next eviction writes again).
-                        inner.copy_crc.remove(&d.key);
-                    }
-                    match (same, written) {
-                        (true, Some(loc)) => {
-                            // A copy the object was read from is superseded: no crc is known for
-                            // the new record if the object stays (it is written again next time).
-                            inner.copy_crc.remove(&d.key);
-                            landed = true;
-                            // The record is the value's disk copy; the object leaves memory unless it
-                            // was read meanwhile (then it stays, and a later eviction costs no write).
-                            let drop_object = unchanged(&inner) && d.slot.evict().is_some();
-                            if let Some(revive) = weak.take().filter(|_| drop_object) {
-                                inner.weak.insert(d.key.clone(), WeakHandle { slot: d.slot.clone(), revive });
-                            }
-                            Self::modify_entry(&mut inner, &d.key, |ne| {
-                                ne.disk_raw = raw;
-                                ne.disk_bytes = loc.len;
-                                if drop_object {
-                                    ne.tier = Tier::Disk;
-                                }
-                            });
-                        }
-                        (true, None) => {
-                            let err = result.clone().err().unwrap_or_else(|| vanished(&d.key));
-                            self.spill_failed(&mut inner, &d.key, &err);
-                            stuck.push(d.key.clone());
-                        }
-                        (false, Some(_)) => {
-                            stale.push(d.key.clone());
-                            freed = true;
-                        }
-                        (false, None) => freed |= result.is_ok(),
-                    }
-                }
+                Demoted::ToDisk(frames) => self.settle_direct(&mut inner, d, frames, weak, before, &mut settled),
+                r => self.settle_demotion(&mut inner, d, r, weak, &mut settled),
             }
         }
         for (p, d) in batch.iter().zip(&data) {
-            let raw = p.raw;
-            inner.writing.remove(&p.key);
-            inner.writing_weight -= p.weight;
-            inner.writing_raw -= raw;
-            let ours = inner.map.get(&p.key).is_some_and(|e| Arc::ptr_eq(&e.slot, &p.slot));
-            match (ours, self.logs.location(&p.key)) {
-                (true, Some(loc)) => {
-                    Self::note_landed(&mut inner, &p.key, raw, loc.len, false, p.object_weight);
-                    landed = true;
+            self.settle_write(&mut inner, p, d, &mut settled);
+        }
+        (self.end_settle(inner, settled), protect_failed)
+    }
+
+    /// Serialize (and compress, or validate for the log) the objects a round demotes, without the
+    /// store's lock; those going straight to disk are then reserved against max_spill. Under
+    /// `failed_spill_ends_round`, the values after one that cannot go are not taken: the eviction
+    /// ends there, as one that evicts a value at a time would.
+    fn demote(&self, demotions: &[Demotion<C::Value>]) -> Vec<Demoted> {
+        let direct = self.cfg.eviction.direct_to_disk;
+        let ends = self.cfg.eviction.failed_spill_ends_round;
+        let mut ended = false;
+        let mut demoted: Vec<Demoted> = demotions
+            .iter()
+            .map(|d| {
+                if ended {
+                    return Demoted::Abandoned;
                 }
-                (true, None) => {
-                    let err = match d {
-                        Err(e) => e.clone(),
-                        Ok(_) => result.clone().err().unwrap_or_else(|| vanished(&p.key)),
-                    };
-                    self.spill_failed(&mut inner, &p.key, &err);
-                    stuck.push(p.key.clone());
+                match self.serialize(&d.key, &d.value) {
+                    Err(e) => {
+                        ended = ends;
+                        Demoted::Failed(e)
+                    }
+                    Ok(frames)
+                        if d.copy_crc
+                            .is_some_and(|c| c == crate::format::laid_out_crc(frames.iter().map(|b| &b[..]))) =>
+                    {
+                        Demoted::Same(frames.total_len())
+                    }
+                    Ok(frames) if direct => match self.logs.current().validate(&d.key, &frames) {
+                        Ok(()) => Demoted::ToDisk(frames),
+                        Err(e) => {
+                            ended = ends;
+                            Demoted::Refused(Some(e))
+                        }
+                    },
+                    Ok(frames) => {
+                        let compressed = self.cfg.compress_in_memory.then(|| {
+                            let t = Instant::now();
+                            let c = compress(&frames);
+                            self.metrics.record(Activity::Compress, frames.total_len(), t);
+                            c
+                        });
+                        Demoted::InMemory(frames, compressed)
+                    }
                 }
-                (false, Some(_)) => {
-                    stale.push(p.key.clone());
-                    freed = true;
+            })
+            .collect();
+        if demoted.iter().any(|d| matches!(d, Demoted::ToDisk(_))) {
+            // Objects going straight to disk are reserved against max_spill now that their size is
+            // known (the round planned them without it).
+            let mut inner = self.lock();
+            let mut refused = false;
+            for (dm, d) in demotions.iter().zip(&mut demoted) {
+                if let Demoted::ToDisk(f) = d {
+                    let raw = f.total_len();
+                    if refused {
+                        *d = Demoted::Abandoned;
+                    } else if self.spill_allowed(&mut inner, &dm.key, raw) {
+                        inner.writing_raw += raw;
+                    } else {
+                        *d = Demoted::Refused(None);
+                        refused = ends;
+                    }
                 }
-                (false, None) => freed |= result.is_ok(),
             }
         }
-        let first = batch.first().map(|p| &p.key);
-        let inner = self.end_settle(inner, Settled { result: &result, first, landed, freed, stuck, stale, panicked });
-        (inner, protect_failed)
+        demoted
+    }
+
+    /// The frames to write for a round's planned batch, without the store's lock: a compressed
+    /// value is written decompressed (the log compresses on its own if configured). A value the log
+    /// cannot store (too large, too many frames) fails alone, before the write: in the batch it
+    /// would fail every other value with it.
+    fn batch_frames(&self, batch: &[Planned<C::Value>]) -> Vec<Result<Frames>> {
+        batch
+            .iter()
+            .map(|p| {
+                let f = match &p.data {
+                    Source::Frames(f) => f.clone(),
+                    Source::Compressed(c) => {
+                        let t = Instant::now();
+                        let f = decompress(c)?;
+                        self.metrics.record(Activity::Decompress, f.total_len(), t);
+                        f
+                    }
+                    Source::Disk => unreachable!("only in-memory values are planned for writing"),
+                };
+                self.logs.current().validate(&p.key, &f).map(|()| f)
+            })
+            .collect()
+    }
+
+    /// A demotion is over (whatever became of it): its key is no longer being written.
+    fn end_demotion(inner: &mut Inner<C::Value>, d: &Demotion<C::Value>) {
+        inner.writing.remove(&d.key);
+        inner.writing_weight -= d.weight;
+    }
+
+    /// Under the lock again: an object demoted in memory, or not demoted. It leaves memory only if
+    /// its entry is unchanged and was not read meanwhile; one that failed to serialize, or that the
+    /// log or max_spill refused, is stuck and reported.
+    fn settle_demotion(
+        &self,
+        inner: &mut Inner<C::Value>,
+        d: Demotion<C::Value>,
+        r: Demoted,
+        weak: Option<Revive<C::Value>>,
+        settled: &mut Settled<'_>,
+    ) {
+        Self::end_demotion(inner, &d);
+        let same = inner.map.get(&d.key).is_some_and(|e| Arc::ptr_eq(&e.slot, &d.slot));
+        let unchanged = same && inner.map.get(&d.key).is_some_and(|e| e.tier == Tier::Materialized && e.tick == d.tick);
+        match r {
+            Demoted::Failed(err) => {
+                if same {
+                    self.metrics.spill_failures.fetch_add(1, Ordering::Relaxed);
+                    let e = inner.map.get_mut(&d.key).expect("present");
+                    let first = !std::mem::replace(&mut e.logged_serialize, true);
+                    if !self.report(inner, &d.key, SpillFailureKind::Serialize, Some(&err)) && first {
+                        log::error!("Failed to serialize {:?}; keeping it in memory: {err}", key_str(&d.key));
+                    }
+                    settled.stuck.push(d.key.clone());
+                }
+            }
+            Demoted::Refused(err) => {
+                if same {
+                    if let Some(err) = err {
+                        self.spill_failed(inner, &d.key, &err);
+                    }
+                    settled.stuck.push(d.key.clone());
+                }
+            }
+            Demoted::InMemory(frames, compressed) => {
+                // `evict` fails if a reader is inside the slot's fast path this instant: skip.
+                if !unchanged || d.slot.evict().is_none() {
+                    return;
+                }
+                if let Some(revive) = weak {
+                    inner.weak.insert(d.key.clone(), WeakHandle { slot: d.slot.clone(), revive });
+                }
+                Self::modify_entry(inner, &d.key, |ne| match compressed {
+                    Some(c) => {
+                        ne.weight = c.block.len() as u64;
+                        ne.compressed = Some(Box::new(c));
+                        ne.tier = Tier::Compressed;
+                    }
+                    None => {
+                        ne.weight = frames.total_len();
+                        ne.frames = Some(frames);
+                        ne.tier = Tier::Serialized;
+                    }
+                });
+            }
+            Demoted::Abandoned => {}
+            Demoted::Same(raw) => {
+                if unchanged && d.slot.evict().is_some() {
+                    self.metrics.add(Activity::DiskWriteSaved, 1, raw, 0);
+                    if let Some(revive) = weak {
+                        inner.weak.insert(d.key.clone(), WeakHandle { slot: d.slot.clone(), revive });
+                    }
+                    inner.copy_crc.remove(&d.key);
+                    Self::modify_entry(inner, &d.key, |ne| ne.tier = Tier::Disk);
+                }
+            }
+            Demoted::ToDisk(_) => unreachable!("settled by settle_direct"),
+        }
+    }
+
+    /// Under the lock again: an object written straight to disk (`before`: where its key's record
+    /// was). A record that landed is the value's disk copy, and the object leaves memory unless it
+    /// was read meanwhile; one that did not land leaves it stuck and reported; one whose entry was
+    /// removed or replaced meanwhile is stale.
+    fn settle_direct(
+        &self,
+        inner: &mut Inner<C::Value>,
+        d: Demotion<C::Value>,
+        frames: Frames,
+        weak: Option<Revive<C::Value>>,
+        before: Option<(usize, crate::log::Location)>,
+        settled: &mut Settled<'_>,
+    ) {
+        Self::end_demotion(inner, &d);
+        let same = inner.map.get(&d.key).is_some_and(|e| Arc::ptr_eq(&e.slot, &d.slot));
+        let raw = frames.total_len();
+        inner.writing_raw -= raw;
+        let written = self.logs.place(&d.key).filter(|p| Some(*p) != before).map(|(_, loc)| loc);
+        if same && written.is_none() && before.is_some() {
+            // The new frames did not land; the record there is an old copy, no longer known to
+            // match (the next eviction writes again).
+            inner.copy_crc.remove(&d.key);
+        }
+        match (same, written) {
+            (true, Some(loc)) => {
+                // A copy the object was read from is superseded: no crc is known for the new record
+                // if the object stays (it is written again next time).
+                inner.copy_crc.remove(&d.key);
+                settled.landed = true;
+                // The record is the value's disk copy; the object leaves memory unless it was read
+                // meanwhile (then it stays, and a later eviction costs no write).
+                let unchanged = inner.map.get(&d.key).is_some_and(|e| e.tier == Tier::Materialized && e.tick == d.tick);
+                let drop_object = unchanged && d.slot.evict().is_some();
+                if let Some(revive) = weak.filter(|_| drop_object) {
+                    inner.weak.insert(d.key.clone(), WeakHandle { slot: d.slot.clone(), revive });
+                }
+                Self::modify_entry(inner, &d.key, |ne| {
+                    ne.disk_raw = raw;
+                    ne.disk_bytes = loc.len;
+                    if drop_object {
+                        ne.tier = Tier::Disk;
+                    }
+                });
+            }
+            (true, None) => {
+                let err = settled.result.clone().err().unwrap_or_else(|| vanished(&d.key));
+                self.spill_failed(inner, &d.key, &err);
+                settled.stuck.push(d.key.clone());
+            }
+            (false, Some(_)) => {
+                settled.stale.push(d.key.clone());
+                settled.freed = true;
+            }
+            (false, None) => settled.freed |= settled.result.is_ok(),
+        }
+    }
+
+    /// Under the lock again: a value of the round's planned batch (`data`: its frames, or why the
+    /// log refused them). A record that landed for the entry planned is its disk copy; none leaves
+    /// the entry stuck and reported; one for an entry removed or replaced meanwhile is stale.
+    fn settle_write(
+        &self,
+        inner: &mut Inner<C::Value>,
+        p: &Planned<C::Value>,
+        data: &Result<Frames>,
+        settled: &mut Settled<'_>,
+    ) {
+        let raw = p.raw;
+        inner.writing.remove(&p.key);
+        inner.writing_weight -= p.weight;
+        inner.writing_raw -= raw;
+        let ours = inner.map.get(&p.key).is_some_and(|e| Arc::ptr_eq(&e.slot, &p.slot));
+        match (ours, self.logs.location(&p.key)) {
+            (true, Some(loc)) => {
+                Self::note_landed(inner, &p.key, raw, loc.len, false, p.object_weight);
+                settled.landed = true;
+            }
+            (true, None) => {
+                let err = match data {
+                    Err(e) => e.clone(),
+                    Ok(_) => settled.result.clone().err().unwrap_or_else(|| vanished(&p.key)),
+                };
+                self.spill_failed(inner, &p.key, &err);
+                settled.stuck.push(p.key.clone());
+            }
+            (false, Some(_)) => {
+                settled.stale.push(p.key.clone());
+                settled.freed = true;
+            }
+            (false, None) => settled.freed |= settled.result.is_ok(),
+        }
     }
 
     /// A record of `key` (`raw` serialized bytes, `len` in the log) landed: the entry gets its disk
