@@ -52,8 +52,156 @@ pub(super) struct SegmentScan {
     pub(super) never_written: bool,
 }
 
+/// The ids of the segment files found at open (those left alone too: their ids are not reused), and
+/// the segments opened, by id.
+type Found<F> = (Vec<u32>, Vec<(u32, F)>);
+
+/// The segments found at open, scanned: what each holds, its file, and the highest epoch seen.
+struct Scanned<F> {
+    scans: BTreeMap<u32, SegmentScan>,
+    files: KeyMap<u32, Arc<F>>,
+    max_epoch: u32,
+}
+
+/// The newest segment continued as the active one, if it is, and the segments a durable log must
+/// fdatasync at its next sync.
+struct Newest<F> {
+    active: Option<Active<F>>,
+    unsynced: Vec<Arc<F>>,
+}
+
+/// What the records of every segment say once each key's newest record wins: the index, each
+/// segment's accounting, and the highest sequence number seen.
+struct Settled {
+    index: KeyMap<IndexKey, PackedLoc>,
+    segs: BTreeMap<u32, SegMeta>,
+    max_seq: u64,
+}
+
+/// Which record of each key wins (the newest: highest sequence number; a tombstone wins by
+/// deleting), and what that makes of each segment's accounting: its live records and bytes, its
+/// tombstones, and the oldest segment each live key also appears in (`firsts`).
+fn settle_winners(scans: &BTreeMap<u32, SegmentScan>, report: &mut RecoveryReport) -> Settled {
+    struct Winner {
+        seq: u64,
+        segment: u32,
+        offset: u64,
+        len: u64,
+        tombstone: bool,
+        facts: RecordFacts,
+        first_segment: u32,
+    }
+    let mut winners: HashMap<&[u8], Winner> = HashMap::new();
+    let mut max_seq = 0u64;
+    for (&id, scan) in scans {
+        for e in &scan.entries {
+            max_seq = max_seq.max(e.seq);
+            report.records += 1;
+            let cand = Winner {
+                seq: e.seq,
+                segment: id,
+                offset: e.offset,
+                len: e.record_len,
+                tombstone: e.flags & format::FLAG_TOMBSTONE != 0,
+                facts: RecordFacts::of_entry(e),
+                first_segment: id,
+            };
+            match winners.get_mut(e.key.as_slice()) {
+                Some(w) => {
+                    let first = w.first_segment.min(id);
+                    if e.seq > w.seq {
+                        *w = cand;
+                    }
+                    w.first_segment = first;
+                }
+                None => {
+                    winners.insert(e.key.as_slice(), cand);
+                }
+            }
+        }
+    }
+    let mut segs: BTreeMap<u32, SegMeta> = scans.iter().map(|(&id, s)| (id, s.meta.clone())).collect();
+    let mut index = KeyMap::with_capacity_and_hasher(winners.len(), KeyHasher::default());
+    for (key, w) in winners {
+        if w.tombstone {
+            continue;
+        }
+        let m = segs.get_mut(&w.segment).expect("winner segment was scanned");
+        m.live_records += 1;
+        m.live_bytes += padded(w.len);
+        let elsewhere = w.first_segment != w.segment;
+        if elsewhere {
+            m.firsts.push((w.offset as u32, w.first_segment));
+        }
+        let loc = Location { segment: w.segment, offset: w.offset, len: w.len };
+        index.insert(IndexKey::from(key), PackedLoc::new(loc, w.facts, elsewhere));
+    }
+    for m in segs.values_mut() {
+        m.firsts.sort_unstable();
+    }
+    for (&id, scan) in scans {
+        let m = segs.get_mut(&id).expect("scanned");
+        for e in scan.entries.iter().filter(|e| e.flags & format::FLAG_TOMBSTONE != 0) {
+            m.tombstones += 1;
+            m.tombstone_bytes += padded(e.record_len);
+            m.min_shadow = m.min_shadow.min(e.aux);
+        }
+    }
+    Settled { index, segs, max_seq }
+}
+
 impl<B: Backend> SegmentLog<B> {
+    /// Open the log's segments: list and open their files, learn the salt, scan them, settle which
+    /// record of each key wins, continue the newest segment if it can be, and set the log's index,
+    /// files and writer state from what was found ([`SegmentLog::recovery`] reports it).
     pub(super) fn recover(&mut self) -> Result<()> {
+        let mut report = RecoveryReport::default();
+        let (ids, opened) = self.open_segment_files(&mut report)?;
+        let salt_learned;
+        (self.salt, salt_learned) = self.learn_salt(&opened)?;
+        let Scanned { mut scans, files, max_epoch } = self.scan_segments(opened, &mut report)?;
+        let Settled { index, segs, max_seq } = settle_winners(&scans, &mut report);
+        let Newest { active, unsynced } = self.continue_newest(&mut scans, &segs, &files, salt_learned)?;
+
+        *self.index.get_mut().unwrap_or_else(|p| p.into_inner()) = index;
+        *self.files.write().unwrap_or_else(|p| p.into_inner()) = files;
+        let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
+        st.next_segment = st.next_segment.max(ids.last().map_or(1, |l| l.saturating_add(1)));
+        // A record's seq or epoch at (or near) its maximum leaves no higher one for new records to win
+        // with: such a log opens read-only, its values readable. A writer of this log never gets
+        // there (2^63 writes; 2^32 opens and failed writes), so it is damage that passed the
+        // checksums, and no reason to refuse the values that are there.
+        let (next_seq, epoch) = (max_seq.checked_add(1).filter(|&s| s <= SEQ_LIMIT), max_epoch.checked_add(1));
+        st.next_seq = next_seq.unwrap_or(SEQ_LIMIT);
+        st.epoch = epoch.unwrap_or(u32::MAX);
+        if next_seq.is_none() || epoch.is_none() {
+            let what =
+                if next_seq.is_none() { format!("sequence number {max_seq}") } else { format!("epoch {max_epoch}") };
+            let reason = format!(
+                "a record of {} holds {what}, which leaves no higher one for new records: the log is \
+                 read-only (copy its values into a new log to write again)",
+                self.dir.display()
+            );
+            log::error!("{reason}");
+            let _ = self.poisoned.set(reason);
+        }
+        st.segs = segs;
+        st.active = active;
+        st.unsynced_sealed = unsynced;
+        // The directory entries of the segments found may be unsynced too (a crash before the first
+        // `sync`): a durable log's first sync fsyncs the directory once.
+        st.dir_dirty = self.opts.durable && !ids.is_empty();
+        st.dir_new_segments = st.dir_dirty;
+        if !report.corrupt.is_empty() {
+            log::warn!("recovery of {} found {} damaged region(s)", self.dir.display(), report.corrupt.len());
+        }
+        self.recovery = report;
+        Ok(())
+    }
+
+    /// The ids of the segment files in the directory, sorted, and those files opened. Stray names,
+    /// files kept for reuse and directories are left alone.
+    fn open_segment_files(&mut self, report: &mut RecoveryReport) -> Result<Found<B::File>> {
         let names =
             self.backend.list_dir(&self.seg_dir).map_err(|e| Error::io("list segments", self.seg_dir.clone(), e))?;
         let mut ids: Vec<u32> = Vec::new();
@@ -68,8 +216,6 @@ impl<B: Backend> SegmentLog<B> {
             self.state.get_mut().unwrap_or_else(|p| p.into_inner()).spare_files.iter().map(|s| s.id).collect();
         ids.retain(|id| !spares.contains(id));
         ids.sort_unstable();
-
-        let mut report = RecoveryReport::default();
         let mut opened = Vec::with_capacity(ids.len());
         for &id in &ids {
             let path = self.seg_path(id);
@@ -88,13 +234,17 @@ impl<B: Backend> SegmentLog<B> {
             let file = self.backend.open(&path, false).map_err(|e| Error::io("open segment", path.clone(), e))?;
             opened.push((id, file));
         }
-        let salt_learned;
-        (self.salt, salt_learned) = self.learn_salt(&opened)?;
+        Ok((ids, opened))
+    }
+
+    /// Scan (or read the footer of) each opened segment: what it holds, its files by id, and the
+    /// highest epoch seen. A newest segment that a crash left before its header was written goes.
+    fn scan_segments(&self, opened: Vec<(u32, B::File)>, report: &mut RecoveryReport) -> Result<Scanned<B::File>> {
         let mut scans: BTreeMap<u32, SegmentScan> = BTreeMap::new();
         let mut max_epoch = 0u32;
         let mut files = KeyMap::default();
         for (id, file) in opened {
-            let mut scan = self.load_segment(id, &file, &mut report)?;
+            let mut scan = self.load_segment(id, &file, report)?;
             // The index holds offsets and lengths in 32 bits. A segment may be a little over 4 GiB (a
             // jumbo segment, whose one record starts at its start), so a record further in, or
             // longer, is one no writer made: damage, not an entry whose offset would wrap.
@@ -126,183 +276,93 @@ impl<B: Backend> SegmentLog<B> {
                 }
             }
         }
+        Ok(Scanned { scans, files, max_epoch })
+    }
 
-        // Newest record (highest seq) per key wins; remember the oldest segment each key appears in.
-        struct Winner {
-            seq: u64,
-            segment: u32,
-            offset: u64,
-            len: u64,
-            tombstone: bool,
-            facts: RecordFacts,
-            first_segment: u32,
+    /// The newest segment, if unsealed, continues as the active one, unless what the scan found in
+    /// it forbids writing after its records (then new records go to a new segment, and a durable
+    /// log fdatasyncs it at the next sync: the second value returned).
+    fn continue_newest(
+        &self,
+        scans: &mut BTreeMap<u32, SegmentScan>,
+        segs: &BTreeMap<u32, SegMeta>,
+        files: &KeyMap<u32, Arc<B::File>>,
+        salt_learned: bool,
+    ) -> Result<Newest<B::File>> {
+        let mut unsynced = Vec::new();
+        let Some((&last, scan)) = scans.iter_mut().next_back() else { return Ok(Newest { active: None, unsynced }) };
+        let meta = segs.get(&last).expect("scanned");
+        if meta.sealed {
+            return Ok(Newest { active: None, unsynced });
         }
-        let mut winners: HashMap<&[u8], Winner> = HashMap::new();
-        let mut max_seq = 0u64;
-        for (&id, scan) in &scans {
-            for e in &scan.entries {
-                max_seq = max_seq.max(e.seq);
-                report.records += 1;
-                let cand = Winner {
-                    seq: e.seq,
-                    segment: id,
-                    offset: e.offset,
-                    len: e.record_len,
-                    tombstone: e.flags & format::FLAG_TOMBSTONE != 0,
-                    facts: RecordFacts::of_entry(e),
-                    first_segment: id,
-                };
-                match winners.get_mut(e.key.as_slice()) {
-                    Some(w) => {
-                        let first = w.first_segment.min(id);
-                        if e.seq > w.seq {
-                            *w = cand;
-                        }
-                        w.first_segment = first;
-                    }
-                    None => {
-                        winners.insert(e.key.as_slice(), cand);
-                    }
+        let footer_len: u64 = scan.entries.iter().map(|e| FooterEntry::encoded_len(e.key.len())).sum();
+        // Sealing needs room for the footer and the trailer after the records (`seal_active`). The
+        // writer keeps that room at every record (`fits`), but records with valid checksums from
+        // elsewhere (a crafted file) need not have left it.
+        let footer_fits = align_up(meta.data_end, self.align)
+            .checked_add(footer_len + format::TRAILER_LEN as u64)
+            .is_some_and(|end| end <= meta.size);
+        // With a salt drawn fresh, what the scan cut may be records of a lost salt (every header
+        // that held it damaged): left as they are, not erased and not written over.
+        let unverifiable = !salt_learned && scan.cut.is_some();
+        if scan.dropped_unsynced || !footer_fits || unverifiable || !scan.header_ok {
+            // Writing goes on in a new segment. After a dropped record, so that this one's bytes,
+            // and with them what the scan decided, stay as they are: a sync mark written after a
+            // dropped record would make the next scan take it for synced damage, and it would hide
+            // its key's value again. Without room for the footer, because it cannot be sealed. The
+            // segment stays unsealed behind the active one (as after a crash during sealing):
+            // readable, compacted and deleted like any other.
+            log::warn!(
+                "segment {last} of {}: {}; new records go to a new segment",
+                self.dir.display(),
+                if unverifiable {
+                    "no segment header or trailer holds the log's salt, and the segment holds bytes that \
+                     may be records under it (left as they are)"
+                } else if !scan.header_ok {
+                    "its header is damaged (records after it would not be verifiable once no other \
+                     segment holds the log's salt)"
+                } else if footer_fits {
+                    "a damaged record no sync followed was dropped"
+                } else {
+                    "no room for its footer"
                 }
-            }
-        }
-
-        let mut segs: BTreeMap<u32, SegMeta> = scans.iter().map(|(&id, s)| (id, s.meta.clone())).collect();
-        let mut index = KeyMap::with_capacity_and_hasher(winners.len(), KeyHasher::default());
-        for (key, w) in winners {
-            if w.tombstone {
-                continue;
-            }
-            let m = segs.get_mut(&w.segment).expect("winner segment was scanned");
-            m.live_records += 1;
-            m.live_bytes += padded(w.len);
-            let elsewhere = w.first_segment != w.segment;
-            if elsewhere {
-                m.firsts.push((w.offset as u32, w.first_segment));
-            }
-            let loc = Location { segment: w.segment, offset: w.offset, len: w.len };
-            index.insert(IndexKey::from(key), PackedLoc::new(loc, w.facts, elsewhere));
-        }
-        for m in segs.values_mut() {
-            m.firsts.sort_unstable();
-        }
-        for (&id, scan) in &scans {
-            let m = segs.get_mut(&id).expect("scanned");
-            for e in scan.entries.iter().filter(|e| e.flags & format::FLAG_TOMBSTONE != 0) {
-                m.tombstones += 1;
-                m.tombstone_bytes += padded(e.record_len);
-                m.min_shadow = m.min_shadow.min(e.aux);
-            }
-        }
-
-        // The newest segment continues as the active one if it is unsealed.
-        let mut active = None;
-        let mut unsynced_closed = Vec::new();
-        if let Some((&last, scan)) = scans.iter_mut().next_back() {
-            let meta = segs.get(&last).expect("scanned");
-            let footer_len: u64 = scan.entries.iter().map(|e| FooterEntry::encoded_len(e.key.len())).sum();
-            // Sealing needs room for the footer and the trailer after the records (`seal_active`).
-            // The writer keeps that room at every record (`fits`), but records with valid checksums
-            // from elsewhere (a crafted file) need not have left it.
-            let footer_fits = align_up(meta.data_end, self.align)
-                .checked_add(footer_len + format::TRAILER_LEN as u64)
-                .is_some_and(|end| end <= meta.size);
-            // With a salt drawn fresh, what the scan cut may be records of a lost salt (every header
-            // that held it damaged): left as they are, not erased and not written over.
-            let unverifiable = !salt_learned && scan.cut.is_some();
-            if !meta.sealed && (scan.dropped_unsynced || !footer_fits || unverifiable || !scan.header_ok) {
-                // Writing goes on in a new segment. After a dropped record, so that this one's bytes,
-                // and with them what the scan decided, stay as they are: a sync mark written after a
-                // dropped record would make the next scan take it for synced damage, and it would
-                // hide its key's value again. Without room for the footer, because it cannot be
-                // sealed. The segment stays unsealed behind the active one (as after a crash during
-                // sealing): readable, compacted and deleted like any other.
-                log::warn!(
-                    "segment {last} of {}: {}; new records go to a new segment",
-                    self.dir.display(),
-                    if unverifiable {
-                        "no segment header or trailer holds the log's salt, and the segment holds bytes that \
-                         may be records under it (left as they are)"
-                    } else if !scan.header_ok {
-                        "its header is damaged (records after it would not be verifiable once no other \
-                         segment holds the log's salt)"
-                    } else if footer_fits {
-                        "a damaged record no sync followed was dropped"
-                    } else {
-                        "no room for its footer"
-                    }
-                );
-                if self.opts.durable {
-                    // What was recovered from it may be in the page cache only: the next `sync`
-                    // fdatasyncs it, as it would the active segment.
-                    unsynced_closed.push(files.get(&last).expect("opened").clone());
-                }
-            } else if !meta.sealed {
-                let file = files.get(&last).expect("opened").clone();
-                if let (Some(cut_end), true) = (scan.cut, self.opts.durable) {
-                    let end = align_up(cut_end, self.align).min(meta.size);
-                    self.erase_durably(&file, last, meta.data_end, &scan.tail, end)?;
-                }
-                let mut footer = Vec::new();
-                for e in &scan.entries {
-                    format::encode_footer_entry(&mut footer, e);
-                }
-                active = Some(Active {
-                    id: last,
-                    file,
-                    size: meta.size,
-                    data_end: meta.data_end,
-                    tail: std::mem::take(&mut scan.tail),
-                    written_end: meta.data_end,
-                    footer,
-                    footer_entries: scan.entries.len() as u64,
-                    max_epoch: scan.max_epoch,
-                    // Its records may be in the page cache only (a process crash, or a close without
-                    // `sync`): the next sync or seal must fdatasync it.
-                    dirty: self.opts.durable,
-                    last_is_mark: scan.ends_with_mark,
-                    // Whether its file was made sparse is not recorded: taken as reserved, as it
-                    // was made (a write that meets a full file system fails then, its records
-                    // still pending and readable).
-                    reserved: true,
-                });
-            }
-        }
-
-        *self.index.get_mut().unwrap_or_else(|p| p.into_inner()) = index;
-        *self.files.write().unwrap_or_else(|p| p.into_inner()) = files;
-        let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
-        st.next_segment = st.next_segment.max(ids.last().map_or(1, |l| l.saturating_add(1)));
-        // A record's seq or epoch at (or near) its maximum leaves no higher one for new records to win
-        // with: such a log opens read-only, its values readable. A writer of this log never gets
-        // there (2^63 writes; 2^32 opens and failed writes), so it is damage that passed the
-        // checksums, and no reason to refuse the values that are there.
-        let (next_seq, epoch) = (max_seq.checked_add(1).filter(|&s| s <= SEQ_LIMIT), max_epoch.checked_add(1));
-        st.next_seq = next_seq.unwrap_or(SEQ_LIMIT);
-        st.epoch = epoch.unwrap_or(u32::MAX);
-        if next_seq.is_none() || epoch.is_none() {
-            let what =
-                if next_seq.is_none() { format!("sequence number {max_seq}") } else { format!("epoch {max_epoch}") };
-            let reason = format!(
-                "a record of {} holds {what}, which leaves no higher one for new records: the log is \
-                 read-only (copy its values into a new log to write again)",
-                self.dir.display()
             );
-            log::error!("{reason}");
-            let _ = self.poisoned.set(reason);
+            if self.opts.durable {
+                // What was recovered from it may be in the page cache only: the next `sync`
+                // fdatasyncs it, as it would the active segment.
+                unsynced.push(files.get(&last).expect("opened").clone());
+            }
+            return Ok(Newest { active: None, unsynced });
         }
-        st.segs = segs;
-        st.active = active;
-        st.unsynced_sealed = unsynced_closed;
-        // The directory entries of the segments found may be unsynced too (a crash before the first
-        // `sync`): a durable log's first sync fsyncs the directory once.
-        st.dir_dirty = self.opts.durable && !ids.is_empty();
-        st.dir_new_segments = st.dir_dirty;
-        if !report.corrupt.is_empty() {
-            log::warn!("recovery of {} found {} damaged region(s)", self.dir.display(), report.corrupt.len());
+        let file = files.get(&last).expect("opened").clone();
+        if let (Some(cut_end), true) = (scan.cut, self.opts.durable) {
+            let end = align_up(cut_end, self.align).min(meta.size);
+            self.erase_durably(&file, last, meta.data_end, &scan.tail, end)?;
         }
-        self.recovery = report;
-        Ok(())
+        let mut footer = Vec::new();
+        for e in &scan.entries {
+            format::encode_footer_entry(&mut footer, e);
+        }
+        let active = Active {
+            id: last,
+            file,
+            size: meta.size,
+            data_end: meta.data_end,
+            tail: std::mem::take(&mut scan.tail),
+            written_end: meta.data_end,
+            footer,
+            footer_entries: scan.entries.len() as u64,
+            max_epoch: scan.max_epoch,
+            // Its records may be in the page cache only (a process crash, or a close without
+            // `sync`): the next sync or seal must fdatasync it.
+            dirty: self.opts.durable,
+            last_is_mark: scan.ends_with_mark,
+            // Whether its file was made sparse is not recorded: taken as reserved, as it was made (a
+            // write that meets a full file system fails then, its records still pending and
+            // readable).
+            reserved: true,
+        };
+        Ok(Newest { active: Some(active), unsynced })
     }
 
     /// The log's salt: the one in the newest segment header that decodes or, if no header does, in
