@@ -36,36 +36,67 @@ impl<B: Backend> SegmentLog<B> {
         st: &mut WriterState<B::File>,
         chunk: &[Prepared<'_>],
     ) -> Result<Vec<Location>> {
-        enum Part<'a> {
-            Arena(std::ops::Range<usize>),
-            Frame(&'a [u8]),
-            Zeros(usize),
-        }
-        /// A large record whose head waits for its payload crc.
-        struct Large<'a> {
-            head: std::ops::Range<usize>,
-            header: RecordHeader,
-            frame_lens: Vec<u64>,
-            key: &'a [u8],
-            frames: &'a Frames,
-            /// Its entry in `placed`, whose crc is filled in with the head's.
-            placed: usize,
-        }
         let epoch = st.epoch;
-        let align = self.align;
         let (id, file, data_end, tail) = {
             // A copy of the tail (less than a block): a failed write leaves the active segment as it was.
             let a = st.active.as_ref().expect("active segment");
             (a.id, a.file.clone(), a.data_end, a.tail.clone())
         };
-        let base = align_down(data_end, align);
-        // The partial block before `data_end` is rewritten with the new records, as in `write_chunk`.
-        let mut arena: Vec<u8> = tail;
-        let mut parts: Vec<Part<'_>> = vec![Part::Arena(0..arena.len())];
-        // Whether each part belongs to a large record's payload.
-        let mut payload: Vec<bool> = vec![false];
-        let mut large: Vec<Large<'_>> = Vec::new();
-        let mut placed: Vec<Placed> = Vec::with_capacity(chunk.len());
+        let mut g = self.lay_out_gathered(st, chunk, id, epoch, data_end, tail);
+        let crc_of = |l: &Large<'_>| -> u32 { format::laid_out_crc(l.frames.iter().map(|f| &f[..])) };
+        let mut written = Ok(());
+        let mut crcs: Option<Vec<u32>> = None;
+        let payload_bytes: u64 = g.large.iter().map(|l| l.header.raw_len).sum();
+        if payload_bytes >= self.opts.parallel_crc_min_bytes {
+            let g_ref = &g;
+            std::thread::scope(|s| {
+                let helper = std::thread::Builder::new()
+                    .name("spillway-crc".into())
+                    .spawn_scoped(s, || g_ref.large.iter().map(crc_of).collect::<Vec<u32>>());
+                // Without a helper thread (resource limits), everything is written in order below.
+                if let Ok(h) = helper {
+                    written = self.write_parts(&file, g_ref, Some(true));
+                    crcs = Some(h.join().expect("crc32 does not panic"));
+                }
+            });
+        }
+        let deferred = crcs.is_some();
+        let crcs = crcs.unwrap_or_else(|| g.large.iter().map(crc_of).collect());
+        g.fill_crcs(crcs, self.salt);
+        if written.is_ok() {
+            written = self.write_parts(&file, &g, deferred.then_some(false));
+        }
+        if let Err(e) = written {
+            // Nothing of the chunk is published, and the active segment is as it was.
+            self.fence_failed_write(st, crate::error::io_no_space(&e).then_some(g.end));
+            return Err(self.write_failed("write segment", self.seg_path(id), e));
+        }
+        let new_tail = g.tail(self.align);
+        self.publish_chunk(st, chunk, &g.placed, g.end, new_tail, epoch, false)
+    }
+
+    /// The bytes of `chunk` from the aligned block before `data_end` (its `tail` rewritten first),
+    /// as parts: record heads, small records and padding in an arena, large payloads as their own
+    /// frames, zeros. A large record's head waits for its payload crc ([`Gathered::fill_crcs`]).
+    fn lay_out_gathered<'a>(
+        &self,
+        st: &mut WriterState<B::File>,
+        chunk: &'a [Prepared<'a>],
+        id: u32,
+        epoch: u32,
+        data_end: u64,
+        tail: Vec<u8>,
+    ) -> Gathered<'a> {
+        let parts = vec![Part::Arena(0..tail.len())];
+        let mut g = Gathered {
+            base: align_down(data_end, self.align),
+            end: data_end,
+            arena: tail,
+            parts,
+            payload: vec![false],
+            large: Vec::new(),
+            placed: Vec::with_capacity(chunk.len()),
+        };
         let mut pos = data_end;
         for p in chunk {
             let seq = Self::seq_for(st, &p.rec);
@@ -82,149 +113,167 @@ impl<B: Backend> SegmentLog<B> {
                         key_len: key.len() as u32,
                         segment: id,
                         epoch,
-                        payload_crc: 0, // below, once known
+                        payload_crc: 0, // once known: `fill_crcs`
                         seq,
                         raw_len,
                         stored_len: raw_len,
                         aux: p.pad as u32,
                     };
                     debug_assert_eq!(p.len, po as u64 + raw_len);
-                    let start = arena.len();
-                    arena.resize(start + po, 0);
-                    large.push(Large {
+                    let start = g.arena.len();
+                    g.arena.resize(start + po, 0);
+                    g.large.push(Large {
                         head: start..start + po,
                         header,
                         frame_lens,
                         key,
                         frames,
-                        placed: placed.len(),
+                        placed: g.placed.len(),
                     });
-                    placed.push(Placed::new(pos, &header));
-                    parts.push(Part::Arena(start..start + po));
-                    payload.push(false);
+                    g.placed.push(Placed::new(pos, &header));
+                    g.push(Part::Arena(start..start + po), false);
                     // The payload: each frame and the zeros before it.
                     let mut at = 0u64;
                     for (f, &off) in frames.iter().zip(&offsets) {
                         if off > at {
-                            parts.push(Part::Zeros((off - at) as usize));
-                            payload.push(true);
+                            g.push(Part::Zeros((off - at) as usize), true);
                         }
-                        parts.push(Part::Frame(f));
-                        payload.push(true);
+                        g.push(Part::Frame(f), true);
                         at = off + f.len() as u64;
                     }
                 }
                 _ => {
-                    let start = arena.len();
-                    arena.resize(start + p.len as usize, 0);
-                    let h = self.encode_record(p, &mut arena[start..], id, epoch, seq);
-                    parts.push(Part::Arena(start..start + p.len as usize));
-                    payload.push(false);
-                    placed.push(Placed::new(pos, &h));
+                    let start = g.arena.len();
+                    g.arena.resize(start + p.len as usize, 0);
+                    let h = self.encode_record(p, &mut g.arena[start..], id, epoch, seq);
+                    g.push(Part::Arena(start..start + p.len as usize), false);
+                    g.placed.push(Placed::new(pos, &h));
                 }
             }
             let next = padded(pos + p.len);
-            parts.push(Part::Zeros((next - pos - p.len) as usize)); // padding between records
-            payload.push(false);
+            g.push(Part::Zeros((next - pos - p.len) as usize), false); // padding between records
             pos = next;
         }
-        let end = pos;
-        parts.push(Part::Zeros((align_up(end, align) - end) as usize)); // up to the aligned end
-        payload.push(false);
+        g.end = pos;
+        g.push(Part::Zeros((align_up(pos, self.align) - pos) as usize), false); // up to the aligned end
+        g
+    }
 
-        // The slices of `parts`, back to back from `base`, each with the index of its part.
-        fn slices_of<'a>(arena: &'a [u8], parts: &'a [Part<'a>]) -> Vec<(usize, &'a [u8])> {
-            let mut slices = Vec::with_capacity(parts.len() + 1);
-            for (i, part) in parts.iter().enumerate() {
-                match part {
-                    Part::Arena(r) => slices.push((i, &arena[r.clone()])),
-                    Part::Frame(f) => slices.push((i, *f)),
-                    Part::Zeros(mut n) => {
-                        while n > 0 {
-                            let k = n.min(ZEROS.len());
-                            slices.push((i, &ZEROS[..k]));
-                            n -= k;
-                        }
-                    }
-                }
-            }
-            slices
-        }
-        let payload_bytes: u64 = large.iter().map(|l| l.header.raw_len).sum();
-        // `None`: every part, in one gathered write. `Some(p)`: the parts whose `payload` flag is `p`,
-        // one gathered write per run of consecutive ones.
-        let write = |arena: &[u8], payloads: Option<bool>| -> io::Result<()> {
-            let slices = slices_of(arena, &parts);
-            let Some(want) = payloads else {
-                let all: Vec<&[u8]> = slices.iter().map(|&(_, s)| s).collect();
-                return self.backend.write_gather_at(&file, base, &all);
-            };
-            let mut at = base;
-            let mut run: Vec<&[u8]> = Vec::new();
-            let mut run_at = base;
-            for &(part, sl) in &slices {
-                if payload[part] == want {
-                    if run.is_empty() {
-                        run_at = at;
-                    }
-                    run.push(sl);
-                } else if !run.is_empty() {
-                    self.backend.write_gather_at(&file, run_at, &run)?;
-                    run.clear();
-                }
-                at += sl.len() as u64;
-            }
-            if !run.is_empty() {
-                self.backend.write_gather_at(&file, run_at, &run)?;
-            }
-            Ok(())
+    /// Write `g`'s parts to `file` from its base. `None`: every part, in one gathered write.
+    /// `Some(p)`: the parts whose payload flag is `p`, one gathered write per run of consecutive ones.
+    fn write_parts(&self, file: &B::File, g: &Gathered<'_>, payloads: Option<bool>) -> io::Result<()> {
+        let slices = g.slices();
+        let Some(want) = payloads else {
+            let all: Vec<&[u8]> = slices.iter().map(|&(_, s)| s).collect();
+            return self.backend.write_gather_at(file, g.base, &all);
         };
-        let crc_of = |l: &Large<'_>| -> u32 { format::laid_out_crc(l.frames.iter().map(|f| &f[..])) };
-        let mut written = Ok(());
-        let mut crcs: Option<Vec<u32>> = None;
-        if payload_bytes >= self.opts.parallel_crc_min_bytes {
-            let large_ref = &large;
-            let arena_ref = &arena;
-            std::thread::scope(|s| {
-                let helper = std::thread::Builder::new()
-                    .name("spillway-crc".into())
-                    .spawn_scoped(s, || large_ref.iter().map(crc_of).collect::<Vec<u32>>());
-                // Without a helper thread (resource limits), everything is written in order below.
-                if let Ok(h) = helper {
-                    written = write(arena_ref, Some(true));
-                    crcs = Some(h.join().expect("crc32 does not panic"));
+        let mut at = g.base;
+        let mut run: Vec<&[u8]> = Vec::new();
+        let mut run_at = g.base;
+        for &(part, sl) in &slices {
+            if g.payload[part] == want {
+                if run.is_empty() {
+                    run_at = at;
                 }
-            });
+                run.push(sl);
+            } else if !run.is_empty() {
+                self.backend.write_gather_at(file, run_at, &run)?;
+                run.clear();
+            }
+            at += sl.len() as u64;
         }
-        let deferred = crcs.is_some();
-        let crcs = crcs.unwrap_or_else(|| large.iter().map(crc_of).collect());
-        for (l, crc) in large.iter().zip(crcs) {
+        if !run.is_empty() {
+            self.backend.write_gather_at(file, run_at, &run)?;
+        }
+        Ok(())
+    }
+}
+
+/// A part of a gathered chunk's bytes.
+enum Part<'a> {
+    /// Bytes of the arena: the rewritten partial block, record heads, small records.
+    Arena(std::ops::Range<usize>),
+    /// A frame of a large payload, written from its own buffer.
+    Frame(&'a [u8]),
+    /// Alignment and padding.
+    Zeros(usize),
+}
+
+/// A large record whose head waits for its payload crc.
+struct Large<'a> {
+    head: std::ops::Range<usize>,
+    header: RecordHeader,
+    frame_lens: Vec<u64>,
+    key: &'a [u8],
+    frames: &'a Frames,
+    /// Its entry in `placed`, whose crc is filled in with the head's.
+    placed: usize,
+}
+
+/// A chunk laid out for a gathered write ([`SegmentLog::lay_out_gathered`]).
+struct Gathered<'a> {
+    /// Where its bytes start in the file: the aligned block before the old end.
+    base: u64,
+    /// The end of its last record (the segment's new `data_end`).
+    end: u64,
+    arena: Vec<u8>,
+    parts: Vec<Part<'a>>,
+    /// Whether each part belongs to a large record's payload.
+    payload: Vec<bool>,
+    large: Vec<Large<'a>>,
+    placed: Vec<Placed>,
+}
+
+impl<'a> Gathered<'a> {
+    fn push(&mut self, part: Part<'a>, payload: bool) {
+        self.parts.push(part);
+        self.payload.push(payload);
+    }
+
+    /// The slices of the parts, back to back from `base`, each with the index of its part.
+    fn slices(&self) -> Vec<(usize, &[u8])> {
+        let mut slices = Vec::with_capacity(self.parts.len() + 1);
+        for (i, part) in self.parts.iter().enumerate() {
+            match part {
+                Part::Arena(r) => slices.push((i, &self.arena[r.clone()])),
+                Part::Frame(f) => slices.push((i, *f)),
+                Part::Zeros(mut n) => {
+                    while n > 0 {
+                        let k = n.min(ZEROS.len());
+                        slices.push((i, &ZEROS[..k]));
+                        n -= k;
+                    }
+                }
+            }
+        }
+        slices
+    }
+
+    /// Each large record's head, now that its payload crc (`crcs`, in order) is known.
+    fn fill_crcs(&mut self, crcs: Vec<u32>, salt: format::Salt) {
+        for (l, crc) in self.large.iter().zip(crcs) {
             let h = RecordHeader { payload_crc: crc, ..l.header };
-            format::write_record_head(&mut arena[l.head.clone()], &h, &l.frame_lens, l.key, self.salt);
-            placed[l.placed].h.payload_crc = crc;
+            format::write_record_head(&mut self.arena[l.head.clone()], &h, &l.frame_lens, l.key, salt);
+            self.placed[l.placed].h.payload_crc = crc;
         }
-        if written.is_ok() {
-            written = write(&arena, deferred.then_some(false));
-        }
-        if let Err(e) = written {
-            // Nothing of the chunk is published, and the active segment is as it was.
-            self.fence_failed_write(st, crate::error::io_no_space(&e).then_some(end));
-            return Err(self.write_failed("write segment", self.seg_path(id), e));
-        }
-        // The new tail: the bytes of the last, partial block, gathered from the end of the slices.
-        let tail_start = align_down(end, align);
-        let mut new_tail = vec![0u8; (end - tail_start) as usize];
+    }
+
+    /// The segment's new tail: the bytes of the last, partial block, gathered from the end of the
+    /// slices.
+    fn tail(&self, align: u64) -> Vec<u8> {
+        let tail_start = align_down(self.end, align);
+        let mut new_tail = vec![0u8; (self.end - tail_start) as usize];
         let mut from = 0u64; // file offset of the current slice, relative to `base`
-        for (_, sl) in slices_of(&arena, &parts) {
-            let (s0, s1) = (base + from, base + from + sl.len() as u64);
-            let (lo, hi) = (s0.max(tail_start), s1.min(end));
+        for (_, sl) in self.slices() {
+            let (s0, s1) = (self.base + from, self.base + from + sl.len() as u64);
+            let (lo, hi) = (s0.max(tail_start), s1.min(self.end));
             if lo < hi {
                 new_tail[(lo - tail_start) as usize..(hi - tail_start) as usize]
                     .copy_from_slice(&sl[(lo - s0) as usize..(hi - s0) as usize]);
             }
             from += sl.len() as u64;
         }
-        debug_assert_eq!(base + from, align_up(end, align));
-        self.publish_chunk(st, chunk, &placed, end, new_tail, epoch, false)
+        debug_assert_eq!(self.base + from, align_up(self.end, align));
+        new_tail
     }
 }
