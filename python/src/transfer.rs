@@ -206,6 +206,37 @@ fn client_options(
     })
 }
 
+/// A fetch of a value of `nbytes` (its frames' total, as its sender announced it) from the server at
+/// `address` with `ticket`, as the `fetch*` functions take it from Python.
+struct Fetch {
+    address: (String, u16),
+    ticket: Ticket,
+    opts: TransferOptions,
+    nbytes: u64,
+}
+
+impl Fetch {
+    fn new(
+        address: (String, u16),
+        ticket: &[u8],
+        nbytes: u64,
+        timeout: f64,
+        connect_timeout: Option<f64>,
+        min_bytes_per_sec: u64,
+    ) -> PyResult<Fetch> {
+        let opts = client_options(timeout, connect_timeout, min_bytes_per_sec, nbytes)?;
+        Ok(Fetch { address, ticket: ticket_of(ticket)?, opts, nbytes })
+    }
+
+    /// A client of the server that refuses a value whose frames do not add up to `nbytes` as its
+    /// header arrives (`expect_frames_total`): nothing of it is stored, and a key's old value stays.
+    fn connect(self) -> spillway::Result<Client> {
+        let mut c = Client::connect((self.address.0.as_str(), self.address.1), self.ticket, self.opts)?;
+        c.expect_frames_total(self.nbytes);
+        Ok(c)
+    }
+}
+
 /// The error for a received value whose frames do not add up to what its sender announced.
 fn wrong_size(announced: u64, got: u64) -> PyErr {
     crate::SpillwayError::new_err(format!("the peer announced {announced} bytes and sent a value of {got}"))
@@ -229,14 +260,8 @@ fn fetch<'py>(
     connect_timeout: Option<f64>,
     min_bytes_per_sec: u64,
 ) -> PyResult<Option<Bound<'py, PyList>>> {
-    let (ticket, opts) = (ticket_of(ticket)?, client_options(timeout, connect_timeout, min_bytes_per_sec, nbytes)?);
-    let got = py
-        .allow_threads(|| {
-            let mut c = Client::connect((address.0.as_str(), address.1), ticket, opts)?;
-            c.expect_frames_total(nbytes);
-            c.get(key)
-        })
-        .map_err(to_py)?;
+    let fetch = Fetch::new(address, ticket, nbytes, timeout, connect_timeout, min_bytes_per_sec)?;
+    let got = py.allow_threads(|| fetch.connect()?.get(key)).map_err(to_py)?;
     match got {
         Some(frames) if frames.total_len() != nbytes => Err(wrong_size(nbytes, frames.total_len())),
         got => got.map(|frames| frames_to_list(py, frames, true)).transpose(),
@@ -265,19 +290,12 @@ fn fetch_into(
     connect_timeout: Option<f64>,
     min_bytes_per_sec: u64,
 ) -> PyResult<Option<u64>> {
-    let (ticket, opts) = (ticket_of(ticket)?, client_options(timeout, connect_timeout, min_bytes_per_sec, nbytes)?);
+    let fetch = Fetch::new(address, ticket, nbytes, timeout, connect_timeout, min_bytes_per_sec)?;
     let inner = log.inner()?;
     py.allow_threads(|| {
         let _turn = inner.claim(as_key);
         let reserved = inner.reserve(as_key, nbytes, "receiving")?;
-        // A value whose frames do not add up to what was announced is refused as its header
-        // arrives (`expect_frames_total`): nothing of it is stored, `as_key`'s old value stays.
-        let found = Client::connect((address.0.as_str(), address.1), ticket, opts)
-            .and_then(|mut c| {
-                c.expect_frames_total(nbytes);
-                c.get_into(key, &inner.log, as_key)
-            })
-            .map_err(to_py)?;
+        let found = fetch.connect().and_then(|mut c| c.get_into(key, &inner.log, as_key)).map_err(to_py)?;
         if !found {
             return Ok(None);
         }
@@ -307,17 +325,10 @@ fn fetch_into_store(
     connect_timeout: Option<f64>,
     min_bytes_per_sec: u64,
 ) -> PyResult<Option<u64>> {
-    let (ticket, opts) = (ticket_of(ticket)?, client_options(timeout, connect_timeout, min_bytes_per_sec, nbytes)?);
+    let fetch = Fetch::new(address, ticket, nbytes, timeout, connect_timeout, min_bytes_per_sec)?;
     let s = store.arc()?;
     py.allow_threads(|| {
-        // A value whose frames do not add up to what was announced is refused as its header
-        // arrives (`expect_frames_total`): nothing of it is stored, `as_key`'s old value stays.
-        let found = Client::connect((address.0.as_str(), address.1), ticket, opts)
-            .and_then(|mut c| {
-                c.expect_frames_total(nbytes);
-                c.stream_into_store(key, &s, as_key)
-            })
-            .map_err(to_py)?;
+        let found = fetch.connect().and_then(|mut c| c.stream_into_store(key, &s, as_key)).map_err(to_py)?;
         Ok(found.then_some(nbytes))
     })
 }
