@@ -329,7 +329,7 @@ pub fn lay_out_frames<'a>(dst: &mut [u8], frames: impl IntoIterator<Item = &'a [
     debug_assert_eq!(at, dst.len(), "destination is the layout's length");
 }
 
-/// crc32 of `frames` laid out as [`lay_out_frames`] lays them out (zero gaps included), without
+/// crc32 of `frames` laid out as `lay_out_frames` lays them out (zero gaps included), without
 /// copying them: the `payload_crc` of an uncompressed record holding these frames.
 pub fn laid_out_crc<'a>(frames: impl IntoIterator<Item = &'a [u8]>) -> u32 {
     const GAP: [u8; FRAME_ALIGN as usize] = [0; FRAME_ALIGN as usize];

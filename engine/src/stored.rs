@@ -20,7 +20,7 @@ use crate::format;
 use crate::value::Frames;
 
 /// The stored form of a value announced before its bytes arrive (a peer's VALUE header): what
-/// [`read`] and [`PayloadCheck`] check the bytes against, and what
+/// `read` and `PayloadCheck` check the bytes against, and what
 /// [`SegmentLog::put_stream`](crate::SegmentLog::put_stream) stores.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StreamedValue {
@@ -28,7 +28,7 @@ pub struct StreamedValue {
     pub lz4: bool,
     /// Length of each frame.
     pub frame_lens: Vec<u64>,
-    /// Length of the laid-out frames ([`format::frame_layout`]).
+    /// Length of the laid-out frames (`format::frame_layout`).
     pub raw_len: u64,
     /// Bytes that follow on the stream.
     pub stored_len: u64,

@@ -143,7 +143,7 @@ fn borrow_frames(py: Python<'_>, frames: &Bound<'_, PyAny>) -> PyResult<Frames> 
 #[pyfunction]
 fn frames_crc(py: Python<'_>, frames: &Bound<'_, PyAny>) -> PyResult<u32> {
     let frames = borrow_frames(py, frames)?;
-    let crc = py.allow_threads(|| spillway::format::laid_out_crc(frames.iter().map(|b| &b[..])));
+    let crc = py.allow_threads(|| spillway::laid_out_crc(frames.iter().map(|b| &b[..])));
     drop(frames); // the borrowed buffers are released here, with the GIL held
     Ok(crc)
 }

@@ -529,19 +529,19 @@ impl Store {
     fn log_records(&self, py: Python<'_>) -> PyResult<(usize, u64)> {
         let s = self.inner()?;
         let m = py.allow_threads(|| s.metrics());
-        Ok((s.logs().iter().map(|l| l.len()).sum(), m.spilled_memory_bytes))
+        Ok((s.log_info().iter().map(|l| l.records).sum(), m.spilled_memory_bytes))
     }
 
     /// Write what the log holds back (write-behind) and fdatasync it.
     fn sync(&self, py: Python<'_>) -> PyResult<()> {
         let s = self.inner()?;
-        py.allow_threads(|| s.log().sync()).map_err(to_py)
+        py.allow_threads(|| s.sync()).map_err(to_py)
     }
 
     /// Why the log refuses writes (an earlier write or sync failed), or None.
     #[getter]
     fn read_only(&self) -> PyResult<Option<String>> {
-        Ok(self.inner()?.log().poisoned().map(|e| e.to_string()))
+        Ok(self.inner()?.read_only())
     }
 
     /// The object of `key` (KeyError if absent), deserialized once if it is held as frames or on
@@ -626,9 +626,7 @@ impl Store {
     #[getter]
     fn logs(&self, py: Python<'_>) -> PyResult<Vec<(std::path::PathBuf, Option<String>, usize)>> {
         let s = self.inner()?;
-        Ok(py.allow_threads(|| {
-            s.logs().iter().map(|l| (l.dir().to_path_buf(), l.poisoned().map(str::to_string), l.len())).collect()
-        }))
+        Ok(py.allow_threads(|| s.log_info().into_iter().map(|l| (l.dir, l.read_only, l.records)).collect()))
     }
 
     /// `"materialized"`, `"serialized"`, `"compressed"` or `"disk"`; None if absent.

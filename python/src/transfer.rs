@@ -196,7 +196,7 @@ fn client_options(
     min_bytes_per_sec: u64,
     nbytes: u64,
 ) -> PyResult<TransferOptions> {
-    let laid_out = nbytes.saturating_add(64 * spillway::format::MAX_FRAMES as u64);
+    let laid_out = nbytes.saturating_add(64 * spillway::MAX_FRAMES as u64);
     Ok(TransferOptions {
         timeout: seconds(timeout, "timeout")?,
         connect_timeout: connect_timeout.map(|t| seconds(t, "connect_timeout")).transpose()?,

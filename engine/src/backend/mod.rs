@@ -11,7 +11,7 @@
 //! * [`AutoBackend`]: io_uring where it works, otherwise portable, with one log line saying why.
 //!
 //! ## Why buffers move in and out by value
-//! `read_at` and `write_at` take an [`AlignedBuf`] by value and hand it back with the result (the
+//! `read_at` and `write_at` take an `AlignedBuf` by value and hand it back with the result (the
 //! "buffer result" shape of tokio-uring). With io_uring the buffer must belong to the in-flight
 //! operation until its completion is reaped; an API that borrowed `&mut [u8]` could not express that
 //! without unsafe contracts on every caller. With ownership passing, a completion-based backend keeps
@@ -29,7 +29,11 @@ use std::sync::Arc;
 use crate::buf::AlignedBuf;
 
 mod auto;
+#[cfg(feature = "testing")]
+#[doc(hidden)]
 pub mod doorbell;
+#[cfg(not(feature = "testing"))]
+pub(crate) mod doorbell;
 mod portable;
 mod sim;
 mod uring;
@@ -251,9 +255,9 @@ pub trait Backend: Send + Sync + 'static {
         read_by_alloc(self, file, offset, len, align)
     }
 
-    /// [`Backend::read_new`], with the [`crate::format::payload_crc`] of the bytes `check` of the
+    /// [`Backend::read_new`], with the `crate::format::payload_crc` of the bytes `check` of the
     /// buffer read. The default reads, then checksums; the file backends read and checksum a large
-    /// range in two halves on two threads at once ([`read_new_checked`]).
+    /// range in two halves on two threads at once (`read_new_checked`).
     fn read_new_crc(
         &self,
         file: &Self::File,

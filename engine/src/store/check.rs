@@ -9,6 +9,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// Recompute the accounting from the entries and compare it with the running totals, the LRU order
     /// and the log's index. `Err` names the first difference. For tests and debugging: it walks every
     /// entry under the store's lock.
+    #[doc(hidden)]
     pub fn check_accounting(&self) -> std::result::Result<(), String> {
         let inner = self.lock();
         let (mut mem, mut disk, mut raw, mut spilled, mut spilled_raw) = (0u64, 0u64, 0u64, 0u64, 0u64);

@@ -191,8 +191,10 @@ pub(super) struct Stream {
     /// The key had a value when the transfer started (set aside meanwhile).
     pub(super) has_old: bool,
     /// Memory weight and spilled bytes of that value, still counted in `mem_bytes` and
-    /// `disk_raw` (it may come back).
+    /// `disk_raw` (it may come back): what `check_accounting` adds back.
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
     pub(super) aside_weight: u64,
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
     pub(super) aside_raw: u64,
 }
 

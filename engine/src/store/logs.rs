@@ -138,7 +138,8 @@ impl<B: Backend> Logs<B> {
         Ok(any)
     }
 
-    /// Records in every log.
+    /// Records in every log (for `check_accounting`).
+    #[cfg(feature = "testing")]
     pub(super) fn len(&self) -> usize {
         self.all().map(|l| l.len()).sum()
     }

@@ -1,6 +1,6 @@
 //! The three-tier store: materialized objects, serialized frames in memory (optionally lz4), and
 //! records in the segment log on disk. Data that arrives serialized stays serialized until a task asks
-//! for the object; then it is deserialized exactly once (see [`crate::slot`]).
+//! for the object; then it is deserialized exactly once (see `crate::slot`).
 //!
 //! ## Tiers and weights
 //! * **materialized**: an `Arc<V>`, weight `codec.size_of(v)` (an estimate, as dask's `sizeof`);
@@ -30,7 +30,7 @@
 //! and eviction decisions, and never during disk I/O, (de)serialization or (de)compression. An
 //! eviction round is planned under the lock (its keys marked as being written), carried out without
 //! it (objects serialized, values written, see `Store::spill`), and settled under it again.
-//! Materialization happens in the per-key [`Slot`], whose ready path is lock-free.
+//! Materialization happens in the per-key `Slot`, whose ready path is lock-free.
 //!
 //! ## Where each rule lives
 //!
@@ -66,6 +66,7 @@ use self::metrics::Metrics;
 use crate::sync::{self, Condvar, Mutex, MutexGuard};
 use crate::value::Frames;
 
+#[cfg(feature = "testing")]
 mod check;
 mod config;
 mod entry;
@@ -85,6 +86,17 @@ pub use self::get::{GET_MANY_BATCH, GET_MANY_DEPTH};
 pub use self::logs::MAX_FRESH_LOGS;
 pub use self::metrics::{take_thread_metrics, Activity, ActivityStats, MetricsSnapshot};
 pub use self::pressure::{read_rss, RssProbe, RSS_CHECK_BYTES};
+
+/// One of a store's segment logs, as [`Store::log_info`] describes it.
+#[derive(Debug, Clone)]
+pub struct LogInfo {
+    /// Its directory.
+    pub dir: std::path::PathBuf,
+    /// Why it refuses writes (an earlier write or fdatasync failed), if it does.
+    pub read_only: Option<String>,
+    /// Records it holds: values on disk, and the copies that values read back keep.
+    pub records: usize,
+}
 
 /// A codec's error.
 pub type CodecError = Box<dyn std::error::Error + Send + Sync>;
@@ -243,20 +255,67 @@ impl<C: Codec, B: Backend> Store<C, B> {
     }
 
     /// The segment log spills go to now (the first, unless a failed write left it read-only and
-    /// the store opened a fresh one: see [`StoreConfig::fresh_logs`]).
+    /// the store opened a fresh one: see [`StoreConfig::fresh_logs`]). With the `testing` feature
+    /// only: a caller that wrote to it would write around the store's accounting.
+    #[cfg(feature = "testing")]
+    #[doc(hidden)]
     pub fn log(&self) -> &SegmentLog<B> {
         self.logs.current()
     }
 
+    /// Every log of this store (`testing` only, as [`Store::log`]).
+    #[cfg(feature = "testing")]
+    #[doc(hidden)]
+    pub fn logs(&self) -> Vec<&SegmentLog<B>> {
+        self.all_logs()
+    }
+
+    /// The log that holds `key`'s record, if it has one (`testing` only, as [`Store::log`]).
+    #[cfg(feature = "testing")]
+    #[doc(hidden)]
+    pub fn log_of(&self, key: &[u8]) -> Option<&SegmentLog<B>> {
+        self.log_holding_key(key)
+    }
+
     /// Every log of this store, the first (in the store's directory) first and the one spills go to
     /// last; the others are read-only and serve the records they still hold.
-    pub fn logs(&self) -> Vec<&SegmentLog<B>> {
+    pub(crate) fn all_logs(&self) -> Vec<&SegmentLog<B>> {
         self.logs.all().collect()
     }
 
     /// The log that holds `key`'s record, if it has one.
-    pub fn log_of(&self, key: &[u8]) -> Option<&SegmentLog<B>> {
+    pub(crate) fn log_holding_key(&self, key: &[u8]) -> Option<&SegmentLog<B>> {
         self.logs.of(key).filter(|l| l.location(key).is_some())
+    }
+
+    /// The log spills go to now.
+    pub(crate) fn current_log(&self) -> &SegmentLog<B> {
+        self.logs.current()
+    }
+
+    /// Write back what the log spills go to holds in memory, and fdatasync it (a persistent store's
+    /// `flush` does this for every value; this is for a spill store whose files someone else reads).
+    pub fn sync(&self) -> Result<()> {
+        self.logs.current().sync()
+    }
+
+    /// The store's logs, the first (in the store's directory) first and the one spills go to last:
+    /// the others are read-only and serve the records they still hold.
+    pub fn log_info(&self) -> Vec<LogInfo> {
+        self.logs
+            .all()
+            .map(|l| LogInfo {
+                dir: l.dir().to_path_buf(),
+                read_only: l.poisoned().map(str::to_string),
+                records: l.len(),
+            })
+            .collect()
+    }
+
+    /// Why the log spills go to refuses writes (an earlier write or fdatasync failed), if it does;
+    /// a spill store then writes to a fresh log ([`StoreConfig::fresh_logs`]) while it may.
+    pub fn read_only(&self) -> Option<String> {
+        self.logs.current().poisoned().map(|e| e.to_string())
     }
 
     /// The codec.
@@ -348,8 +407,10 @@ impl<C: Codec, B: Backend> Store<C, B> {
         }
     }
 
-    /// Threads waiting in `key`'s slot for another thread's materialization of its value (for tests
-    /// and diagnostics).
+    /// Threads waiting in `key`'s slot for another thread's materialization of its value (`testing`
+    /// only).
+    #[cfg(feature = "testing")]
+    #[doc(hidden)]
     pub fn waiters(&self, key: &[u8]) -> u32 {
         let slot = self.lock().map.get(key).map(|e| e.slot.clone());
         slot.map_or(0, |s| s.waiters())

@@ -13,7 +13,7 @@
 //! ([`Client::get_into`], [`SegmentLog::put_stream`]), or streamed to a writer ([`Client::get_to`]).
 //!
 //! Every request carries a [`Ticket`] that the server's [`Access`] must accept: a standing ticket
-//! for every key, or a one-time grant for one key (see [`access`]). Limits: connections in total
+//! for every key, or a one-time grant for one key (see `access`). Limits: connections in total
 //! and per peer address, a deadline for each request's head and one for each payload, bounds on
 //! every length before anything is allocated.
 //!
@@ -28,7 +28,7 @@
 //! | `server.rs` | [`Source`], [`serve`], connection limits, the splice and copy send paths |
 //! | `client.rs` | [`Client`]: fetch into memory, a log, a store or a writer |
 
-pub mod access;
+mod access;
 mod client;
 mod server;
 mod wire;

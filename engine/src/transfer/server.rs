@@ -69,13 +69,13 @@ impl<C: Codec, B: Backend> Source for Store<C, B> {
     /// directory holds the value's file.
     fn log_holding(&self, value: &StoredValue<B::File>) -> &SegmentLog<B> {
         let dir = value.path.parent().and_then(std::path::Path::parent);
-        self.logs().into_iter().rev().find(|l| Some(l.dir()) == dir).unwrap_or_else(|| Store::log(self))
+        self.all_logs().into_iter().rev().find(|l| Some(l.dir()) == dir).unwrap_or_else(|| self.current_log())
     }
     /// A spilled value is sent from its segment (never read back into memory); a value in memory is
     /// sent from its serialized frames (a materialized one is serialized once for this).
     fn outgoing(&self, key: &[u8]) -> Result<Option<Outgoing<B::File>>> {
         if self.tier(key) == Some(Tier::Disk) {
-            let Some(log) = self.log_of(key) else {
+            let Some(log) = self.log_holding_key(key) else {
                 return Ok(self.get_serialized(key)?.map(Outgoing::Frames));
             };
             match log.stored_value(key) {
