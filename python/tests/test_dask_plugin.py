@@ -120,7 +120,11 @@ def test_a_retired_workers_values_move_still_pickled_and_are_unpickled_once_when
         ]
         got = client.gather(uses)
         used = _counts(client, [receiver])[receiver]
-        assert used[1] - moved[receiver][1] == n, "each value unpickled once on the receiver"
+        # Once each, but for a value the receiver's memory rules evicted between its two uses (its
+        # RSS past the spill threshold), which is pickled out and read back: one more unpickle each.
+        evicted = used[0] - moved[receiver][0]
+        unpickled = used[1] - moved[receiver][1]
+        assert n <= unpickled <= n + evicted, ("each value unpickled once on the receiver", evicted)
         assert got == [counted.digest(counted.make(i, MiB)) for i in range(n) for _ in range(2)]
 
 
