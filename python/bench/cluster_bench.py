@@ -147,6 +147,9 @@ def _install_baseline(path: str) -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [directory, os.environ.get("PYTHONPATH")]))
     sys.path.insert(0, directory)
 
+#: The preload that counts each worker's serializations and deserializations.
+SERIAL_COUNTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "serial_counts.py")
+
 #: Seconds any one phase may take before it counts as failed.
 PHASE_TIMEOUT = 600
 #: ``CLUSTER_BENCH_TIMELINE=1`` keeps every 50 ms sample of each worker (``TIMELINE_FIELDS``) and
@@ -184,6 +187,9 @@ class RunResult:
     worker_stats: dict = field(default_factory=dict)  # phase -> {worker: stats from inside it}
     unmanaged: list = field(default_factory=list)  # scheduler's samples (bytes), all workers
     link_bytes: dict = field(default_factory=dict)  # phase -> bytes over the workers' links (--net)
+    #: phase -> {worker: [serializations, deserializations] since it started} (serial_counts.py),
+    #: a worker closed in the phase (retire) with its counts at its close.
+    serial: dict = field(default_factory=dict)
     backend: str = ""
 
     @property
@@ -198,9 +204,14 @@ class RunResult:
 class MemorySampler(WorkerPlugin):
     """A worker plugin: a thread sampling the worker's RSS, its store's in-memory weight and its
     managed memory every 50 ms, and a log handler counting "Unmanaged memory use is high". Its
-    ``collect`` (run through ``client.run``) returns the peaks since the last call and resets them."""
+    ``collect`` (run through ``client.run``) returns the peaks since the last call and resets them.
+    A worker that closes writes its (de)serialization counts to ``closed_dir`` (its address, quoted,
+    as the file name), where the harness finds those of a worker retired in a phase."""
 
     name = "cluster-bench-sampler"
+
+    def __init__(self, closed_dir: str | None = None):
+        self.closed_dir = closed_dir
 
     def setup(self, worker):
         import psutil
@@ -280,6 +291,8 @@ class MemorySampler(WorkerPlugin):
             m = getattr(self.worker.data, "cumulative_metrics", {})
             out["metrics"] = {f"{k[0]} {k[1]}": v for k, v in m.items()}
             out["time"] = _fine_seconds(self.worker)
+            counter = sys.modules.get("serial_counts")
+            out["serial"] = list(counter.counts()) if counter is not None else None
             if TIMELINE:
                 out["timeline"], self.timeline = self.timeline, []
             self.reset()
@@ -288,6 +301,10 @@ class MemorySampler(WorkerPlugin):
 
     def teardown(self, worker):
         self.stop.set()
+        counter = sys.modules.get("serial_counts")
+        if self.closed_dir and counter is not None:
+            with open(os.path.join(self.closed_dir, _quoted(worker.address)), "w") as f:
+                json.dump(list(counter.counts()), f)
         logging.getLogger("distributed.worker.memory").removeHandler(self.handler)
 
 
@@ -342,6 +359,24 @@ def _bytes_received(keys, dask_worker) -> int:
     keys = set(keys)
     log = dask_worker.transfer_incoming_log
     return sum(n for e in list(log) for k, n in e["keys"].items() if str(k) in keys)
+
+
+def _quoted(address: str) -> str:
+    import urllib.parse
+
+    return urllib.parse.quote(address, safe="")
+
+
+def _serial(stats: dict, before: dict, closed_dir: str) -> dict:
+    """{worker: [serializations, deserializations]} from a phase's collected ``stats``, with the
+    workers of ``before`` that are gone now read from what they wrote at their close."""
+    out = {w: s["serial"] for w, s in stats.items() if s.get("serial") is not None}
+    for w in before:
+        path = os.path.join(closed_dir, _quoted(w))
+        if w not in out and os.path.exists(path):
+            with open(path) as f:
+                out[w] = json.load(f)
+    return out
 
 
 def _collect(dask_worker):
@@ -439,7 +474,9 @@ def _cluster(store: str, size: Size, local_directory: str, threads: int = 1, net
     if net:
         from netns import NetCluster
 
-        return NetCluster(size.workers, size.memory_limit, store, net, local_directory, threads)
+        return NetCluster(
+            size.workers, size.memory_limit, store, net, local_directory, threads, (SERIAL_COUNTS,)
+        )
 
     kwargs = {}
     if store == "baseline":
@@ -476,6 +513,8 @@ def _config(size: Size):
             "distributed.worker.memory.spill": 0.7,
             "distributed.worker.memory.pause": 0.8,
             "distributed.worker.memory.terminate": 0.95,
+            # Counts each worker's (de)serializations, whatever the store (see serial_counts.py).
+            "distributed.worker.preload": [SERIAL_COUNTS],
         }
     )
 
@@ -875,7 +914,9 @@ def run_one(
         stack.enter_context(_config(size))
         cluster = stack.enter_context(_cluster(store, size, tmp, threads, net))
         client = stack.enter_context(Client(cluster.scheduler_address if net else cluster))
-        client.register_plugin(MemorySampler(), name=MemorySampler.name)
+        closed_dir = os.path.join(tmp, "closed-workers")
+        os.makedirs(closed_dir)
+        client.register_plugin(MemorySampler(closed_dir), name=MemorySampler.name)
         # (The CLI workers of --net get the plugin from their preload, as users' do.)
         if store in ("spillway+plugin", "spillway+inband") and not net:
             import spillway.dask
@@ -898,6 +939,8 @@ def run_one(
                 result.worker_stats[name] = {
                     w: s for w, s in client.run(_collect).items() if s is not None
                 }
+                previous = list(result.serial.values())[-1] if result.serial else {}
+                result.serial[name] = _serial(result.worker_stats[name], previous, closed_dir)
             result.completed = True
         except Exception as error:  # a failed phase (KilledWorker, timeout, ...) ends the run
             result.error = f"{type(error).__name__}: {error}"[:500]
@@ -923,6 +966,19 @@ def _short(v) -> str:
 
 def _mib(n: float) -> str:
     return f"{n / MiB:.0f}"
+
+
+def serial_by_phase(r: RunResult) -> dict:
+    """phase -> [serializations, deserializations] in the phase, summed over the workers (a
+    worker's count at the end of the phase less its count at the end of the previous one; a worker
+    that started in the phase, a restarted one, from zero)."""
+    out, before = {}, {}
+    for phase, counts in r.serial.items():
+        out[phase] = [
+            sum(c[i] - before.get(w, (0, 0))[i] for w, c in counts.items()) for i in (0, 1)
+        ]
+        before = counts
+    return out
 
 
 def summarize(results: list) -> dict:
@@ -959,6 +1015,18 @@ def summarize(results: list) -> dict:
             "phase_median_link_mib": {
                 p: statistics.median(r.link_bytes[p] for r in done if p in r.link_bytes) / MiB
                 for p in (done[0].link_bytes if done else {})
+            },
+            # Per worker of the run's start, medians over the completed runs.
+            "phase_median_serial_per_worker": {
+                p: [
+                    statistics.median(
+                        serial_by_phase(r)[p][i] / max(1, len(next(iter(r.serial.values()))))
+                        for r in done
+                        if p in r.serial
+                    )
+                    for i in (0, 1)
+                ]
+                for p in (done[0].serial if done else {})
             },
         }
     return out
@@ -1030,6 +1098,11 @@ def report(results: list) -> str:
                 f"    unmanaged (scheduler, MiB): median {_mib(statistics.median(r.unmanaged))}"
                 f" max {_mib(max(r.unmanaged))} over {len(r.unmanaged)} heartbeats"
             )
+        if r.serial:
+            lines.append(
+                "    serializations / deserializations (all workers): "
+                + ", ".join(f"{p} {c[0]}/{c[1]}" for p, c in serial_by_phase(r).items())
+            )
         if r.notes:
             lines.append("    notes: " + ", ".join(f"{k} {_short(v)}" for k, v in r.notes.items()))
     s = summarize(results)
@@ -1053,6 +1126,13 @@ def report(results: list) -> str:
                     dwire = stores["dask"]["phase_median_link_mib"].get(p)
                     moved = f", over the links {dwire:.0f} / {wire:.0f} MiB" if wire is not None else ""
                     lines.append(f"    {p}: dask {d:.1f} s, {other} {t:.1f} s, {d / t:.2f}x{moved}")
+    lines.append("")
+    lines.append("serializations / deserializations per worker (median of runs):")
+    for store, st in stores.items():
+        cells = ", ".join(
+            f"{p} {c[0]:.0f}/{c[1]:.0f}" for p, c in st["phase_median_serial_per_worker"].items()
+        )
+        lines.append(f"    {store}: {cells or '-'}")
     by_activity = time_by_activity(results)
     if by_activity:
         lines.append("")
@@ -1206,7 +1286,10 @@ def scaled(size: Size, workers: int) -> Size:
 def scaling_table(summaries: dict) -> str:
     """Workers -> store: completed, restarts, median seconds, and the speed-up over dask's store
     (total and per phase)."""
-    lines = ["workers | store | completed | restarts | median s | speed-up | per phase (dask / store)"]
+    lines = [
+        "workers | store | completed | restarts | median s | speed-up | per phase (dask / store)"
+        " | (de)serializations per worker"
+    ]
     for n, s in summaries.items():
         stores = s["stores"]
         dask = stores.get("dask", {})
@@ -1222,9 +1305,13 @@ def scaling_table(summaries: dict) -> str:
                 for p, t in st["phase_median_seconds"].items()
                 if store != "dask" and t and p in dask.get("phase_median_seconds", {})
             )
+            serial = st.get("phase_median_serial_per_worker", {}).values()
+            counts = (
+                f"{sum(c[0] for c in serial):.0f} / {sum(c[1] for c in serial):.0f}" if serial else "-"
+            )
             lines.append(
                 f"{n} | {store} | {st['completed']}/{st['runs']} | {st['restarts']} | "
-                f"{total if total is None else round(total, 1)} | {ratio} | {phases or '-'}"
+                f"{total if total is None else round(total, 1)} | {ratio} | {phases or '-'} | {counts}"
             )
     return "\n".join(lines)
 

@@ -104,13 +104,14 @@ class _Worker:
 class NetCluster:
     """``n`` CLI workers of ``memory_limit`` bytes and ``threads`` threads each, one per namespace,
     on ``store`` ("dask", "spillway", "spillway+plugin", "spillway+inband"), links at ``rate`` (tc's
-    syntax: "1gbit", "100mbit"). A context manager; ``.scheduler`` and ``.workers`` as a
+    syntax: "1gbit", "100mbit"), each worker with the ``preload`` modules (``dask worker --preload``).
+    A context manager; ``.scheduler`` and ``.workers`` as a
     LocalCluster's, ``.scheduler_address`` for a Client."""
 
     def __init__(self, n: int, memory_limit: int, store: str, rate: str, local_directory: str,
-                 threads: int = 1):
+                 threads: int = 1, preload: tuple = ()):
         self.n, self.memory_limit, self.store, self.rate = n, memory_limit, store, rate
-        self.local_directory, self.threads = local_directory, threads
+        self.local_directory, self.threads, self.preload = local_directory, threads, preload
         self.workers: dict = {}
         self._scheduler_cluster = None
 
@@ -143,6 +144,8 @@ class NetCluster:
                        "--nthreads", str(self.threads), "--memory-limit", str(self.memory_limit),
                        "--local-directory", self.local_directory, "--no-dashboard",
                        "--death-timeout", "60"]
+                for preload in self.preload:
+                    cmd += ["--preload", preload]
                 if self.store != "dask":
                     cmd += ["--preload-nanny", "spillway.dask"]
                 log = os.path.join(self.local_directory, f"worker-{i}.log")

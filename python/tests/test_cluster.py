@@ -45,6 +45,18 @@ def test_a_tight_memory_cluster_restarts_no_worker_and_computes_what_dask_comput
     assert run.notes["transfer received bytes"] >= size.transfer_bytes, run.notes
     assert run.notes["retire moved keys"] > 0, run.notes
 
+    # The harness counts every worker's (de)serializations, the store's own included: each value
+    # the persist wrote to disk was serialized, and each key the retired worker moved was
+    # serialized by it (a worker closed in the phase, counted at its close) and deserialized by
+    # the worker that took it (dask's comm, no plugin).
+    counts = cluster_bench.serial_by_phase(run)
+    assert set(run.serial["persist"]) == set(persisted), run.serial
+    spilled = sum(s["metrics"].get("disk-write count", 0) for s in persisted.values())
+    assert counts["persist"][0] >= spilled > 0, (counts, spilled)
+    assert len(run.serial["retire"]) == len(persisted), run.serial  # the retired one too
+    moved = run.notes["retire moved keys"]
+    assert counts["retire"][0] >= moved and counts["retire"][1] >= moved, (counts, moved)
+
     expected = cluster_bench.reference(size)
     for phase, value in expected.items():
         got = run.values[phase]
