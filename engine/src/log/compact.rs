@@ -7,12 +7,13 @@ use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::format::{self, FooterEntry};
 
+use super::health::WARN_COMPACT;
 use super::index::Location;
 use super::recover::RecoveryReport;
 use super::scan::{entry_matches, FOOTER_MISMATCH};
 use super::segments::{first_segment, SegMeta, WriterState};
 use super::write::NewRecord;
-use super::{padded, SegmentLog, WARN_COMPACT};
+use super::{padded, SegmentLog};
 
 /// What [`SegmentLog::compact`] did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -83,7 +84,7 @@ impl<B: Backend> SegmentLog<B> {
         if st.compact_pending && !st.compacting {
             st.compact_pending = false;
             if let Err(e) = self.compact_locked(st) {
-                if self.warn_once(WARN_COMPACT) {
+                if self.health.warn_once(WARN_COMPACT) {
                     log::warn!("segment log {}: automatic compaction failed: {e}", self.dir.display());
                 }
             }
@@ -113,7 +114,7 @@ impl<B: Backend> SegmentLog<B> {
     /// segment is sparse, which bounds disk use ([`CompactionPolicy::disk_bound`]).
     pub fn compact(&self) -> Result<CompactStats> {
         let mut st = self.writer();
-        self.check_writable()?; // under the lock, as in `sync`
+        self.health.check_writable()?; // under the lock, as in `sync`
         self.compact_locked(&mut st)
     }
 
@@ -159,7 +160,7 @@ impl<B: Backend> SegmentLog<B> {
             None => return Ok((0, 0)),
         };
         let mut report = RecoveryReport::default();
-        let scan = self.load_segment(id, &file, &mut report)?;
+        let scan = self.reader().load_segment(id, &file, &mut report)?;
         let index_snapshot: Vec<(FooterEntry, bool)> = {
             let index = self.index.read().unwrap_or_else(|p| p.into_inner());
             scan.entries

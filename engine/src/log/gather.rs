@@ -69,7 +69,7 @@ impl<B: Backend> SegmentLog<B> {
         if let Err(e) = written {
             // Nothing of the chunk is published, and the active segment is as it was.
             self.fence_failed_write(st, crate::error::io_no_space(&e).then_some(g.end));
-            return Err(self.write_failed("write segment", self.seg_path(id), e));
+            return Err(self.health.write_failed("write segment", self.seg_path(id), e));
         }
         let new_tail = g.tail(self.align);
         self.publish_chunk(st, chunk, &g.placed, g.end, new_tail, epoch, false)

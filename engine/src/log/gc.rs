@@ -10,27 +10,53 @@ use crate::backend::{Backend, DetachedPunch};
 use crate::error::{Error, Result};
 use crate::format::{self, align_down, align_up};
 use crate::key::KeyMap;
-use crate::sync::{Ordering, RwLock};
+use crate::sync::{AtomicBool, Mutex, Ordering, RwLock};
 
+use super::health::{WARN_GC, WARN_PUNCH};
 use super::index::Location;
 use super::options::LogOptions;
 use super::segments::{SpareFile, WriterState, MAX_KEPT_AT_OPEN, MAX_SPARE_FILES};
-use super::{lock, padded, parse_seg_file_name, SegmentLog, WARN_GC, WARN_PUNCH};
+use super::{lock, padded, parse_seg_file_name, SegmentLog};
 
 /// Forgotten records at least this large are hole-punched (with `LogOptions::punch_forgotten`).
 pub(super) const PUNCH_MIN_BYTES: u64 = 256 << 10;
 
-impl<B: Backend> SegmentLog<B> {
-    pub(super) fn settle_forgotten(&self, st: &mut WriterState<B::File>) {
-        if !self.any_forgotten.load(Ordering::Acquire) {
-            return;
+/// Records forgotten while the writer lock was busy (a long write, compaction): their index entries
+/// are gone at once; their space accounting, garbage collection and hole punching wait for the next
+/// taker of the writer lock (`SegmentLog::writer`). So `forget` never waits for a write.
+pub(super) struct Forgotten {
+    locs: Mutex<Vec<Location>>,
+    /// `locs` is not empty: read without its lock at every writer-lock acquisition.
+    any: AtomicBool,
+}
+
+impl Forgotten {
+    pub(super) fn new() -> Self {
+        Forgotten { locs: Mutex::new(Vec::new()), any: AtomicBool::new(false) }
+    }
+
+    /// Leave the record at `loc` for the writer lock's next taker.
+    pub(super) fn push(&self, loc: Location) {
+        let mut locs = lock(&self.locs);
+        locs.push(loc);
+        self.any.store(true, Ordering::Release);
+    }
+
+    /// The records left so far (none without taking the lock, the common case).
+    pub(super) fn take(&self) -> Vec<Location> {
+        if !self.any.load(Ordering::Acquire) {
+            return Vec::new();
         }
-        let locs = {
-            let mut f = lock(&self.forgotten);
-            self.any_forgotten.store(false, Ordering::Release);
-            std::mem::take(&mut *f)
-        };
-        for old in locs {
+        let mut locs = lock(&self.locs);
+        self.any.store(false, Ordering::Release);
+        std::mem::take(&mut *locs)
+    }
+}
+
+impl<B: Backend> SegmentLog<B> {
+    /// Account for the records `forget` left while the writer lock was busy.
+    pub(super) fn settle_forgotten(&self, st: &mut WriterState<B::File>) {
+        for old in self.forgotten.take() {
             self.release_forgotten(st, old);
         }
     }
@@ -40,7 +66,7 @@ impl<B: Backend> SegmentLog<B> {
     pub(super) fn release_forgotten(&self, st: &mut WriterState<B::File>, old: Location) {
         let mut emptied = Vec::new();
         Self::release(st, old, &mut emptied);
-        if self.poisoned.get().is_some() {
+        if self.health.is_poisoned() {
             return; // read-only: nothing on disk changes any more
         }
         if !emptied.is_empty() {
@@ -51,7 +77,7 @@ impl<B: Backend> SegmentLog<B> {
         if self.opts.punch_forgotten
             && old.len >= PUNCH_MIN_BYTES
             && st.segs.contains_key(&old.segment)
-            && self.poisoned.get().is_none()
+            && !self.health.is_poisoned()
         {
             self.punch(st, old);
         }
@@ -68,7 +94,7 @@ impl<B: Backend> SegmentLog<B> {
         if st.active.as_ref().is_some_and(|a| a.id == old.segment && old.offset >= a.written_end) {
             return; // pending (write-behind): not in the file yet, nothing to release
         }
-        if lock(&self.sending).contains_key(&(old.segment, old.offset)) {
+        if self.sends.pinned((old.segment, old.offset)) {
             return; // being sent: its blocks go when the segment does
         }
         let Some(file) = self.files.read().unwrap_or_else(|p| p.into_inner()).get(&old.segment).cloned() else {
@@ -110,7 +136,7 @@ impl<B: Backend> SegmentLog<B> {
                 }
             }
             Err(e) => {
-                if self.warn_once(WARN_PUNCH) {
+                if self.health.warn_once(WARN_PUNCH) {
                     log::warn!("cannot punch holes in segment files ({e}); forgotten records keep their space until compaction");
                 }
             }
@@ -122,7 +148,7 @@ impl<B: Backend> SegmentLog<B> {
     /// later garbage collection.
     pub(super) fn reclaim(&self, st: &mut WriterState<B::File>) {
         if let Err(e) = self.collect_garbage(st) {
-            if self.warn_once(WARN_GC) {
+            if self.health.warn_once(WARN_GC) {
                 log::warn!(
                     "segment log {}: cannot delete a dead segment yet ({e}); retrying at the next garbage collection",
                     self.dir.display()
@@ -169,7 +195,7 @@ impl<B: Backend> SegmentLog<B> {
             // contents to be durable, and after a failed fdatasync nothing says they are (a retry can
             // report success for pages the kernel dropped after reporting the first failure). One
             // failed deletion here may be the fdatasync that poisoned the log.
-            if let Err(e) = self.check_writable() {
+            if let Err(e) = self.health.check_writable() {
                 first_error.get_or_insert(e);
                 break;
             }
@@ -198,7 +224,7 @@ impl<B: Backend> SegmentLog<B> {
     pub(super) fn delete_segment(&self, st: &mut WriterState<B::File>, id: u32) -> Result<()> {
         // Never after a failed write or fdatasync: the fdatasync below must not be a retry of one
         // that failed, and without it the segment may hold the only durable copy of its records.
-        self.check_writable()?;
+        self.health.check_writable()?;
         // The records that made this segment dead may still be pending in memory (write-behind:
         // overwrites, or compaction's copies of its live records): write them before the old copies
         // disappear, so a process crash cannot lose both. With `durable`, also make them durable,
@@ -218,7 +244,7 @@ impl<B: Backend> SegmentLog<B> {
                 // it durable without writing what is pending, which a full disk may refuse. `dirty`
                 // stays set, for the pending records.
                 if let Err(e) = self.backend.sync_data(&a.file) {
-                    return Err(self.poison(Error::io("fdatasync", self.seg_path(a.id), e)));
+                    return Err(self.health.poison(Error::io("fdatasync", self.seg_path(a.id), e)));
                 }
             }
         }
@@ -261,7 +287,7 @@ impl<B: Backend> SegmentLog<B> {
         {
             return false;
         }
-        if lock(&self.sent_from).remove(&id) {
+        if self.sends.take_sent_from(id) {
             return false;
         }
         let punched = st.segs.get(&id).is_some_and(|m| m.punched > 0 || !m.reserved);

@@ -16,12 +16,13 @@
 //!
 //! | file | owns |
 //! |---|---|
-//! | `mod.rs` | [`SegmentLog`], opening, the writer lock, poisoning after a failed write |
+//! | `mod.rs` | [`SegmentLog`], opening (built from what recovery found), the writer lock |
+//! | `health.rs` | poisoning after a failed write, warnings logged once (`Health`) |
 //! | `options.rs` | [`LogOptions`], [`Compression`] |
 //! | `index.rs` | [`Location`] and the packed index entry |
 //! | `segments.rs` | per-segment accounting, the active segment, rotate / seal / sync |
-//! | `recover.rs` | opening: footers, scans, which record of a key wins, torn tails |
-//! | `scan.rs` | reading a segment record by record, resync past damage |
+//! | `recover.rs` | opening: footers, scans, which record of a key wins, torn tails (`SegmentReader`) |
+//! | `scan.rs` | reading a segment record by record, resync past damage (`Scanner`) |
 //! | `read.rs` | gets, pipelined and async reads, the stored form for sending |
 //! | `write.rs` | puts, deletes, batching, encoding, publishing to the index |
 //! | `gather.rs` | large payloads written from their own frames |
@@ -34,21 +35,22 @@
 //! See `docs/architecture.md` for the write and recovery paths step by step, and `docs/format.md`
 //! for the bytes.
 
-use std::collections::{BTreeMap, HashMap};
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 // The index and writer locks come from the sync shim, so the store's loom models see every log call
 // that touches the index (a read racing a removal, for one) as a step to interleave.
-use crate::sync::{AtomicBool, AtomicU64, Mutex, MutexGuard, Ordering, RwLock};
+use crate::sync::{Mutex, MutexGuard, RwLock};
 
-use self::gc::{discard_segments, Punches, SegmentFiles};
+use self::gc::{discard_segments, Forgotten, Punches, SegmentFiles};
+use self::health::Health;
 use self::index::PackedLoc;
-use self::read::SendPins;
+use self::read::Sends;
+use self::recover::SegmentReader;
 use self::segments::WriterState;
 use self::stream::Streams;
-use self::write_behind::NOTHING_PENDING;
+use self::write_behind::PendingMark;
 use crate::backend::{Backend, DirLock, PortableBackend};
 use crate::error::{Error, Result};
 use crate::format::{self, align_up, Salt, RECORD_ALIGN};
@@ -58,6 +60,7 @@ use crate::value::Frames;
 mod compact;
 mod gather;
 mod gc;
+mod health;
 mod index;
 mod options;
 mod read;
@@ -92,17 +95,6 @@ const PAGE_BYTES: u64 = 4096;
 
 /// Zeros for padding in gathered writes.
 static ZEROS: [u8; 4096] = [0; 4096];
-
-/// `SegmentLog::warned` bits. A full file system is warned about again after a write succeeded.
-const WARN_FULL: u64 = 1;
-
-const WARN_PUNCH: u64 = 2;
-
-const WARN_COMPACT: u64 = 4;
-
-const WARN_GC: u64 = 8;
-/// A kept segment file could not be reused.
-const WARN_REUSE: u64 = 16;
 
 /// The highest sequence number a log writes: one whose records reach it opens read-only (see
 /// `recover`). Below it, a log's life cannot exhaust the counter (2^63 more writes).
@@ -143,35 +135,16 @@ pub struct SegmentLog<B: Backend = PortableBackend> {
     state: Mutex<WriterState<B::File>>,
     /// Hole punches of forgotten records, off the caller's thread.
     punches: Punches<B::File>,
-    /// Records forgotten while the writer lock was busy (a long write, compaction): their index
-    /// entries are gone at once;
-    /// their space accounting, garbage collection and hole punching wait for the next taker of the
-    /// writer lock ([`SegmentLog::writer`]). So `forget` never waits for a write.
-    forgotten: Mutex<Vec<Location>>,
-    /// `forgotten` is not empty (read without its lock at every writer-lock acquisition).
-    any_forgotten: AtomicBool,
-    /// Records being sent: not punched when forgotten (see [`SendPin`]).
-    sending: SendPins,
-    /// Segments some value was handed out from for sending (`stored_value`). Their files are never
-    /// reused for new segments: a `splice` into a socket leaves references to the file's pages in
-    /// the socket's queue after it returns, and writing over the file would change what the peer
-    /// still receives.
-    sent_from: Mutex<std::collections::BTreeSet<u32>>,
-    /// Values streaming into segments of their own (`put_stream`), by key: each stream's sequence
-    /// number, and whether a newer write of its key (a put, a delete, a forget, a stream begun
-    /// later) was published meanwhile, which makes its record dead on arrival.
-    streaming: Mutex<Streams>,
-    /// `streaming` is not empty (read without its lock wherever a key is written).
-    any_streaming: AtomicBool,
-    /// Write-behind: `pending_key(segment, written_end)` while records of the active segment at or
-    /// after `written_end` are pending in its tail, else `NOTHING_PENDING`. Stored before those records
-    /// are published in the index and reset after they are written, so a reader that found a record
-    /// in the index and then sees no pending range for it can read it from the file.
-    pending: AtomicU64,
-    poisoned: OnceLock<String>,
-    /// Warnings already logged (`WARN_*` bits), so that a condition that lasts is logged once per
-    /// log, not once per call.
-    warned: AtomicU64,
+    /// Records forgotten while the writer lock was busy.
+    forgotten: Forgotten,
+    /// What is being sent from the log's files, and what was (`stored_value`).
+    sends: Sends,
+    /// Values streaming into segments of their own (`put_stream`).
+    streams: Streams,
+    /// Where records are pending in the active segment's tail (write-behind).
+    pending: PendingMark,
+    /// Whether it may still write, and the warnings already logged.
+    health: Health,
     recovery: RecoveryReport,
     /// The log's salt (see [`Salt`]): learned from its segments at open, or drawn for a log without
     /// any; every record head is written and verified with it.
@@ -215,13 +188,18 @@ impl<B: Backend> Drop for Writer<'_, B> {
     fn drop(&mut self) {
         if !self.panicking && std::thread::panicking() {
             let e = io::Error::other("it panicked part-way (a bug in the backend or the log)");
-            self.log.poison(Error::io("write", None, e));
+            self.log.health.poison(Error::io("write", None, e));
         }
     }
 }
 
 fn seg_file_name(id: u32) -> String {
     format!("{id:08x}.seg")
+}
+
+/// The path of segment `id` in the segments directory `seg_dir`.
+fn segment_path(seg_dir: &Path, id: u32) -> PathBuf {
+    seg_dir.join(seg_file_name(id))
 }
 
 fn parse_seg_file_name(name: &str) -> Option<u32> {
@@ -320,48 +298,47 @@ impl<B: Backend> SegmentLog<B> {
         // A spill log starts empty; with `recycle_segments` the files of its last run's segments
         // become spare files for its new ones.
         let spare_files = if opts.discard_existing { discard_segments(&backend, &seg_dir, &opts)? } else { Vec::new() };
-        let next_segment = spare_files.iter().map(|s| s.id + 1).max().unwrap_or(1);
-
-        let mut log = SegmentLog {
+        let spares: Vec<u32> = spare_files.iter().map(|s| s.id).collect();
+        let reader =
+            SegmentReader { backend: &backend, dir: &dir, seg_dir: &seg_dir, opts: &opts, align, salt: Salt(0) };
+        let found = reader.recover(&spares)?;
+        // Above the spare files' ids too: a reused file is renamed, and must never replace a segment.
+        let next_segment = spares.iter().map(|id| id + 1).fold(found.next_segment, u32::max);
+        let health = Health::new(dir.clone(), found.read_only);
+        Ok(SegmentLog {
             backend,
             dir,
             seg_dir,
             opts,
             align,
             read_align,
-            index: RwLock::new(KeyMap::default()),
-            files: Arc::new(RwLock::new(KeyMap::default())),
+            index: RwLock::new(found.index),
+            files: Arc::new(RwLock::new(found.files)),
             punches: Punches::new(),
             state: Mutex::new(WriterState {
-                active: None,
-                segs: BTreeMap::new(),
+                active: found.active,
+                segs: found.segs,
                 next_segment,
-                next_seq: 1,
-                epoch: 1,
-                dir_dirty: false,
-                dir_new_segments: false,
+                next_seq: found.next_seq,
+                epoch: found.epoch,
+                dir_dirty: found.dir_dirty,
+                dir_new_segments: found.dir_dirty,
                 compact_pending: false,
                 compacting: false,
-                unsynced_sealed: Vec::new(),
+                unsynced_sealed: found.unsynced,
                 spare_bufs: Vec::new(),
                 spare_files,
                 no_rename: false,
             }),
-            forgotten: Mutex::new(Vec::new()),
-            any_forgotten: AtomicBool::new(false),
-            sending: Arc::new(Mutex::new(HashMap::new())),
-            sent_from: Mutex::new(std::collections::BTreeSet::new()),
-            streaming: Mutex::new(HashMap::new()),
-            any_streaming: AtomicBool::new(false),
-            pending: AtomicU64::new(NOTHING_PENDING),
-            poisoned: OnceLock::new(),
-            warned: AtomicU64::new(0),
-            recovery: RecoveryReport::default(),
-            salt: Salt(0),
+            forgotten: Forgotten::new(),
+            sends: Sends::new(),
+            streams: Streams::new(),
+            pending: PendingMark::new(),
+            health,
+            recovery: found.report,
+            salt: found.salt,
             _lock: lock,
-        };
-        log.recover()?;
-        Ok(log)
+        })
     }
 
     /// The store directory.
@@ -388,7 +365,7 @@ impl<B: Backend> SegmentLog<B> {
     /// with [`Error::Poisoned`]; reads go on, and reopening recovers what was acknowledged). `None`
     /// while it is writable.
     pub fn poisoned(&self) -> Option<&str> {
-        self.poisoned.get().map(String::as_str)
+        self.health.poisoned()
     }
 
     /// What recovery found at open.
@@ -397,51 +374,20 @@ impl<B: Backend> SegmentLog<B> {
     }
 
     fn seg_path(&self, id: u32) -> PathBuf {
-        self.seg_dir.join(seg_file_name(id))
+        segment_path(&self.seg_dir, id)
     }
 
-    fn check_writable(&self) -> Result<()> {
-        match self.poisoned.get() {
-            Some(cause) => Err(Error::Poisoned { cause: cause.clone() }),
-            None => Ok(()),
+    /// The segment reader, for what rereads a segment from its file (`verify`, compaction, erasing
+    /// what a failed write left).
+    fn reader(&self) -> SegmentReader<'_, B> {
+        SegmentReader {
+            backend: &self.backend,
+            dir: &self.dir,
+            seg_dir: &self.seg_dir,
+            opts: &self.opts,
+            align: self.align,
+            salt: self.salt,
         }
-    }
-
-    /// A write of records succeeded: a full file system met later is warned about again.
-    fn wrote(&self) {
-        if self.warned.load(Ordering::Relaxed) & WARN_FULL != 0 {
-            self.warned.fetch_and(!WARN_FULL, Ordering::Relaxed);
-        }
-    }
-
-    /// Whether the warning `bit` is still to be logged for this log (and from now on, is not).
-    fn warn_once(&self, bit: u64) -> bool {
-        self.warned.fetch_or(bit, Ordering::Relaxed) & bit == 0
-    }
-
-    fn poison(&self, e: Error) -> Error {
-        let _ = self.poisoned.set(e.to_string());
-        log::error!("segment log {} is now read-only: {e}", self.dir.display());
-        e
-    }
-
-    /// The error for a failed write of records that were not published (or, for write-behind, are
-    /// still pending in memory). A full file system (ENOSPC, EDQUOT) is an error for this call only:
-    /// the bytes the write may have left lie at or after the segment's published end, which the next
-    /// write of the segment overwrites, so nothing on disk needs undoing, and freeing space (forgetting
-    /// or deleting data) lets the same write succeed. Any other failure (EIO, ...) leaves the file in
-    /// an unknown state and makes the log read-only.
-    fn write_failed(&self, op: &'static str, path: PathBuf, e: io::Error) -> Error {
-        if crate::error::io_no_space(&e) {
-            if self.warn_once(WARN_FULL) {
-                log::warn!(
-                    "segment log {}: {op} failed, the file system is full ({e}); the log stays writable",
-                    self.dir.display()
-                );
-            }
-            return Error::io(op, path, e);
-        }
-        self.poison(Error::io(op, path, e))
     }
 
     /// The writer lock, after settling what `forget` left for it while it was busy.

@@ -3,7 +3,7 @@
 //! value for sending ([`StoredValue`], pinned so its bytes stay put while a send reads them).
 
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::future::Future;
 use std::io;
 use std::path::PathBuf;
@@ -38,20 +38,50 @@ pub struct StoredValue<F> {
 }
 
 /// Records being sent ([`SegmentLog::stored_value`]), by (segment, offset), with a count.
-pub(super) type SendPins = Arc<Mutex<HashMap<(u32, u64), u32>>>;
+type SendPins = Arc<Mutex<HashMap<(u32, u64), u32>>>;
+
+/// What is being sent from the log's files, and what was: the records pinned while a sender reads
+/// them (`forget` does not punch them), and the segments values were handed out from. Those files
+/// are never reused for new segments: a `splice` into a socket leaves references to the file's
+/// pages in the socket's queue after it returns, and writing over the file would change what the
+/// peer still receives.
+pub(super) struct Sends {
+    pins: SendPins,
+    from: Mutex<BTreeSet<u32>>,
+}
+
+impl Sends {
+    pub(super) fn new() -> Self {
+        Sends { pins: Arc::new(Mutex::new(HashMap::new())), from: Mutex::new(BTreeSet::new()) }
+    }
+
+    /// Pin the record at `at` (segment, offset) for as long as the pin lives.
+    pub(super) fn pin(&self, at: (u32, u64)) -> SendPin {
+        *lock(&self.pins).entry(at).or_insert(0) += 1;
+        SendPin { pins: self.pins.clone(), at }
+    }
+
+    /// Whether the record at `at` is being sent.
+    pub(super) fn pinned(&self, at: (u32, u64)) -> bool {
+        lock(&self.pins).contains_key(&at)
+    }
+
+    /// A value was handed out from `segment` for sending.
+    pub(super) fn sent_from(&self, segment: u32) {
+        lock(&self.from).insert(segment);
+    }
+
+    /// Whether a value was handed out from `segment` (deleted now: it is forgotten here).
+    pub(super) fn take_sent_from(&self, segment: u32) -> bool {
+        lock(&self.from).remove(&segment)
+    }
+}
 
 /// One pin of a record being sent: while it lives, `forget` leaves the record's blocks alone (the
 /// sender reads them from the file after the key may have been forgotten).
 pub(super) struct SendPin {
-    pub(super) pins: SendPins,
-    pub(super) at: (u32, u64),
-}
-
-impl SendPin {
-    pub(super) fn new(pins: &SendPins, at: (u32, u64)) -> Self {
-        *lock(pins).entry(at).or_insert(0) += 1;
-        SendPin { pins: pins.clone(), at }
-    }
+    pins: SendPins,
+    at: (u32, u64),
 }
 
 impl Drop for SendPin {
@@ -307,7 +337,7 @@ impl<B: Backend> SegmentLog<B> {
             match self.lookup(&key) {
                 None => (on_value.borrow_mut())(key, Ok(None)),
                 // A pending record (write-behind): served from memory.
-                Some((p, _)) if self.may_be_pending(p.loc()) => {
+                Some((p, _)) if self.pending.may_hold(p.loc()) => {
                     let res = match self.pending_record(p.loc()) {
                         Ok(Some(raw)) => decode_read(raw, p.loc(), &key, self.salt).map(Some),
                         Ok(None) => self.get(&key), // written meanwhile: read as usual
@@ -350,12 +380,12 @@ impl<B: Backend> SegmentLog<B> {
             // Pinned before the index is checked again: a forget that removed the key before the
             // check makes it absent; one after it finds the pin and does not punch what is being
             // sent.
-            let pin = SendPin::new(&self.sending, (loc.segment, loc.offset));
+            let pin = self.sends.pin((loc.segment, loc.offset));
             match self.location(key) {
                 None => return Ok(None),
                 Some(l) if (l.segment, l.offset) == (loc.segment, loc.offset) => {
                     if self.opts.recycle_segments {
-                        lock(&self.sent_from).insert(loc.segment);
+                        self.sends.sent_from(loc.segment);
                     }
                     break (loc, file, pin);
                 }
@@ -367,7 +397,7 @@ impl<B: Backend> SegmentLog<B> {
                 }
             }
         };
-        if self.may_be_pending(loc) {
+        if self.pending.may_hold(loc) {
             // Pending (write-behind): written out first. If that write fails, it is in memory, not in
             // a file (`Error::Poisoned`, or a full file system: the transfer sources then send it
             // from memory).

@@ -1,9 +1,11 @@
 //! Opening a log: list the segment files, learn the salt, read sealed segments' footers, scan the
 //! unsealed ones, settle which record of each key wins (sequence numbers), erase torn tails durably,
-//! and build the index and the segment accounting. The outcome is a [`RecoveryReport`].
+//! and build the index and the segment accounting. [`SegmentReader`] does it with the parts of the
+//! log fixed at open and returns what it found ([`Recovered`]); the log is built from that. The
+//! outcome is a [`RecoveryReport`].
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::backend::Backend;
@@ -12,8 +14,11 @@ use crate::format::{self, align_down, align_up, FooterEntry, Salt, RECORD_ALIGN}
 use crate::key::{IndexKey, KeyHasher, KeyMap};
 
 use super::index::{Location, PackedLoc, RecordFacts};
+use super::options::LogOptions;
+use super::scan::Scanner;
 use super::segments::{Active, SegMeta};
-use super::{padded, parse_seg_file_name, SegmentLog, MAX_RECORD_BYTES, MAX_SEGMENT_FILE_BYTES, SEQ_LIMIT};
+use super::stream::erase_aborted;
+use super::{padded, parse_seg_file_name, segment_path, MAX_RECORD_BYTES, MAX_SEGMENT_FILE_BYTES, SEQ_LIMIT};
 
 /// What recovery found when the log was opened.
 #[derive(Debug, Clone, Default)]
@@ -150,31 +155,60 @@ fn settle_winners(scans: &BTreeMap<u32, SegmentScan>, report: &mut RecoveryRepor
     Settled { index, segs, max_seq }
 }
 
-impl<B: Backend> SegmentLog<B> {
-    /// Open the log's segments: list and open their files, learn the salt, scan them, settle which
-    /// record of each key wins, continue the newest segment if it can be, and set the log's index,
-    /// files and writer state from what was found ([`SegmentLog::recovery`] reports it).
-    pub(super) fn recover(&mut self) -> Result<()> {
+/// What recovery found: everything a log is built from at open.
+pub(super) struct Recovered<F> {
+    pub(super) salt: Salt,
+    pub(super) index: KeyMap<IndexKey, PackedLoc>,
+    pub(super) files: KeyMap<u32, Arc<F>>,
+    pub(super) segs: BTreeMap<u32, SegMeta>,
+    /// The newest segment, continued.
+    pub(super) active: Option<Active<F>>,
+    /// Segments a durable log must fdatasync at its next sync.
+    pub(super) unsynced: Vec<Arc<F>>,
+    /// Above every segment id found.
+    pub(super) next_segment: u32,
+    pub(super) next_seq: u64,
+    pub(super) epoch: u32,
+    /// Why the log opens read-only, if it does (a record's seq or epoch at its maximum).
+    pub(super) read_only: Option<String>,
+    /// The directory entries of the segments found may be unsynced (a durable log's first sync
+    /// fsyncs the directory).
+    pub(super) dir_dirty: bool,
+    pub(super) report: RecoveryReport,
+}
+
+/// The segment reader: what reading a log's segments from scratch needs of the log, all of it fixed
+/// at open. Recovery runs on it ([`Self::recover`]), and so do the checks that reload a segment
+/// (`verify`, compaction). It reads, erases what recovery cuts, and returns what it found.
+pub(super) struct SegmentReader<'a, B: Backend> {
+    pub(super) backend: &'a B,
+    pub(super) dir: &'a Path,
+    pub(super) seg_dir: &'a Path,
+    pub(super) opts: &'a LogOptions,
+    pub(super) align: u64,
+    /// The log's salt (a placeholder until [`Self::recover`] learns it).
+    pub(super) salt: Salt,
+}
+
+impl<B: Backend> SegmentReader<'_, B> {
+    /// Open the log's segments: list and open their files (those of `spares`, kept for reuse, are
+    /// not segments), learn the salt, scan them, settle which record of each key wins, and continue
+    /// the newest segment if it can be.
+    pub(super) fn recover(mut self, spares: &[u32]) -> Result<Recovered<B::File>> {
         let mut report = RecoveryReport::default();
-        let (ids, opened) = self.open_segment_files(&mut report)?;
+        let (ids, opened) = self.open_segment_files(spares, &mut report)?;
         let salt_learned;
         (self.salt, salt_learned) = self.learn_salt(&opened)?;
         let Scanned { mut scans, files, max_epoch } = self.scan_segments(opened, &mut report)?;
         let Settled { index, segs, max_seq } = settle_winners(&scans, &mut report);
         let Newest { active, unsynced } = self.continue_newest(&mut scans, &segs, &files, salt_learned)?;
 
-        *self.index.get_mut().unwrap_or_else(|p| p.into_inner()) = index;
-        *self.files.write().unwrap_or_else(|p| p.into_inner()) = files;
-        let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
-        st.next_segment = st.next_segment.max(ids.last().map_or(1, |l| l.saturating_add(1)));
         // A record's seq or epoch at (or near) its maximum leaves no higher one for new records to win
         // with: such a log opens read-only, its values readable. A writer of this log never gets
         // there (2^63 writes; 2^32 opens and failed writes), so it is damage that passed the
         // checksums, and no reason to refuse the values that are there.
         let (next_seq, epoch) = (max_seq.checked_add(1).filter(|&s| s <= SEQ_LIMIT), max_epoch.checked_add(1));
-        st.next_seq = next_seq.unwrap_or(SEQ_LIMIT);
-        st.epoch = epoch.unwrap_or(u32::MAX);
-        if next_seq.is_none() || epoch.is_none() {
+        let read_only = (next_seq.is_none() || epoch.is_none()).then(|| {
             let what =
                 if next_seq.is_none() { format!("sequence number {max_seq}") } else { format!("epoch {max_epoch}") };
             let reason = format!(
@@ -183,27 +217,45 @@ impl<B: Backend> SegmentLog<B> {
                 self.dir.display()
             );
             log::error!("{reason}");
-            let _ = self.poisoned.set(reason);
-        }
-        st.segs = segs;
-        st.active = active;
-        st.unsynced_sealed = unsynced;
-        // The directory entries of the segments found may be unsynced too (a crash before the first
-        // `sync`): a durable log's first sync fsyncs the directory once.
-        st.dir_dirty = self.opts.durable && !ids.is_empty();
-        st.dir_new_segments = st.dir_dirty;
+            reason
+        });
         if !report.corrupt.is_empty() {
             log::warn!("recovery of {} found {} damaged region(s)", self.dir.display(), report.corrupt.len());
         }
-        self.recovery = report;
-        Ok(())
+        Ok(Recovered {
+            salt: self.salt,
+            index,
+            files,
+            segs,
+            active,
+            unsynced,
+            next_segment: ids.last().map_or(1, |l| l.saturating_add(1)),
+            next_seq: next_seq.unwrap_or(SEQ_LIMIT),
+            epoch: epoch.unwrap_or(u32::MAX),
+            read_only,
+            // The directory entries of the segments found may be unsynced too (a crash before the
+            // first `sync`): a durable log's first sync fsyncs the directory once.
+            dir_dirty: self.opts.durable && !ids.is_empty(),
+            report,
+        })
+    }
+
+    fn seg_path(&self, id: u32) -> PathBuf {
+        segment_path(self.seg_dir, id)
+    }
+
+    /// The scanner of this log's segments.
+    fn scanner(&self) -> Scanner<'_, B> {
+        Scanner { backend: self.backend, align: self.align, salt: self.salt }
     }
 
     /// The ids of the segment files in the directory, sorted, and those files opened. Stray names,
-    /// files kept for reuse and directories are left alone.
-    fn open_segment_files(&mut self, report: &mut RecoveryReport) -> Result<Found<B::File>> {
-        let names =
-            self.backend.list_dir(&self.seg_dir).map_err(|e| Error::io("list segments", self.seg_dir.clone(), e))?;
+    /// files kept for reuse (`spares`) and directories are left alone.
+    fn open_segment_files(&self, spares: &[u32], report: &mut RecoveryReport) -> Result<Found<B::File>> {
+        let names = self
+            .backend
+            .list_dir(self.seg_dir)
+            .map_err(|e| Error::io("list segments", self.seg_dir.to_path_buf(), e))?;
         let mut ids: Vec<u32> = Vec::new();
         for name in &names {
             match parse_seg_file_name(name) {
@@ -212,8 +264,6 @@ impl<B: Backend> SegmentLog<B> {
             }
         }
         // Files kept at open for new segments (`discard_segments`) are not segments.
-        let spares: Vec<u32> =
-            self.state.get_mut().unwrap_or_else(|p| p.into_inner()).spare_files.iter().map(|s| s.id).collect();
         ids.retain(|id| !spares.contains(id));
         ids.sort_unstable();
         let mut opened = Vec::with_capacity(ids.len());
@@ -381,14 +431,14 @@ impl<B: Backend> SegmentLog<B> {
             if len < self.align {
                 continue;
             }
-            let head = self.read_aligned(file, 0, self.align as usize, &path)?;
+            let head = self.scanner().read_aligned(file, 0, self.align as usize, &path)?;
             if let Ok(h) = format::decode_segment_header(&head) {
                 if h.segment == *id {
                     return Ok((h.salt, true));
                 }
             }
             if trailer_salt.is_none() && len >= 2 * self.align {
-                let last = self.read_aligned(file, len - self.align, self.align as usize, &path)?;
+                let last = self.scanner().read_aligned(file, len - self.align, self.align as usize, &path)?;
                 if let Ok(t) = format::decode_trailer(&last[self.align as usize - format::TRAILER_LEN..], *id, len) {
                     trailer_salt = Some(t.salt);
                 }
@@ -421,7 +471,7 @@ impl<B: Backend> SegmentLog<B> {
         // The header tells size, alignment and where data starts; fall back to defaults if damaged.
         let mut zero_header = None; // an all-zero header block's decode error, reported after the scan
         let header = if file_len_aligned >= self.align {
-            let buf = self.read_aligned(file, 0, self.align as usize, &path)?;
+            let buf = self.scanner().read_aligned(file, 0, self.align as usize, &path)?;
             match format::decode_segment_header(&buf) {
                 Ok(h) if h.segment == id && h.salt != self.salt => return Err(self.foreign_segment(id, "header")),
                 Ok(h) if h.segment == id => Some(h),
@@ -482,7 +532,7 @@ impl<B: Backend> SegmentLog<B> {
 
         // Sealed? The trailer is the last TRAILER_LEN bytes of the file.
         if sealed_candidate {
-            let last_block = self.read_aligned(file, size - self.align, self.align as usize, &path)?;
+            let last_block = self.scanner().read_aligned(file, size - self.align, self.align as usize, &path)?;
             let tb = &last_block[self.align as usize - format::TRAILER_LEN..];
             if let Ok(t) = format::decode_trailer(tb, id, size) {
                 if t.salt != self.salt {
@@ -510,7 +560,7 @@ impl<B: Backend> SegmentLog<B> {
             }
         }
         report.scanned_segments += 1;
-        let mut scan = self.scan_segment(id, file, size, data_start, report)?;
+        let mut scan = self.scanner().scan_segment(id, file, &path, size, data_start, report)?;
         scan.header_ok = header.is_some();
         if let Some(e) = zero_header {
             if scan.entries.is_empty() && scan.cut.is_none() {
@@ -532,7 +582,7 @@ impl<B: Backend> SegmentLog<B> {
     ) -> Result<Option<Vec<FooterEntry>>> {
         let start = align_down(t.footer_offset, self.align);
         let end = align_up(t.footer_offset + t.footer_len, self.align);
-        let buf = self.read_aligned(file, start, (end - start) as usize, path)?;
+        let buf = self.scanner().read_aligned(file, start, (end - start) as usize, path)?;
         let fb = &buf[(t.footer_offset - start) as usize..(t.footer_offset - start + t.footer_len) as usize];
         if format::footer_crc(fb) != t.footer_crc {
             return Ok(None);
@@ -564,7 +614,7 @@ impl<B: Backend> SegmentLog<B> {
         if end <= data_end {
             return Ok(());
         }
-        if let Err(e) = self.erase_aborted(file, data_end - tail.len() as u64, tail, end) {
+        if let Err(e) = erase_aborted(self.backend, self.align, file, data_end - tail.len() as u64, tail, end) {
             log::warn!("segment {id}: could not erase bytes {data_end}..{end} past the end of its records: {e}");
             return Ok(());
         }

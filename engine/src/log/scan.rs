@@ -7,11 +7,11 @@ use std::path::Path;
 use crate::backend::Backend;
 use crate::buf::AlignedBuf;
 use crate::error::{Error, Result};
-use crate::format::{self, align_down, align_up, FooterEntry, RecordHeader, RECORD_ALIGN};
+use crate::format::{self, align_down, align_up, FooterEntry, RecordHeader, Salt, RECORD_ALIGN};
 
+use super::padded;
 use super::recover::{RecoveryReport, SegmentScan};
 use super::segments::SegMeta;
-use super::{padded, SegmentLog};
 
 /// Read window used when scanning unsealed segments.
 pub(super) const SCAN_WINDOW: usize = 1 << 20;
@@ -83,9 +83,89 @@ impl SyncMarks {
     }
 }
 
+/// The scanner: what walking a segment's records needs of its log, all of it fixed at open (the
+/// backend, the alignment, the salt every record head is verified with). It reads; it changes
+/// nothing, and returns what it found.
+pub(super) struct Scanner<'a, B: Backend> {
+    pub(super) backend: &'a B,
+    pub(super) align: u64,
+    pub(super) salt: Salt,
+}
+
+/// What walking a segment's records found, before the rules for damaged records at its end.
+struct Walked {
+    entries: Vec<FooterEntry>,
+    /// Whether each entry's payload is intact.
+    intact: Vec<bool>,
+    corrupt: Vec<(u32, u64, String)>,
+    /// Where the records end.
+    pos: u64,
+    /// The end of what is cut off as a torn tail, if anything is.
+    cut_end: u64,
+    max_epoch: u32,
+}
+
+impl Walked {
+    /// A damaged record with nothing valid after it is the torn end of the last write, not a bit
+    /// flip in the middle of the log: cut it off like the rest of the tail.
+    fn cut_torn_end(&mut self, report: &mut RecoveryReport) {
+        while self.intact.last() == Some(&false) {
+            self.intact.pop();
+            let e = self.entries.pop().expect("one entry per flag");
+            self.cut_end = self.cut_end.max(self.pos);
+            report.truncated_bytes += self.pos - e.offset;
+            self.pos = e.offset;
+            self.corrupt.retain(|c| c.1 != e.offset);
+        }
+    }
+
+    /// A damaged record with valid records after it, but no sync mark, was never synced either,
+    /// and is dropped (the torn record of a batch whose later group of writes landed, or that a
+    /// power cut or a SIGKILL with io_uring writes in flight cut short). Kept, it would have the
+    /// highest seq of its key and hide the key's synced value behind a checksum error. Returns
+    /// whether any was dropped.
+    ///
+    /// The rule: a record is acknowledged as durable only by a `sync` that returned, and `sync`
+    /// writes a sync mark after the records it covers (before its fdatasync). So a damaged record
+    /// that a mark follows was synced, and its damage is decay of stored data: it stays, and
+    /// reading its key reports the damage (an older value would be silently stale). One that no
+    /// mark follows was never synced: its damage is what a write that did not complete leaves,
+    /// and its key falls back to its previous version, as if that write had never started
+    /// (intact records after it stay: each key reads as its old or its new value). This holds for
+    /// non-durable logs too: they fdatasync only in `sync`, which writes its mark all the same.
+    /// Sealing also fdatasyncs (in a durable log), without a mark, but a sealed segment is read
+    /// through its footer; only if its footer and trailer are lost as well is a damaged record
+    /// of its last, unmarked part taken for an unsynced one.
+    ///
+    /// Not covered: the mark is written before the fdatasync, so a power cut during it (or the
+    /// kernel's own writeback before it) can keep the mark's block and lose an earlier one. The
+    /// records there were not acknowledged, yet their damage counts as synced: their keys read as
+    /// checksum errors (not as other bytes) until they are written again.
+    fn drop_unsynced_damage(&mut self) -> bool {
+        let last_mark = self.entries.iter().rposition(|e| e.flags & format::FLAG_SYNC_MARK != 0);
+        let unsynced_from = last_mark.map_or(0, |i| i + 1);
+        let dropped: Vec<u64> = self.entries[unsynced_from..]
+            .iter()
+            .zip(&self.intact[unsynced_from..])
+            .filter(|(_, &intact)| !intact)
+            .map(|(e, _)| e.offset)
+            .collect();
+        if dropped.is_empty() {
+            return false;
+        }
+        self.entries.retain(|e| !dropped.contains(&e.offset));
+        for c in self.corrupt.iter_mut().filter(|c| dropped.contains(&c.1)) {
+            c.2 = "record payload checksum mismatch in a record no sync followed; dropped (its key keeps \
+                   its previous value)"
+                .to_string();
+        }
+        true
+    }
+}
+
 /// A sliding read window over a segment file, for scanning.
 pub(super) struct ScanWindow<'a, B: Backend> {
-    pub(super) log: &'a SegmentLog<B>,
+    pub(super) scanner: &'a Scanner<'a, B>,
     pub(super) file: &'a B::File,
     pub(super) path: &'a Path,
     /// Segment size: reads stay below it.
@@ -97,20 +177,20 @@ pub(super) struct ScanWindow<'a, B: Backend> {
 }
 
 impl<'a, B: Backend> ScanWindow<'a, B> {
-    pub(super) fn new(log: &'a SegmentLog<B>, file: &'a B::File, path: &'a Path, size: u64) -> Self {
+    pub(super) fn new(scanner: &'a Scanner<'a, B>, file: &'a B::File, path: &'a Path, size: u64) -> Self {
         let limit = size.saturating_sub(format::TRAILER_LEN as u64);
-        ScanWindow { log, file, path, size, limit, start: 0, buf: None }
+        ScanWindow { scanner, file, path, size, limit, start: 0, buf: None }
     }
 
     /// `len` bytes at `off` (must be within `limit`).
     pub(super) fn bytes(&mut self, off: u64, len: u64) -> Result<&[u8]> {
         let have = self.buf.as_ref().is_some_and(|b| off >= self.start && off + len <= self.start + b.len() as u64);
         if !have {
-            let align = self.log.align;
+            let align = self.scanner.align;
             let start = align_down(off, align);
             let need_end = align_up(off + len, align);
             let end = (start + SCAN_WINDOW as u64).min(self.size).max(need_end);
-            let buf = self.log.read_aligned(self.file, start, (end - start) as usize, self.path)?;
+            let buf = self.scanner.read_aligned(self.file, start, (end - start) as usize, self.path)?;
             self.start = start;
             self.buf = Some(buf);
         }
@@ -132,7 +212,8 @@ impl<'a, B: Backend> ScanWindow<'a, B> {
 
     /// Whether everything from `off` to the end of the next full block is zero (or past the limit).
     pub(super) fn is_zero_from(&mut self, off: u64) -> Result<bool> {
-        let end = (align_up(off + 1, self.log.align) + self.log.align).min(self.limit);
+        let align = self.scanner.align;
+        let end = (align_up(off + 1, align) + align).min(self.limit);
         if off >= end {
             return Ok(true);
         }
@@ -140,7 +221,7 @@ impl<'a, B: Backend> ScanWindow<'a, B> {
     }
 
     pub(super) fn is_zero_block(&mut self, off: u64) -> Result<bool> {
-        let end = (off + self.log.align).min(self.limit);
+        let end = (off + self.scanner.align).min(self.limit);
         if off >= end {
             return Ok(true);
         }
@@ -148,31 +229,69 @@ impl<'a, B: Backend> ScanWindow<'a, B> {
     }
 }
 
-impl<B: Backend> SegmentLog<B> {
-    /// Walk the records of an unsealed segment from `data_start`, verifying each. A region that does
-    /// not parse is skipped by searching for the next valid record header of this segment and epoch;
-    /// if none follows, the region is a torn tail and the segment ends there.
+impl<B: Backend> Scanner<'_, B> {
+    /// Walk the records of an unsealed segment (`id`, at `path`) from `data_start`, verifying each. A
+    /// region that does not parse is skipped by searching for the next valid record header of this
+    /// segment and epoch; if none follows, the region is a torn tail and the segment ends there.
     pub(super) fn scan_segment(
         &self,
         id: u32,
         file: &B::File,
+        path: &Path,
         size: u64,
         data_start: u64,
         report: &mut RecoveryReport,
     ) -> Result<SegmentScan> {
-        let path = self.seg_path(id);
-        let mut win = ScanWindow::new(self, file, &path, size);
+        let mut win = ScanWindow::new(self, file, path, size);
+        let mut w = self.walk(&mut win, id, data_start, report)?;
+        w.cut_torn_end(report);
+        let dropped_unsynced = w.drop_unsynced_damage();
+        report.corrupt.extend(std::mem::take(&mut w.corrupt));
+        let Walked { mut entries, pos, cut_end, max_epoch, .. } = w;
+        let ends_with_mark = entries.last().is_some_and(|e| e.flags & format::FLAG_SYNC_MARK != 0);
+        entries.retain(|e| e.flags & format::FLAG_SYNC_MARK == 0);
+        let mut meta = SegMeta::new(size, data_start);
+        meta.data_end = pos;
+        meta.records = entries.len() as u64;
+        let tail_start = align_down(pos, self.align);
+        let tail = if pos > tail_start { win.bytes(tail_start, pos - tail_start)?.to_vec() } else { Vec::new() };
+        let cut = (cut_end > pos).then_some(cut_end);
+        // (`header_ok` and `never_written` are `load_segment`'s, which read the header.)
+        let (header_ok, never_written) = (true, false);
+        Ok(SegmentScan {
+            meta,
+            entries,
+            max_epoch,
+            tail,
+            cut,
+            ends_with_mark,
+            dropped_unsynced,
+            header_ok,
+            never_written,
+        })
+    }
+
+    /// Walk the records from `data_start` to where they end (a clean end, or garbage nothing
+    /// acceptable follows), skipping damage that acceptable records follow.
+    fn walk(
+        &self,
+        win: &mut ScanWindow<'_, B>,
+        id: u32,
+        data_start: u64,
+        report: &mut RecoveryReport,
+    ) -> Result<Walked> {
         let mut entries = Vec::new();
         let mut intact_flags = Vec::new();
         let mut corrupt = Vec::new();
         let mut pos = data_start;
         let mut prev_epoch = 0u32;
         let mut max_epoch_any = 0u32;
-        let mut marks = None; // where this segment's sync marks are, once a search needs them
-                              // The end of what is cut off as a torn tail, if anything is.
+        // Where this segment's sync marks are, once a search needs them.
+        let mut marks = None;
+        // The end of what is cut off as a torn tail, if anything is.
         let mut cut_end = 0u64;
         loop {
-            match self.try_record_at(&mut win, id, pos, prev_epoch, true)? {
+            match self.try_record_at(win, id, pos, prev_epoch, true)? {
                 Probe::Record(e, h, intact) => {
                     if !intact {
                         corrupt.push((id, pos, "record payload checksum mismatch".to_string()));
@@ -202,14 +321,7 @@ impl<B: Backend> SegmentLog<B> {
                         // with a higher epoch. So the gap is reported and the scan goes on with the
                         // first acceptable record after it.
                         let clean = align_up(pos + 1, self.align).min(win.limit);
-                        match self.search_past_clean_end(
-                            &mut win,
-                            id,
-                            pos,
-                            prev_epoch,
-                            &mut max_epoch_any,
-                            &mut marks,
-                        )? {
+                        match self.search_past_clean_end(win, id, pos, prev_epoch, &mut max_epoch_any, &mut marks)? {
                             PastEnd::Synced { next } => {
                                 corrupt.push((
                                     id,
@@ -229,7 +341,7 @@ impl<B: Backend> SegmentLog<B> {
                         break;
                     }
                     // Garbage: search the rest of the segment for the next record.
-                    match self.resync(&mut win, id, pos, prev_epoch, &mut max_epoch_any)? {
+                    match self.resync(win, id, pos, prev_epoch, &mut max_epoch_any)? {
                         Resync::Record(next) => {
                             corrupt.push((id, pos, format!("unreadable bytes up to offset {next}")));
                             pos = next;
@@ -243,76 +355,7 @@ impl<B: Backend> SegmentLog<B> {
                 }
             }
         }
-        // A damaged record with nothing valid after it is the torn end of the last write, not a bit
-        // flip in the middle of the log: cut it off like the rest of the tail.
-        while intact_flags.last() == Some(&false) {
-            intact_flags.pop();
-            let e = entries.pop().expect("one entry per flag");
-            cut_end = cut_end.max(pos);
-            report.truncated_bytes += pos - e.offset;
-            pos = e.offset;
-            corrupt.retain(|c| c.1 != e.offset);
-        }
-        // A damaged record with valid records after it, but no sync mark, was never synced either,
-        // and is dropped (the torn record of a batch whose later group of writes landed, or that a
-        // power cut or a SIGKILL with io_uring writes in flight cut short). Kept, it would have the
-        // highest seq of its key and hide the key's synced value behind a checksum error.
-        //
-        // The rule: a record is acknowledged as durable only by a `sync` that returned, and `sync`
-        // writes a sync mark after the records it covers (before its fdatasync). So a damaged record
-        // that a mark follows was synced, and its damage is decay of stored data: it stays, and
-        // reading its key reports the damage (an older value would be silently stale). One that no
-        // mark follows was never synced: its damage is what a write that did not complete leaves,
-        // and its key falls back to its previous version, as if that write had never started
-        // (intact records after it stay: each key reads as its old or its new value). This holds for
-        // non-durable logs too: they fdatasync only in `sync`, which writes its mark all the same.
-        // Sealing also fdatasyncs (in a durable log), without a mark, but a sealed segment is read
-        // through its footer; only if its footer and trailer are lost as well is a damaged record
-        // of its last, unmarked part taken for an unsynced one.
-        //
-        // Not covered: the mark is written before the fdatasync, so a power cut during it (or the
-        // kernel's own writeback before it) can keep the mark's block and lose an earlier one. The
-        // records there were not acknowledged, yet their damage counts as synced: their keys read as
-        // checksum errors (not as other bytes) until they are written again.
-        let last_mark = entries.iter().rposition(|e| e.flags & format::FLAG_SYNC_MARK != 0);
-        let unsynced_from = last_mark.map_or(0, |i| i + 1);
-        let dropped: Vec<u64> = entries[unsynced_from..]
-            .iter()
-            .zip(&intact_flags[unsynced_from..])
-            .filter(|(_, &intact)| !intact)
-            .map(|(e, _)| e.offset)
-            .collect();
-        if !dropped.is_empty() {
-            entries.retain(|e| !dropped.contains(&e.offset));
-            for c in corrupt.iter_mut().filter(|c| dropped.contains(&c.1)) {
-                c.2 = "record payload checksum mismatch in a record no sync followed; dropped (its key keeps \
-                       its previous value)"
-                    .to_string();
-            }
-        }
-        report.corrupt.extend(corrupt);
-        let ends_with_mark = entries.last().is_some_and(|e| e.flags & format::FLAG_SYNC_MARK != 0);
-        entries.retain(|e| e.flags & format::FLAG_SYNC_MARK == 0);
-        let mut meta = SegMeta::new(size, data_start);
-        meta.data_end = pos;
-        meta.records = entries.len() as u64;
-        let tail_start = align_down(pos, self.align);
-        let tail = if pos > tail_start { win.bytes(tail_start, pos - tail_start)?.to_vec() } else { Vec::new() };
-        let cut = (cut_end > pos).then_some(cut_end);
-        let dropped_unsynced = !dropped.is_empty();
-        // (`header_ok` and `never_written` are `load_segment`'s, which read the header.)
-        let (header_ok, never_written) = (true, false);
-        Ok(SegmentScan {
-            meta,
-            entries,
-            max_epoch: max_epoch_any,
-            tail,
-            cut,
-            ends_with_mark,
-            dropped_unsynced,
-            header_ok,
-            never_written,
-        })
+        Ok(Walked { entries, intact: intact_flags, corrupt, pos, cut_end, max_epoch: max_epoch_any })
     }
 
     /// The record at `pos`, if its head is valid. With `payload`, whether its payload is intact is

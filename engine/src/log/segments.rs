@@ -12,9 +12,10 @@ use crate::buf::AlignedBuf;
 use crate::error::{Error, Result};
 use crate::format::{self, align_up, FooterEntry};
 
+use super::health::WARN_REUSE;
 use super::index::PackedLoc;
 use super::write::NewRecord;
-use super::{padded, SegmentLog, WARN_REUSE};
+use super::{padded, SegmentLog};
 
 #[derive(Debug, Clone)]
 pub(super) struct SegMeta {
@@ -209,9 +210,9 @@ impl<B: Backend> SegmentLog<B> {
         if let Some(a) = st.active.as_mut() {
             if a.dirty {
                 // Never after a failed write or fdatasync (it could report success for lost data).
-                self.check_writable()?;
+                self.health.check_writable()?;
                 if let Err(e) = self.backend.sync_data(&a.file) {
-                    return Err(self.poison(Error::io("fdatasync", self.seg_path(a.id), e)));
+                    return Err(self.health.poison(Error::io("fdatasync", self.seg_path(a.id), e)));
                 }
                 a.dirty = false;
             }
@@ -222,7 +223,7 @@ impl<B: Backend> SegmentLog<B> {
     pub(super) fn sync_dir_if_dirty(&self, st: &mut WriterState<B::File>) -> Result<()> {
         if st.dir_dirty {
             if let Err(e) = self.backend.sync_dir(&self.seg_dir) {
-                return Err(self.poison(Error::io("fsync directory", self.seg_dir.clone(), e)));
+                return Err(self.health.poison(Error::io("fsync directory", self.seg_dir.clone(), e)));
             }
             st.dir_dirty = false;
             st.dir_new_segments = false;
@@ -321,7 +322,7 @@ impl<B: Backend> SegmentLog<B> {
                 Err(e) => {
                     if e.kind() == io::ErrorKind::Unsupported {
                         st.no_rename = true;
-                    } else if self.warn_once(WARN_REUSE) {
+                    } else if self.health.warn_once(WARN_REUSE) {
                         log::warn!(
                             "segment log {}: reusing {} failed ({e}); unlinking it",
                             self.dir.display(),
@@ -416,7 +417,7 @@ impl<B: Backend> SegmentLog<B> {
         if let Err(e) = written {
             // The trailer comes last (in its own write, or at the end of the only one), so without it
             // the segment is still an unsealed one whose records end at `data_end`: it stays active.
-            let err = self.write_failed("write footer", self.seg_path(a.id), e);
+            let err = self.health.write_failed("write footer", self.seg_path(a.id), e);
             st.active = Some(a);
             return Err(err);
         }
@@ -432,7 +433,7 @@ impl<B: Backend> SegmentLog<B> {
         let mut st = self.writer();
         // Under the writer lock: a sync that failed while this one waited poisoned the log, and a
         // failed fdatasync must never be retried (it can report success for data that was dropped).
-        self.check_writable()?;
+        self.health.check_writable()?;
         if st.active.as_ref().is_some_and(|a| a.dirty && !a.last_is_mark) {
             self.append(&mut st, vec![NewRecord::SyncMark])?;
         }
@@ -440,7 +441,7 @@ impl<B: Backend> SegmentLog<B> {
         self.sync_active(&mut st)?;
         for f in std::mem::take(&mut st.unsynced_sealed) {
             if let Err(e) = self.backend.sync_data(&f) {
-                return Err(self.poison(Error::io("fdatasync", self.seg_dir.clone(), e)));
+                return Err(self.health.poison(Error::io("fdatasync", self.seg_dir.clone(), e)));
             }
         }
         self.sync_dir_if_dirty(&mut st)

@@ -13,7 +13,7 @@ use crate::error::{Error, Result};
 use crate::format::{align_down, align_up, FooterEntry, RecordHeader};
 use crate::key::IndexKey;
 use crate::stored::StreamedValue;
-use crate::sync::Ordering;
+use crate::sync::{AtomicBool, Mutex, Ordering};
 use crate::value::Frames;
 use crate::{format, stored};
 
@@ -22,9 +22,59 @@ use super::segments::{first_segment, note_first_segment, SegMeta};
 use super::write::{NewRecord, Payload, Placed, Prepared};
 use super::{lock, padded, SegmentLog, MAX_RECORD_BYTES};
 
-/// Values streaming into segments of their own, by key: (sequence number, overtaken) of each (see
-/// [`SegmentLog::put_stream`]).
-pub(super) type Streams = HashMap<Vec<u8>, Vec<(u64, bool)>>;
+/// Each key's streams: (sequence number, overtaken).
+type StreamsByKey = HashMap<Vec<u8>, Vec<(u64, bool)>>;
+
+/// The values streaming into segments of their own ([`SegmentLog::put_stream`]), by key: each
+/// stream's sequence number, and whether a newer write of its key (a put, a delete, a forget, a
+/// stream begun later) was published meanwhile, which makes its record dead on arrival.
+pub(super) struct Streams {
+    by_key: Mutex<StreamsByKey>,
+    /// `by_key` is not empty: read without its lock wherever a key is written.
+    any: AtomicBool,
+}
+
+impl Streams {
+    pub(super) fn new() -> Self {
+        Streams { by_key: Mutex::new(HashMap::new()), any: AtomicBool::new(false) }
+    }
+
+    /// A stream of `key` with sequence number `seq` begins. Called under the writer lock, so that
+    /// every write of the key published after it has a larger sequence number and marks it.
+    pub(super) fn begin(&self, key: &[u8], seq: u64) {
+        lock(&self.by_key).entry(key.to_vec()).or_default().push((seq, false));
+        self.any.store(true, Ordering::Release);
+    }
+
+    /// A write of `key` with sequence number `seq` (`u64::MAX`: a forget, newer than everything)
+    /// was published: the streams of `key` that began before it are overtaken.
+    pub(super) fn written_meanwhile(&self, key: &[u8], seq: u64) {
+        if !self.any.load(Ordering::Acquire) {
+            return;
+        }
+        if let Some(streams) = lock(&self.by_key).get_mut(key) {
+            for (s, overtaken) in streams.iter_mut() {
+                *overtaken |= *s < seq;
+            }
+        }
+    }
+
+    /// The stream of `key` with sequence number `seq` is over: forget it. Returns whether a newer
+    /// write of its key overtook it.
+    pub(super) fn ended(&self, key: &[u8], seq: u64) -> bool {
+        let mut by_key = lock(&self.by_key);
+        let Some(streams) = by_key.get_mut(key) else { return false };
+        let i = streams.iter().position(|&(s, _)| s == seq).expect("registered by begin");
+        let (_, overtaken) = streams.swap_remove(i);
+        if streams.is_empty() {
+            by_key.remove(key);
+            if by_key.is_empty() {
+                self.any.store(false, Ordering::Release);
+            }
+        }
+        overtaken
+    }
+}
 
 /// `put_stream` reads a value of at most this many stored bytes, or an eighth of a segment if that
 /// is more, into memory, then writes it under the writer lock; a larger one goes into a segment of
@@ -132,7 +182,7 @@ impl<B: Backend> SegmentLog<B> {
         let mut guard = self.writer();
         // Checked under the writer lock: a write or fsync that failed while this call waited for
         // the lock poisoned the log, and nothing may be written (or an fsync retried) after that.
-        self.check_writable()?;
+        self.health.check_writable()?;
         let st = &mut *guard;
         let need_new = match &st.active {
             Some(a) => !self.fits(a, len, key.len()),
@@ -215,7 +265,7 @@ impl<B: Backend> SegmentLog<B> {
                 let (r, b) =
                     self.backend.write_at(file, buf_base, std::mem::replace(&mut buf, AlignedBuf::zeroed(0, align)));
                 buf = b;
-                r.map_err(|e| self.write_failed("write segment", self.seg_path(id), e))?;
+                r.map_err(|e| self.health.write_failed("write segment", self.seg_path(id), e))?;
                 buf_base += buf.len() as u64;
                 buf.set_len(0);
             }
@@ -234,21 +284,21 @@ impl<B: Backend> SegmentLog<B> {
             let (r, b) =
                 self.backend.write_at(file, buf_base, std::mem::replace(&mut buf, AlignedBuf::zeroed(0, align)));
             buf = b;
-            r.map_err(|e| self.write_failed("write segment", self.seg_path(id), e))
+            r.map_err(|e| self.health.write_failed("write segment", self.seg_path(id), e))
         });
         if let Err(e) = result {
             // Nothing was published: erase what this value wrote, so neither the next records nor
             // recovery ever see a partial record.
             let erase_end = align_up(end, self.align).min(buf_base + buf.capacity() as u64);
-            let erased = self.erase_aborted(file, base, &old_tail, erase_end);
+            let erased = erase_aborted(&self.backend, self.align, file, base, &old_tail, erase_end);
             self.fence_failed_write(st, None); // (erased just above)
             let failed = match erased {
-                Err(we) => self.write_failed("erase an aborted value", self.seg_path(id), we),
-                Ok(()) if self.opts.durable && self.poisoned.get().is_none() => {
+                Err(we) => self.health.write_failed("erase an aborted value", self.seg_path(id), we),
+                Ok(()) if self.opts.durable && !self.health.is_poisoned() => {
                     // As in `erase_durably`: the aborted record's head sat at the published end.
                     let file = st.active.as_ref().expect("still active").file.clone();
                     match self.backend.sync_data(&file) {
-                        Err(se) => self.poison(Error::io("sync segment", self.seg_path(id), se)),
+                        Err(se) => self.health.poison(Error::io("sync segment", self.seg_path(id), se)),
                         Ok(()) => e,
                     }
                 }
@@ -292,15 +342,12 @@ impl<B: Backend> SegmentLog<B> {
             + align_up(Self::footer_entry_len(key.len()) + format::TRAILER_LEN as u64, self.align);
         let (id, seq, epoch) = {
             let mut st = self.writer();
-            self.check_writable()?;
+            self.health.check_writable()?;
             let id = st.next_segment;
             st.next_segment = id.checked_add(1).ok_or_else(|| Error::Exhausted("segment ids".into()))?;
             let seq = st.next_seq;
             st.next_seq += 1;
-            // Registered under the writer lock: every write of the key published after this one
-            // has a larger sequence number and marks it.
-            lock(&self.streaming).entry(key.to_vec()).or_default().push((seq, false));
-            self.any_streaming.store(true, Ordering::Release);
+            self.streams.begin(key, seq);
             (id, seq, st.epoch)
         };
         let path = self.seg_path(id);
@@ -312,23 +359,23 @@ impl<B: Backend> SegmentLog<B> {
         let (file, h) = match written {
             Ok(Ok(w)) => w,
             Ok(Err(e)) => {
-                self.stream_ended(key, seq);
+                self.streams.ended(key, seq);
                 return Err(e);
             }
             Err(panic) => {
                 // (Its file may be there: a reader that panics is the caller's bug, and the
                 // segment goes like any torn one at the next open if this removal fails.)
                 let _ = self.backend.remove_file(&path);
-                self.stream_ended(key, seq);
+                self.streams.ended(key, seq);
                 drop(guard);
                 std::panic::resume_unwind(panic);
             }
         };
-        if let Err(e) = self.check_writable() {
+        if let Err(e) = self.health.check_writable() {
             // Poisoned meanwhile: the log changes nothing on disk any more, and takes no segment.
             drop(file);
             let _ = self.backend.remove_file(&path);
-            self.stream_ended(key, seq);
+            self.streams.ended(key, seq);
             return Err(e);
         }
         let file = Arc::new(file);
@@ -345,10 +392,10 @@ impl<B: Backend> SegmentLog<B> {
         {
             let mut index = self.index.write().unwrap_or_else(|p| p.into_inner());
             // Under the index lock, as `forget` marks streams: none can come between.
-            let overtaken = self.stream_ended(key, seq);
+            let overtaken = self.streams.ended(key, seq);
             if !overtaken {
                 // A write of the key, for the streams of it that began before this one.
-                self.written_meanwhile(key, seq);
+                self.streams.written_meanwhile(key, seq);
                 let loc = Location { segment: id, offset: data_start, len };
                 let first = index.get(key).map_or(id, |o| first_segment(&st.segs, o).min(id));
                 let elsewhere = note_first_segment(&mut st.segs, id, data_start, first);
@@ -361,39 +408,10 @@ impl<B: Backend> SegmentLog<B> {
                 m.live_bytes = padded(len);
             }
         }
-        self.wrote();
+        self.health.wrote();
         // The old record's segment, or this one if a newer operation made it dead on arrival.
         self.reclaim(st);
         Ok(())
-    }
-
-    /// A write of `key` with sequence number `seq` (`u64::MAX`: a forget, newer than everything)
-    /// was published: the streams of `key` that began before it are overtaken.
-    pub(super) fn written_meanwhile(&self, key: &[u8], seq: u64) {
-        if !self.any_streaming.load(Ordering::Acquire) {
-            return;
-        }
-        if let Some(streams) = lock(&self.streaming).get_mut(key) {
-            for (s, overtaken) in streams.iter_mut() {
-                *overtaken |= *s < seq;
-            }
-        }
-    }
-
-    /// The stream of `key` with sequence number `seq` is over: forget it. Returns whether a newer
-    /// write of its key overtook it.
-    pub(super) fn stream_ended(&self, key: &[u8], seq: u64) -> bool {
-        let mut streaming = lock(&self.streaming);
-        let Some(streams) = streaming.get_mut(key) else { return false };
-        let i = streams.iter().position(|&(s, _)| s == seq).expect("registered by put_stream_apart");
-        let (_, overtaken) = streams.swap_remove(i);
-        if streams.is_empty() {
-            streaming.remove(key);
-            if streaming.is_empty() {
-                self.any_streaming.store(false, Ordering::Release);
-            }
-        }
-        overtaken
     }
 
     /// The segment of a `put_stream_apart`: created at `path`, its header, the record (its payload
@@ -416,7 +434,7 @@ impl<B: Backend> SegmentLog<B> {
         let align = self.align as usize;
         // As on every write path: a full file system fails this call alone, any other failure
         // makes the log read-only (see `write_failed`).
-        let io_err = |op: &'static str| move |e: io::Error| self.write_failed(op, path.to_path_buf(), e);
+        let io_err = |op: &'static str| move |e: io::Error| self.health.write_failed(op, path.to_path_buf(), e);
         // The file's space is reserved as the value arrives, at most STREAM_RESERVE_AHEAD past it:
         // a peer that announces gigabytes and stalls holds little of the disk (and only while it
         // keeps the transfer's pace).
@@ -530,37 +548,45 @@ impl<B: Backend> SegmentLog<B> {
             }
         }
     }
+}
 
-    /// Erase `base..end` of the active segment after an aborted `put_stream`: the block at `base` gets
-    /// the previous tail back (published records) and zeros after it; the rest is punched out, which
-    /// needs no free space (zero writes into blocks the aborted write never reached would, on a full
-    /// disk), or zeroed where the file system cannot punch.
-    pub(super) fn erase_aborted(&self, file: &B::File, base: u64, old_tail: &[u8], end: u64) -> io::Result<()> {
-        let align = self.align as usize;
-        let mut pos = base;
-        if !old_tail.is_empty() {
-            let mut z = AlignedBuf::zeroed(align, align);
-            z[..old_tail.len()].copy_from_slice(old_tail);
-            self.backend.write_at(file, base, z).0?;
-            pos += self.align;
-        }
-        if pos >= end {
-            return Ok(());
-        }
-        match self.backend.punch_hole(file, pos, end - pos) {
-            Err(e) if e.kind() == io::ErrorKind::Unsupported => {}
-            r => return r,
-        }
-        const CHUNK: u64 = 1 << 20;
-        let mut z = AlignedBuf::zeroed(CHUNK.min(end - pos) as usize, align);
-        while pos < end {
-            let n = (end - pos).min(CHUNK) as usize;
-            z.set_len(n);
-            let (r, b) = self.backend.write_at(file, pos, z);
-            z = b;
-            r?;
-            pos += n as u64;
-        }
-        Ok(())
+/// Erase `base..end` of a segment (the active one after an aborted `put_stream`, or a tail that
+/// recovery cut): the block at `base` gets the previous tail back (published records) and zeros
+/// after it; the rest is punched out, which needs no free space (zero writes into blocks the aborted
+/// write never reached would, on a full disk), or zeroed where the file system cannot punch.
+pub(super) fn erase_aborted<B: Backend>(
+    backend: &B,
+    align: u64,
+    file: &B::File,
+    base: u64,
+    old_tail: &[u8],
+    end: u64,
+) -> io::Result<()> {
+    let block = align;
+    let align = align as usize;
+    let mut pos = base;
+    if !old_tail.is_empty() {
+        let mut z = AlignedBuf::zeroed(align, align);
+        z[..old_tail.len()].copy_from_slice(old_tail);
+        backend.write_at(file, base, z).0?;
+        pos += block;
     }
+    if pos >= end {
+        return Ok(());
+    }
+    match backend.punch_hole(file, pos, end - pos) {
+        Err(e) if e.kind() == io::ErrorKind::Unsupported => {}
+        r => return r,
+    }
+    const CHUNK: u64 = 1 << 20;
+    let mut z = AlignedBuf::zeroed(CHUNK.min(end - pos) as usize, align);
+    while pos < end {
+        let n = (end - pos).min(CHUNK) as usize;
+        z.set_len(n);
+        let (r, b) = backend.write_at(file, pos, z);
+        z = b;
+        r?;
+        pos += n as u64;
+    }
+    Ok(())
 }

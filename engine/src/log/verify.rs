@@ -96,7 +96,7 @@ impl<B: Backend> SegmentLog<B> {
         };
         for (id, file) in ids {
             let mut report = RecoveryReport::default();
-            let scan = match self.load_segment(id, &file, &mut report) {
+            let scan = match self.reader().load_segment(id, &file, &mut report) {
                 Ok(s) => s,
                 Err(e) => {
                     problems.push(VerifyProblem { segment: id, offset: 0, key: None, error: e.to_string() });

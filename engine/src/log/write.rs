@@ -10,14 +10,13 @@ use crate::buf::AlignedBuf;
 use crate::error::{Error, Result};
 use crate::format::{align_down, align_up, FooterEntry, RecordHeader};
 use crate::key::IndexKey;
-use crate::sync::Ordering;
 use crate::value::Frames;
 use crate::{format, stored};
 
 use super::index::{Location, PackedLoc, RecordFacts};
 use super::options::Compression;
 use super::segments::{first_segment, note_first_segment, WriterState};
-use super::{laid_out_len, lock, padded, SegmentLog, Writer, MAX_RECORD_BYTES, MAX_SPARE_BUF};
+use super::{laid_out_len, padded, SegmentLog, Writer, MAX_RECORD_BYTES, MAX_SPARE_BUF};
 
 /// With a backend that queues writes, records are encoded and written in groups of about this size,
 /// up to `WRITES_IN_FLIGHT` at once (see `write_chunk`). Measured for 1 MiB values in batches of 16
@@ -207,7 +206,7 @@ impl<B: Backend> SegmentLog<B> {
             let mut index = self.index.write().unwrap_or_else(|p| p.into_inner());
             let old = index.remove(key);
             if old.is_some() {
-                self.written_meanwhile(key, u64::MAX); // (under the index lock, as publishing is)
+                self.streams.written_meanwhile(key, u64::MAX); // (under the index lock, as publishing is)
             }
             old
         };
@@ -219,9 +218,7 @@ impl<B: Backend> SegmentLog<B> {
                 // A write holds the lock (a large one, or compaction): the
                 // key is gone from the index already; the rest is left to the writer lock's next
                 // taker.
-                let mut f = lock(&self.forgotten);
-                f.push(old);
-                self.any_forgotten.store(true, Ordering::Release);
+                self.forgotten.push(old);
                 return Ok(true);
             }
         };
@@ -276,7 +273,7 @@ impl<B: Backend> SegmentLog<B> {
     }
 
     pub(super) fn append(&self, st: &mut WriterState<B::File>, recs: Vec<NewRecord<'_>>) -> Result<Vec<Location>> {
-        self.check_writable()?;
+        self.health.check_writable()?;
         let mut prepared: Vec<Prepared<'_>> = recs.into_iter().map(|r| self.prepare(r)).collect();
         let mut out = Vec::with_capacity(prepared.len());
         let mut i = 0;
@@ -429,7 +426,7 @@ impl<B: Backend> SegmentLog<B> {
         if let Some(e) = failure {
             // Nothing of the chunk is published, and the active segment is as it was.
             self.fence_failed_write(st, crate::error::io_no_space(&e).then_some(data_end));
-            return Err(self.write_failed("write segment", self.seg_path(id), e));
+            return Err(self.health.write_failed("write segment", self.seg_path(id), e));
         }
         let tail = tail.expect("a non-empty chunk encodes a group");
         self.publish_chunk(st, chunk, &placed, data_end, tail, epoch, false)
@@ -544,8 +541,8 @@ impl<B: Backend> SegmentLog<B> {
         let Some(a) = &st.active else { return };
         debug_assert_eq!(a.written_end, a.data_end, "pending records are written before new ones");
         let end = align_up(end, self.align).min(a.size);
-        if let Err(e) = self.erase_durably(&a.file, a.id, a.data_end, &a.tail, end) {
-            self.poison(e);
+        if let Err(e) = self.reader().erase_durably(&a.file, a.id, a.data_end, &a.tail, end) {
+            self.health.poison(e);
         }
     }
 
@@ -599,7 +596,7 @@ impl<B: Backend> SegmentLog<B> {
         a.data_end = end;
         if !deferred {
             a.written_end = end;
-            self.wrote();
+            self.health.wrote();
         }
         a.max_epoch = a.max_epoch.max(epoch);
         let id = a.id;
@@ -638,7 +635,7 @@ impl<B: Backend> SegmentLog<B> {
                 let loc = Location { segment: id, offset, len };
                 match &p.rec {
                     NewRecord::Tombstone { aux, .. } => {
-                        self.written_meanwhile(key, h.seq);
+                        self.streams.written_meanwhile(key, h.seq);
                         if let Some(old) = index.remove(key) {
                             Self::release(st, old.into(), &mut emptied);
                             if deferred {
@@ -667,7 +664,7 @@ impl<B: Backend> SegmentLog<B> {
                     }
                     _ => {
                         if matches!(p.rec, NewRecord::Value { .. }) {
-                            self.written_meanwhile(key, h.seq);
+                            self.streams.written_meanwhile(key, h.seq);
                         }
                         let first = index.get(key).map_or(id, |o| first_segment(&st.segs, o).min(id));
                         let elsewhere = note_first_segment(&mut st.segs, id, offset, first);

@@ -8,7 +8,7 @@ use crate::backend::Backend;
 use crate::buf::AlignedBuf;
 use crate::error::Result;
 use crate::format::{self, align_down, align_up};
-use crate::sync::Ordering;
+use crate::sync::{AtomicU64, Ordering};
 
 use super::index::Location;
 use super::segments::WriterState;
@@ -18,13 +18,36 @@ use super::{lock, padded, SegmentLog, MAX_SPARE_BUF, ZEROS};
 /// Largest `LogOptions::write_behind_bytes`.
 pub const MAX_WRITE_BEHIND_BYTES: u64 = 64 << 20;
 
-/// `SegmentLog::pending` when no record is pending.
-pub(super) const NOTHING_PENDING: u64 = u64::MAX;
+/// Where records are pending (write-behind), for readers that take no lock: set to the active
+/// segment and its `written_end` before the first pending record is published in the index, and
+/// cleared after they are written, so a reader that found a record in the index and then sees no
+/// pending range for it can read it from the file.
+pub(super) struct PendingMark(AtomicU64);
 
-/// `SegmentLog::pending` while records of `segment` from offset `written_end` on are pending.
-/// Offsets fit in 32 bits (segments are smaller than 4 GiB).
-pub(super) fn pending_key(segment: u32, written_end: u64) -> u64 {
-    ((segment as u64) << 32) | (written_end & 0xffff_ffff)
+/// [`PendingMark`]'s value when no record is pending.
+const NOTHING_PENDING: u64 = u64::MAX;
+
+impl PendingMark {
+    pub(super) fn new() -> Self {
+        PendingMark(AtomicU64::new(NOTHING_PENDING))
+    }
+
+    /// Records of `segment` from offset `written_end` on are pending. Offsets fit in 32 bits
+    /// (segments are smaller than 4 GiB).
+    fn set(&self, segment: u32, written_end: u64) {
+        self.0.store(((segment as u64) << 32) | (written_end & 0xffff_ffff), Ordering::Release);
+    }
+
+    /// Nothing is pending any more.
+    fn clear(&self) {
+        self.0.store(NOTHING_PENDING, Ordering::Release);
+    }
+
+    /// Whether `loc` may be a record pending in memory. False means it is in the file.
+    pub(super) fn may_hold(&self, loc: Location) -> bool {
+        let p = self.0.load(Ordering::Acquire);
+        p != NOTHING_PENDING && (p >> 32) as u32 == loc.segment && loc.offset >= p & 0xffff_ffff
+    }
 }
 
 impl<B: Backend> SegmentLog<B> {
@@ -50,7 +73,7 @@ impl<B: Backend> SegmentLog<B> {
         }
         if written_end == data_end {
             // The first pending record: readers must learn it before they can find it in the index.
-            self.pending.store(pending_key(id, written_end), Ordering::Release);
+            self.pending.set(id, written_end);
         }
         self.publish_chunk(st, chunk, &placed, pos, tail, epoch, true)
     }
@@ -62,7 +85,7 @@ impl<B: Backend> SegmentLog<B> {
         if a.written_end == a.data_end {
             return Ok(());
         }
-        self.check_writable()?;
+        self.health.check_writable()?;
         let (id, file, data_end) = (a.id, a.file.clone(), a.data_end);
         let base = data_end - a.tail.len() as u64;
         debug_assert_eq!(base % self.align, 0, "the tail starts at a block boundary");
@@ -91,23 +114,17 @@ impl<B: Backend> SegmentLog<B> {
         };
         if let Err(e) = r {
             // The records stay pending in the tail, readable from memory.
-            return Err(self.write_failed("write segment", self.seg_path(id), e));
+            return Err(self.health.write_failed("write segment", self.seg_path(id), e));
         }
         let a = st.active.as_mut().expect("active segment");
         a.tail.drain(..(align_down(data_end, self.align) - base) as usize);
         a.written_end = data_end;
-        self.pending.store(NOTHING_PENDING, Ordering::Release);
-        self.wrote();
+        self.pending.clear();
+        self.health.wrote();
         for m in st.segs.values_mut() {
             m.superseded_by_pending = false;
         }
         Ok(())
-    }
-
-    /// Whether `loc` may be a record pending in memory (write-behind). False means it is in the file.
-    pub(super) fn may_be_pending(&self, loc: Location) -> bool {
-        let p = self.pending.load(Ordering::Acquire);
-        p != NOTHING_PENDING && (p >> 32) as u32 == loc.segment && loc.offset >= p & 0xffff_ffff
     }
 
     /// For a record that may be pending (write-behind): its bytes copied out of memory, 64-byte
@@ -117,7 +134,7 @@ impl<B: Backend> SegmentLog<B> {
     /// writes), and a 64 KiB read from pages written 64 KiB at a time costs 1.5x one from pages
     /// written 2 MiB at a time (`docs/benchmarks.md`).
     pub(super) fn pending_record(&self, loc: Location) -> Result<Option<Bytes>> {
-        if !self.may_be_pending(loc) {
+        if !self.pending.may_hold(loc) {
             return Ok(None);
         }
         let st = lock(&self.state);

@@ -370,6 +370,55 @@ impl<C: Codec, B: Backend> Store<C, B> {
         self.target.store(bytes, std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// Also evict when the process's RSS is above `bytes` (see the `pressure` notes in the store's
+    /// docs); `None` (or 0) turns it off. Applies from the next put or read back.
+    pub fn set_process_target(&self, bytes: Option<u64>) {
+        self.process.set_target(bytes);
+    }
+
+    /// The process target, if one is set.
+    pub fn process_target(&self) -> Option<u64> {
+        self.process.target()
+    }
+
+    /// Evict for process memory only once the RSS is above `bytes` (and then down to the process
+    /// target), as dask's memory monitor starts at its `spill` threshold and stops below its
+    /// `target`; `None` (or anything below the target): at the target itself.
+    pub fn set_process_trigger(&self, bytes: Option<u64>) {
+        self.process.set_trigger(bytes);
+    }
+
+    /// The RSS above which process memory is relieved: the trigger, at least the target; `None`
+    /// without a process target.
+    pub fn process_trigger(&self) -> Option<u64> {
+        self.process.trigger()
+    }
+
+    /// Read the process's RSS with `probe` instead of `/proc/self/statm`.
+    pub fn set_rss_probe(&self, probe: RssProbe) {
+        self.process.set_probe(probe);
+    }
+
+    /// How many bytes the process may still grow by before it is above the trigger, the RSS read
+    /// now (less what was learned out of reach); `None` without a target or an RSS. For deciding
+    /// where data about to arrive should go.
+    pub fn process_headroom(&self) -> Option<u64> {
+        self.process.headroom()
+    }
+
+    /// RSS above what spilling brought down, learned so far (see the `pressure` notes).
+    pub fn process_out_of_reach(&self) -> u64 {
+        self.process.out_of_reach()
+    }
+
+    /// After a put or a get that brought `added` bytes of weight into memory: evict for the
+    /// process's memory if it is above the trigger, down to the process target (sparing `spare`).
+    /// Never fails: a spill that does not happen is reported as any other.
+    fn relieve_process_memory(&self, spare: Option<&[u8]>, added: u64) {
+        let evict = |excess| self.evict_bytes(excess, spare).unwrap_or(0);
+        self.process.relieve(added, evict, || self.codec.release_dropped());
+    }
+
     /// Keys in memory (any in-memory tier) and keys on disk, each in the order they entered that
     /// place (as dask's store iterates `fast` and `slow`: a key set, or read back, enters memory
     /// last; reading a key in memory does not move it here, only in the LRU order).

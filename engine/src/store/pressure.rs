@@ -1,7 +1,7 @@
 //! Process memory: a store whose process holds other memory too (a dask worker's heap, the
 //! allocator's arenas, values referenced elsewhere) also spills when the process's resident set is
-//! above a threshold of its own ([`Store::set_process_trigger`]), down to a target
-//! ([`Store::set_process_target`]): what dask's memory monitor does every 100 ms from its event
+//! above a threshold of its own (`Store::set_process_trigger`), down to a target
+//! (`Store::set_process_target`): what dask's memory monitor does every 100 ms from its event
 //! loop (above the `spill` fraction of the memory limit, down to the `target` fraction), done here
 //! as memory grows.
 //!
@@ -15,7 +15,7 @@
 //!   checks evict only for the RSS above it (it shrinks again as the RSS falls, and never exceeds a
 //!   quarter of the target). Without this, a process whose RSS stays high whatever is spilled spills
 //!   and reads back everything over and over. The RSS after a round is read once the codec has
-//!   released what the round dropped ([`Codec::release_dropped`]: Python frees an object dropped
+//!   released what the round dropped (`Codec::release_dropped`: Python frees an object dropped
 //!   without the GIL only when a thread next takes it); read before, the last values evicted count as
 //!   out of reach, and the process is left above its target by their weight.
 //!
@@ -27,10 +27,6 @@ use std::sync::atomic::{AtomicU64 as StdAtomicU64, Ordering as StdOrdering};
 use std::sync::Arc;
 use std::sync::Mutex as StdMutex;
 
-use crate::backend::Backend;
-
-use super::{Codec, Store};
-
 /// Bytes of memory weight brought in (put or read back) between two reads of the process's RSS (a
 /// read, a `pread` of `/proc/self/statm`, costs about 2 µs).
 pub const RSS_CHECK_BYTES: u64 = 1 << 20;
@@ -39,6 +35,7 @@ pub const RSS_CHECK_BYTES: u64 = 1 << 20;
 /// reads `/proc/self/statm` ([`read_rss`]); an embedding may count memory its own way.
 pub type RssProbe = Arc<dyn Fn() -> Option<u64> + Send + Sync>;
 
+/// The process-memory relief: its settings, what it learned, and the check's state.
 pub(super) struct ProcessMemory {
     /// The process target in bytes; 0 when off.
     target: StdAtomicU64,
@@ -81,83 +78,79 @@ pub fn read_rss() -> Option<u64> {
     Some(pages * rustix::param::page_size() as u64)
 }
 
-impl<C: Codec, B: Backend> Store<C, B> {
-    /// Also evict when the process's RSS is above `bytes` (see the `pressure` notes in the store's
-    /// docs); `None` (or 0) turns it off. Applies from the next put or read back.
-    pub fn set_process_target(&self, bytes: Option<u64>) {
-        self.process.target.store(bytes.unwrap_or(0), StdOrdering::Relaxed);
+impl ProcessMemory {
+    /// Evict also when the RSS is above `bytes`; `None` (or 0) turns it off.
+    pub(super) fn set_target(&self, bytes: Option<u64>) {
+        self.target.store(bytes.unwrap_or(0), StdOrdering::Relaxed);
     }
 
     /// The process target, if one is set.
-    pub fn process_target(&self) -> Option<u64> {
-        Some(self.process.target.load(StdOrdering::Relaxed)).filter(|&t| t > 0)
+    pub(super) fn target(&self) -> Option<u64> {
+        Some(self.target.load(StdOrdering::Relaxed)).filter(|&t| t > 0)
     }
 
-    /// Evict for process memory only once the RSS is above `bytes` (and then down to the process
-    /// target), as dask's memory monitor starts at its `spill` threshold and stops below its
-    /// `target`; `None` (or anything below the target): at the target itself.
-    pub fn set_process_trigger(&self, bytes: Option<u64>) {
-        self.process.trigger.store(bytes.unwrap_or(0), StdOrdering::Relaxed);
+    /// Evict only once the RSS is above `bytes` (then down to the target); `None`: at the target.
+    pub(super) fn set_trigger(&self, bytes: Option<u64>) {
+        self.trigger.store(bytes.unwrap_or(0), StdOrdering::Relaxed);
     }
 
-    /// The RSS above which process memory is relieved: the trigger, at least the target; `None`
-    /// without a process target.
-    pub fn process_trigger(&self) -> Option<u64> {
-        let goal = self.process_target()?;
-        Some(self.process.trigger.load(StdOrdering::Relaxed).max(goal))
+    /// The RSS above which memory is relieved: the trigger, at least the target; `None` without a
+    /// target.
+    pub(super) fn trigger(&self) -> Option<u64> {
+        let goal = self.target()?;
+        Some(self.trigger.load(StdOrdering::Relaxed).max(goal))
     }
 
-    /// Read the process's RSS with `probe` instead of `/proc/self/statm`.
-    pub fn set_rss_probe(&self, probe: RssProbe) {
-        *self.process.probe.lock().unwrap_or_else(|p| p.into_inner()) = probe;
+    pub(super) fn set_probe(&self, probe: RssProbe) {
+        *self.probe.lock().unwrap_or_else(|p| p.into_inner()) = probe;
     }
 
-    fn rss_probe(&self) -> RssProbe {
-        self.process.probe.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    fn probe(&self) -> RssProbe {
+        self.probe.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// How many bytes the process may still grow by before it is above the trigger, the RSS read
-    /// now (less what was learned out of reach); `None` without a target or an RSS. For deciding
-    /// where data about to arrive should go.
-    pub fn process_headroom(&self) -> Option<u64> {
-        let trigger = self.process_trigger()?;
-        let rss = self.rss_probe()()?;
-        let reach = self.process.out_of_reach.load(StdOrdering::Relaxed);
+    /// now (less what was learned out of reach); `None` without a target or an RSS.
+    pub(super) fn headroom(&self) -> Option<u64> {
+        let trigger = self.trigger()?;
+        let rss = self.probe()()?;
+        let reach = self.out_of_reach.load(StdOrdering::Relaxed);
         Some((trigger + reach).saturating_sub(rss))
     }
 
-    /// RSS above what spilling brought down, learned so far (see the `pressure` notes).
-    pub fn process_out_of_reach(&self) -> u64 {
-        self.process.out_of_reach.load(StdOrdering::Relaxed)
+    /// RSS above what spilling brought down, learned so far.
+    pub(super) fn out_of_reach(&self) -> u64 {
+        self.out_of_reach.load(StdOrdering::Relaxed)
     }
 
-    /// After a put or a get that brought `added` bytes of weight into memory: evict for the
-    /// process's memory if it is above the trigger, down to the process target (sparing `spare`).
-    /// Never fails: a spill that does not happen is reported as any other.
-    pub(super) fn relieve_process_memory(&self, spare: Option<&[u8]>, added: u64) {
-        let (Some(goal), Some(trigger)) = (self.process_target(), self.process_trigger()) else { return };
-        if self.process.added.fetch_add(added, StdOrdering::Relaxed) + added < RSS_CHECK_BYTES {
+    /// After `added` bytes of weight were brought into memory: if the RSS is above the trigger,
+    /// `evict(excess)` evicts that much weight and returns what it freed, then `release_dropped()`
+    /// lets the codec give back what the eviction dropped before the RSS is read again (to learn
+    /// what is out of reach). At most one thread checks at a time; the others go on.
+    pub(super) fn relieve(&self, added: u64, evict: impl FnOnce(u64) -> u64, release_dropped: impl FnOnce()) {
+        let (Some(goal), Some(trigger)) = (self.target(), self.trigger()) else { return };
+        if self.added.fetch_add(added, StdOrdering::Relaxed) + added < RSS_CHECK_BYTES {
             return;
         }
-        let Ok(_checking) = self.process.checking.try_lock() else { return };
-        self.process.added.store(0, StdOrdering::Relaxed);
-        let probe = self.rss_probe();
+        let Ok(_checking) = self.checking.try_lock() else { return };
+        self.added.store(0, StdOrdering::Relaxed);
+        let probe = self.probe();
         let Some(rss) = probe() else { return };
         let over = rss.saturating_sub(goal);
-        let reach = self.process.out_of_reach.load(StdOrdering::Relaxed).min(over);
+        let reach = self.out_of_reach.load(StdOrdering::Relaxed).min(over);
         let excess = if rss - reach > trigger { over - reach } else { 0 };
         if excess > 0 {
-            let freed = self.evict_bytes(excess, spare).unwrap_or(0);
+            let freed = evict(excess);
             if freed > 0 {
-                self.codec.release_dropped();
+                release_dropped();
                 let fell = probe().map_or(0, |now| rss.saturating_sub(now));
                 if fell < freed / 2 {
                     let learned = (reach + freed - fell).min(goal / 4);
-                    self.process.out_of_reach.store(learned, StdOrdering::Relaxed);
+                    self.out_of_reach.store(learned, StdOrdering::Relaxed);
                     return;
                 }
             }
         }
-        self.process.out_of_reach.store(reach, StdOrdering::Relaxed);
+        self.out_of_reach.store(reach, StdOrdering::Relaxed);
     }
 }
