@@ -57,6 +57,16 @@ pub(super) struct SegmentScan {
     pub(super) never_written: bool,
 }
 
+/// A segment's geometry, as its header gives it (see `SegmentReader::geometry`).
+struct Geometry {
+    size: u64,
+    data_start: u64,
+    /// The header decoded (with the log's salt).
+    header_ok: bool,
+    /// The error of an all-zero header block, reported after the scan if records follow.
+    zero_header: Option<format::DecodeError>,
+}
+
 /// The ids of the segment files found at open (those left alone too: their ids are not reused), and
 /// the segments opened, by id.
 type Found<F> = (Vec<u32>, Vec<(u32, F)>);
@@ -467,11 +477,71 @@ impl<B: Backend> SegmentReader<'_, B> {
     pub(super) fn load_segment(&self, id: u32, file: &B::File, report: &mut RecoveryReport) -> Result<SegmentScan> {
         let path = self.seg_path(id);
         let file_len = self.backend.file_len(file).map_err(|e| Error::io("stat segment", path.clone(), e))?;
+        let Geometry { size, data_start, header_ok, zero_header } = self.geometry(id, file, file_len, &path, report)?;
+        let sealed_candidate = file_len >= size;
+        if file_len < size {
+            // A truncated file, or a crash during preallocation: give it its size back so every
+            // aligned read inside the segment succeeds (the lost part reads as zeros).
+            self.backend.allocate(file, size).map_err(|e| Error::io("fallocate", path.clone(), e))?;
+        }
+
+        // Sealed? The trailer is the last TRAILER_LEN bytes of the file.
+        if sealed_candidate {
+            let last_block = self.scanner().read_aligned(file, size - self.align, self.align as usize, &path)?;
+            let tb = &last_block[self.align as usize - format::TRAILER_LEN..];
+            if let Ok(t) = format::decode_trailer(tb, id, size) {
+                if t.salt != self.salt {
+                    return Err(self.foreign_segment(id, "trailer"));
+                }
+                if let Some(entries) = self.read_footer(file, id, size, &t, &path)? {
+                    let mut meta = SegMeta::new(size, data_start);
+                    meta.data_end = t.data_end;
+                    meta.sealed = true;
+                    meta.records = entries.len() as u64;
+                    report.sealed_segments += 1;
+                    return Ok(SegmentScan {
+                        meta,
+                        entries,
+                        max_epoch: t.max_epoch,
+                        tail: Vec::new(),
+                        cut: None,
+                        ends_with_mark: false,
+                        dropped_unsynced: false,
+                        header_ok,
+                        never_written: false,
+                    });
+                }
+                report.corrupt.push((id, t.footer_offset, "footer checksum mismatch; scanning records".into()));
+            }
+        }
+        report.scanned_segments += 1;
+        let mut scan = self.scanner().scan_segment(id, file, &path, size, data_start, report)?;
+        scan.header_ok = header_ok;
+        if let Some(e) = zero_header {
+            if scan.entries.is_empty() && scan.cut.is_none() {
+                scan.never_written = true;
+            } else {
+                report.corrupt.push((id, 0, format!("segment header: {e:?} (all zeros, before records)")));
+            }
+        }
+        Ok(scan)
+    }
+
+    /// A segment's size and where its data starts, from its header, or defaults if the header is
+    /// damaged (reported) or its geometry impossible.
+    fn geometry(
+        &self,
+        id: u32,
+        file: &B::File,
+        file_len: u64,
+        path: &Path,
+        report: &mut RecoveryReport,
+    ) -> Result<Geometry> {
         let file_len_aligned = align_down(file_len, self.align);
         // The header tells size, alignment and where data starts; fall back to defaults if damaged.
         let mut zero_header = None; // an all-zero header block's decode error, reported after the scan
         let header = if file_len_aligned >= self.align {
-            let buf = self.scanner().read_aligned(file, 0, self.align as usize, &path)?;
+            let buf = self.scanner().read_aligned(file, 0, self.align as usize, path)?;
             match format::decode_segment_header(&buf) {
                 Ok(h) if h.segment == id && h.salt != self.salt => return Err(self.foreign_segment(id, "header")),
                 Ok(h) if h.segment == id => Some(h),
@@ -504,7 +574,7 @@ impl<B: Backend> SegmentReader<'_, B> {
                 if h.segment_bytes % self.align == 0
                     && h.data_start % RECORD_ALIGN == 0
                     && h.data_start < h.segment_bytes
-                    // Bounded by what the writer makes: the file is extended to this size below,
+                    // Bounded by what the writer makes: `load_segment` extends the file to this size,
                     // and a crc-valid header (a crafted one) must not have that ask for exabytes.
                     && h.segment_bytes <= MAX_SEGMENT_FILE_BYTES =>
             {
@@ -523,53 +593,7 @@ impl<B: Backend> SegmentReader<'_, B> {
             }
             None => fallback,
         };
-        let sealed_candidate = file_len >= size;
-        if file_len < size {
-            // A truncated file, or a crash during preallocation: give it its size back so every
-            // aligned read inside the segment succeeds (the lost part reads as zeros).
-            self.backend.allocate(file, size).map_err(|e| Error::io("fallocate", path.clone(), e))?;
-        }
-
-        // Sealed? The trailer is the last TRAILER_LEN bytes of the file.
-        if sealed_candidate {
-            let last_block = self.scanner().read_aligned(file, size - self.align, self.align as usize, &path)?;
-            let tb = &last_block[self.align as usize - format::TRAILER_LEN..];
-            if let Ok(t) = format::decode_trailer(tb, id, size) {
-                if t.salt != self.salt {
-                    return Err(self.foreign_segment(id, "trailer"));
-                }
-                if let Some(entries) = self.read_footer(file, id, size, &t, &path)? {
-                    let mut meta = SegMeta::new(size, data_start);
-                    meta.data_end = t.data_end;
-                    meta.sealed = true;
-                    meta.records = entries.len() as u64;
-                    report.sealed_segments += 1;
-                    return Ok(SegmentScan {
-                        meta,
-                        entries,
-                        max_epoch: t.max_epoch,
-                        tail: Vec::new(),
-                        cut: None,
-                        ends_with_mark: false,
-                        dropped_unsynced: false,
-                        header_ok: header.is_some(),
-                        never_written: false,
-                    });
-                }
-                report.corrupt.push((id, t.footer_offset, "footer checksum mismatch; scanning records".into()));
-            }
-        }
-        report.scanned_segments += 1;
-        let mut scan = self.scanner().scan_segment(id, file, &path, size, data_start, report)?;
-        scan.header_ok = header.is_some();
-        if let Some(e) = zero_header {
-            if scan.entries.is_empty() && scan.cut.is_none() {
-                scan.never_written = true;
-            } else {
-                report.corrupt.push((id, 0, format!("segment header: {e:?} (all zeros, before records)")));
-            }
-        }
-        Ok(scan)
+        Ok(Geometry { size, data_start, header_ok: header.is_some(), zero_header })
     }
 
     pub(super) fn read_footer(
