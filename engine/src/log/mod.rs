@@ -219,6 +219,52 @@ fn padded(len: u64) -> u64 {
     align_up(len, RECORD_ALIGN)
 }
 
+/// The log's directory and its segments directory, made if allowed (`create_if_missing`) and
+/// missing.
+fn create_dirs<B: Backend>(backend: &B, dir: &Path, seg_dir: &Path, create_if_missing: bool) -> Result<()> {
+    if !backend.is_dir(seg_dir) {
+        if !create_if_missing {
+            let reason =
+                if backend.is_dir(dir) { "no segments directory".to_string() } else { "no such directory".to_string() };
+            return Err(Error::NotAStore { path: dir.to_path_buf(), reason });
+        }
+        backend.create_dir_all(seg_dir).map_err(|e| Error::io("create store directory", seg_dir.to_path_buf(), e))?;
+        // Make the new directories themselves durable.
+        backend.sync_dir(dir).map_err(|e| Error::io("fsync directory", dir.to_path_buf(), e))?;
+    }
+    Ok(())
+}
+
+/// Options no log accepts: sizes beyond the index's 32 bits or below the minimum, a write-behind
+/// budget above its maximum, a compaction policy out of range, reuse without discarding.
+fn check_options(opts: &LogOptions) -> Result<()> {
+    if opts.segment_bytes > MAX_SEGMENT_BYTES || opts.max_value_bytes > MAX_VALUE_BYTES {
+        return Err(Error::InvalidConfig(format!(
+            "segment_bytes {} and max_value_bytes {} must be at most {MAX_SEGMENT_BYTES} and {MAX_VALUE_BYTES}",
+            opts.segment_bytes, opts.max_value_bytes
+        )));
+    }
+    if opts.write_behind_bytes > MAX_WRITE_BEHIND_BYTES {
+        return Err(Error::InvalidConfig(format!(
+            "write_behind_bytes {} is above the maximum {MAX_WRITE_BEHIND_BYTES}",
+            opts.write_behind_bytes
+        )));
+    }
+    opts.compaction.validate()?;
+    if opts.recycle_segments && !opts.discard_existing {
+        return Err(Error::InvalidConfig(
+            "recycle_segments needs discard_existing: a reused file keeps old bytes recovery would read".into(),
+        ));
+    }
+    if opts.segment_bytes < MIN_SEGMENT_BYTES {
+        return Err(Error::InvalidConfig(format!(
+            "segment_bytes {} is below the minimum {MIN_SEGMENT_BYTES}",
+            opts.segment_bytes
+        )));
+    }
+    Ok(())
+}
+
 impl<B: Backend> Drop for SegmentLog<B> {
     /// Writes what is pending (write-behind), so that a log dropped without `sync` has handed every
     /// record to the kernel, as without write-behind. (For a log opened with `discard_existing`, a
@@ -243,19 +289,7 @@ impl<B: Backend> SegmentLog<B> {
     pub fn open(backend: B, dir: impl AsRef<Path>, opts: LogOptions) -> Result<Self> {
         let dir = dir.as_ref().to_path_buf();
         let seg_dir = dir.join(SEGMENTS_DIR);
-        if !backend.is_dir(&seg_dir) {
-            if !opts.create_if_missing {
-                let reason = if backend.is_dir(&dir) {
-                    "no segments directory".to_string()
-                } else {
-                    "no such directory".to_string()
-                };
-                return Err(Error::NotAStore { path: dir, reason });
-            }
-            backend.create_dir_all(&seg_dir).map_err(|e| Error::io("create store directory", seg_dir.clone(), e))?;
-            // Make the new directories themselves durable.
-            backend.sync_dir(&dir).map_err(|e| Error::io("fsync directory", dir.clone(), e))?;
-        }
+        create_dirs(&backend, &dir, &seg_dir, opts.create_if_missing)?;
         let lock = backend.lock_dir(&dir).map_err(|e| {
             if e.kind() == io::ErrorKind::WouldBlock {
                 Error::Locked { path: dir.clone() }
@@ -269,30 +303,7 @@ impl<B: Backend> SegmentLog<B> {
             None => backend.alignment(&dir).clamp(512, 65536) as u64,
         };
         let read_align = (backend.read_alignment(&dir).clamp(format::FRAME_ALIGN as usize, 65536) as u64).min(align);
-        if opts.segment_bytes > MAX_SEGMENT_BYTES || opts.max_value_bytes > MAX_VALUE_BYTES {
-            return Err(Error::InvalidConfig(format!(
-                "segment_bytes {} and max_value_bytes {} must be at most {MAX_SEGMENT_BYTES} and {MAX_VALUE_BYTES}",
-                opts.segment_bytes, opts.max_value_bytes
-            )));
-        }
-        if opts.write_behind_bytes > MAX_WRITE_BEHIND_BYTES {
-            return Err(Error::InvalidConfig(format!(
-                "write_behind_bytes {} is above the maximum {MAX_WRITE_BEHIND_BYTES}",
-                opts.write_behind_bytes
-            )));
-        }
-        opts.compaction.validate()?;
-        if opts.recycle_segments && !opts.discard_existing {
-            return Err(Error::InvalidConfig(
-                "recycle_segments needs discard_existing: a reused file keeps old bytes recovery would read".into(),
-            ));
-        }
-        if opts.segment_bytes < MIN_SEGMENT_BYTES {
-            return Err(Error::InvalidConfig(format!(
-                "segment_bytes {} is below the minimum {MIN_SEGMENT_BYTES}",
-                opts.segment_bytes
-            )));
-        }
+        check_options(&opts)?;
         let mut opts = opts;
         opts.segment_bytes = align_up(opts.segment_bytes, align);
         // A spill log starts empty; with `recycle_segments` the files of its last run's segments
