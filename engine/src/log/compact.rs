@@ -76,6 +76,16 @@ impl CompactionPolicy {
     }
 }
 
+/// Records to keep that compaction could not move (damaged): the segment must keep them. The
+/// tombstones among them: their count, bytes and oldest shadowed segment.
+struct Stuck {
+    tombstones: u64,
+    bytes: u64,
+    shadow: u32,
+    /// Any record to keep could not be moved.
+    any: bool,
+}
+
 impl<B: Backend> SegmentLog<B> {
     /// The automatic compaction a sealed segment asked for, run after the caller's records are
     /// written. It is housekeeping: its failure does not fail the write that triggered it (the
@@ -161,27 +171,7 @@ impl<B: Backend> SegmentLog<B> {
         };
         let mut report = RecoveryReport::default();
         let scan = self.reader().load_segment(id, &file, &mut report)?;
-        let index_snapshot: Vec<(FooterEntry, bool)> = {
-            let index = self.index.read().unwrap_or_else(|p| p.into_inner());
-            scan.entries
-                .into_iter()
-                .map(|e| {
-                    let keep = if e.flags & format::FLAG_TOMBSTONE != 0 {
-                        // Needed while a segment it shadows exists, unless the key is live again with
-                        // a record whose own (future) tombstone will shadow at least as far back. A key
-                        // deleted and then put again gets a `first_segment` after this tombstone's
-                        // `aux`: dropping the tombstone then would let an old copy come back once the
-                        // new record is deleted too (a case the `log_model` fuzz target reaches).
-                        e.aux < id
-                            && st.segs.range(e.aux..id).next().is_some()
-                            && index.get(e.key.as_slice()).is_none_or(|l| first_segment(&st.segs, l) > e.aux)
-                    } else {
-                        index.get(e.key.as_slice()).is_some_and(|l| l.segment == id && l.offset() == e.offset)
-                    };
-                    (e, keep)
-                })
-                .collect()
-        };
+        let index_snapshot = self.records_to_keep(st, id, scan.entries);
         let mut moved = 0;
         let mut bytes = 0;
         // Relocate in bounded batches so memory stays proportional to the batch, not the segment.
@@ -204,10 +194,7 @@ impl<B: Backend> SegmentLog<B> {
             batch.clear();
             Ok(())
         };
-        // Tombstones to keep that could not be moved (damaged): the segment must keep them. Their
-        // count, bytes and oldest shadowed segment. And whether any record to keep could not be.
-        let (mut stuck_tombstones, mut stuck_bytes, mut stuck_shadow) = (0u64, 0u64, u32::MAX);
-        let mut stuck = false;
+        let mut stuck = Stuck { tombstones: 0, bytes: 0, shadow: u32::MAX, any: false };
         for (e, keep) in index_snapshot {
             if !keep {
                 continue;
@@ -223,11 +210,11 @@ impl<B: Backend> SegmentLog<B> {
                 // A damaged record stays where it is (its segment is kept) and is reported. A live
                 // value keeps its segment by being live; a tombstone does by its count, below.
                 log::warn!("compaction leaves damaged record in place: {}", err.at(id, e.offset));
-                stuck = true;
+                stuck.any = true;
                 if e.flags & format::FLAG_TOMBSTONE != 0 {
-                    stuck_tombstones += 1;
-                    stuck_bytes += padded(e.record_len);
-                    stuck_shadow = stuck_shadow.min(e.aux);
+                    stuck.tombstones += 1;
+                    stuck.bytes += padded(e.record_len);
+                    stuck.shadow = stuck.shadow.min(e.aux);
                 }
                 continue;
             }
@@ -254,11 +241,40 @@ impl<B: Backend> SegmentLog<B> {
             // Copies still pending in memory (write-behind) stand in for this segment's records,
             // its tombstones included: the segment may go only once they are written.
             m.superseded_by_pending |= pending;
-            m.tombstones = stuck_tombstones;
-            m.tombstone_bytes = stuck_bytes;
-            m.min_shadow = stuck_shadow;
-            m.unmovable |= stuck;
+            m.tombstones = stuck.tombstones;
+            m.tombstone_bytes = stuck.bytes;
+            m.min_shadow = stuck.shadow;
+            m.unmovable |= stuck.any;
         }
         Ok((moved, bytes))
+    }
+
+    /// Each record of segment `id` (its footer entries or scan), with whether compaction keeps it:
+    /// a value the index still points at, or a tombstone still needed.
+    fn records_to_keep(
+        &self,
+        st: &WriterState<B::File>,
+        id: u32,
+        entries: Vec<FooterEntry>,
+    ) -> Vec<(FooterEntry, bool)> {
+        let index = self.index.read().unwrap_or_else(|p| p.into_inner());
+        entries
+            .into_iter()
+            .map(|e| {
+                let keep = if e.flags & format::FLAG_TOMBSTONE != 0 {
+                    // Needed while a segment it shadows exists, unless the key is live again with
+                    // a record whose own (future) tombstone will shadow at least as far back. A key
+                    // deleted and then put again gets a `first_segment` after this tombstone's
+                    // `aux`: dropping the tombstone then would let an old copy come back once the
+                    // new record is deleted too (a case the `log_model` fuzz target reaches).
+                    e.aux < id
+                        && st.segs.range(e.aux..id).next().is_some()
+                        && index.get(e.key.as_slice()).is_none_or(|l| first_segment(&st.segs, l) > e.aux)
+                } else {
+                    index.get(e.key.as_slice()).is_some_and(|l| l.segment == id && l.offset() == e.offset)
+                };
+                (e, keep)
+            })
+            .collect()
     }
 }
