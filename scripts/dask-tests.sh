@@ -18,7 +18,8 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do modes+=("$1"); shift; done
 [ ${#modes[@]} -eq 0 ] && modes=(stock spillway plugin)
 args=("$@")
 [ ${#args[@]} -eq 0 ] && args=(distributed/tests/test_worker_memory.py)
-pkg="${PYTHONPATH:-$here/target/python}"
+# (Made absolute: the tests run from the distributed source directory.)
+pkg="$(python3 -c 'import os, sys; print(os.pathsep.join(os.path.abspath(p) for p in sys.argv[1].split(os.pathsep) if p))' "${PYTHONPATH:-$here/target/python}")"
 echo "distributed $(python3 -c 'import distributed; print(distributed.__version__)') from $(python3 -c 'import distributed, os; print(os.path.dirname(distributed.__file__))')"
 summary=()
 for mode in "${modes[@]}"; do
