@@ -588,43 +588,27 @@ impl<B: Backend> SegmentLog<B> {
         epoch: u32,
         deferred: bool,
     ) -> Result<Vec<Location>> {
-        let a = st.active.as_mut().expect("active segment");
-        a.dirty = true;
-        a.last_is_mark = chunk.last().is_some_and(|p| matches!(p.rec, NewRecord::SyncMark));
-        a.tail = tail;
-        let a = st.active.as_mut().expect("active segment");
-        a.data_end = end;
+        let id = note_in_active(st, chunk, placed, end, tail, epoch, deferred);
         if !deferred {
-            a.written_end = end;
             self.health.wrote();
         }
-        a.max_epoch = a.max_epoch.max(epoch);
-        let id = a.id;
-        for (p, pl) in chunk.iter().zip(placed) {
-            if matches!(p.rec, NewRecord::SyncMark) {
-                continue; // not in the footer: it indexes nothing
-            }
-            let h = &pl.h;
-            let e = FooterEntry {
-                key: p.rec.key().to_vec(),
-                flags: h.flags & (format::FLAG_TOMBSTONE | format::FLAG_LZ4),
-                frame_count: h.frame_count,
-                payload_crc: if h.is_tombstone() { 0 } else { h.payload_crc },
-                offset: pl.offset,
-                record_len: h.record_len(),
-                seq: h.seq,
-                aux: h.aux,
-            };
-            format::encode_footer_entry(&mut a.footer, &e);
-            a.footer_entries += 1;
+        let (locs, emptied) = self.publish_to_index(st, chunk, placed, id, deferred);
+        if !emptied.is_empty() {
+            self.reclaim(st);
         }
-        {
-            let m = st.segs.get_mut(&id).expect("active segment has metadata");
-            m.data_end = end;
-            m.records += chunk.iter().filter(|p| !matches!(p.rec, NewRecord::SyncMark)).count() as u64;
-        }
+        Ok(locs)
+    }
 
-        // Publish: update the index and the live accounting.
+    /// Publish a chunk written (or pending) in segment `id`: the index, and the live and tombstone
+    /// accounting. Returns each record's location and the segments left with nothing live.
+    fn publish_to_index(
+        &self,
+        st: &mut WriterState<B::File>,
+        chunk: &[Prepared<'_>],
+        placed: &[Placed],
+        id: u32,
+        deferred: bool,
+    ) -> (Vec<Location>, Vec<u32>) {
         let mut locs = Vec::with_capacity(chunk.len());
         let mut emptied = Vec::new();
         {
@@ -683,9 +667,51 @@ impl<B: Backend> SegmentLog<B> {
                 }
             }
         }
-        if !emptied.is_empty() {
-            self.reclaim(st);
-        }
-        Ok(locs)
+        (locs, emptied)
     }
+}
+
+/// A chunk written (or pending, `deferred`) up to `end` of the active segment, `tail` its partial
+/// last block: the segment's ends, its footer entries and its record count. Returns its id.
+fn note_in_active<F>(
+    st: &mut WriterState<F>,
+    chunk: &[Prepared<'_>],
+    placed: &[Placed],
+    end: u64,
+    tail: Vec<u8>,
+    epoch: u32,
+    deferred: bool,
+) -> u32 {
+    let a = st.active.as_mut().expect("active segment");
+    a.dirty = true;
+    a.last_is_mark = chunk.last().is_some_and(|p| matches!(p.rec, NewRecord::SyncMark));
+    a.tail = tail;
+    a.data_end = end;
+    if !deferred {
+        a.written_end = end;
+    }
+    a.max_epoch = a.max_epoch.max(epoch);
+    let id = a.id;
+    for (p, pl) in chunk.iter().zip(placed) {
+        if matches!(p.rec, NewRecord::SyncMark) {
+            continue; // not in the footer: it indexes nothing
+        }
+        let h = &pl.h;
+        let e = FooterEntry {
+            key: p.rec.key().to_vec(),
+            flags: h.flags & (format::FLAG_TOMBSTONE | format::FLAG_LZ4),
+            frame_count: h.frame_count,
+            payload_crc: if h.is_tombstone() { 0 } else { h.payload_crc },
+            offset: pl.offset,
+            record_len: h.record_len(),
+            seq: h.seq,
+            aux: h.aux,
+        };
+        format::encode_footer_entry(&mut a.footer, &e);
+        a.footer_entries += 1;
+    }
+    let m = st.segs.get_mut(&id).expect("active segment has metadata");
+    m.data_end = end;
+    m.records += chunk.iter().filter(|p| !matches!(p.rec, NewRecord::SyncMark)).count() as u64;
+    id
 }
