@@ -370,24 +370,8 @@ impl<B: Backend> SegmentLog<B> {
             let base = align_down(data_end, align);
             let end = data_end + total;
             let needed = (align_up(end, align) - base) as usize;
-            let mut buf = self.write_buffer(st, needed);
-            let prev: &[u8] = match &tail {
-                Some(t) => t,
-                None => &st.active.as_ref().expect("active segment").tail,
-            };
-            buf[..prev.len()].copy_from_slice(prev);
-            let mut pos = data_end;
-            for p in group {
-                let seq = Self::seq_for(st, &p.rec);
-                let at = (pos - base) as usize;
-                let h = self.encode_record(p, &mut buf[at..at + p.len as usize], id, epoch, seq);
-                placed.push(Placed::new(pos, &h));
-                let rec_end = (pos + p.len - base) as usize;
-                pos = padded(pos + p.len);
-                buf[rec_end..(pos - base) as usize].fill(0); // padding between records
-            }
-            debug_assert_eq!(pos, end);
-            buf[(end - base) as usize..].fill(0); // padding up to the aligned end
+            let at = GroupAt { id, epoch, base, data_end };
+            let mut buf = self.encode_group(st, group, tail.as_deref(), at, needed, &mut placed);
             let tail_start = align_down(end, align);
             tail = Some(buf[(tail_start - base) as usize..(end - base) as usize].to_vec());
             // Whole blocks only, except for the last group (the next group rewrites this partial block).
@@ -557,6 +541,38 @@ impl<B: Backend> SegmentLog<B> {
     }
 
     /// A write buffer of `needed` bytes: a spare one if large enough, else a new one with slack.
+    /// Encode `group` at `at.data_end` of the active segment into an aligned buffer of `needed`
+    /// bytes from `at.base`: first the partial block before it (`prev`, else the segment's own
+    /// tail), then each record and the zeros after it, to the aligned end. Each record's place goes
+    /// to `placed`.
+    fn encode_group(
+        &self,
+        st: &mut WriterState<B::File>,
+        group: &[Prepared<'_>],
+        prev: Option<&[u8]>,
+        at: GroupAt,
+        needed: usize,
+        placed: &mut Vec<Placed>,
+    ) -> AlignedBuf {
+        let GroupAt { id, epoch, base, data_end } = at;
+        let mut buf = self.write_buffer(st, needed);
+        let prev = prev.unwrap_or_else(|| &st.active.as_ref().expect("active segment").tail);
+        buf[..prev.len()].copy_from_slice(prev);
+        let mut pos = data_end;
+        for p in group {
+            let seq = Self::seq_for(st, &p.rec);
+            let from = (pos - base) as usize;
+            let h = self.encode_record(p, &mut buf[from..from + p.len as usize], id, epoch, seq);
+            placed.push(Placed::new(pos, &h));
+            let rec_end = (pos + p.len - base) as usize;
+            pos = padded(pos + p.len);
+            buf[rec_end..(pos - base) as usize].fill(0); // padding between records
+        }
+        debug_assert_eq!(align_up(pos, self.align) - base, needed as u64, "the group fills the buffer");
+        buf[(pos - base) as usize..].fill(0); // padding up to the aligned end
+        buf
+    }
+
     pub(super) fn write_buffer(&self, st: &mut WriterState<B::File>, needed: usize) -> AlignedBuf {
         if let Some(k) = st.spare_bufs.iter().position(|b| b.capacity() >= needed) {
             let mut b = st.spare_bufs.swap_remove(k);
@@ -669,6 +685,16 @@ impl<B: Backend> SegmentLog<B> {
         }
         (locs, emptied)
     }
+}
+
+/// Where a group of records goes (see `SegmentLog::encode_group`): the active segment, the epoch
+/// its records are written in, the block boundary its write starts at, and where the records start.
+#[derive(Clone, Copy)]
+struct GroupAt {
+    id: u32,
+    epoch: u32,
+    base: u64,
+    data_end: u64,
 }
 
 /// A chunk written (or pending, `deferred`) up to `end` of the active segment, `tail` its partial
