@@ -1,22 +1,19 @@
-//! An entry and its accounting: the [`Tier`] a value is in, the entry (tier, weight, LRU tick,
-//! slot, disk copy), the totals per tier that every change goes through (`Inner::count_in` and
-//! `count_out`), the LRU order, and in-memory lz4 blocks.
+//! Entries and their accounting: the [`Tier`] a value is in, the entry (tier, weight, LRU tick,
+//! slot, disk copy), in-memory lz4 blocks, and the [`Table`] of entries: the only writer of the
+//! entries, their per-tier [`Totals`] and the LRU order, which it keeps in step.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Instant;
 
 use bytes::Bytes;
 
-use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::key::{KeyMap, KeySet};
 use crate::slot::Slot;
 use crate::stored;
 use crate::value::Frames;
 
-use super::evict::SpillFailure;
-use super::{Codec, Revive, Store};
+use super::Revive;
 
 /// Where an entry's value is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -132,104 +129,6 @@ impl<V> Entry<V> {
     }
 }
 
-pub(super) struct Inner<V> {
-    pub(super) map: KeyMap<Arc<[u8]>, Entry<V>>,
-    pub(super) lru: BTreeMap<u64, Arc<[u8]>>,
-    pub(super) next_tick: u64,
-    pub(super) mem_bytes: u64,
-    pub(super) tier_bytes: [u64; 4],
-    pub(super) tier_count: [u64; 4],
-    pub(super) disk_bytes: u64,
-    pub(super) disk_raw: u64,
-    /// Weight of the entries on disk (see `Entry::weight`).
-    pub(super) disk_weight: u64,
-    /// Serialized bytes of the entries on disk (`disk_raw` without the copies of values in memory).
-    pub(super) spilled_raw: u64,
-    /// When "reached capacity" (max_spill) and "Spill to disk failed" were last logged: each is
-    /// logged at most every [`LOG_EVERY`], independently of the other.
-    pub(super) logged_full: Option<Instant>,
-    pub(super) logged_disk: Option<Instant>,
-    /// Keys marked stuck since the last `unstick` (some may have been unstuck since; removed keys
-    /// leave it). A stuck entry is out of the LRU order, so eviction does not walk past it again
-    /// and again.
-    pub(super) stuck: KeySet<Arc<[u8]>>,
-    /// Keys whose spill write runs right now, outside the lock. A key is in at most one write at a
-    /// time: eviction skips these keys, and a direct write of one (`put_large`, `put_stream`) waits.
-    /// Each write has a ticket (from `next_write`): `flush` waits for the writes older than itself.
-    pub(super) writing: KeyMap<Arc<[u8]>, u64>,
-    pub(super) next_write: u64,
-    /// Keys whose new value is arriving from a peer into memory (`receive_serialized`): a direct
-    /// write of the key, or a second transfer, waits as for `writing`; `flush` does not.
-    pub(super) receiving: KeySet<Arc<[u8]>>,
-    /// Memory weight and serialized bytes of the entries in those writes, as planned. The weight
-    /// still counts in `mem_bytes` (the bytes are still in memory) until the write lands.
-    pub(super) writing_weight: u64,
-    pub(super) writing_raw: u64,
-    /// Keys a `put_stream` is receiving right now (absent from `map` meanwhile).
-    pub(super) streams: KeyMap<Arc<[u8]>, Stream>,
-    /// Bytes of values admitted into memory as they arrive ([`Store::admit`]) and not yet stored
-    /// or let go of.
-    pub(super) admitted: u64,
-    /// Gets answered with an object in memory: (count, weight), part of `Activity::MemoryRead`.
-    pub(super) object_reads: (u64, u64),
-    /// A spill failed since the current eviction began ([`EvictionPolicy::failed_spill_ends_round`]).
-    pub(super) round_failed: bool,
-    /// Spills that did not happen, for [`Store::take_failures`] (with `StoreConfig::report_failures`).
-    pub(super) failures: Vec<SpillFailure>,
-    /// The crc of each read-back copy (with [`EvictionPolicy::verify_copies`]): the `laid_out_crc`
-    /// of the frames the object was read from.
-    pub(super) copy_crc: KeyMap<Arc<[u8]>, u32>,
-    /// Weak handles on evicted objects ([`Codec::keep_weak`]), with the slot of the entry they
-    /// belong to.
-    pub(super) weak: KeyMap<Arc<[u8]>, WeakHandle<V>>,
-}
-
-/// A `put_stream` in progress.
-pub(super) struct Stream {
-    /// A put or remove of the key came after the transfer started: it wins over the transfer.
-    pub(super) superseded: bool,
-    /// The key had a value when the transfer started (set aside meanwhile).
-    pub(super) has_old: bool,
-    /// Memory weight and spilled bytes of that value, still counted in `mem_bytes` and
-    /// `disk_raw` (it may come back): what `check_accounting` adds back.
-    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
-    pub(super) aside_weight: u64,
-    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
-    pub(super) aside_raw: u64,
-}
-
-impl<V> Inner<V> {
-    /// Count an entry into the totals (per tier, memory, disk).
-    pub(super) fn count_in(&mut self, e: Acct) {
-        for (total, share) in self.shares(e) {
-            *total += share;
-        }
-    }
-
-    /// Take an entry out of the totals: the inverse of [`Inner::count_in`] for the same `Acct`.
-    pub(super) fn count_out(&mut self, e: Acct) {
-        for (total, share) in self.shares(e) {
-            *total -= share;
-        }
-    }
-
-    /// Each total an entry counts in, with its share of it.
-    pub(super) fn shares(&mut self, e: Acct) -> [(&mut u64, u64); 7] {
-        let t = e.tier.idx();
-        let on_disk = e.tier == Tier::Disk;
-        let tier_weight = if on_disk { e.disk_bytes } else { e.weight };
-        [
-            (&mut self.tier_count[t], 1),
-            (&mut self.tier_bytes[t], tier_weight),
-            (&mut self.mem_bytes, if on_disk { 0 } else { e.weight }),
-            (&mut self.disk_weight, if on_disk { e.weight } else { 0 }),
-            (&mut self.spilled_raw, if on_disk { e.disk_raw } else { 0 }),
-            (&mut self.disk_bytes, e.disk_bytes),
-            (&mut self.disk_raw, e.disk_raw),
-        ]
-    }
-}
-
 /// What the accounting and the LRU order know of an entry.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(super) struct Acct {
@@ -267,140 +166,319 @@ pub(super) fn decompress(c: &Compressed) -> Result<Frames> {
         .map_err(|m| Error::Internal(format!("an in-memory lz4 block: {}", m.reason())))
 }
 
-impl<C: Codec, B: Backend> Store<C, B> {
-    pub(super) fn touch(inner: &mut Inner<C::Value>, key: &Arc<[u8]>) {
-        let tick = inner.next_tick;
-        inner.next_tick += 1;
-        let e = inner.map.get_mut(key).expect("touched key exists");
+/// The totals every entry counts in, kept by [`Table`].
+#[derive(Clone, Copy, Default, PartialEq, Eq, Debug)]
+pub(super) struct Totals {
+    /// Entries per tier.
+    pub(super) tier_count: [u64; 4],
+    /// Bytes per tier: the weight in memory, the record's length on disk.
+    pub(super) tier_bytes: [u64; 4],
+    /// Weight of the entries in memory (and of old values a transfer set aside: see
+    /// [`Table::set_aside`]).
+    pub(super) mem_bytes: u64,
+    /// Weight of the entries on disk (see `Entry::weight`).
+    pub(super) disk_weight: u64,
+    /// Serialized bytes of the entries on disk (`disk_raw` without the copies of values in memory).
+    pub(super) spilled_raw: u64,
+    /// Bytes the log holds for the entries.
+    pub(super) disk_bytes: u64,
+    /// Serialized bytes of every disk copy, of entries on disk and in memory (and of set-aside
+    /// values).
+    pub(super) disk_raw: u64,
+}
+
+impl Totals {
+    /// Count an entry in.
+    fn count_in(&mut self, e: Acct) {
+        for (total, share) in self.shares(e) {
+            *total += share;
+        }
+    }
+
+    /// Take an entry out: the inverse of [`Totals::count_in`] for the same `Acct`.
+    fn count_out(&mut self, e: Acct) {
+        for (total, share) in self.shares(e) {
+            *total -= share;
+        }
+    }
+
+    /// Each total an entry counts in, with its share of it.
+    fn shares(&mut self, e: Acct) -> [(&mut u64, u64); 7] {
+        let t = e.tier.idx();
+        let on_disk = e.tier == Tier::Disk;
+        let tier_weight = if on_disk { e.disk_bytes } else { e.weight };
+        [
+            (&mut self.tier_count[t], 1),
+            (&mut self.tier_bytes[t], tier_weight),
+            (&mut self.mem_bytes, if on_disk { 0 } else { e.weight }),
+            (&mut self.disk_weight, if on_disk { e.weight } else { 0 }),
+            (&mut self.spilled_raw, if on_disk { e.disk_raw } else { 0 }),
+            (&mut self.disk_bytes, e.disk_bytes),
+            (&mut self.disk_raw, e.disk_raw),
+        ]
+    }
+}
+
+/// The entries, their [`Totals`] and the LRU order, kept in step. Only its methods change an entry
+/// (`insert`, `take`, `modify`, `touch`, `set_stuck`, `unstick`), so no other code can move a value
+/// between tiers or change its weight without the totals and the order following.
+///
+/// The LRU order holds the entries in memory that are not stuck, by tick; every entry also has a
+/// `placed` stamp, the order in which it entered memory or disk.
+pub(super) struct Table<V> {
+    map: KeyMap<Arc<[u8]>, Entry<V>>,
+    lru: BTreeMap<u64, Arc<[u8]>>,
+    /// The clock of ticks and `placed` stamps.
+    next_tick: u64,
+    totals: Totals,
+    /// Keys marked stuck since the last `unstick` (some may have been unstuck since; removed keys
+    /// leave it). A stuck entry is out of the LRU order, so eviction does not walk past it again
+    /// and again.
+    stuck: KeySet<Arc<[u8]>>,
+    /// The crc of each read-back copy (with [`EvictionPolicy::verify_copies`]): the `laid_out_crc`
+    /// of the frames the object was read from. Leaves with its entry.
+    ///
+    /// [`EvictionPolicy::verify_copies`]: super::EvictionPolicy::verify_copies
+    pub(super) copy_crc: KeyMap<Arc<[u8]>, u32>,
+    /// Weak handles on evicted objects ([`Codec::keep_weak`]), with the slot of the entry they
+    /// belong to. Leave with their entry.
+    ///
+    /// [`Codec::keep_weak`]: super::Codec::keep_weak
+    pub(super) weak: KeyMap<Arc<[u8]>, WeakHandle<V>>,
+}
+
+impl<V> Default for Table<V> {
+    fn default() -> Self {
+        Table {
+            map: KeyMap::default(),
+            lru: BTreeMap::new(),
+            next_tick: 0,
+            totals: Totals::default(),
+            stuck: KeySet::default(),
+            copy_crc: KeyMap::default(),
+            weak: KeyMap::default(),
+        }
+    }
+}
+
+impl<V> Table<V> {
+    pub(super) fn get(&self, key: &[u8]) -> Option<&Entry<V>> {
+        self.map.get(key)
+    }
+
+    pub(super) fn get_key_value(&self, key: &[u8]) -> Option<(&Arc<[u8]>, &Entry<V>)> {
+        self.map.get_key_value(key)
+    }
+
+    pub(super) fn contains(&self, key: &[u8]) -> bool {
+        self.map.contains_key(key)
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub(super) fn iter(&self) -> impl Iterator<Item = (&Arc<[u8]>, &Entry<V>)> {
+        self.map.iter()
+    }
+
+    /// The least recently used entry in the LRU order at tick `from` or later, with its tick.
+    pub(super) fn lru_from(&self, from: u64) -> Option<(u64, &Arc<[u8]>)> {
+        self.lru.range(from..).next().map(|(&t, k)| (t, k))
+    }
+
+    /// The keys in the LRU order, least recently used first.
+    pub(super) fn lru_keys(&self) -> impl Iterator<Item = &Arc<[u8]>> {
+        self.lru.values()
+    }
+
+    pub(super) fn totals(&self) -> &Totals {
+        &self.totals
+    }
+
+    /// A tick after every tick given so far: set as an entry's `tick` (in [`Table::modify`]), it
+    /// makes the entry the most recently used.
+    pub(super) fn tick(&mut self) -> u64 {
+        let t = self.next_tick;
+        self.next_tick += 1;
+        t
+    }
+
+    /// Make `key`'s entry the most recently used (an entry on disk is in no LRU order: only its
+    /// tick moves).
+    pub(super) fn touch(&mut self, key: &Arc<[u8]>) {
+        let tick = self.tick();
+        let e = self.map.get_mut(key).expect("touched key exists");
         if e.tier != Tier::Disk {
             let in_lru = Acct::of(e).in_lru();
             if in_lru {
-                inner.lru.remove(&e.tick);
+                self.lru.remove(&e.tick);
             }
             e.tick = tick;
             if in_lru {
-                inner.lru.insert(tick, key.clone());
+                self.lru.insert(tick, key.clone());
             }
         }
     }
 
-    pub(super) fn insert(&self, inner: &mut Inner<C::Value>, key: &[u8], mut e: Entry<C::Value>) -> Result<Arc<[u8]>> {
-        if key.len() > crate::MAX_KEY_BYTES {
-            return Err(Error::KeyTooLarge { len: key.len(), max: crate::MAX_KEY_BYTES });
-        }
-        self.drop_entry(inner, key)?;
-        let k: Arc<[u8]> = Arc::from(key);
-        e.placed = inner.next_tick;
+    /// Add `e` under `key`, which has no entry: stamped as placed now and, in memory, the most
+    /// recently used.
+    pub(super) fn insert(&mut self, key: Arc<[u8]>, mut e: Entry<V>) {
+        debug_assert!(!self.map.contains_key(&key), "insert over an entry");
+        let tick = self.tick();
+        e.placed = tick;
         if e.tier != Tier::Disk {
-            e.tick = inner.next_tick;
+            e.tick = tick;
             if !e.stuck {
-                inner.lru.insert(e.tick, k.clone());
+                self.lru.insert(tick, key.clone());
             }
         }
-        inner.next_tick += 1;
-        inner.count_in(Acct::of(&e));
-        inner.map.insert(k.clone(), e);
-        Ok(k)
+        self.totals.count_in(Acct::of(&e));
+        self.map.insert(key, e);
     }
 
-    /// Remove `key`'s entry from memory and disk; returns whether it existed. If the log cannot drop
-    /// the record (a persistent store's tombstone write failed), the entry stays as it was.
-    pub(super) fn drop_entry(&self, inner: &mut Inner<C::Value>, key: &[u8]) -> Result<bool> {
-        // Every put and remove comes here. A transfer of the key in progress loses to it (once the
-        // old record, if any, is dropped: a remove that fails changes nothing); the old value a
-        // transfer set aside counts as existing.
-        let supersede = |inner: &mut Inner<C::Value>| {
-            inner.streams.get_mut(key).is_some_and(|s| !std::mem::replace(&mut s.superseded, true) && s.has_old)
-        };
-        let Some(disk_bytes) = inner.map.get(key).map(|e| e.disk_bytes) else { return Ok(supersede(inner)) };
-        if disk_bytes > 0 {
-            if self.cfg.persistent {
-                self.logs.current().delete(key)?;
-            } else {
-                self.logs.forget(key)?;
-            }
-        }
-        supersede(inner);
-        Self::take_entry(inner, key);
-        if disk_bytes > 0 {
-            Self::unstick(inner);
-        }
-        Ok(true)
-    }
-
-    /// Take `key`'s entry out of the map, the accounting and the LRU order, leaving its record (if
-    /// any) in the log.
-    pub(super) fn take_entry(inner: &mut Inner<C::Value>, key: &[u8]) -> Option<Entry<C::Value>> {
-        let (_, e) = inner.map.remove_entry(key)?;
-        inner.count_out(Acct::of(&e));
+    /// Take `key`'s entry out of the map, the totals and the LRU order (with its side tables),
+    /// leaving its record (if any) in the log.
+    pub(super) fn take(&mut self, key: &[u8]) -> Option<Entry<V>> {
+        let (_, e) = self.map.remove_entry(key)?;
+        self.totals.count_out(Acct::of(&e));
         if Acct::of(&e).in_lru() {
-            inner.lru.remove(&e.tick);
+            self.lru.remove(&e.tick);
         }
         // Listed keys that are no longer stuck (a get promoted them) leave the list here too.
-        if !inner.stuck.is_empty() {
-            inner.stuck.remove(key);
+        if !self.stuck.is_empty() {
+            self.stuck.remove(key);
         }
-        if !inner.weak.is_empty() {
-            inner.weak.remove(key);
+        if !self.weak.is_empty() {
+            self.weak.remove(key);
         }
-        if !inner.copy_crc.is_empty() {
-            inner.copy_crc.remove(key);
+        if !self.copy_crc.is_empty() {
+            self.copy_crc.remove(key);
         }
         Some(e)
     }
 
-    /// Disk space was freed, or space reserved for a write was given back unused: retry the
-    /// evictions that max_spill or a full disk refused.
-    pub(super) fn unstick(inner: &mut Inner<C::Value>) {
-        for k in std::mem::take(&mut inner.stuck) {
-            if inner.map.get(&k).is_some_and(|e| e.stuck) {
-                Self::modify_entry(inner, &k, |e| e.stuck = false);
+    /// Disk space was freed, or space reserved for a write was given back unused: the entries
+    /// marked stuck go back into the LRU order, to be tried again.
+    pub(super) fn unstick(&mut self) {
+        for k in std::mem::take(&mut self.stuck) {
+            if self.map.get(&k).is_some_and(|e| e.stuck) {
+                self.modify(&k, |e| e.stuck = false);
             }
         }
     }
 
-    /// A spill of `key` was refused or failed: its entry stays in memory, out of the LRU order,
-    /// until [`Self::unstick`]. Under [`EvictionPolicy::failed_spill_ends_round`] it keeps its place
-    /// in the LRU order instead, and the eviction that met the failure stops.
-    pub(super) fn set_stuck(&self, inner: &mut Inner<C::Value>, key: &Arc<[u8]>) {
-        if self.cfg.eviction.failed_spill_ends_round {
-            inner.round_failed = true;
-            return;
-        }
-        if inner.map.get(key).is_some_and(|e| !e.stuck) {
-            Self::modify_entry(inner, key, |e| e.stuck = true);
-            inner.stuck.insert(key.clone());
+    /// Mark `key`'s entry stuck: out of the LRU order until [`Table::unstick`].
+    pub(super) fn set_stuck(&mut self, key: &Arc<[u8]>) {
+        if self.map.get(key).is_some_and(|e| !e.stuck) {
+            self.modify(key, |e| e.stuck = true);
+            self.stuck.insert(key.clone());
         }
     }
 
-    /// Change `key`'s entry in place with `f`, keeping the accounting, the LRU order and the entry's
-    /// `placed` stamp in step (the entry's tick is its LRU position: set it in `f` to move the entry;
-    /// an entry that moves between memory and disk is stamped anew). One hash lookup, where
-    /// detaching and re-attaching the entry cost a removal and an insertion.
-    pub(super) fn modify_entry<R>(
-        inner: &mut Inner<C::Value>,
-        key: &Arc<[u8]>,
-        f: impl FnOnce(&mut Entry<C::Value>) -> R,
-    ) -> R {
-        let e = inner.map.get_mut(key).expect("entry present");
+    /// Change `key`'s entry in place with `f`, keeping the totals, the LRU order and the entry's
+    /// `placed` stamp in step (the entry's tick is its LRU position: set it in `f`, from
+    /// [`Table::tick`], to move the entry; an entry that moves between memory and disk is stamped
+    /// anew). One hash lookup, where detaching and re-attaching the entry cost a removal and an
+    /// insertion.
+    pub(super) fn modify<R>(&mut self, key: &Arc<[u8]>, f: impl FnOnce(&mut Entry<V>) -> R) -> R {
+        let e = self.map.get_mut(key).expect("entry present");
         let before = Acct::of(e);
         let r = f(e);
         let after = Acct::of(e);
         if (before.tier == Tier::Disk) != (after.tier == Tier::Disk) {
-            e.placed = inner.next_tick;
-            inner.next_tick += 1;
+            e.placed = self.next_tick;
+            self.next_tick += 1;
         }
         if before != after {
-            inner.count_out(before);
-            inner.count_in(after);
+            self.totals.count_out(before);
+            self.totals.count_in(after);
             let moved = before.tick != after.tick;
             if before.in_lru() && (moved || !after.in_lru()) {
-                inner.lru.remove(&before.tick);
+                self.lru.remove(&before.tick);
             }
             if after.in_lru() && (moved || !before.in_lru()) {
-                inner.lru.insert(after.tick, key.clone());
+                self.lru.insert(after.tick, key.clone());
             }
         }
         r
+    }
+
+    /// Keep counting an entry taken out (its memory weight and its disk copy's bytes) while a
+    /// transfer of its key runs: the old value may come back. Ended by [`Table::end_aside`].
+    pub(super) fn set_aside(&mut self, weight: u64, raw: u64) {
+        self.totals.mem_bytes += weight;
+        self.totals.disk_raw += raw;
+    }
+
+    /// The inverse of [`Table::set_aside`].
+    pub(super) fn end_aside(&mut self, weight: u64, raw: u64) {
+        self.totals.mem_bytes -= weight;
+        self.totals.disk_raw -= raw;
+    }
+
+    /// Recompute the totals from the entries and compare them, the LRU order and the stuck list
+    /// with what is kept. `aside` is what transfers in progress set aside (see
+    /// [`Table::set_aside`]); `record_len` is the length of a key's record in the log, checked for
+    /// keys `settled` says no write is changing. `Err` names the first difference.
+    #[cfg(feature = "testing")]
+    pub(super) fn check(
+        &self,
+        aside: (u64, u64),
+        record_len: impl Fn(&[u8]) -> Option<u64>,
+        settled: impl Fn(&[u8]) -> bool,
+    ) -> std::result::Result<(), String> {
+        let mut sum = Totals::default();
+        let mut in_lru = 0usize;
+        for (k, e) in &self.map {
+            let name = super::key_str(k);
+            sum.count_in(Acct::of(e));
+            let logged = record_len(k);
+            if settled(k) && ((e.disk_bytes > 0) != logged.is_some() || logged.is_some_and(|l| l != e.disk_bytes)) {
+                return Err(format!("{name:?}: accounted {} bytes on disk, the log has {logged:?}", e.disk_bytes));
+            }
+            match e.tier {
+                Tier::Disk => {
+                    if e.frames.is_some() || e.compressed.is_some() || e.disk_bytes == 0 {
+                        return Err(format!("{name:?}: disk entry with memory state or no record"));
+                    }
+                }
+                _ if e.stuck => {
+                    if self.lru.get(&e.tick).is_some_and(|l| l == k) {
+                        return Err(format!("{name:?}: stuck but in the LRU"));
+                    }
+                    if !self.stuck.contains(&k[..]) {
+                        return Err(format!("{name:?}: stuck but not listed for unsticking"));
+                    }
+                }
+                _ => {
+                    in_lru += 1;
+                    if self.lru.get(&e.tick).is_none_or(|l| l != k) {
+                        return Err(format!("{name:?}: in memory but not in the LRU at its tick {}", e.tick));
+                    }
+                }
+            }
+            let has_bytes = match e.tier {
+                Tier::Materialized => e.slot.state() == crate::slot::SlotState::Ready,
+                Tier::Serialized => e.frames.as_ref().is_some_and(|f| f.total_len() == e.weight),
+                Tier::Compressed => e.compressed.as_ref().is_some_and(|c| c.block.len() as u64 == e.weight),
+                Tier::Disk => true,
+            };
+            if !has_bytes {
+                return Err(format!("{name:?}: {} entry without its value (or with a wrong weight)", e.tier.name()));
+            }
+        }
+        if in_lru != self.lru.len() {
+            return Err(format!("LRU holds {} keys, {in_lru} entries are in memory", self.lru.len()));
+        }
+        if self.stuck.len() > self.map.len() {
+            return Err(format!("{} keys listed as stuck, {} entries", self.stuck.len(), self.map.len()));
+        }
+        sum.mem_bytes += aside.0;
+        sum.disk_raw += aside.1;
+        if sum != self.totals {
+            return Err(format!("totals drifted: recomputed {sum:?}, running {:?}", self.totals));
+        }
+        Ok(())
     }
 }

@@ -11,9 +11,10 @@ use crate::slot::Slot;
 use crate::sync::{self, MutexGuard, Ordering};
 use crate::value::Frames;
 
-use super::entry::{compress, decompress, Compressed, EntrySlot, Inner, Tier, WeakHandle};
+use super::entry::{compress, decompress, Compressed, EntrySlot, Tier, WeakHandle};
 use super::get::{vanished, Source};
 use super::metrics::Activity;
+use super::Inner;
 use super::{key_str, log_due, panic_message, Codec, Revive, Store};
 
 /// Entries looked at per eviction round.
@@ -143,6 +144,17 @@ pub(super) enum Demoted {
 }
 
 impl<C: Codec, B: Backend> Store<C, B> {
+    /// A spill of `key` was refused or failed: its entry stays in memory, out of the LRU order,
+    /// until the table unsticks it. Under [`EvictionPolicy::failed_spill_ends_round`] it keeps its place
+    /// in the LRU order instead, and the eviction that met the failure stops.
+    pub(super) fn set_stuck(&self, inner: &mut Inner<C::Value>, key: &Arc<[u8]>) {
+        if self.cfg.eviction.failed_spill_ends_round {
+            inner.round_failed = true;
+            return;
+        }
+        inner.table.set_stuck(key);
+    }
+
     /// Do a round's plan with the store's lock released: serialize (and compress) the objects to
     /// demote, write the planned batch. Then settle each entry under the lock again.
     ///
@@ -194,8 +206,8 @@ impl<C: Codec, B: Backend> Store<C, B> {
         drop(items);
         let mut inner = self.lock();
         for (k, w) in released {
-            if inner.map.get(&k).is_some_and(|e| Arc::ptr_eq(&e.slot, &w.slot) && e.tier == Tier::Disk) {
-                inner.weak.insert(k, w);
+            if inner.table.get(&k).is_some_and(|e| Arc::ptr_eq(&e.slot, &w.slot) && e.tier == Tier::Disk) {
+                inner.table.weak.insert(k, w);
             }
         }
         let first = batch.first().map(|p| &p.key);
@@ -213,7 +225,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             match r {
                 Demoted::Failed(err) if protect.is_some_and(|p| Arc::ptr_eq(p, &d.slot)) => {
                     Self::end_demotion(&mut inner, &d);
-                    if inner.map.get(&d.key).is_some_and(|e| Arc::ptr_eq(&e.slot, &d.slot)) {
+                    if inner.table.get(&d.key).is_some_and(|e| Arc::ptr_eq(&e.slot, &d.slot)) {
                         // In memory (no disk copy), so dropping it touches no log record.
                         let _ = self.drop_entry(&mut inner, &d.key);
                     }
@@ -336,14 +348,14 @@ impl<C: Codec, B: Backend> Store<C, B> {
         settled: &mut Settled<'_>,
     ) {
         Self::end_demotion(inner, &d);
-        let same = inner.map.get(&d.key).is_some_and(|e| Arc::ptr_eq(&e.slot, &d.slot));
-        let unchanged = same && inner.map.get(&d.key).is_some_and(|e| e.tier == Tier::Materialized && e.tick == d.tick);
+        let same = inner.table.get(&d.key).is_some_and(|e| Arc::ptr_eq(&e.slot, &d.slot));
+        let unchanged =
+            same && inner.table.get(&d.key).is_some_and(|e| e.tier == Tier::Materialized && e.tick == d.tick);
         match r {
             Demoted::Failed(err) => {
                 if same {
                     self.metrics.spill_failures.fetch_add(1, Ordering::Relaxed);
-                    let e = inner.map.get_mut(&d.key).expect("present");
-                    let first = !std::mem::replace(&mut e.logged_serialize, true);
+                    let first = !inner.table.modify(&d.key, |e| std::mem::replace(&mut e.logged_serialize, true));
                     if !self.report(inner, &d.key, SpillFailureKind::Serialize, Some(&err)) && first {
                         log::error!("Failed to serialize {:?}; keeping it in memory: {err}", key_str(&d.key));
                     }
@@ -364,9 +376,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
                     return;
                 }
                 if let Some(revive) = weak {
-                    inner.weak.insert(d.key.clone(), WeakHandle { slot: d.slot.clone(), revive });
+                    inner.table.weak.insert(d.key.clone(), WeakHandle { slot: d.slot.clone(), revive });
                 }
-                Self::modify_entry(inner, &d.key, |ne| match compressed {
+                inner.table.modify(&d.key, |ne| match compressed {
                     Some(c) => {
                         ne.weight = c.block.len() as u64;
                         ne.compressed = Some(Box::new(c));
@@ -384,10 +396,10 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 if unchanged && d.slot.evict().is_some() {
                     self.metrics.add(Activity::DiskWriteSaved, 1, raw, 0);
                     if let Some(revive) = weak {
-                        inner.weak.insert(d.key.clone(), WeakHandle { slot: d.slot.clone(), revive });
+                        inner.table.weak.insert(d.key.clone(), WeakHandle { slot: d.slot.clone(), revive });
                     }
-                    inner.copy_crc.remove(&d.key);
-                    Self::modify_entry(inner, &d.key, |ne| ne.tier = Tier::Disk);
+                    inner.table.copy_crc.remove(&d.key);
+                    inner.table.modify(&d.key, |ne| ne.tier = Tier::Disk);
                 }
             }
             Demoted::ToDisk(_) => unreachable!("settled by settle_direct"),
@@ -408,29 +420,30 @@ impl<C: Codec, B: Backend> Store<C, B> {
         settled: &mut Settled<'_>,
     ) {
         Self::end_demotion(inner, &d);
-        let same = inner.map.get(&d.key).is_some_and(|e| Arc::ptr_eq(&e.slot, &d.slot));
+        let same = inner.table.get(&d.key).is_some_and(|e| Arc::ptr_eq(&e.slot, &d.slot));
         let raw = frames.total_len();
         inner.writing_raw -= raw;
         let written = self.logs.place(&d.key).filter(|p| Some(*p) != before).map(|(_, loc)| loc);
         if same && written.is_none() && before.is_some() {
             // The new frames did not land; the record there is an old copy, no longer known to
             // match (the next eviction writes again).
-            inner.copy_crc.remove(&d.key);
+            inner.table.copy_crc.remove(&d.key);
         }
         match (same, written) {
             (true, Some(loc)) => {
                 // A copy the object was read from is superseded: no crc is known for the new record
                 // if the object stays (it is written again next time).
-                inner.copy_crc.remove(&d.key);
+                inner.table.copy_crc.remove(&d.key);
                 settled.landed = true;
                 // The record is the value's disk copy; the object leaves memory unless it was read
                 // meanwhile (then it stays, and a later eviction costs no write).
-                let unchanged = inner.map.get(&d.key).is_some_and(|e| e.tier == Tier::Materialized && e.tick == d.tick);
+                let unchanged =
+                    inner.table.get(&d.key).is_some_and(|e| e.tier == Tier::Materialized && e.tick == d.tick);
                 let drop_object = unchanged && d.slot.evict().is_some();
                 if let Some(revive) = weak.filter(|_| drop_object) {
-                    inner.weak.insert(d.key.clone(), WeakHandle { slot: d.slot.clone(), revive });
+                    inner.table.weak.insert(d.key.clone(), WeakHandle { slot: d.slot.clone(), revive });
                 }
-                Self::modify_entry(inner, &d.key, |ne| {
+                inner.table.modify(&d.key, |ne| {
                     ne.disk_raw = raw;
                     ne.disk_bytes = loc.len;
                     if drop_object {
@@ -465,7 +478,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         inner.writing.remove(&p.key);
         inner.writing_weight -= p.weight;
         inner.writing_raw -= raw;
-        let ours = inner.map.get(&p.key).is_some_and(|e| Arc::ptr_eq(&e.slot, &p.slot));
+        let ours = inner.table.get(&p.key).is_some_and(|e| Arc::ptr_eq(&e.slot, &p.slot));
         match (ours, self.logs.location(&p.key)) {
             (true, Some(loc)) => {
                 Self::note_landed(inner, &p.key, raw, loc.len, false, p.object_weight);
@@ -501,7 +514,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         only_large: bool,
         weight: Option<u64>,
     ) {
-        Self::modify_entry(inner, key, |ne| {
+        inner.table.modify(key, |ne| {
             let demote = match ne.tier {
                 Tier::Serialized | Tier::Compressed => ne.large || !only_large,
                 Tier::Materialized => only_large && ne.large && ne.slot.evict().is_some(),
@@ -553,7 +566,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         }
         if s.freed {
             // Space reserved against max_spill for a record nobody wants any more is free again.
-            Self::unstick(&mut inner);
+            inner.table.unstick();
         }
         for k in s.stuck {
             self.set_stuck(&mut inner, &k);
@@ -575,7 +588,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// Whether `bytes` more of `key` fit under max_spill; a refusal is reported.
     pub(super) fn spill_allowed(&self, inner: &mut Inner<C::Value>, key: &[u8], bytes: u64) -> bool {
         match self.cfg.max_spill_bytes {
-            Some(max) if inner.disk_raw + inner.writing_raw + bytes > max => {
+            Some(max) if inner.table.totals().disk_raw + inner.writing_raw + bytes > max => {
                 self.metrics.max_spill_refusals.fetch_add(1, Ordering::Relaxed);
                 if !self.report(inner, key, SpillFailureKind::MaxSpill, None) && log_due(&mut inner.logged_full) {
                     log::warn!("Spill file on disk reached capacity; keeping data in memory");
@@ -682,7 +695,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         // Bounded: with the lock released during writes, other threads keep adding; each of them
         // enforces the target for its own puts.
         for _ in 0..ENFORCE_ROUNDS {
-            let pending = inner.mem_bytes.saturating_sub(inner.writing_weight);
+            let pending = inner.table.totals().mem_bytes.saturating_sub(inner.writing_weight);
             let excess = self.cfg.eviction.excess(pending, self.target());
             if excess == 0 {
                 break;
@@ -737,11 +750,11 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 let Some(k) = single.take() else { break };
                 k
             } else {
-                let Some((&tick, key)) = inner.lru.range(cursor..).next() else { break };
+                let Some((tick, key)) = inner.table.lru_from(cursor) else { break };
                 cursor = tick + 1;
                 key.clone()
             };
-            let Some(e) = inner.map.get(&key) else { continue };
+            let Some(e) = inner.table.get(&key) else { continue };
             // (A value being deserialized is about to be used: a get has it in hand.)
             if e.stuck
                 || e.tier == Tier::Disk
@@ -754,7 +767,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             scanned += 1;
             // A value whose copy must be verified is serialized again, and written only if it changed.
             let copy_crc = if self.cfg.eviction.verify_copies && e.tier == Tier::Materialized && e.disk_bytes > 0 {
-                inner.copy_crc.get(&key).copied()
+                inner.table.copy_crc.get(&key).copied()
             } else {
                 None
             };
@@ -767,7 +780,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                         released.push(Released { key: key.clone(), slot: e.slot.clone(), value: v });
                     }
                 }
-                freed += Self::modify_entry(inner, &key, |ne| {
+                freed += inner.table.modify(&key, |ne| {
                     ne.tier = Tier::Disk;
                     ne.frames = None;
                     ne.compressed = None;
@@ -811,10 +824,10 @@ impl<C: Codec, B: Backend> Store<C, B> {
         for (k, data, raw, weight) in batch {
             if !refused && self.spill_allowed(inner, &k, bytes + raw) {
                 bytes += raw;
-                let slot = inner.map[&k].slot.clone();
+                let slot = inner.table.get(&k).expect("present").slot.clone();
                 planned.push(Planned { key: k, data, raw, slot, weight, object_weight: None });
             } else {
-                freed = freed.saturating_sub(inner.map[&k].weight);
+                freed = freed.saturating_sub(inner.table.get(&k).expect("present").weight);
                 if !refused {
                     self.set_stuck(inner, &k);
                 }
@@ -837,13 +850,13 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// neither.
     pub fn evict_bytes(&self, bytes: u64, spare: Option<&[u8]>) -> Result<u64> {
         let mut inner = self.lock();
-        let spare = spare.and_then(|k| inner.map.get(k)).map(|e| e.slot.clone());
+        let spare = spare.and_then(|k| inner.table.get(k)).map(|e| e.slot.clone());
         let mut freed = 0u64;
         for _ in 0..ENFORCE_ROUNDS {
             if freed >= bytes {
                 break;
             }
-            let before = inner.mem_bytes;
+            let before = inner.table.totals().mem_bytes;
             let (planned, plan) = self.evict_round(&mut inner, bytes - freed, None, spare.as_ref())?;
             if plan.is_empty() {
                 if planned == 0 {
@@ -854,8 +867,8 @@ impl<C: Codec, B: Backend> Store<C, B> {
             }
             inner = self.spill(inner, plan, None).0;
             // What actually left memory in this round (puts of other threads meanwhile aside).
-            freed += before.saturating_sub(inner.mem_bytes).min(planned);
-            if inner.mem_bytes >= before {
+            freed += before.saturating_sub(inner.table.totals().mem_bytes).min(planned);
+            if inner.table.totals().mem_bytes >= before {
                 break; // nothing left: every write failed
             }
         }
@@ -874,21 +887,21 @@ impl<C: Codec, B: Backend> Store<C, B> {
     pub fn evict_one(&self) -> Result<Option<u64>> {
         let mut inner = self.lock();
         let Some(key) = inner
-            .lru
-            .values()
-            .find(|k| !inner.writing.contains_key(*k) && inner.map.get(*k).is_some_and(|e| !e.stuck))
+            .table
+            .lru_keys()
+            .find(|k| !inner.writing.contains_key(*k) && inner.table.get(k).is_some_and(|e| !e.stuck))
             .cloned()
         else {
             return Ok(None);
         };
         let (weight, slot) = {
-            let e = &inner.map[&key];
+            let e = inner.table.get(&key).expect("present");
             (e.weight, e.slot.clone())
         };
         // Demote this one entry all the way: object -> serialized -> disk.
         for _ in 0..2 {
             let live =
-                inner.map.get(&key).is_some_and(|e| Arc::ptr_eq(&e.slot, &slot) && e.tier != Tier::Disk && !e.stuck);
+                inner.table.get(&key).is_some_and(|e| Arc::ptr_eq(&e.slot, &slot) && e.tier != Tier::Disk && !e.stuck);
             if !live || inner.writing.contains_key(&key) {
                 break;
             }
@@ -897,7 +910,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 inner = self.spill(inner, plan, None).0;
             }
         }
-        let entry = inner.map.get(&key).filter(|e| Arc::ptr_eq(&e.slot, &slot));
+        let entry = inner.table.get(&key).filter(|e| Arc::ptr_eq(&e.slot, &slot));
         if entry.is_some_and(|e| e.tier != Tier::Disk) {
             return Ok(None); // still in memory: its spill failed
         }

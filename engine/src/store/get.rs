@@ -101,7 +101,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         loop {
             let (k, slot, source, revive) = {
                 let inner = self.lock();
-                let Some((k, e)) = inner.map.get_key_value(key) else { return Ok(None) };
+                let Some((k, e)) = inner.table.get_key_value(key) else { return Ok(None) };
                 if let Some(v) = e.slot.try_get() {
                     return Ok(Some(v));
                 }
@@ -111,7 +111,8 @@ impl<C: Codec, B: Backend> Store<C, B> {
                     (_, None, Some(c)) => Source::Compressed(c.clone()),
                     _ => continue, // being promoted this instant: look again
                 };
-                let revive = inner.weak.get(key).filter(|w| Arc::ptr_eq(&w.slot, &e.slot)).map(|w| w.revive.clone());
+                let revive =
+                    inner.table.weak.get(key).filter(|w| Arc::ptr_eq(&w.slot, &e.slot)).map(|w| w.revive.clone());
                 (k.clone(), e.slot.clone(), source, revive)
             };
             if let Some(v) = revive.and_then(|r| r()) {
@@ -124,7 +125,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 Err(_)
                     if !self
                         .lock()
-                        .map
+                        .table
                         .get(&k)
                         .is_some_and(|e| Arc::ptr_eq(&e.slot, &slot) && e.tier == Tier::Disk) =>
                 {
@@ -293,7 +294,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// otherwise what to materialize it from.
     pub(super) fn begin_get(&self, key: &[u8]) -> Result<GetStart<C::Value>> {
         let mut inner = self.lock();
-        let Some((k, e)) = inner.map.get_key_value(key) else { return Ok(GetStart::Done(None)) };
+        let Some((k, e)) = inner.table.get_key_value(key) else { return Ok(GetStart::Done(None)) };
         let k = k.clone();
         if let Some(v) = e.slot.try_get() {
             // Counted under the lock this path holds anyway: no atomic on a get's fastest path.
@@ -301,7 +302,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             inner.object_reads.0 += 1;
             inner.object_reads.1 += w;
             metrics::note_thread(Activity::MemoryRead, 1, w, 0);
-            Self::touch(&mut inner, &k);
+            inner.table.touch(&k);
             return Ok(GetStart::Done(Some(v)));
         }
         let source = match (e.tier, &e.frames, &e.compressed) {
@@ -313,12 +314,12 @@ impl<C: Codec, B: Backend> Store<C, B> {
         };
         let slot = e.slot.clone();
         if e.tier != Tier::Disk {
-            Self::touch(&mut inner, &k); // (disk entries are not in the LRU: no second lookup)
+            inner.table.touch(&k); // (disk entries are not in the LRU: no second lookup)
         }
-        let revive = if inner.weak.is_empty() {
+        let revive = if inner.table.weak.is_empty() {
             None
         } else {
-            inner.weak.get(key).filter(|w| Arc::ptr_eq(&w.slot, &slot)).map(|w| w.revive.clone())
+            inner.table.weak.get(key).filter(|w| Arc::ptr_eq(&w.slot, &slot)).map(|w| w.revive.clone())
         };
         Ok(GetStart::Read { key: k, slot, source, revive })
     }
@@ -335,10 +336,10 @@ impl<C: Codec, B: Backend> Store<C, B> {
         let v = revive?()?;
         let t = Instant::now();
         let mut inner = self.lock();
-        match inner.map.get_mut(k).filter(|e| Arc::ptr_eq(&e.slot, slot)) {
-            Some(e) => e.revived = true,
-            None => return None, // removed or replaced meanwhile: not this entry's value any more
+        if !inner.table.get(k).is_some_and(|e| Arc::ptr_eq(&e.slot, slot)) {
+            return None; // removed or replaced meanwhile: not this entry's value any more
         }
+        inner.table.modify(k, |e| e.revived = true);
         drop(inner);
         self.metrics.record(Activity::MemoryRead, 0, t);
         Some(v)
@@ -378,7 +379,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             _ => None,
         };
         let mut inner = self.lock();
-        let current = inner.map.get(k).filter(|e| Arc::ptr_eq(&e.slot, slot));
+        let current = inner.table.get(k).filter(|e| Arc::ptr_eq(&e.slot, slot));
         let (v, weight) = match got {
             Ok(got) => got,
             Err(_) if current.is_none() => return Ok(None),
@@ -388,7 +389,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         let (tier, revived, disk_bytes) = (e.tier, e.revived, e.disk_bytes);
         if revived {
             // Settled here, whichever way the entry goes: a later get of it reads its record.
-            inner.map.get_mut(k).expect("present").revived = false;
+            inner.table.modify(k, |e| e.revived = false);
         }
         // Already promoted by another reader of the same materialization; or promoted and then evicted
         // again (slot idle) between our materialization and this lock: then the entry stays where it is,
@@ -402,7 +403,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             // frames heavier than the target whose object is light come back into memory.)
             slot.evict();
             if let Some(revive) = weak {
-                inner.weak.insert(k.clone(), WeakHandle { slot: slot.clone(), revive });
+                inner.table.weak.insert(k.clone(), WeakHandle { slot: slot.clone(), revive });
             }
             return Ok(Some(v));
         }
@@ -421,15 +422,14 @@ impl<C: Codec, B: Backend> Store<C, B> {
             && self.logs.forget(k).is_ok();
         if let (Some(c), false) = (crc, drop_record) {
             if disk_bytes > 0 {
-                inner.copy_crc.insert(k.clone(), c);
+                inner.table.copy_crc.insert(k.clone(), c);
             }
         }
-        let tick = inner.next_tick;
-        inner.next_tick += 1;
-        if !inner.weak.is_empty() {
-            inner.weak.remove(k);
+        let tick = inner.table.tick();
+        if !inner.table.weak.is_empty() {
+            inner.table.weak.remove(k);
         }
-        Self::modify_entry(&mut inner, k, |ne| {
+        inner.table.modify(k, |ne| {
             ne.tier = Tier::Materialized;
             ne.frames = None;
             ne.compressed = None;
@@ -442,7 +442,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             }
         });
         if drop_record {
-            Self::unstick(&mut inner);
+            inner.table.unstick();
         }
         self.enforce(inner, None)?;
         self.relieve_process_memory(Some(k), weight);
@@ -550,7 +550,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// First half of `get_serialized`, under the store's lock.
     pub(super) fn begin_get_serialized(&self, key: &[u8]) -> Result<SerStart<C::Value>> {
         let mut inner = self.lock();
-        let Some((k, e)) = inner.map.get_key_value(key) else { return Ok(SerStart::Done(None)) };
+        let Some((k, e)) = inner.table.get_key_value(key) else { return Ok(SerStart::Done(None)) };
         let k = k.clone();
         let large = e.large;
         let slot = e.slot.clone();
@@ -560,14 +560,14 @@ impl<C: Codec, B: Backend> Store<C, B> {
             (_, None, Some(c)) => Source::Compressed(c.clone()),
             (Tier::Materialized, None, None) => match e.slot.try_get() {
                 Some(v) => {
-                    Self::touch(&mut inner, &k);
+                    inner.table.touch(&k);
                     return Ok(SerStart::Object(k, v)); // serialized outside the lock
                 }
                 None => Source::Disk, // unreachable in practice: materialized entries have a value
             },
             _ => Source::Disk,
         };
-        Self::touch(&mut inner, &k);
+        inner.table.touch(&k);
         Ok(SerStart::Read { key: k, slot, source, large })
     }
 
@@ -583,20 +583,19 @@ impl<C: Codec, B: Backend> Store<C, B> {
         promote: bool,
     ) -> Result<Option<Frames>> {
         let mut inner = self.lock();
-        let current = inner.map.get(k).is_some_and(|e| Arc::ptr_eq(&e.slot, slot));
+        let current = inner.table.get(k).is_some_and(|e| Arc::ptr_eq(&e.slot, slot));
         // Still on disk, the entry is what was read: a failed read is its failure. Otherwise it was
         // removed, replaced, or brought back into memory (a revived object drops its record)
         // meanwhile, and the caller starts over.
-        let on_disk = current && inner.map.get(k).is_some_and(|e| e.tier == Tier::Disk);
+        let on_disk = current && inner.table.get(k).is_some_and(|e| e.tier == Tier::Disk);
         let frames = match got {
             Ok(f) => f,
             Err(_) if !on_disk => return Ok(None),
             Err(e) => return Err(e),
         };
         if !large && promote && on_disk {
-            let tick = inner.next_tick;
-            inner.next_tick += 1;
-            Self::modify_entry(&mut inner, k, |ne| {
+            let tick = inner.table.tick();
+            inner.table.modify(k, |ne| {
                 ne.tier = Tier::Serialized;
                 ne.weight = frames.total_len();
                 ne.frames = Some(frames.clone());

@@ -8,11 +8,9 @@
 
 use std::time::Instant;
 
-use crate::backend::Backend;
 use crate::sync::{AtomicU64, Ordering};
 
-use super::entry::TIERS;
-use super::{Codec, Store};
+use super::entry::{Totals, TIERS};
 
 /// What the store spends its time on: each has a count, bytes and time in the metrics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -228,33 +226,33 @@ impl MetricsSnapshot {
     }
 }
 
-impl<C: Codec, B: Backend> Store<C, B> {
-    /// A snapshot of the metrics and the current accounting. The accounting is read under the store's
-    /// lock and is consistent; the activity counters are read one after another while other threads may
-    /// be bumping them, so two counters of one snapshot need not be from the same instant.
-    pub fn metrics(&self) -> MetricsSnapshot {
-        let inner = self.lock();
+impl Metrics {
+    /// A snapshot of the counters with the store's `totals` and the gets answered with an object
+    /// in memory (`object_reads`: count and weight, part of [`Activity::MemoryRead`]). The counters
+    /// are read one after another while other threads may be bumping them, so two counters of one
+    /// snapshot need not be from the same instant.
+    pub(super) fn snapshot(&self, totals: &Totals, object_reads: (u64, u64)) -> MetricsSnapshot {
         MetricsSnapshot {
             activities: Activity::ALL
                 .iter()
                 .map(|&a| {
-                    let mut st = self.metrics.counter(a).snap();
+                    let mut st = self.counter(a).snap();
                     if a == Activity::MemoryRead {
-                        st.count += inner.object_reads.0;
-                        st.bytes += inner.object_reads.1;
+                        st.count += object_reads.0;
+                        st.bytes += object_reads.1;
                     }
                     (a.name(), st)
                 })
                 .collect(),
-            tier_bytes: TIERS.iter().map(|t| (t.name(), inner.tier_bytes[t.idx()])).collect(),
-            tier_entries: TIERS.iter().map(|t| (t.name(), inner.tier_count[t.idx()])).collect(),
-            memory_bytes: inner.mem_bytes,
-            spilled_memory_bytes: inner.disk_raw,
-            spilled_weight: inner.disk_weight,
-            spilled_raw: inner.spilled_raw,
-            spilled_disk_bytes: inner.disk_bytes,
-            max_spill_refusals: self.metrics.max_spill_refusals.load(Ordering::Relaxed),
-            spill_failures: self.metrics.spill_failures.load(Ordering::Relaxed),
+            tier_bytes: TIERS.iter().map(|t| (t.name(), totals.tier_bytes[t.idx()])).collect(),
+            tier_entries: TIERS.iter().map(|t| (t.name(), totals.tier_count[t.idx()])).collect(),
+            memory_bytes: totals.mem_bytes,
+            spilled_memory_bytes: totals.disk_raw,
+            spilled_weight: totals.disk_weight,
+            spilled_raw: totals.spilled_raw,
+            spilled_disk_bytes: totals.disk_bytes,
+            max_spill_refusals: self.max_spill_refusals.load(Ordering::Relaxed),
+            spill_failures: self.spill_failures.load(Ordering::Relaxed),
         }
     }
 }

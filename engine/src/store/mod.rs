@@ -47,9 +47,8 @@
 //! | `logs.rs` | the log spills go to, and a fresh one after a failed write left it read-only |
 //! | `pressure.rs` | the process target: eviction when the process's RSS is above it, memory out of reach |
 //! | `metrics.rs` | [`Activity`] counters and [`MetricsSnapshot`] |
-//! | `check.rs` | `check_accounting` |
+//! | `check.rs` | `check_accounting`: the table's own check, the writes in flight and the log |
 
-use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
@@ -61,8 +60,9 @@ use crate::log::SegmentLog;
 use crate::slot::Slot;
 // Locks, counters and the values' `Arc` come from the sync shim, so the loom models in `loom-tests/`
 // run this code as it is (keys and slots are plain `Arc`s: only their contents are shared state).
-use self::entry::{Acct, Entry, Inner};
+use self::entry::{Entry, Table};
 use self::metrics::Metrics;
+use self::receive::Stream;
 use crate::sync::{self, Condvar, Mutex, MutexGuard};
 use crate::value::Frames;
 
@@ -164,6 +164,39 @@ pub struct Store<C: Codec, B: Backend = PortableBackend> {
     metrics: Metrics,
 }
 
+/// The store's state under its lock: the entries and their accounting ([`Table`]), the spill writes
+/// and transfers in flight, and the failures to report.
+struct Inner<V> {
+    table: Table<V>,
+    /// When "reached capacity" (max_spill) and "Spill to disk failed" were last logged: each is
+    /// logged at most every [`LOG_EVERY`], independently of the other.
+    logged_full: Option<Instant>,
+    logged_disk: Option<Instant>,
+    /// Keys whose spill write runs right now, outside the lock. A key is in at most one write at a
+    /// time: eviction skips these keys, and a direct write of one (`put_large`, `put_stream`) waits.
+    /// Each write has a ticket (from `next_write`): `flush` waits for the writes older than itself.
+    writing: KeyMap<Arc<[u8]>, u64>,
+    next_write: u64,
+    /// Keys whose new value is arriving from a peer into memory (`receive_serialized`): a direct
+    /// write of the key, or a second transfer, waits as for `writing`; `flush` does not.
+    receiving: KeySet<Arc<[u8]>>,
+    /// Memory weight and serialized bytes of the entries in those writes, as planned. The weight
+    /// still counts in `mem_bytes` (the bytes are still in memory) until the write lands.
+    writing_weight: u64,
+    writing_raw: u64,
+    /// Keys a `put_stream` is receiving right now (absent from `map` meanwhile).
+    streams: KeyMap<Arc<[u8]>, Stream>,
+    /// Bytes of values admitted into memory as they arrive ([`Store::admit`]) and not yet stored
+    /// or let go of.
+    admitted: u64,
+    /// Gets answered with an object in memory: (count, weight), part of `Activity::MemoryRead`.
+    object_reads: (u64, u64),
+    /// A spill failed since the current eviction began ([`EvictionPolicy::failed_spill_ends_round`]).
+    round_failed: bool,
+    /// Spills that did not happen, for [`Store::take_failures`] (with `StoreConfig::report_failures`).
+    failures: Vec<SpillFailure>,
+}
+
 /// "Reached capacity" and "Spill to disk failed" are each logged at most this often (as the Python
 /// `SpillBuffer` does).
 const LOG_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
@@ -198,19 +231,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
         let log_opts = cfg.log_options();
         let log = SegmentLog::open(backend, dir.as_ref(), log_opts.clone())?;
         let mut inner = Inner {
-            map: KeyMap::default(),
-            lru: BTreeMap::new(),
-            next_tick: 0,
-            mem_bytes: 0,
-            tier_bytes: [0; 4],
-            tier_count: [0; 4],
-            disk_bytes: 0,
-            disk_raw: 0,
-            disk_weight: 0,
-            spilled_raw: 0,
+            table: Table::default(),
             logged_full: None,
             logged_disk: None,
-            stuck: KeySet::default(),
             writing: KeyMap::default(),
             next_write: 0,
             receiving: KeySet::default(),
@@ -218,10 +241,8 @@ impl<C: Codec, B: Backend> Store<C, B> {
             writing_raw: 0,
             streams: KeyMap::default(),
             admitted: 0,
-            weak: KeyMap::default(),
             round_failed: false,
             object_reads: (0, 0),
-            copy_crc: KeyMap::default(),
             failures: Vec::new(),
         };
         for k in log.keys() {
@@ -232,8 +253,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             // (the record's length: its serialized size plus a header, close enough to keep a value
             // heavier than the target on disk when it is read, as it was before the reopen)
             e.large = len > cfg.target_bytes;
-            inner.count_in(Acct::of(&e));
-            inner.map.insert(Arc::from(k.as_slice()), e);
+            inner.table.insert(Arc::from(k.as_slice()), e);
         }
         let target = std::sync::atomic::AtomicU64::new(cfg.target_bytes);
         let fresh_logs = if cfg.persistent { 0 } else { cfg.fresh_logs };
@@ -330,12 +350,12 @@ impl<C: Codec, B: Backend> Store<C, B> {
 
     /// Whether `key` is stored (in any tier).
     pub fn contains(&self, key: &[u8]) -> bool {
-        self.lock().map.contains_key(key)
+        self.lock().table.contains(key)
     }
 
     /// Number of keys.
     pub fn len(&self) -> usize {
-        self.lock().map.len()
+        self.lock().table.len()
     }
 
     /// True when empty.
@@ -345,17 +365,17 @@ impl<C: Codec, B: Backend> Store<C, B> {
 
     /// All keys (unordered).
     pub fn keys(&self) -> Vec<Vec<u8>> {
-        self.lock().map.keys().map(|k| k.to_vec()).collect()
+        self.lock().table.iter().map(|(k, _)| k.to_vec()).collect()
     }
 
     /// The tier `key` is in.
     pub fn tier(&self, key: &[u8]) -> Option<Tier> {
-        self.lock().map.get(key).map(|e| e.tier)
+        self.lock().table.get(key).map(|e| e.tier)
     }
 
     /// Total memory weight.
     pub fn memory_bytes(&self) -> u64 {
-        self.lock().mem_bytes
+        self.lock().table.totals().mem_bytes
     }
 
     /// The memory target now.
@@ -425,8 +445,8 @@ impl<C: Codec, B: Backend> Store<C, B> {
     pub fn keys_by_place(&self) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
         let mut stamped = {
             let inner = self.lock();
-            let mut all: Vec<(bool, u64, Vec<u8>)> = Vec::with_capacity(inner.map.len());
-            for (k, e) in &inner.map {
+            let mut all: Vec<(bool, u64, Vec<u8>)> = Vec::with_capacity(inner.table.len());
+            for (k, e) in inner.table.iter() {
                 all.push((e.tier == Tier::Disk, e.placed, k.to_vec()));
             }
             all
@@ -440,14 +460,14 @@ impl<C: Codec, B: Backend> Store<C, B> {
 
     /// The serialized bytes of `key`'s value if it is on disk (what a peer is sent), else `None`.
     pub fn spilled_bytes(&self, key: &[u8]) -> Option<u64> {
-        self.lock().map.get(key).filter(|e| e.tier == Tier::Disk).map(|e| e.disk_raw)
+        self.lock().table.get(key).filter(|e| e.tier == Tier::Disk).map(|e| e.disk_raw)
     }
 
     /// The serialized length of `key`'s value where the store holds it serialized (frames in
     /// memory, an lz4 block, a record on disk); `None` for an object or an absent key.
     pub fn stored_len(&self, key: &[u8]) -> Option<u64> {
         let inner = self.lock();
-        let e = inner.map.get(key)?;
+        let e = inner.table.get(key)?;
         match e.tier {
             Tier::Disk => Some(e.disk_raw),
             Tier::Serialized => e.frames.as_ref().map(|f| f.total_len()),
@@ -456,20 +476,37 @@ impl<C: Codec, B: Backend> Store<C, B> {
         }
     }
 
+    /// A snapshot of the metrics and the current accounting. The accounting is read under the
+    /// store's lock and is consistent; the activity counters are read one after another while other
+    /// threads may be bumping them, so two counters of one snapshot need not be from the same instant.
+    pub fn metrics(&self) -> MetricsSnapshot {
+        let inner = self.lock();
+        self.metrics.snapshot(inner.table.totals(), inner.object_reads)
+    }
+
+    /// Recompute the accounting from the entries and compare it with the running totals, the LRU
+    /// order and the log's index. `Err` names the first difference. For tests and debugging: it
+    /// walks every entry under the store's lock.
+    #[cfg(feature = "testing")]
+    #[doc(hidden)]
+    pub fn check_accounting(&self) -> std::result::Result<(), String> {
+        check::check_accounting(&self.lock(), &self.logs)
+    }
+
     /// Threads waiting in `key`'s slot for another thread's materialization of its value (`testing`
     /// only).
     #[cfg(feature = "testing")]
     #[doc(hidden)]
     pub fn waiters(&self, key: &[u8]) -> u32 {
-        let slot = self.lock().map.get(key).map(|e| e.slot.clone());
+        let slot = self.lock().table.get(key).map(|e| e.slot.clone());
         slot.map_or(0, |s| s.waiters())
     }
 
     /// Entries in memory and on disk.
     pub fn counts(&self) -> (u64, u64) {
         let inner = self.lock();
-        let disk = inner.tier_count[Tier::Disk.idx()];
-        (inner.map.len() as u64 - disk, disk)
+        let disk = inner.table.totals().tier_count[Tier::Disk.idx()];
+        (inner.table.len() as u64 - disk, disk)
     }
 }
 

@@ -9,10 +9,11 @@ use crate::slot::Slot;
 use crate::sync::{self, MutexGuard, Ordering};
 use crate::value::Frames;
 
-use super::entry::{decompress, Compressed, Inner, Tier};
+use super::entry::{decompress, Compressed, Tier};
 use super::evict::{Listed, Settled, EVICT_SCAN};
 use super::get::vanished;
 use super::metrics::Activity;
+use super::Inner;
 use super::{key_str, Codec, Store};
 
 /// Passes of a persistent store's `flush` (write a disk copy of everything, wait for the writes)
@@ -38,12 +39,12 @@ impl<C: Codec, B: Backend> Store<C, B> {
             return self.logs.current().sync();
         }
         // An explicit request to persist: values refused before are tried again.
-        Self::unstick(&mut inner);
+        inner.table.unstick();
         // What this flush must write: the values held only in memory when it began (values put
         // meanwhile are the next flush's). Each is written by this flush, or by another thread's
         // eviction while this flush waits for it.
         let mut pending: Vec<Listed<C::Value>> = inner
-            .map
+            .table
             .iter()
             .filter(|(_, e)| e.tier != Tier::Disk && e.disk_bytes == 0)
             .map(|(k, e)| (k.clone(), e.slot.clone(), true))
@@ -63,7 +64,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             // hold now (a failed transfer brings an old value back under a new slot; a key replaced
             // meanwhile is written with its new value), and keys a transfer has set aside right now
             // (it may bring the old value back).
-            pending.retain_mut(|(k, slot, original)| match inner.map.get(k) {
+            pending.retain_mut(|(k, slot, original)| match inner.table.get(k) {
                 Some(e) if e.tier != Tier::Disk && e.disk_bytes == 0 => {
                     if !Arc::ptr_eq(slot, &e.slot) {
                         *slot = e.slot.clone();
@@ -74,7 +75,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 Some(_) => false,
                 None => inner.streams.contains_key(k),
             });
-            if pending.iter().all(|(k, ..)| inner.map.get(k).is_some_and(|e| e.stuck)) {
+            if pending.iter().all(|(k, ..)| inner.table.get(k).is_some_and(|e| e.stuck)) {
                 break;
             }
         }
@@ -82,7 +83,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         // this flush's promise: only the listed values count.
         let only_in_memory = pending
             .iter()
-            .filter(|(k, slot, original)| *original && inner.map.get(k).is_some_and(|e| Arc::ptr_eq(&e.slot, slot)))
+            .filter(|(k, slot, original)| *original && inner.table.get(k).is_some_and(|e| Arc::ptr_eq(&e.slot, slot)))
             .count();
         // A value the flush wrote may have been kept in memory above the target (refused by
         // max_spill until now): it can be dropped for free now.
@@ -135,7 +136,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         }
         let mut todo: Vec<Job<C::Value>> = Vec::new();
         for (key, slot, _) in keys {
-            let Some(e) = inner.map.get(key).filter(|e| Arc::ptr_eq(&e.slot, slot)) else { continue };
+            let Some(e) = inner.table.get(key).filter(|e| Arc::ptr_eq(&e.slot, slot)) else { continue };
             if e.stuck || e.disk_bytes > 0 || inner.writing.contains_key(key) {
                 continue;
             }
@@ -203,7 +204,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         let mut landed = false;
         for ((Job { key, slot, .. }, d), &ok) in todo.iter().zip(&data).zip(&allowed) {
             inner.writing.remove(key);
-            let ours = inner.map.get(key).is_some_and(|e| Arc::ptr_eq(&e.slot, slot));
+            let ours = inner.table.get(key).is_some_and(|e| Arc::ptr_eq(&e.slot, slot));
             let loc = if ok { self.logs.location(key) } else { None };
             match (ours, loc) {
                 (true, Some(loc)) => {
@@ -215,8 +216,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                     match d {
                         Err(err @ Error::Codec { .. }) => {
                             self.metrics.spill_failures.fetch_add(1, Ordering::Relaxed);
-                            let e = inner.map.get_mut(key).expect("present");
-                            if !std::mem::replace(&mut e.logged_serialize, true) {
+                            if !inner.table.modify(key, |e| std::mem::replace(&mut e.logged_serialize, true)) {
                                 log::error!("Failed to serialize {:?}; keeping it in memory: {err}", key_str(key));
                             }
                         }

@@ -9,9 +9,10 @@ use crate::slot::Slot;
 use crate::sync::{self, MutexGuard};
 use crate::value::Frames;
 
-use super::entry::{Entry, Inner, Tier, WeakHandle};
+use super::entry::{Entry, Tier, WeakHandle};
 use super::evict::{Plan, Planned};
 use super::get::Source;
+use super::Inner;
 use super::{Codec, Revive, Store};
 
 impl<C: Codec, B: Backend> Store<C, B> {
@@ -92,7 +93,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         let slot = e.slot.clone();
         let k = self.insert(&mut inner, key, e)?;
         if let Some(revive) = weak {
-            inner.weak.insert(k.clone(), WeakHandle { slot: slot.clone(), revive });
+            inner.table.weak.insert(k.clone(), WeakHandle { slot: slot.clone(), revive });
         }
         if !self.spill_allowed(&mut inner, key, raw) {
             let slot = match object {
@@ -134,21 +135,21 @@ impl<C: Codec, B: Backend> Store<C, B> {
         (value, weight): (sync::Arc<C::Value>, u64),
     ) -> Arc<Slot<C::Value, Error>> {
         let serialized = inner
-            .map
+            .table
             .get(k)
             .is_some_and(|e| Arc::ptr_eq(&e.slot, slot) && e.tier == Tier::Serialized && e.disk_bytes == 0);
         if !serialized {
             return slot.clone();
         }
         let fresh = Arc::new(Slot::ready(value));
-        Self::modify_entry(inner, k, |ne| {
+        inner.table.modify(k, |ne| {
             ne.slot = fresh.clone();
             ne.tier = Tier::Materialized;
             ne.frames = None;
             ne.weight = weight;
         });
-        if !inner.weak.is_empty() {
-            inner.weak.remove(k);
+        if !inner.table.weak.is_empty() {
+            inner.table.weak.remove(k);
         }
         fresh
     }
@@ -185,5 +186,41 @@ impl<C: Codec, B: Backend> Store<C, B> {
         // settles (a tombstone in a persistent store), and `flush` waits for that.
         let mut inner = self.lock();
         self.drop_entry(&mut inner, key)
+    }
+
+    /// Put `e` under `key`, dropping the key's old entry (and its record) first.
+    pub(super) fn insert(&self, inner: &mut Inner<C::Value>, key: &[u8], e: Entry<C::Value>) -> Result<Arc<[u8]>> {
+        if key.len() > crate::MAX_KEY_BYTES {
+            return Err(Error::KeyTooLarge { len: key.len(), max: crate::MAX_KEY_BYTES });
+        }
+        self.drop_entry(inner, key)?;
+        let k: Arc<[u8]> = Arc::from(key);
+        inner.table.insert(k.clone(), e);
+        Ok(k)
+    }
+
+    /// Remove `key`'s entry from memory and disk; returns whether it existed. If the log cannot drop
+    /// the record (a persistent store's tombstone write failed), the entry stays as it was.
+    pub(super) fn drop_entry(&self, inner: &mut Inner<C::Value>, key: &[u8]) -> Result<bool> {
+        // Every put and remove comes here. A transfer of the key in progress loses to it (once the
+        // old record, if any, is dropped: a remove that fails changes nothing); the old value a
+        // transfer set aside counts as existing.
+        let supersede = |inner: &mut Inner<C::Value>| {
+            inner.streams.get_mut(key).is_some_and(|s| !std::mem::replace(&mut s.superseded, true) && s.has_old)
+        };
+        let Some(disk_bytes) = inner.table.get(key).map(|e| e.disk_bytes) else { return Ok(supersede(inner)) };
+        if disk_bytes > 0 {
+            if self.cfg.persistent {
+                self.logs.current().delete(key)?;
+            } else {
+                self.logs.forget(key)?;
+            }
+        }
+        supersede(inner);
+        inner.table.take(key);
+        if disk_bytes > 0 {
+            inner.table.unstick();
+        }
+        Ok(true)
     }
 }

@@ -13,9 +13,24 @@ use crate::slot::Slot;
 use crate::stored;
 use crate::sync::MutexGuard;
 
-use super::entry::{Entry, Inner, Stream, Tier};
+use super::entry::{Entry, Tier};
 use super::metrics::Activity;
+use super::Inner;
 use super::{key_str, Codec, Store};
+
+/// A `put_stream` in progress.
+pub(super) struct Stream {
+    /// A put or remove of the key came after the transfer started: it wins over the transfer.
+    pub(super) superseded: bool,
+    /// The key had a value when the transfer started (set aside meanwhile).
+    pub(super) has_old: bool,
+    /// Memory weight and spilled bytes of that value, still counted in `mem_bytes` and
+    /// `disk_raw` (it may come back): what `check_accounting` adds back.
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
+    pub(super) aside_weight: u64,
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
+    pub(super) aside_raw: u64,
+}
 
 impl<C: Codec, B: Backend> Store<C, B> {
     /// Store a value arriving from a peer (`src`, in the stored form `meta` announces) straight into
@@ -40,7 +55,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         })?;
         let mut inner = self.wait_unwritten(self.lock(), key);
         // The record it replaces (if any) stops counting against max_spill once this one lands.
-        let replaced = inner.map.get(key).map_or(0, |e| e.disk_raw);
+        let replaced = inner.table.get(key).map_or(0, |e| e.disk_raw);
         if !self.spill_allowed(&mut inner, key, raw.saturating_sub(replaced)) {
             return self.receive_serialized(inner, key, meta, src, true);
         }
@@ -50,10 +65,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
         // or a `put_large`, waits for this write.) Its memory stays counted until then.
         // Its record's spilled bytes stay counted against max_spill too: on failure it comes back
         // with them, so other spills must not take that room meanwhile.
-        let old = Self::take_entry(&mut inner, key);
+        let old = inner.table.take(key);
         let (aside_weight, aside_raw) = old.as_ref().map_or((0, 0), |o| (o.mem_weight(), o.disk_raw));
-        inner.mem_bytes += aside_weight;
-        inner.disk_raw += aside_raw;
+        inner.table.set_aside(aside_weight, aside_raw);
         let k: Arc<[u8]> = Arc::from(key);
         let stream = Stream { superseded: false, has_old: old.is_some(), aside_weight, aside_raw };
         inner.streams.insert(k.clone(), stream);
@@ -64,8 +78,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         // A panic of the caller's reader (or the log) still settles the store before it goes on.
         let streamed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.logs.put_stream(key, meta, src)));
         let mut inner = self.lock();
-        inner.mem_bytes -= aside_weight;
-        inner.disk_raw -= aside_raw;
+        inner.table.end_aside(aside_weight, aside_raw);
         inner.writing.remove(&k);
         inner.writing_raw -= raw;
         self.written.notify_all();
@@ -75,7 +88,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         let streamed = match streamed {
             Ok(streamed) => streamed,
             Err(panic) => {
-                Self::unstick(&mut inner);
+                inner.table.unstick();
                 self.settle_failed_stream(&mut inner, key, old, superseded);
                 drop(inner);
                 std::panic::resume_unwind(panic);
@@ -85,7 +98,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             if !e.is_no_space() {
                 // The space this stream reserved against max_spill is free again (unless the disk
                 // is full, when retrying the refused evictions would only fail again).
-                Self::unstick(&mut inner);
+                inner.table.unstick();
             }
             self.settle_failed_stream(&mut inner, key, old, superseded);
             return Err(e);
@@ -93,7 +106,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         self.metrics.add(Activity::DiskWrite, 1, raw, t.elapsed().as_nanos() as u64);
         if superseded || old.is_some_and(|o| o.disk_bytes > 0) {
             // Disk space comes free: the streamed record, or the old one it superseded.
-            Self::unstick(&mut inner);
+            inner.table.unstick();
         }
         if superseded {
             self.drop_stale_record(key);
@@ -142,7 +155,8 @@ impl<C: Codec, B: Backend> Store<C, B> {
         let headroom = self.process_headroom(); // (reads the RSS: without the lock)
         let mut inner = self.lock();
         let admitted = inner.admitted.saturating_add(nbytes);
-        let fits = inner.mem_bytes.saturating_add(admitted) <= self.target() && headroom.is_none_or(|h| admitted <= h);
+        let fits = inner.table.totals().mem_bytes.saturating_add(admitted) <= self.target()
+            && headroom.is_none_or(|h| admitted <= h);
         if fits {
             inner.admitted = admitted;
         }
