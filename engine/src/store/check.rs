@@ -14,16 +14,11 @@ pub(super) fn check_accounting<V, B: Backend>(inner: &Inner<V>, logs: &Logs<B>) 
     let aside = inner.streams.values().fold((0, 0), |(w, r), s| (w + s.aside_weight, r + s.aside_raw));
     // A key being written (or streamed, its old record set aside) may or may not have its new
     // record in the log yet.
-    let settled = |k: &[u8]| !inner.writing.contains_key(k) && !inner.streams.contains_key(k);
+    let settled = |k: &[u8]| !inner.writes.contains(k) && !inner.streams.contains_key(k);
     inner.table.check(aside, |k| logs.location(k).map(|l| l.len), settled)?;
-    if !inner.writing.is_empty() {
+    inner.writes.check()?;
+    if !inner.writes.is_empty() {
         return Ok(()); // records of writes in flight may or may not be in the log yet
-    }
-    if (inner.writing_weight, inner.writing_raw) != (0, 0) {
-        return Err(format!(
-            "no write in flight, but {} weight and {} bytes counted as being written",
-            inner.writing_weight, inner.writing_raw
-        ));
     }
     let on_disk = inner.table.iter().filter(|(_, e)| e.disk_bytes > 0).count();
     if logs.len() != on_disk {

@@ -296,7 +296,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                     if refused {
                         *d = Demoted::Abandoned;
                     } else if self.spill_allowed(&mut inner, &dm.key, raw) {
-                        inner.writing_raw += raw;
+                        inner.writes.reserve(raw);
                     } else {
                         *d = Demoted::Refused(None);
                         refused = ends;
@@ -332,8 +332,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
 
     /// A demotion is over (whatever became of it): its key is no longer being written.
     fn end_demotion(inner: &mut Inner<C::Value>, d: &Demotion<C::Value>) {
-        inner.writing.remove(&d.key);
-        inner.writing_weight -= d.weight;
+        inner.writes.end(&d.key, d.weight, 0);
     }
 
     /// Under the lock again: an object demoted in memory, or not demoted. It leaves memory only if
@@ -422,7 +421,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         Self::end_demotion(inner, &d);
         let same = inner.table.get(&d.key).is_some_and(|e| Arc::ptr_eq(&e.slot, &d.slot));
         let raw = frames.total_len();
-        inner.writing_raw -= raw;
+        inner.writes.release(raw);
         let written = self.logs.place(&d.key).filter(|p| Some(*p) != before).map(|(_, loc)| loc);
         if same && written.is_none() && before.is_some() {
             // The new frames did not land; the record there is an old copy, no longer known to
@@ -475,9 +474,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         settled: &mut Settled<'_>,
     ) {
         let raw = p.raw;
-        inner.writing.remove(&p.key);
-        inner.writing_weight -= p.weight;
-        inner.writing_raw -= raw;
+        inner.writes.end(&p.key, p.weight, raw);
         let ours = inner.table.get(&p.key).is_some_and(|e| Arc::ptr_eq(&e.slot, &p.slot));
         match (ours, self.logs.location(&p.key)) {
             (true, Some(loc)) => {
@@ -588,7 +585,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// Whether `bytes` more of `key` fit under max_spill; a refusal is reported.
     pub(super) fn spill_allowed(&self, inner: &mut Inner<C::Value>, key: &[u8], bytes: u64) -> bool {
         match self.cfg.max_spill_bytes {
-            Some(max) if inner.table.totals().disk_raw + inner.writing_raw + bytes > max => {
+            Some(max) if inner.table.totals().disk_raw + inner.writes.raw() + bytes > max => {
                 self.metrics.max_spill_refusals.fetch_add(1, Ordering::Relaxed);
                 if !self.report(inner, key, SpillFailureKind::MaxSpill, None) && log_due(&mut inner.logged_full) {
                     log::warn!("Spill file on disk reached capacity; keeping data in memory");
@@ -695,7 +692,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         // Bounded: with the lock released during writes, other threads keep adding; each of them
         // enforces the target for its own puts.
         for _ in 0..ENFORCE_ROUNDS {
-            let pending = inner.table.totals().mem_bytes.saturating_sub(inner.writing_weight);
+            let pending = inner.table.totals().mem_bytes.saturating_sub(inner.writes.weight());
             let excess = self.cfg.eviction.excess(pending, self.target());
             if excess == 0 {
                 break;
@@ -758,7 +755,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             // (A value being deserialized is about to be used: a get has it in hand.)
             if e.stuck
                 || e.tier == Tier::Disk
-                || inner.writing.contains_key(&key)
+                || inner.writes.contains(&key)
                 || spare.is_some_and(|s| Arc::ptr_eq(s, &e.slot))
                 || e.slot.state() == crate::slot::SlotState::Materializing
             {
@@ -800,8 +797,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                     copy_crc,
                 };
                 freed += d.weight;
-                Self::begin_write(inner, key.clone());
-                inner.writing_weight += d.weight;
+                inner.writes.begin(key.clone(), d.weight, 0);
                 demotions.push(d);
                 continue;
             }
@@ -837,7 +833,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             }
         }
         for p in &planned {
-            Self::mark_writing(inner, p);
+            inner.writes.begin(p.key.clone(), p.weight, p.raw);
         }
         Ok((freed, Plan { writes: planned, demotions, released }))
     }
@@ -889,7 +885,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         let Some(key) = inner
             .table
             .lru_keys()
-            .find(|k| !inner.writing.contains_key(*k) && inner.table.get(k).is_some_and(|e| !e.stuck))
+            .find(|k| !inner.writes.contains(k) && inner.table.get(k).is_some_and(|e| !e.stuck))
             .cloned()
         else {
             return Ok(None);
@@ -902,7 +898,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         for _ in 0..2 {
             let live =
                 inner.table.get(&key).is_some_and(|e| Arc::ptr_eq(&e.slot, &slot) && e.tier != Tier::Disk && !e.stuck);
-            if !live || inner.writing.contains_key(&key) {
+            if !live || inner.writes.contains(&key) {
                 break;
             }
             let (_, plan) = self.evict_round(&mut inner, weight.max(1), Some(&key), None)?;

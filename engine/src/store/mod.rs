@@ -43,6 +43,7 @@
 //! | `evict.rs` | eviction rounds: plan, write, settle; `max_spill`, stuck entries |
 //! | `receive.rs` | [`Store::receive`] and `put_stream`: values arriving in stored form |
 //! | `get.rs` | `get`, `get_many`, `get_async`, `get_serialized`; deserialize once |
+//! | `writes.rs` | the spill writes in flight: one per key, tickets for `flush`, the bytes they reserve |
 //! | `persist.rs` | `flush` of a persistent store |
 //! | `logs.rs` | the log spills go to, and a fresh one after a failed write left it read-only |
 //! | `pressure.rs` | the process target: eviction when the process's RSS is above it, memory out of reach |
@@ -63,6 +64,7 @@ use crate::slot::Slot;
 use self::entry::{Entry, Table};
 use self::metrics::Metrics;
 use self::receive::Stream;
+use self::writes::Writes;
 use crate::sync::{self, Condvar, Mutex, MutexGuard};
 use crate::value::Frames;
 
@@ -78,6 +80,7 @@ mod persist;
 mod pressure;
 mod put;
 mod receive;
+mod writes;
 
 pub use self::config::{EvictionPolicy, StoreConfig, SPILL_WRITE_BEHIND_BYTES};
 pub use self::entry::Tier;
@@ -172,18 +175,13 @@ struct Inner<V> {
     /// logged at most every [`LOG_EVERY`], independently of the other.
     logged_full: Option<Instant>,
     logged_disk: Option<Instant>,
-    /// Keys whose spill write runs right now, outside the lock. A key is in at most one write at a
-    /// time: eviction skips these keys, and a direct write of one (`put_large`, `put_stream`) waits.
-    /// Each write has a ticket (from `next_write`): `flush` waits for the writes older than itself.
-    writing: KeyMap<Arc<[u8]>, u64>,
-    next_write: u64,
+    /// The spill writes running outside the lock (`writes.rs`): eviction skips their keys, a
+    /// direct write of one (`put_large`, `put_stream`) waits, and `flush` waits for those older
+    /// than itself.
+    writes: Writes,
     /// Keys whose new value is arriving from a peer into memory (`receive_serialized`): a direct
-    /// write of the key, or a second transfer, waits as for `writing`; `flush` does not.
+    /// write of the key, or a second transfer, waits as for `writes`; `flush` does not.
     receiving: KeySet<Arc<[u8]>>,
-    /// Memory weight and serialized bytes of the entries in those writes, as planned. The weight
-    /// still counts in `mem_bytes` (the bytes are still in memory) until the write lands.
-    writing_weight: u64,
-    writing_raw: u64,
     /// Keys a `put_stream` is receiving right now (absent from `map` meanwhile).
     streams: KeyMap<Arc<[u8]>, Stream>,
     /// Bytes of values admitted into memory as they arrive ([`Store::admit`]) and not yet stored
@@ -234,11 +232,8 @@ impl<C: Codec, B: Backend> Store<C, B> {
             table: Table::default(),
             logged_full: None,
             logged_disk: None,
-            writing: KeyMap::default(),
-            next_write: 0,
+            writes: Writes::default(),
             receiving: KeySet::default(),
-            writing_weight: 0,
-            writing_raw: 0,
             streams: KeyMap::default(),
             admitted: 0,
             round_failed: false,

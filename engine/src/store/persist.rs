@@ -101,8 +101,8 @@ impl<C: Codec, B: Backend> Store<C, B> {
         &'a self,
         mut inner: MutexGuard<'a, Inner<C::Value>>,
     ) -> MutexGuard<'a, Inner<C::Value>> {
-        let now = inner.next_write;
-        while inner.writing.values().any(|&w| w < now) {
+        let now = inner.writes.next_ticket();
+        while inner.writes.any_before(now) {
             inner = self.written.wait(inner).unwrap_or_else(|p| p.into_inner());
         }
         inner
@@ -137,7 +137,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         let mut todo: Vec<Job<C::Value>> = Vec::new();
         for (key, slot, _) in keys {
             let Some(e) = inner.table.get(key).filter(|e| Arc::ptr_eq(&e.slot, slot)) else { continue };
-            if e.stuck || e.disk_bytes > 0 || inner.writing.contains_key(key) {
+            if e.stuck || e.disk_bytes > 0 || inner.writes.contains(key) {
                 continue;
             }
             let copy = match (e.tier, &e.frames, &e.compressed) {
@@ -150,7 +150,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 (_, None, Some(c)) => Copy::Compressed(c.clone()),
                 (_, None, None) => continue,
             };
-            Self::begin_write(&mut inner, key.clone());
+            inner.writes.begin(key.clone(), 0, 0);
             todo.push(Job { key: key.clone(), slot: slot.clone(), copy });
         }
         if todo.is_empty() {
@@ -187,7 +187,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 _ => false,
             })
             .collect();
-        inner.writing_raw += reserved;
+        inner.writes.reserve(reserved);
         drop(inner);
         let items: Vec<(&[u8], &Frames)> = todo
             .iter()
@@ -197,13 +197,13 @@ impl<C: Codec, B: Backend> Store<C, B> {
             .collect();
         let (result, panicked) = self.write_batch(&items);
         let mut inner = self.lock();
-        inner.writing_raw -= reserved;
+        inner.writes.release(reserved);
         let mut stuck: Vec<Arc<[u8]>> = Vec::new();
         let mut stale: Vec<Arc<[u8]>> = Vec::new();
         let mut freed = false;
         let mut landed = false;
         for ((Job { key, slot, .. }, d), &ok) in todo.iter().zip(&data).zip(&allowed) {
-            inner.writing.remove(key);
+            inner.writes.end(key, 0, 0);
             let ours = inner.table.get(key).is_some_and(|e| Arc::ptr_eq(&e.slot, slot));
             let loc = if ok { self.logs.location(key) } else { None };
             match (ours, loc) {

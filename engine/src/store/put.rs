@@ -112,7 +112,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             weight: raw,
             object_weight,
         };
-        Self::mark_writing(&mut inner, &planned);
+        inner.writes.begin(planned.key.clone(), planned.weight, planned.raw);
         let (mut inner, _) = self.spill(inner, Plan::new(vec![planned]), None);
         let slot = match object {
             Some(o) => Self::keep_object(&mut inner, &k, &slot, o),
@@ -161,23 +161,10 @@ impl<C: Codec, B: Backend> Store<C, B> {
         mut inner: MutexGuard<'a, Inner<C::Value>>,
         key: &[u8],
     ) -> MutexGuard<'a, Inner<C::Value>> {
-        while inner.writing.contains_key(key) || inner.receiving.contains(key) {
+        while inner.writes.contains(key) || inner.receiving.contains(key) {
             inner = self.written.wait(inner).unwrap_or_else(|p| p.into_inner());
         }
         inner
-    }
-
-    /// `key` is being written (to the log, outside the store's lock) from now on.
-    pub(super) fn begin_write(inner: &mut Inner<C::Value>, key: Arc<[u8]>) {
-        let ticket = inner.next_write;
-        inner.next_write += 1;
-        inner.writing.insert(key, ticket);
-    }
-
-    pub(super) fn mark_writing(inner: &mut Inner<C::Value>, p: &Planned<C::Value>) {
-        Self::begin_write(inner, p.key.clone());
-        inner.writing_weight += p.weight;
-        inner.writing_raw += p.raw;
     }
 
     /// Delete `key` from every tier. Returns whether it existed.

@@ -71,16 +71,14 @@ impl<C: Codec, B: Backend> Store<C, B> {
         let k: Arc<[u8]> = Arc::from(key);
         let stream = Stream { superseded: false, has_old: old.is_some(), aside_weight, aside_raw };
         inner.streams.insert(k.clone(), stream);
-        Self::begin_write(&mut inner, k.clone());
-        inner.writing_raw += raw;
+        inner.writes.begin(k.clone(), 0, raw);
         drop(inner);
         let t = Instant::now();
         // A panic of the caller's reader (or the log) still settles the store before it goes on.
         let streamed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.logs.put_stream(key, meta, src)));
         let mut inner = self.lock();
         inner.table.end_aside(aside_weight, aside_raw);
-        inner.writing.remove(&k);
-        inner.writing_raw -= raw;
+        inner.writes.end(&k, 0, raw);
         self.written.notify_all();
         // A put of the key (in memory: its eviction waited for this write) or a remove came
         // meanwhile.
