@@ -11,7 +11,7 @@ use super::health::WARN_COMPACT;
 use super::index::Location;
 use super::recover::RecoveryReport;
 use super::scan::{entry_matches, FOOTER_MISMATCH};
-use super::segments::{first_segment, SegMeta, WriterState};
+use super::segments::{SegMeta, WriterState};
 use super::write::NewRecord;
 use super::{padded, SegmentLog};
 
@@ -237,15 +237,7 @@ impl<B: Backend> SegmentLog<B> {
         // that could not be moved. They stay counted, so the segment (and with it each damaged
         // tombstone, which recovery still honours through the footer) is kept while they are needed.
         let pending = st.active.as_ref().is_some_and(|a| a.written_end != a.data_end);
-        if let Some(m) = st.segs.get_mut(&id) {
-            // Copies still pending in memory (write-behind) stand in for this segment's records,
-            // its tombstones included: the segment may go only once they are written.
-            m.superseded_by_pending |= pending;
-            m.tombstones = stuck.tombstones;
-            m.tombstone_bytes = stuck.bytes;
-            m.min_shadow = stuck.shadow;
-            m.unmovable |= stuck.any;
-        }
+        st.segs.tombstones_moved(id, (stuck.tombstones, stuck.bytes, stuck.shadow), stuck.any, pending);
         Ok((moved, bytes))
     }
 
@@ -269,7 +261,7 @@ impl<B: Backend> SegmentLog<B> {
                     // new record is deleted too (a case the `log_model` fuzz target reaches).
                     e.aux < id
                         && st.segs.range(e.aux..id).next().is_some()
-                        && index.get(e.key.as_slice()).is_none_or(|l| first_segment(&st.segs, l) > e.aux)
+                        && index.get(e.key.as_slice()).is_none_or(|l| st.segs.first_segment(l) > e.aux)
                 } else {
                     index.get(e.key.as_slice()).is_some_and(|l| l.segment == id && l.offset() == e.offset)
                 };

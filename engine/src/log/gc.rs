@@ -16,7 +16,7 @@ use super::health::{WARN_GC, WARN_PUNCH};
 use super::index::Location;
 use super::options::LogOptions;
 use super::segments::{SpareFile, WriterState, MAX_KEPT_AT_OPEN, MAX_SPARE_FILES};
-use super::{lock, padded, parse_seg_file_name, SegmentLog};
+use super::{lock, parse_seg_file_name, SegmentLog};
 
 /// Forgotten records at least this large are hole-punched (with `LogOptions::punch_forgotten`).
 pub(super) const PUNCH_MIN_BYTES: u64 = 256 << 10;
@@ -131,9 +131,7 @@ impl<B: Backend> SegmentLog<B> {
         };
         match punched {
             Ok(()) => {
-                if let Some(m) = st.segs.get_mut(&old.segment) {
-                    m.punched += end - start;
-                }
+                st.segs.punched(old.segment, end - start);
             }
             Err(e) => {
                 if self.health.warn_once(WARN_PUNCH) {
@@ -158,18 +156,12 @@ impl<B: Backend> SegmentLog<B> {
     }
 
     pub(super) fn superseded_by_pending(st: &mut WriterState<B::File>, old: Location) {
-        if let Some(m) = st.segs.get_mut(&old.segment) {
-            m.superseded_by_pending = true;
-        }
+        st.segs.superseded_by_pending(old.segment);
     }
 
     pub(super) fn release(st: &mut WriterState<B::File>, old: Location, emptied: &mut Vec<u32>) {
-        if let Some(m) = st.segs.get_mut(&old.segment) {
-            m.live_records -= 1;
-            m.live_bytes -= padded(old.len);
-            if m.live_records == 0 {
-                emptied.push(old.segment);
-            }
+        if st.segs.release(old) {
+            emptied.push(old.segment);
         }
     }
 
@@ -271,7 +263,7 @@ impl<B: Backend> SegmentLog<B> {
             // would hold every dead segment's disk space until it closed.
             st.unsynced_sealed.retain(|f| !Arc::ptr_eq(f, &file));
         }
-        st.segs.remove(&id);
+        st.segs.remove(id);
         st.dir_dirty = true;
         Ok(())
     }
@@ -300,7 +292,7 @@ impl<B: Backend> SegmentLog<B> {
         let file = files.remove(&id).expect("looked up above");
         drop(files);
         st.unsynced_sealed.retain(|f| !Arc::ptr_eq(f, &file));
-        st.segs.remove(&id);
+        st.segs.remove(id);
         st.spare_files.push(SpareFile { id, file, punched });
         true
     }

@@ -20,7 +20,7 @@
 //! | `health.rs` | poisoning after a failed write, warnings logged once (`Health`) |
 //! | `options.rs` | [`LogOptions`], [`Compression`] |
 //! | `index.rs` | [`Location`] and the packed index entry |
-//! | `segments.rs` | per-segment accounting, the active segment, rotate / seal / sync |
+//! | `segments.rs` | the segment table (`SegmentTable`: the only writer of per-segment accounting), the active segment, rotate / seal / sync |
 //! | `recover.rs` | opening: footers, scans, which record of a key wins, torn tails (`SegmentReader`) |
 //! | `scan.rs` | reading a segment record by record, resync past damage (`Scanner`) |
 //! | `read.rs` | gets, pipelined and async reads, the stored form for sending |

@@ -16,9 +16,9 @@ use crate::key::{IndexKey, KeyHasher, KeyMap};
 use super::index::{Location, PackedLoc, RecordFacts};
 use super::options::LogOptions;
 use super::scan::Scanner;
-use super::segments::{Active, SegMeta};
+use super::segments::{Active, SegMeta, SegmentTable};
 use super::stream::erase_aborted;
-use super::{padded, parse_seg_file_name, segment_path, MAX_RECORD_BYTES, MAX_SEGMENT_FILE_BYTES, SEQ_LIMIT};
+use super::{parse_seg_file_name, segment_path, MAX_RECORD_BYTES, MAX_SEGMENT_FILE_BYTES, SEQ_LIMIT};
 
 /// What recovery found when the log was opened.
 #[derive(Debug, Clone, Default)]
@@ -89,7 +89,7 @@ struct Newest<F> {
 /// segment's accounting, and the highest sequence number seen.
 struct Settled {
     index: KeyMap<IndexKey, PackedLoc>,
-    segs: BTreeMap<u32, SegMeta>,
+    segs: SegmentTable,
     max_seq: u64,
 }
 
@@ -135,31 +135,24 @@ fn settle_winners(scans: &BTreeMap<u32, SegmentScan>, report: &mut RecoveryRepor
             }
         }
     }
-    let mut segs: BTreeMap<u32, SegMeta> = scans.iter().map(|(&id, s)| (id, s.meta.clone())).collect();
+    let mut segs: SegmentTable = scans.iter().map(|(&id, s)| (id, s.meta.clone())).collect();
     let mut index = KeyMap::with_capacity_and_hasher(winners.len(), KeyHasher::default());
     for (key, w) in winners {
         if w.tombstone {
             continue;
         }
-        let m = segs.get_mut(&w.segment).expect("winner segment was scanned");
-        m.live_records += 1;
-        m.live_bytes += padded(w.len);
+        segs.add_live(w.segment, w.len);
         let elsewhere = w.first_segment != w.segment;
         if elsewhere {
-            m.firsts.push((w.offset as u32, w.first_segment));
+            segs.recovered_first(w.segment, w.offset, w.first_segment);
         }
         let loc = Location { segment: w.segment, offset: w.offset, len: w.len };
         index.insert(IndexKey::from(key), PackedLoc::new(loc, w.facts, elsewhere));
     }
-    for m in segs.values_mut() {
-        m.firsts.sort_unstable();
-    }
+    segs.sort_firsts();
     for (&id, scan) in scans {
-        let m = segs.get_mut(&id).expect("scanned");
         for e in scan.entries.iter().filter(|e| e.flags & format::FLAG_TOMBSTONE != 0) {
-            m.tombstones += 1;
-            m.tombstone_bytes += padded(e.record_len);
-            m.min_shadow = m.min_shadow.min(e.aux);
+            segs.add_tombstone(id, e.record_len, e.aux);
         }
     }
     Settled { index, segs, max_seq }
@@ -170,7 +163,7 @@ pub(super) struct Recovered<F> {
     pub(super) salt: Salt,
     pub(super) index: KeyMap<IndexKey, PackedLoc>,
     pub(super) files: KeyMap<u32, Arc<F>>,
-    pub(super) segs: BTreeMap<u32, SegMeta>,
+    pub(super) segs: SegmentTable,
     /// The newest segment, continued.
     pub(super) active: Option<Active<F>>,
     /// Segments a durable log must fdatasync at its next sync.
@@ -345,7 +338,7 @@ impl<B: Backend> SegmentReader<'_, B> {
     fn continue_newest(
         &self,
         scans: &mut BTreeMap<u32, SegmentScan>,
-        segs: &BTreeMap<u32, SegMeta>,
+        segs: &SegmentTable,
         files: &KeyMap<u32, Arc<B::File>>,
         salt_learned: bool,
     ) -> Result<Newest<B::File>> {

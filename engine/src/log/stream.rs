@@ -18,7 +18,7 @@ use crate::value::Frames;
 use crate::{format, stored};
 
 use super::index::{Location, PackedLoc, RecordFacts};
-use super::segments::{first_segment, note_first_segment, SegMeta};
+use super::segments::SegMeta;
 use super::write::{NewRecord, Payload, Placed, Prepared};
 use super::{lock, padded, SegmentLog, MAX_RECORD_BYTES};
 
@@ -397,15 +397,13 @@ impl<B: Backend> SegmentLog<B> {
                 // A write of the key, for the streams of it that began before this one.
                 self.streams.written_meanwhile(key, seq);
                 let loc = Location { segment: id, offset: data_start, len };
-                let first = index.get(key).map_or(id, |o| first_segment(&st.segs, o).min(id));
-                let elsewhere = note_first_segment(&mut st.segs, id, data_start, first);
+                let first = index.get(key).map_or(id, |o| st.segs.first_segment(o).min(id));
+                let elsewhere = st.segs.note_first(id, data_start, first);
                 let facts = RecordFacts::of(h.flags, h.frame_count, h.payload_crc, h.aux, h.stored_len);
                 if let Some(old) = index.insert(IndexKey::from(key), PackedLoc::new(loc, facts, elsewhere)) {
                     Self::release(st, old.into(), &mut emptied);
                 }
-                let m = st.segs.get_mut(&id).expect("inserted above");
-                m.live_records = 1;
-                m.live_bytes = padded(len);
+                st.segs.add_live(id, len);
             }
         }
         self.health.wrote();

@@ -57,7 +57,7 @@ impl<B: Backend> SegmentLog<B> {
     pub fn stats(&self) -> LogStats {
         let st = self.writer();
         let mut s = LogStats::default();
-        for (&id, m) in &st.segs {
+        for (&id, m) in st.segs.iter() {
             s.segments += 1;
             s.sealed_segments += m.sealed as u64;
             s.records += m.records;

@@ -15,7 +15,7 @@ use crate::{format, stored};
 
 use super::index::{Location, PackedLoc, RecordFacts};
 use super::options::Compression;
-use super::segments::{first_segment, note_first_segment, WriterState};
+use super::segments::WriterState;
 use super::{laid_out_len, padded, SegmentLog, Writer, MAX_RECORD_BYTES, MAX_SPARE_BUF};
 
 /// With a backend that queues writes, records are encoded and written in groups of about this size,
@@ -187,7 +187,7 @@ impl<B: Backend> SegmentLog<B> {
         let Some(packed) = self.index.read().unwrap_or_else(|p| p.into_inner()).get(key).copied() else {
             return Ok(false);
         };
-        let first = first_segment(&st.segs, &packed);
+        let first = st.segs.first_segment(&packed);
         self.append(&mut st, vec![NewRecord::Tombstone { key, aux: first }])?;
         Ok(true)
     }
@@ -642,18 +642,12 @@ impl<B: Backend> SegmentLog<B> {
                                 Self::superseded_by_pending(st, old.into());
                             }
                         }
-                        let m = st.segs.get_mut(&id).expect("active");
-                        m.tombstones += 1;
-                        m.tombstone_bytes += padded(len);
-                        m.min_shadow = m.min_shadow.min(*aux);
+                        st.segs.add_tombstone(id, len, *aux);
                         locs.push(loc);
                     }
                     NewRecord::SyncMark => locs.push(loc),
                     NewRecord::Relocated { header, .. } if header.is_tombstone() => {
-                        let m = st.segs.get_mut(&id).expect("active");
-                        m.tombstones += 1;
-                        m.tombstone_bytes += padded(len);
-                        m.min_shadow = m.min_shadow.min(header.aux);
+                        st.segs.add_tombstone(id, len, header.aux);
                         locs.push(loc);
                     }
                     NewRecord::Relocated { from, .. }
@@ -666,8 +660,8 @@ impl<B: Backend> SegmentLog<B> {
                         if matches!(p.rec, NewRecord::Value { .. }) {
                             self.streams.written_meanwhile(key, h.seq);
                         }
-                        let first = index.get(key).map_or(id, |o| first_segment(&st.segs, o).min(id));
-                        let elsewhere = note_first_segment(&mut st.segs, id, offset, first);
+                        let first = index.get(key).map_or(id, |o| st.segs.first_segment(o).min(id));
+                        let elsewhere = st.segs.note_first(id, offset, first);
                         let facts = RecordFacts::of(h.flags, h.frame_count, h.payload_crc, h.aux, h.stored_len);
                         if let Some(old) = index.insert(IndexKey::from(key), PackedLoc::new(loc, facts, elsewhere)) {
                             Self::release(st, old.into(), &mut emptied);
@@ -675,9 +669,7 @@ impl<B: Backend> SegmentLog<B> {
                                 Self::superseded_by_pending(st, old.into());
                             }
                         }
-                        let m = st.segs.get_mut(&id).expect("active");
-                        m.live_records += 1;
-                        m.live_bytes += padded(len);
+                        st.segs.add_live(id, len);
                         locs.push(loc);
                     }
                 }
@@ -736,8 +728,6 @@ fn note_in_active<F>(
         format::encode_footer_entry(&mut a.footer, &e);
         a.footer_entries += 1;
     }
-    let m = st.segs.get_mut(&id).expect("active segment has metadata");
-    m.data_end = end;
-    m.records += chunk.iter().filter(|p| !matches!(p.rec, NewRecord::SyncMark)).count() as u64;
+    st.segs.extend(id, end, chunk.iter().filter(|p| !matches!(p.rec, NewRecord::SyncMark)).count() as u64);
     id
 }

@@ -121,9 +121,7 @@ impl<B: Backend> SegmentLog<B> {
         a.written_end = data_end;
         self.pending.clear();
         self.health.wrote();
-        for m in st.segs.values_mut() {
-            m.superseded_by_pending = false;
-        }
+        st.segs.pending_written();
         Ok(())
     }
 
