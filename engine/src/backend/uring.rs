@@ -359,6 +359,139 @@ fn disabled_by_sysctl() -> bool {
     std::fs::read_to_string("/proc/sys/kernel/io_uring_disabled").map(|s| s.trim() == "2").unwrap_or(false)
 }
 
+/// The ring, with `entries` submission entries and twice as many completions, and whether it
+/// defers completions to the driver's waits (`DEFER_TASKRUN`; the ring is then created disabled,
+/// for the driver to enable as its single issuer).
+fn setup_ring(entries: u32) -> io::Result<(IoUring, bool)> {
+    // Completions run as deferred task work on the driver, processed in batches when it enters the
+    // kernel to wait (DEFER_TASKRUN, which needs a single submitting task: the driver enables the
+    // ring itself). Kernels before 6.1 refuse the flags: plain setup then.
+    let tuned = IoUring::builder()
+        .setup_cqsize(entries * 2)
+        .setup_r_disabled()
+        .setup_single_issuer()
+        .setup_defer_taskrun()
+        // Flags pending task work in the submission ring, so a submit that does not wait still
+        // runs it (posts the completions) when there is some.
+        .setup_taskrun_flag()
+        .build(entries);
+    let (ring, deferred) = match tuned {
+        Ok(r) => (Ok(r), true),
+        Err(e) => {
+            log::debug!("io_uring: DEFER_TASKRUN/SINGLE_ISSUER refused ({e}); plain ring");
+            (IoUring::builder().setup_cqsize(entries * 2).build(entries), false)
+        }
+    };
+    let ring = ring.map_err(|e| {
+        let why = match e.raw_os_error() {
+            Some(libc::ENOSYS) => "the kernel has no io_uring (ENOSYS)".to_string(),
+            Some(libc::EPERM) => {
+                "io_uring is not permitted here (EPERM: seccomp filter or kernel.io_uring_disabled)".into()
+            }
+            _ => format!("io_uring_setup failed: {e}"),
+        };
+        io_error(e.kind(), why)
+    })?;
+    Ok((ring, deferred))
+}
+
+/// Fail unless the kernel has every opcode the driver uses.
+fn check_opcodes(ring: &IoUring) -> io::Result<()> {
+    let mut probe = Probe::new();
+    ring.submitter()
+        .register_probe(&mut probe)
+        .map_err(|e| io_error(e.kind(), format!("io_uring probe failed: {e}")))?;
+    for (code, name) in [
+        (opcode::Read::CODE, "READ"),
+        (opcode::Write::CODE, "WRITE"),
+        (opcode::ReadFixed::CODE, "READ_FIXED"),
+        (opcode::WriteFixed::CODE, "WRITE_FIXED"),
+        (opcode::AsyncCancel::CODE, "ASYNC_CANCEL"),
+    ] {
+        if !probe.is_supported(code) {
+            return Err(io_error(io::ErrorKind::Unsupported, format!("io_uring lacks opcode {name}")));
+        }
+    }
+    Ok(())
+}
+
+/// The registered buffer pool: `wanted` buffers of `size` bytes, halved on failure (RLIMIT_MEMLOCK,
+/// or no memory for it), none at all as the last resort.
+fn register_pool(ring: &IoUring, wanted: usize, size: usize) -> Option<BufPool> {
+    let mut count = wanted;
+    while count > 0 {
+        let p = match BufPool::try_new(count, size.max(4096), 4096) {
+            Ok(p) => p,
+            Err(layout) => {
+                log::warn!("io_uring: no memory for a pool of {count} buffers ({} bytes); trying fewer", layout.size());
+                count /= 2;
+                continue;
+            }
+        };
+        let iovecs: Vec<libc::iovec> =
+            p.regions().into_iter().map(|(base, len)| libc::iovec { iov_base: base.cast(), iov_len: len }).collect();
+        // SAFETY: every iovec describes one slot of `p`'s arena, which stays allocated while the driver
+        // holds `p.keep_alive()`; the driver keeps that handle until after the ring (and with it the
+        // registration) is dropped.
+        match unsafe { ring.submitter().register_buffers(&iovecs) } {
+            Ok(()) => {
+                if count < wanted {
+                    log::warn!("io_uring: registered {count} of {} buffers (RLIMIT_MEMLOCK too low for more)", wanted);
+                }
+                return Some(p);
+            }
+            Err(e) if count > 1 => {
+                log::debug!("io_uring: registering {count} buffers failed ({e}); trying fewer");
+                count /= 2;
+            }
+            Err(e) => {
+                log::warn!("io_uring: buffer registration failed ({e}); using unregistered buffers");
+                count = 0;
+            }
+        }
+    }
+    None
+}
+
+/// A sparse table of `slots` registered files; false (plain descriptors then) if refused.
+fn register_file_table(ring: &IoUring, slots: u32) -> bool {
+    match ring.submitter().register_files_sparse(slots) {
+        Ok(()) => true,
+        Err(e) => {
+            log::warn!("io_uring: registering a file table failed ({e}); using plain descriptors");
+            false
+        }
+    }
+}
+
+/// Start the driver thread on `ring`. The driver enables the ring itself (it is the single issuer)
+/// and says whether that worked before any request can reach it.
+fn start_driver(ring: IoUring, driver: Driver, deferred: bool) -> io::Result<std::thread::JoinHandle<()>> {
+    let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel::<io::Result<()>>(1);
+    let handle = std::thread::Builder::new().name("spillway-uring".into()).spawn(move || {
+        if deferred {
+            if let Err(e) = ring.submitter().register_enable_rings() {
+                let _ = ready_tx.send(Err(e));
+                return;
+            }
+        }
+        let _ = ready_tx.send(Ok(()));
+        driver.run(ring)
+    })?;
+    match ready_rx.recv() {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => {
+            let _ = handle.join();
+            return Err(io_error(e.kind(), format!("io_uring: enabling the ring failed: {e}")));
+        }
+        Err(_) => {
+            let _ = handle.join();
+            return Err(io_error(io::ErrorKind::Other, "io_uring driver thread died at start-up".into()));
+        }
+    }
+    Ok(handle)
+}
+
 impl UringBackend {
     /// Start a driver with `opts`. Fails, with a message saying why, when io_uring cannot be used here.
     pub fn new(opts: UringOptions) -> io::Result<UringBackend> {
@@ -369,105 +502,10 @@ impl UringBackend {
             ));
         }
         let entries = opts.entries.clamp(8, 4096);
-        // Completions run as deferred task work on the driver, processed in batches when it enters the
-        // kernel to wait (DEFER_TASKRUN, which needs a single submitting task: the driver enables the
-        // ring itself). Kernels before 6.1 refuse the flags: plain setup then.
-        let tuned = IoUring::builder()
-            .setup_cqsize(entries * 2)
-            .setup_r_disabled()
-            .setup_single_issuer()
-            .setup_defer_taskrun()
-            // Flags pending task work in the submission ring, so a submit that does not wait still
-            // runs it (posts the completions) when there is some.
-            .setup_taskrun_flag()
-            .build(entries);
-        let (ring, deferred) = match tuned {
-            Ok(r) => (Ok(r), true),
-            Err(e) => {
-                log::debug!("io_uring: DEFER_TASKRUN/SINGLE_ISSUER refused ({e}); plain ring");
-                (IoUring::builder().setup_cqsize(entries * 2).build(entries), false)
-            }
-        };
-        let ring: IoUring = ring.map_err(|e| {
-            let why = match e.raw_os_error() {
-                Some(libc::ENOSYS) => "the kernel has no io_uring (ENOSYS)".to_string(),
-                Some(libc::EPERM) => {
-                    "io_uring is not permitted here (EPERM: seccomp filter or kernel.io_uring_disabled)".into()
-                }
-                _ => format!("io_uring_setup failed: {e}"),
-            };
-            io_error(e.kind(), why)
-        })?;
-        let mut probe = Probe::new();
-        ring.submitter()
-            .register_probe(&mut probe)
-            .map_err(|e| io_error(e.kind(), format!("io_uring probe failed: {e}")))?;
-        for (code, name) in [
-            (opcode::Read::CODE, "READ"),
-            (opcode::Write::CODE, "WRITE"),
-            (opcode::ReadFixed::CODE, "READ_FIXED"),
-            (opcode::WriteFixed::CODE, "WRITE_FIXED"),
-            (opcode::AsyncCancel::CODE, "ASYNC_CANCEL"),
-        ] {
-            if !probe.is_supported(code) {
-                return Err(io_error(io::ErrorKind::Unsupported, format!("io_uring lacks opcode {name}")));
-            }
-        }
-
-        // The registered pool: halve on failure (RLIMIT_MEMLOCK, or no memory for it), none at all
-        // as the last resort.
-        let mut pool = None;
-        let mut count = opts.pool_buffers;
-        while count > 0 {
-            let p = match BufPool::try_new(count, opts.pool_buffer_size.max(4096), 4096) {
-                Ok(p) => p,
-                Err(layout) => {
-                    log::warn!(
-                        "io_uring: no memory for a pool of {count} buffers ({} bytes); trying fewer",
-                        layout.size()
-                    );
-                    count /= 2;
-                    continue;
-                }
-            };
-            let iovecs: Vec<libc::iovec> = p
-                .regions()
-                .into_iter()
-                .map(|(base, len)| libc::iovec { iov_base: base.cast(), iov_len: len })
-                .collect();
-            // SAFETY: every iovec describes one slot of `p`'s arena, which stays allocated while the driver
-            // holds `p.keep_alive()`; the driver keeps that handle until after the ring (and with it the
-            // registration) is dropped.
-            match unsafe { ring.submitter().register_buffers(&iovecs) } {
-                Ok(()) => {
-                    if count < opts.pool_buffers {
-                        log::warn!(
-                            "io_uring: registered {count} of {} buffers (RLIMIT_MEMLOCK too low for more)",
-                            opts.pool_buffers
-                        );
-                    }
-                    pool = Some(p);
-                    break;
-                }
-                Err(e) if count > 1 => {
-                    log::debug!("io_uring: registering {count} buffers failed ({e}); trying fewer");
-                    count /= 2;
-                }
-                Err(e) => {
-                    log::warn!("io_uring: buffer registration failed ({e}); using unregistered buffers");
-                    count = 0;
-                }
-            }
-        }
-
-        let fixed_files = opts.file_slots > 0
-            && match ring.submitter().register_files_sparse(opts.file_slots) {
-                Ok(()) => true,
-                Err(e) => {
-                    log::warn!("io_uring: registering a file table failed ({e}); using plain descriptors");
-                    false
-                }
-            };
+        let (ring, deferred) = setup_ring(entries)?;
+        check_opcodes(&ring)?;
+        let pool = register_pool(&ring, opts.pool_buffers, opts.pool_buffer_size);
+        let fixed_files = opts.file_slots > 0 && register_file_table(&ring, opts.file_slots);
         let free_slots = if fixed_files { (0..opts.file_slots).rev().collect() } else { Vec::new() };
 
         let eventfd = rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC)?;
@@ -499,30 +537,7 @@ impl UringBackend {
             _pool_alive: pool.as_ref().map(|p| p.keep_alive()),
             enter_failures: EnterBackoff::default(),
         };
-        // The driver enables the ring itself (it is the single issuer) and says whether that worked
-        // before any request can reach it.
-        let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel::<io::Result<()>>(1);
-        let handle = std::thread::Builder::new().name("spillway-uring".into()).spawn(move || {
-            if deferred {
-                if let Err(e) = ring.submitter().register_enable_rings() {
-                    let _ = ready_tx.send(Err(e));
-                    return;
-                }
-            }
-            let _ = ready_tx.send(Ok(()));
-            driver.run(ring)
-        })?;
-        match ready_rx.recv() {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => {
-                let _ = handle.join();
-                return Err(io_error(e.kind(), format!("io_uring: enabling the ring failed: {e}")));
-            }
-            Err(_) => {
-                let _ = handle.join();
-                return Err(io_error(io::ErrorKind::Other, "io_uring driver thread died at start-up".into()));
-            }
-        }
+        let handle = start_driver(ring, driver, deferred)?;
         Ok(UringBackend {
             shared,
             driver: Some(handle),

@@ -18,7 +18,7 @@ use crate::value::Frames;
 use crate::{format, stored};
 
 use super::index::{Location, PackedLoc, RecordFacts};
-use super::segments::SegMeta;
+use super::segments::{SegMeta, WriterState};
 use super::write::{NewRecord, Payload, Placed, Prepared};
 use super::{lock, padded, SegmentLog, MAX_RECORD_BYTES};
 
@@ -103,6 +103,82 @@ pub(super) fn read_payload(src: &mut dyn io::Read, buf: &mut [u8]) -> Result<()>
         }
     }
     Ok(())
+}
+
+/// Where a streamed record goes in the active segment: segment `id`, the block it starts in
+/// (`base`) with the bytes before it there (`old_tail`), and where it ends.
+struct StreamAt {
+    id: u32,
+    base: u64,
+    old_tail: Vec<u8>,
+    end: u64,
+}
+
+/// A value's payload arriving from a source (a peer's socket, a file): read into write buffers a
+/// piece at a time, checked as it comes (`stored::PayloadCheck`), refused if the source ends early.
+struct Incoming<'a> {
+    src: &'a mut dyn io::Read,
+    meta: &'a StreamedValue,
+    /// `None` once [`Incoming::finish`] ran.
+    check: Option<stored::PayloadCheck>,
+    /// Payload bytes still to come.
+    left: u64,
+    /// What the source panicked with (`fill_caught`): the caller settles the log, then unwinds.
+    panicked: Option<Box<dyn std::any::Any + Send>>,
+}
+
+impl<'a> Incoming<'a> {
+    fn new(src: &'a mut dyn io::Read, meta: &'a StreamedValue) -> Self {
+        Incoming { src, meta, check: Some(stored::PayloadCheck::new(meta)), left: meta.stored_len, panicked: None }
+    }
+
+    /// After the last piece: the payload's checksum (and lz4 block) against what was announced.
+    fn finish(&mut self) -> Result<()> {
+        let check = self.check.take().expect("finished once");
+        check.finish(self.meta, "streamed value payload")
+    }
+
+    /// Read into `buf` until it holds `fill` bytes or the payload is all in; returns whether it is
+    /// (the last piece, to be padded).
+    fn fill(&mut self, buf: &mut AlignedBuf, fill: usize) -> Result<bool> {
+        while self.left > 0 && buf.len() < fill {
+            let from = buf.len();
+            let want = ((fill - from) as u64).min(self.left) as usize;
+            buf.set_len(from + want);
+            let n = match self.src.read(&mut buf[from..]) {
+                Ok(0) => {
+                    buf.set_len(from);
+                    return Err(Error::io("receive value", None, stopped_early()));
+                }
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => 0,
+                Err(e) => {
+                    buf.set_len(from);
+                    return Err(Error::io("receive value", None, e));
+                }
+            };
+            buf.set_len(from + n);
+            if let Some(c) = &mut self.check {
+                c.update(&buf[from..from + n]);
+            }
+            self.left -= n as u64;
+        }
+        Ok(self.left == 0)
+    }
+
+    /// [`Incoming::fill`], with a panic of the source caught and kept (`panicked`) and returned
+    /// as an error.
+    fn fill_caught(&mut self, buf: &mut AlignedBuf, fill: usize) -> Result<bool> {
+        let from = buf.len();
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.fill(buf, fill))) {
+            Ok(r) => r,
+            Err(panic) => {
+                buf.set_len(from);
+                self.panicked = Some(panic);
+                Err(Error::io("receive value", None, io::Error::other("the reader panicked")))
+            }
+        }
+    }
 }
 
 impl<B: Backend> SegmentLog<B> {
@@ -196,130 +272,109 @@ impl<B: Backend> SegmentLog<B> {
         let epoch = st.epoch;
         let seq = st.next_seq;
         st.next_seq += 1;
-        let align = self.align as usize;
         let a = st.active.as_ref().expect("active after rotate");
-        let (id, start, old_tail) = (a.id, a.data_end, a.tail.clone());
-        let base = align_down(start, self.align);
+        let (id, start, file) = (a.id, a.data_end, a.file.clone());
+        let at = StreamAt { id, base: align_down(start, self.align), old_tail: a.tail.clone(), end: start + len };
         let (h, head) = self.streamed_head(key, meta, id, epoch, seq);
-        let po = head.len();
-
-        const CHUNK: usize = 1 << 20;
-        // Chunks are written `fill` bytes at a time (a multiple of the alignment); the extra block of
-        // capacity leaves room for the last record's padding.
-        let fill = CHUNK.max(align_up((old_tail.len() + po) as u64, self.align) as usize);
-        let cap = fill + align;
-        let mut buf = self.backend.alloc_buf(cap, align);
-        buf.set_len(0);
-        buf.extend_from_slice(&old_tail);
-        buf.extend_from_slice(&head);
-        let mut buf_base = base;
-        let mut check = stored::PayloadCheck::new(meta);
-        let mut left = meta.stored_len;
-        let file = &a.file;
-        let end = start + len;
         // A panic of the caller's reader is caught, so that what this value wrote is erased below
         // like after any other failure, and then goes on unwinding.
-        let mut panicked: Option<Box<dyn std::any::Any + Send>> = None;
-        let result: Result<()> = (|| {
-            loop {
-                // Fill the buffer from the peer, then write it whole (it is a multiple of `align`).
-                while left > 0 && buf.len() < fill {
-                    let at = buf.len();
-                    let want = ((fill - at) as u64).min(left) as usize;
-                    buf.set_len(at + want);
-                    let read =
-                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| src.read(&mut buf[at..at + want])));
-                    let n = match read {
-                        Ok(Ok(n)) => n,
-                        Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => {
-                            buf.set_len(at);
-                            continue;
-                        }
-                        Ok(Err(e)) => {
-                            buf.set_len(at);
-                            return Err(Error::io("receive value", None, e));
-                        }
-                        Err(panic) => {
-                            buf.set_len(at);
-                            panicked = Some(panic);
-                            return Err(Error::io("receive value", None, io::Error::other("the reader panicked")));
-                        }
-                    };
-                    buf.set_len(at + n);
-                    if n == 0 && want > 0 {
-                        return Err(Error::io(
-                            "receive value",
-                            None,
-                            io::Error::new(
-                                io::ErrorKind::UnexpectedEof,
-                                "the sender stopped before the whole value arrived",
-                            ),
-                        ));
-                    }
-                    check.update(&buf[at..at + n]);
-                    left -= n as u64;
+        let mut incoming = Incoming::new(src, meta);
+        let (last, last_base) = match self.stream_into_active(&file, &at, &head, &mut incoming) {
+            Ok(last) => last,
+            Err((e, written_to)) => {
+                let failed = self.abort_stream(st, &file, &at, written_to, e);
+                if let Some(panic) = incoming.panicked.take() {
+                    drop(guard);
+                    std::panic::resume_unwind(panic);
                 }
-                if left == 0 {
-                    break;
-                }
-                let (r, b) =
-                    self.backend.write_at(file, buf_base, std::mem::replace(&mut buf, AlignedBuf::zeroed(0, align)));
-                buf = b;
-                r.map_err(|e| self.health.write_failed("write segment", self.seg_path(id), e))?;
-                buf_base += buf.len() as u64;
-                buf.set_len(0);
+                return Err(failed);
             }
-            Ok(())
-        })();
-        let result = result.and_then(|()| {
-            // Bad bytes from the peer (the record is zeroed below).
-            check.finish(meta, "streamed value payload")?;
-            // Last piece: pad the record and the block, write, keep the new tail block.
-            let at = buf.len();
-            let rec_end = (end - buf_base) as usize;
-            debug_assert_eq!(at, rec_end);
-            let block_end = (align_up(padded(end), self.align) - buf_base) as usize;
-            buf.set_len(block_end.max(at));
-            buf[at..].fill(0);
-            let (r, b) =
-                self.backend.write_at(file, buf_base, std::mem::replace(&mut buf, AlignedBuf::zeroed(0, align)));
-            buf = b;
-            r.map_err(|e| self.health.write_failed("write segment", self.seg_path(id), e))
-        });
-        if let Err(e) = result {
-            // Nothing was published: erase what this value wrote, so neither the next records nor
-            // recovery ever see a partial record.
-            let erase_end = align_up(end, self.align).min(buf_base + buf.capacity() as u64);
-            let erased = erase_aborted(&self.backend, self.align, file, base, &old_tail, erase_end);
-            self.fence_failed_write(st, None); // (erased just above)
-            let failed = match erased {
-                Err(we) => self.health.write_failed("erase an aborted value", self.seg_path(id), we),
-                Ok(()) if self.opts.durable && !self.health.is_poisoned() => {
-                    // As in `erase_durably`: the aborted record's head sat at the published end.
-                    let file = st.active.as_ref().expect("still active").file.clone();
-                    match self.backend.sync_data(&file) {
-                        Err(se) => self.health.poison(Error::io("sync segment", self.seg_path(id), se)),
-                        Ok(()) => e,
-                    }
-                }
-                Ok(()) => e,
-            };
-            if let Some(panic) = panicked {
-                drop(guard);
-                std::panic::resume_unwind(panic);
-            }
-            return Err(failed);
-        }
+        };
         // The record's padding is part of the tail block the next write rewrites.
-        let pend = padded(end);
+        let pend = padded(at.end);
         let tail_start = align_down(pend, self.align);
-        let tail = buf[(tail_start - buf_base) as usize..(pend - buf_base) as usize].to_vec();
+        let tail = last[(tail_start - last_base) as usize..(pend - last_base) as usize].to_vec();
         let empty = Frames::default();
         let rec = NewRecord::Value { key, frames: &empty };
         let chunk = [Prepared { rec, payload: Payload::Empty, len, pad: 0, align_head: 0 }];
         self.publish_chunk(st, &chunk, &[Placed::new(start, &h)], pend, tail, epoch, false)?;
         self.compact_if_pending(st);
         Ok(())
+    }
+
+    /// Write a streamed record into the active segment's `file` at `at`: the tail block before it
+    /// and its `head` first, then its payload from `incoming`, in pieces of at least 1 MiB (each a
+    /// multiple of the alignment), the last one padded to the block. Returns the last piece and its
+    /// offset; on failure, the error and the offset up to which bytes may have been written.
+    fn stream_into_active(
+        &self,
+        file: &B::File,
+        at: &StreamAt,
+        head: &[u8],
+        incoming: &mut Incoming<'_>,
+    ) -> std::result::Result<(AlignedBuf, u64), (Error, u64)> {
+        const CHUNK: usize = 1 << 20;
+        let align = self.align as usize;
+        // The extra block of capacity leaves room for the last record's padding.
+        let fill = CHUNK.max(align_up((at.old_tail.len() + head.len()) as u64, self.align) as usize);
+        let mut buf = self.backend.alloc_buf(fill + align, align);
+        buf.set_len(0);
+        buf.extend_from_slice(&at.old_tail);
+        buf.extend_from_slice(head);
+        let mut buf_base = at.base;
+        let write = |buf: &mut AlignedBuf, base: u64| -> Result<()> {
+            let (r, b) = self.backend.write_at(file, base, std::mem::replace(buf, AlignedBuf::zeroed(0, align)));
+            *buf = b;
+            r.map_err(|e| self.health.write_failed("write segment", self.seg_path(at.id), e))
+        };
+        let result = (|| {
+            // Fill the buffer from the peer, then write it whole (it is a multiple of `align`).
+            while !incoming.fill_caught(&mut buf, fill)? {
+                write(&mut buf, buf_base)?;
+                buf_base += buf.len() as u64;
+                buf.set_len(0);
+            }
+            // Bad bytes from the peer (the record is zeroed by the caller).
+            incoming.finish()?;
+            // Last piece: pad the record and the block, write, keep the new tail block.
+            let from = buf.len();
+            debug_assert_eq!(from, (at.end - buf_base) as usize);
+            let block_end = (align_up(padded(at.end), self.align) - buf_base) as usize;
+            buf.set_len(block_end.max(from));
+            buf[from..].fill(0);
+            write(&mut buf, buf_base)
+        })();
+        match result {
+            Ok(()) => Ok((buf, buf_base)),
+            Err(e) => Err((e, align_up(at.end, self.align).min(buf_base + buf.capacity() as u64))),
+        }
+    }
+
+    /// A streamed record into the active segment failed with `e`: nothing was published. Erase
+    /// what it wrote (up to `written_to`), so neither the next records nor recovery ever see a
+    /// partial record, and fence the write. Returns the error to report.
+    fn abort_stream(
+        &self,
+        st: &mut WriterState<B::File>,
+        file: &B::File,
+        at: &StreamAt,
+        written_to: u64,
+        e: Error,
+    ) -> Error {
+        let erased = erase_aborted(&self.backend, self.align, file, at.base, &at.old_tail, written_to);
+        self.fence_failed_write(st, None); // (erased just above)
+        match erased {
+            Err(we) => self.health.write_failed("erase an aborted value", self.seg_path(at.id), we),
+            Ok(()) if self.opts.durable && !self.health.is_poisoned() => {
+                // As in `erase_durably`: the aborted record's head sat at the published end.
+                let file = st.active.as_ref().expect("still active").file.clone();
+                match self.backend.sync_data(&file) {
+                    Err(se) => self.health.poison(Error::io("sync segment", self.seg_path(at.id), se)),
+                    Ok(()) => e,
+                }
+            }
+            Ok(()) => e,
+        }
     }
 
     /// `put_stream` of a large value: into a segment of its own, created for it, without the writer
@@ -478,32 +533,9 @@ impl<B: Backend> SegmentLog<B> {
             let mut buf = self.backend.alloc_buf(fill + align, align);
             buf.set_len(0);
             buf.extend_from_slice(&head);
-            let (mut at, mut left) = (data_start, meta.stored_len);
-            let mut check = stored::PayloadCheck::new(meta);
-            loop {
-                while left > 0 && buf.len() < fill {
-                    let from = buf.len();
-                    let want = ((fill - from) as u64).min(left) as usize;
-                    buf.set_len(from + want);
-                    let n = match src.read(&mut buf[from..]) {
-                        Ok(0) => {
-                            buf.set_len(from);
-                            return Err(Error::io("receive value", None, stopped_early()));
-                        }
-                        Ok(n) => n,
-                        Err(e) if e.kind() == io::ErrorKind::Interrupted => 0,
-                        Err(e) => {
-                            buf.set_len(from);
-                            return Err(Error::io("receive value", None, e));
-                        }
-                    };
-                    buf.set_len(from + n);
-                    check.update(&buf[from..from + n]);
-                    left -= n as u64;
-                }
-                if left == 0 {
-                    break;
-                }
+            let mut at = data_start;
+            let mut incoming = Incoming::new(&mut *src, meta);
+            while !incoming.fill(&mut buf, fill)? {
                 reserve(at + buf.len() as u64)?;
                 let (r, b) =
                     self.backend.write_at(&file, at, std::mem::replace(&mut buf, AlignedBuf::zeroed(0, align)));
@@ -512,7 +544,7 @@ impl<B: Backend> SegmentLog<B> {
                 at += buf.len() as u64;
                 buf.set_len(0);
             }
-            check.finish(meta, "streamed value payload")?;
+            incoming.finish()?;
             reserve(size)?;
             let end = buf.len();
             buf.set_len(align_up(end as u64, self.align) as usize);
