@@ -11,7 +11,7 @@ use crate::slot::Slot;
 use crate::sync::{self, MutexGuard, Ordering};
 use crate::value::Frames;
 
-use super::entry::{compress, decompress, Compressed, EntrySlot, Tier, WeakHandle};
+use super::entry::{compress, decompress, Compressed, EntrySlot, Table, Tier, WeakHandle};
 use super::get::{vanished, Source};
 use super::metrics::Activity;
 use super::Inner;
@@ -87,6 +87,17 @@ pub(super) struct Settled<'r> {
     pub(super) panicked: Option<Box<dyn std::any::Any + Send>>,
 }
 
+impl<'r> Settled<'r> {
+    /// Nothing settled yet after the write that ended with `result` (and `panicked`, if it did).
+    pub(super) fn new(
+        result: &'r Result<()>,
+        first: Option<&'r Arc<[u8]>>,
+        panicked: Option<Box<dyn std::any::Any + Send>>,
+    ) -> Self {
+        Settled { result, first, landed: false, freed: false, stuck: Vec::new(), stale: Vec::new(), panicked }
+    }
+}
+
 /// One value of a spill batch, planned under the store's lock and written without it.
 pub(super) struct Planned<V> {
     pub(super) key: Arc<[u8]>,
@@ -141,6 +152,28 @@ pub(super) enum Demoted {
     Refused(Option<Error>),
     /// Not taken: a value before it in the round could not go (`failed_spill_ends_round`).
     Abandoned,
+}
+
+/// The entries an eviction round looks at: the single key it is given, or the LRU order walked
+/// lazily from the oldest tick (a round usually needs one or two entries, and collecting
+/// `EVICT_SCAN` candidates up front cost a lookup and an `Arc` clone each, on every put or
+/// promotion above the target). Entries re-attached during the round keep their tick, which the
+/// cursor has passed, so none is visited twice.
+struct Candidates {
+    only: bool,
+    single: Option<Arc<[u8]>>,
+    cursor: u64,
+}
+
+impl Candidates {
+    fn next<V>(&mut self, table: &Table<V>) -> Option<Arc<[u8]>> {
+        if self.only {
+            return self.single.take();
+        }
+        let (tick, key) = table.lru_from(self.cursor)?;
+        self.cursor = tick + 1;
+        Some(key.clone())
+    }
 }
 
 impl<C: Codec, B: Backend> Store<C, B> {
@@ -210,16 +243,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 inner.table.weak.insert(k, w);
             }
         }
-        let first = batch.first().map(|p| &p.key);
-        let mut settled = Settled {
-            result: &result,
-            first,
-            landed: false,
-            freed: false,
-            stuck: Vec::new(),
-            stale: Vec::new(),
-            panicked,
-        };
+        let mut settled = Settled::new(&result, batch.first().map(|p| &p.key), panicked);
         let mut protect_failed = None;
         for (((d, r), weak), before) in demotions.into_iter().zip(demoted).zip(weak).zip(before) {
             match r {
@@ -735,22 +759,10 @@ impl<C: Codec, B: Backend> Store<C, B> {
         let mut released = Vec::new();
         let mut freed = 0u64;
         let mut batch: Vec<(Arc<[u8]>, Source, u64, u64)> = Vec::new();
-        // Walk the LRU order lazily from the oldest tick: a round usually needs one or two entries,
-        // and collecting EVICT_SCAN candidates up front cost a lookup and an Arc clone each, on every
-        // put or promotion above the target. Entries re-attached below keep their tick, which the
-        // cursor has passed, so none is visited twice.
-        let mut cursor = 0u64;
+        let mut walk = Candidates { only: only.is_some(), single: only.cloned(), cursor: 0 };
         let mut scanned = 0usize;
-        let mut single = only.cloned();
         while freed < excess && scanned < EVICT_SCAN {
-            let key = if only.is_some() {
-                let Some(k) = single.take() else { break };
-                k
-            } else {
-                let Some((tick, key)) = inner.table.lru_from(cursor) else { break };
-                cursor = tick + 1;
-                key.clone()
-            };
+            let Some(key) = walk.next(&inner.table) else { break };
             let Some(e) = inner.table.get(&key) else { continue };
             // (A value being deserialized is about to be used: a get has it in hand.)
             if e.stuck
@@ -810,12 +822,20 @@ impl<C: Codec, B: Backend> Store<C, B> {
             freed += e.weight;
             batch.push((key.clone(), data, raw, e.weight));
         }
-        if batch.is_empty() {
-            return Ok((freed, Plan { writes: Vec::new(), demotions, released }));
-        }
-        // max_spill: keep what does not fit in memory.
+        let (writes, refused) = self.admit_writes(inner, batch);
+        Ok((freed.saturating_sub(refused), Plan { writes, demotions, released }))
+    }
+
+    /// The spill writes of a round's `batch` (key, source, serialized bytes, weight) that
+    /// max_spill admits, each marked as being written; the others stay in memory, stuck. Returns
+    /// the writes and the weight refused.
+    fn admit_writes(
+        &self,
+        inner: &mut Inner<C::Value>,
+        batch: Vec<(Arc<[u8]>, Source, u64, u64)>,
+    ) -> (Vec<Planned<C::Value>>, u64) {
         let mut planned = Vec::with_capacity(batch.len());
-        let mut bytes = 0u64;
+        let (mut bytes, mut refused_weight) = (0u64, 0u64);
         let mut refused = false;
         for (k, data, raw, weight) in batch {
             if !refused && self.spill_allowed(inner, &k, bytes + raw) {
@@ -823,7 +843,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 let slot = inner.table.get(&k).expect("present").slot.clone();
                 planned.push(Planned { key: k, data, raw, slot, weight, object_weight: None });
             } else {
-                freed = freed.saturating_sub(inner.table.get(&k).expect("present").weight);
+                refused_weight += weight;
                 if !refused {
                     self.set_stuck(inner, &k);
                 }
@@ -835,7 +855,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         for p in &planned {
             inner.writes.begin(p.key.clone(), p.weight, p.raw);
         }
-        Ok((freed, Plan { writes: planned, demotions, released }))
+        (planned, refused_weight)
     }
 
     /// Evict least-recently-used values, whatever the target, until `bytes` of memory weight have

@@ -20,6 +20,21 @@ use super::{key_str, Codec, Store};
 /// while values are left in memory without their disk copy.
 pub(super) const FLUSH_PASSES: usize = 4;
 
+/// What a value's disk copy is made from.
+enum Copy<V> {
+    Object(sync::Arc<V>),
+    Frames(Frames),
+    Compressed(Box<Compressed>),
+}
+
+/// A disk copy `flush` writes.
+struct Job<V> {
+    key: Arc<[u8]>,
+    /// Identifies the entry, as in [`Planned`](super::evict::Planned).
+    slot: Arc<Slot<V, Error>>,
+    copy: Copy<V>,
+}
+
 impl<C: Codec, B: Backend> Store<C, B> {
     /// Make everything spilled so far durable (fdatasync of the log), spill writes in flight
     /// included (they are waited for; writes that start meanwhile are not).
@@ -123,56 +138,12 @@ impl<C: Codec, B: Backend> Store<C, B> {
         mut inner: MutexGuard<'a, Inner<C::Value>>,
         keys: &[Listed<C::Value>],
     ) -> MutexGuard<'a, Inner<C::Value>> {
-        enum Copy<V> {
-            Object(sync::Arc<V>),
-            Frames(Frames),
-            Compressed(Box<Compressed>),
-        }
-        struct Job<V> {
-            key: Arc<[u8]>,
-            /// Identifies the entry, as in [`Planned`].
-            slot: Arc<Slot<V, Error>>,
-            copy: Copy<V>,
-        }
-        let mut todo: Vec<Job<C::Value>> = Vec::new();
-        for (key, slot, _) in keys {
-            let Some(e) = inner.table.get(key).filter(|e| Arc::ptr_eq(&e.slot, slot)) else { continue };
-            if e.stuck || e.disk_bytes > 0 || inner.writes.contains(key) {
-                continue;
-            }
-            let copy = match (e.tier, &e.frames, &e.compressed) {
-                (Tier::Materialized, ..) => match e.slot.try_get() {
-                    Some(v) => Copy::Object(v),
-                    None => continue,
-                },
-                (Tier::Disk, ..) => continue,
-                (_, Some(f), _) => Copy::Frames(f.clone()),
-                (_, None, Some(c)) => Copy::Compressed(c.clone()),
-                (_, None, None) => continue,
-            };
-            inner.writes.begin(key.clone(), 0, 0);
-            todo.push(Job { key: key.clone(), slot: slot.clone(), copy });
-        }
+        let todo = Self::plan_copies(&mut inner, keys);
         if todo.is_empty() {
             return inner;
         }
         drop(inner);
-        let data: Vec<Result<Frames>> = todo
-            .iter()
-            .map(|Job { key: k, copy, .. }| {
-                let f = match copy {
-                    Copy::Object(v) => self.serialize(k, v)?,
-                    Copy::Frames(f) => f.clone(),
-                    Copy::Compressed(c) => {
-                        let t = Instant::now();
-                        let f = decompress(c)?;
-                        self.metrics.record(Activity::Decompress, f.total_len(), t);
-                        f
-                    }
-                };
-                self.logs.current().validate(k, &f).map(|()| f)
-            })
-            .collect();
+        let data: Vec<Result<Frames>> = todo.iter().map(|job| self.copy_frames(job)).collect();
         // max_spill: reserve what is written, as an eviction's batch does.
         let mut inner = self.lock();
         let mut reserved = 0u64;
@@ -198,46 +169,98 @@ impl<C: Codec, B: Backend> Store<C, B> {
         let (result, panicked) = self.write_batch(&items);
         let mut inner = self.lock();
         inner.writes.release(reserved);
-        let mut stuck: Vec<Arc<[u8]>> = Vec::new();
-        let mut stale: Vec<Arc<[u8]>> = Vec::new();
-        let mut freed = false;
-        let mut landed = false;
-        for ((Job { key, slot, .. }, d), &ok) in todo.iter().zip(&data).zip(&allowed) {
-            inner.writes.end(key, 0, 0);
-            let ours = inner.table.get(key).is_some_and(|e| Arc::ptr_eq(&e.slot, slot));
-            let loc = if ok { self.logs.location(key) } else { None };
-            match (ours, loc) {
-                (true, Some(loc)) => {
-                    let raw = d.as_ref().map_or(0, |f| f.total_len());
-                    Self::note_landed(&mut inner, key, raw, loc.len, true, None);
-                    landed = true;
-                }
-                (true, None) => {
-                    match d {
-                        Err(err @ Error::Codec { .. }) => {
-                            self.metrics.spill_failures.fetch_add(1, Ordering::Relaxed);
-                            if !inner.table.modify(key, |e| std::mem::replace(&mut e.logged_serialize, true)) {
-                                log::error!("Failed to serialize {:?}; keeping it in memory: {err}", key_str(key));
-                            }
-                        }
-                        Err(err) => self.spill_failed(&mut inner, key, err),
-                        // Refused by max_spill (counted and logged there).
-                        Ok(_) if !ok => {}
-                        Ok(_) => {
-                            let err = result.clone().err().unwrap_or_else(|| vanished(key));
-                            self.spill_failed(&mut inner, key, &err);
+        let mut settled = Settled::new(&result, todo.first().map(|j| &j.key), panicked);
+        for ((job, d), &ok) in todo.iter().zip(&data).zip(&allowed) {
+            self.settle_copy(&mut inner, job, d, ok, &mut settled);
+        }
+        self.end_settle(inner, settled)
+    }
+
+    /// The values of `keys` that still need a disk copy, each marked as being written, with what
+    /// it is copied from.
+    fn plan_copies(inner: &mut Inner<C::Value>, keys: &[Listed<C::Value>]) -> Vec<Job<C::Value>> {
+        let mut todo = Vec::new();
+        for (key, slot, _) in keys {
+            let Some(e) = inner.table.get(key).filter(|e| Arc::ptr_eq(&e.slot, slot)) else { continue };
+            if e.stuck || e.disk_bytes > 0 || inner.writes.contains(key) {
+                continue;
+            }
+            let copy = match (e.tier, &e.frames, &e.compressed) {
+                (Tier::Materialized, ..) => match e.slot.try_get() {
+                    Some(v) => Copy::Object(v),
+                    None => continue,
+                },
+                (Tier::Disk, ..) => continue,
+                (_, Some(f), _) => Copy::Frames(f.clone()),
+                (_, None, Some(c)) => Copy::Compressed(c.clone()),
+                (_, None, None) => continue,
+            };
+            inner.writes.begin(key.clone(), 0, 0);
+            todo.push(Job { key: key.clone(), slot: slot.clone(), copy });
+        }
+        todo
+    }
+
+    /// The frames `job` writes (serialized or decompressed, without the store's lock), checked
+    /// against the log's limits.
+    fn copy_frames(&self, job: &Job<C::Value>) -> Result<Frames> {
+        let f = match &job.copy {
+            Copy::Object(v) => self.serialize(&job.key, v)?,
+            Copy::Frames(f) => f.clone(),
+            Copy::Compressed(c) => {
+                let t = Instant::now();
+                let f = decompress(c)?;
+                self.metrics.record(Activity::Decompress, f.total_len(), t);
+                f
+            }
+        };
+        self.logs.current().validate(&job.key, &f).map(|()| f)
+    }
+
+    /// Settle one copy after the batch `settled.result` wrote: landed (the entry keeps its value
+    /// and gains its disk copy), failed (the entry stays without one: stuck, the failure counted
+    /// and logged), or no longer the entry's (replaced or removed meanwhile: a record written for
+    /// it is dropped). `data` is what was to be written, `allowed` whether max_spill let it.
+    fn settle_copy(
+        &self,
+        inner: &mut Inner<C::Value>,
+        Job { key, slot, .. }: &Job<C::Value>,
+        data: &Result<Frames>,
+        allowed: bool,
+        settled: &mut Settled<'_>,
+    ) {
+        inner.writes.end(key, 0, 0);
+        let ours = inner.table.get(key).is_some_and(|e| Arc::ptr_eq(&e.slot, slot));
+        let loc = if allowed { self.logs.location(key) } else { None };
+        match (ours, loc) {
+            (true, Some(loc)) => {
+                let raw = data.as_ref().map_or(0, |f| f.total_len());
+                Self::note_landed(inner, key, raw, loc.len, true, None);
+                settled.landed = true;
+            }
+            (true, None) => {
+                match data {
+                    Err(err @ Error::Codec { .. }) => {
+                        self.metrics.spill_failures.fetch_add(1, Ordering::Relaxed);
+                        if !inner.table.modify(key, |e| std::mem::replace(&mut e.logged_serialize, true)) {
+                            log::error!("Failed to serialize {:?}; keeping it in memory: {err}", key_str(key));
                         }
                     }
-                    stuck.push(key.clone());
+                    Err(err) => self.spill_failed(inner, key, err),
+                    // Refused by max_spill (counted and logged there).
+                    Ok(_) if !allowed => {}
+                    Ok(_) => {
+                        let err = settled.result.clone().err().unwrap_or_else(|| vanished(key));
+                        self.spill_failed(inner, key, &err);
+                    }
                 }
-                (false, Some(_)) => {
-                    stale.push(key.clone());
-                    freed = true;
-                }
-                (false, None) => freed |= ok && result.is_ok(),
+                settled.stuck.push(key.clone());
             }
+            (false, Some(_)) => {
+                settled.stale.push(key.clone());
+                settled.freed = true;
+            }
+            (false, None) => settled.freed |= allowed && settled.result.is_ok(),
         }
-        let first = todo.first().map(|j| &j.key);
-        self.end_settle(inner, Settled { result: &result, first, landed, freed, stuck, stale, panicked })
     }
 }

@@ -76,6 +76,7 @@ impl Writes {
     }
 
     /// Whether no write runs.
+    #[cfg(feature = "testing")]
     pub(super) fn is_empty(&self) -> bool {
         self.keys.is_empty()
     }
