@@ -181,6 +181,40 @@ impl<'a> Incoming<'a> {
     }
 }
 
+/// The space of a streamed segment's file, reserved as its value arrives, at most
+/// [`STREAM_RESERVE_AHEAD`] past it: a peer that announces gigabytes and stalls holds little of the
+/// disk (and only while it keeps the transfer's pace).
+struct ReserveAhead {
+    /// The file's size.
+    size: u64,
+    reserved_to: u64,
+    /// The log's files kept for reuse were given back to make room (done once).
+    spares_released: bool,
+}
+
+impl ReserveAhead {
+    /// Make sure the file's space is reserved past `upto`: with at least half the window
+    /// reserved beyond it, nothing to do (one fallocate per 32 MiB, not per piece written).
+    fn reserve<B: Backend>(&mut self, log: &SegmentLog<B>, file: &B::File, upto: u64) -> io::Result<()> {
+        let ahead = upto.saturating_add(STREAM_RESERVE_AHEAD / 2).min(self.size);
+        let upto = upto.saturating_add(STREAM_RESERVE_AHEAD).min(self.size);
+        if ahead <= self.reserved_to {
+            return Ok(());
+        }
+        let mut reserved = log.backend.allocate(file, upto);
+        if !matches!(reserved, Ok(true)) && !self.spares_released {
+            // Files kept for reuse may hold the space this stream's own segment needs.
+            self.spares_released = true;
+            if log.release_spare_files(&mut log.writer()) {
+                reserved = log.backend.allocate(file, upto);
+            }
+        }
+        reserved?;
+        self.reserved_to = upto;
+        Ok(())
+    }
+}
+
 impl<B: Backend> SegmentLog<B> {
     /// Store a value whose stored form arrives from `src` (a peer's socket), without holding it in
     /// memory (beyond 1 MiB, or an eighth of a segment) and without holding the writer lock while it
@@ -443,28 +477,33 @@ impl<B: Backend> SegmentLog<B> {
         m.records = 1;
         st.segs.insert(id, m);
         st.unsynced_sealed.push(file);
-        let mut emptied = Vec::new();
-        {
-            let mut index = self.index.write().unwrap_or_else(|p| p.into_inner());
-            // Under the index lock, as `forget` marks streams: none can come between.
-            let overtaken = self.streams.ended(key, seq);
-            if !overtaken {
-                // A write of the key, for the streams of it that began before this one.
-                self.streams.written_meanwhile(key, seq);
-                let loc = Location { segment: id, offset: data_start, len };
-                let first = index.get(key).map_or(id, |o| st.segs.first_segment(o).min(id));
-                let elsewhere = st.segs.note_first(id, data_start, first);
-                let facts = RecordFacts::of(h.flags, h.frame_count, h.payload_crc, h.aux, h.stored_len);
-                if let Some(old) = index.insert(IndexKey::from(key), PackedLoc::new(loc, facts, elsewhere)) {
-                    Self::release(st, old.into(), &mut emptied);
-                }
-                st.segs.add_live(id, len);
-            }
-        }
+        self.publish_streamed(st, key, seq, Location { segment: id, offset: data_start, len }, &h);
         self.health.wrote();
         // The old record's segment, or this one if a newer operation made it dead on arrival.
         self.reclaim(st);
         Ok(())
+    }
+
+    /// Publish the record at `loc` (header `h`) of a stream of `key` (sequence number `seq`) in a
+    /// segment of its own, unless a newer write of the key overtook it (then it is dead on
+    /// arrival, and its segment goes at the next garbage collection).
+    fn publish_streamed(&self, st: &mut WriterState<B::File>, key: &[u8], seq: u64, loc: Location, h: &RecordHeader) {
+        let mut index = self.index.write().unwrap_or_else(|p| p.into_inner());
+        // Under the index lock, as `forget` marks streams: none can come between.
+        if self.streams.ended(key, seq) {
+            return;
+        }
+        // A write of the key, for the streams of it that began before this one.
+        self.streams.written_meanwhile(key, seq);
+        let id = loc.segment;
+        let first = index.get(key).map_or(id, |o| st.segs.first_segment(o).min(id));
+        let elsewhere = st.segs.note_first(id, loc.offset, first);
+        let facts = RecordFacts::of(h.flags, h.frame_count, h.payload_crc, h.aux, h.stored_len);
+        let mut emptied = Vec::new();
+        if let Some(old) = index.insert(IndexKey::from(key), PackedLoc::new(loc, facts, elsewhere)) {
+            Self::release(st, old.into(), &mut emptied);
+        }
+        st.segs.add_live(id, loc.len);
     }
 
     /// The segment of a `put_stream_apart`: created at `path`, its header, the record (its payload
@@ -488,33 +527,10 @@ impl<B: Backend> SegmentLog<B> {
         // As on every write path: a full file system fails this call alone, any other failure
         // makes the log read-only (see `write_failed`).
         let io_err = |op: &'static str| move |e: io::Error| self.health.write_failed(op, path.to_path_buf(), e);
-        // The file's space is reserved as the value arrives, at most STREAM_RESERVE_AHEAD past it:
-        // a peer that announces gigabytes and stalls holds little of the disk (and only while it
-        // keeps the transfer's pace).
-        let (mut reserved_to, mut spares_released) = (0u64, false);
-        let mut reserve = |upto: u64| -> Result<()> {
-            // Reserved at least half the window past `upto`: no call (one fallocate per 32 MiB,
-            // not per piece written).
-            let ahead = upto.saturating_add(STREAM_RESERVE_AHEAD / 2).min(size);
-            let upto = upto.saturating_add(STREAM_RESERVE_AHEAD).min(size);
-            if ahead <= reserved_to {
-                return Ok(());
-            }
-            let mut reserved = self.backend.allocate(&file, upto);
-            if !matches!(reserved, Ok(true)) && !spares_released {
-                // Files kept for reuse may hold the space this stream's own segment needs.
-                spares_released = true;
-                if self.release_spare_files(&mut self.writer()) {
-                    reserved = self.backend.allocate(&file, upto);
-                }
-            }
-            reserved.map_err(io_err("fallocate"))?;
-            reserved_to = upto;
-            Ok(())
-        };
+        let mut space = ReserveAhead { size, reserved_to: 0, spares_released: false };
+        let mut reserve = |upto: u64| space.reserve(self, &file, upto).map_err(io_err("fallocate"));
         let written = (|| -> Result<RecordHeader> {
             reserve(0)?;
-            let mut hb = AlignedBuf::zeroed(align, align);
             let header = format::SegmentHeader {
                 segment: id,
                 segment_bytes: size,
@@ -523,6 +539,7 @@ impl<B: Backend> SegmentLog<B> {
                 data_start,
                 salt: self.salt,
             };
+            let mut hb = AlignedBuf::zeroed(align, align);
             hb[..format::SEGMENT_HEADER_LEN].copy_from_slice(&format::encode_segment_header(&header));
             self.backend.write_at(&file, 0, hb).0.map_err(io_err("write segment header"))?;
             let (h, head) = self.streamed_head(key, meta, id, epoch, seq);
@@ -553,20 +570,7 @@ impl<B: Backend> SegmentLog<B> {
             if self.opts.durable {
                 self.backend.sync_data(&file).map_err(io_err("sync segment"))?;
             }
-            let mut footer = Vec::new();
-            let entry = FooterEntry {
-                key: key.to_vec(),
-                flags: h.flags & format::FLAG_LZ4,
-                frame_count: h.frame_count,
-                payload_crc: h.payload_crc,
-                offset: data_start,
-                record_len: h.record_len(),
-                seq,
-                aux: 0,
-            };
-            format::encode_footer_entry(&mut footer, &entry);
-            let data_end = padded(data_start + h.record_len());
-            self.write_seal(&file, id, size, data_end, &footer, 1, epoch).map_err(io_err("write footer"))?;
+            self.seal_streamed(&file, id, size, key, &h, epoch).map_err(io_err("write footer"))?;
             Ok(h)
         })();
         match written {
@@ -577,6 +581,34 @@ impl<B: Backend> SegmentLog<B> {
                 Err(e)
             }
         }
+    }
+
+    /// Seal a streamed segment (`size` bytes): its footer, the entry of its one record (`key`,
+    /// with header `h`), and its trailer.
+    fn seal_streamed(
+        &self,
+        file: &B::File,
+        id: u32,
+        size: u64,
+        key: &[u8],
+        h: &RecordHeader,
+        epoch: u32,
+    ) -> io::Result<()> {
+        let data_start = self.align;
+        let mut footer = Vec::new();
+        let entry = FooterEntry {
+            key: key.to_vec(),
+            flags: h.flags & format::FLAG_LZ4,
+            frame_count: h.frame_count,
+            payload_crc: h.payload_crc,
+            offset: data_start,
+            record_len: h.record_len(),
+            seq: h.seq,
+            aux: 0,
+        };
+        format::encode_footer_entry(&mut footer, &entry);
+        let data_end = padded(data_start + h.record_len());
+        self.write_seal(file, id, size, data_end, &footer, 1, epoch)
     }
 }
 
