@@ -3,7 +3,7 @@
 //! ([`Access`]), and the send paths: `splice` (file -> pipe -> socket) or copy, 1 MiB at a time.
 
 use std::io::{self, Read, Write};
-use std::net::{IpAddr, Shutdown, TcpListener, TcpStream};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -159,26 +159,9 @@ impl Places {
 pub fn serve<S: Source>(access: Arc<Access<S>>, listener: TcpListener, opts: TransferOptions) -> Result<()> {
     // Grants expire on time whether or not a request comes: their pins go with them.
     let _sweeper = Sweeper::start(access.clone());
-    /// A place in the count of refusing threads ([`MAX_REFUSING`]), given back when the thread ends
-    /// however it ends (a panic included), or with its closure if it never starts.
-    struct Refusing(Arc<AtomicUsize>);
-    impl Drop for Refusing {
-        fn drop(&mut self) {
-            self.0.fetch_sub(1, Ordering::SeqCst);
-        }
-    }
-    /// A connection's place in [`Places`], given back as `Refusing` is.
-    struct Held(Arc<Mutex<Places>>, u64);
-    impl Drop for Held {
-        fn drop(&mut self) {
-            self.0.lock().unwrap_or_else(PoisonError::into_inner).give_back(self.1);
-        }
-    }
     let refusing = Arc::new(AtomicUsize::new(0));
     let places: Arc<Mutex<Places>> = Arc::default();
-    // Failed accepts are logged at most every ACCEPT_WARN_EVERY, with how many were not.
-    let mut warned: Option<Instant> = None;
-    let mut unlogged = 0u64;
+    let mut failed_accepts = FailedAccepts::default();
     loop {
         let (stream, peer) = match listener.accept() {
             Ok(c) => c,
@@ -189,68 +172,19 @@ pub fn serve<S: Source>(access: Arc<Access<S>>, listener: TcpListener, opts: Tra
             }
             Err(e) => {
                 // Out of descriptors, an aborted handshake...: this connection only. Back off a little
-                // so a persistent condition does not spin, and say so now and then, not each time.
-                if warned.is_none_or(|t| t.elapsed() >= ACCEPT_WARN_EVERY) {
-                    let more =
-                        if unlogged > 0 { format!(" ({unlogged} more since the last message)") } else { String::new() };
-                    log::warn!("transfer: accept failed: {e}{more}");
-                    warned = Some(Instant::now());
-                    unlogged = 0;
-                } else {
-                    unlogged += 1;
-                }
+                // so a persistent condition does not spin.
+                failed_accepts.note(&e);
                 std::thread::sleep(Duration::from_millis(10));
                 continue;
             }
         };
-        let placed = {
-            let mut p = places.lock().unwrap_or_else(PoisonError::into_inner);
-            match p.room_for(peer.ip(), &opts) {
-                Room::Refused(why) => Err(why),
-                room => {
-                    if let Room::Taken(i) = room {
-                        let cut = p.taken.remove(i);
-                        log::debug!("transfer: cutting off an unadmitted connection from {} for {peer}", cut.ip);
-                        if let Some(s) = cut.unadmitted {
-                            let _ = s.shutdown(Shutdown::Both);
-                        }
-                    }
-                    match stream.try_clone() {
-                        Ok(handle) => {
-                            let id = p.next_id;
-                            p.next_id += 1;
-                            p.taken.push(Place { id, ip: peer.ip(), unadmitted: Some(handle) });
-                            Ok(Held(places.clone(), id))
-                        }
-                        Err(e) => {
-                            log::warn!("transfer: closing {peer}: cannot hold a handle of its connection: {e}");
-                            continue;
-                        }
-                    }
-                }
-            }
-        };
-        let held = match placed {
-            Ok(held) => held,
-            Err(why) => {
-                if refusing.fetch_add(1, Ordering::SeqCst) >= MAX_REFUSING {
-                    // A flood: close it unanswered rather than start a thread per connection.
-                    refusing.fetch_sub(1, Ordering::SeqCst);
-                    log::debug!("transfer: closing {peer}: {why}, and too many being refused");
-                    continue;
-                }
-                // Refusing waits for the client's greeting (up to a second): not on the accept loop.
-                let held = Refusing(refusing.clone());
-                let refused = std::thread::Builder::new().name("spillway-refuse".into()).spawn(move || {
-                    let _held = held;
-                    let mut stream = stream;
-                    let _ = refuse(&mut stream, why);
-                });
-                if let Err(e) = refused {
-                    log::warn!("transfer: cannot start a thread to refuse {peer}: {e}");
-                }
+        let held = match take_place(&places, &stream, peer, &opts) {
+            Some(Ok(held)) => held,
+            Some(Err(why)) => {
+                refuse_apart(&refusing, stream, peer, why);
                 continue;
             }
+            None => continue,
         };
         let (access, opts) = (access.clone(), opts.clone());
         let spawned = std::thread::Builder::new().name(format!("spillway-serve-{peer}")).spawn(move || {
@@ -262,6 +196,101 @@ pub fn serve<S: Source>(access: Arc<Access<S>>, listener: TcpListener, opts: Tra
         if let Err(e) = spawned {
             log::warn!("transfer: cannot start a thread for {peer}: {e}");
         }
+    }
+}
+
+/// Failed accepts, logged at most every [`ACCEPT_WARN_EVERY`], with how many were not.
+#[derive(Default)]
+struct FailedAccepts {
+    warned: Option<Instant>,
+    unlogged: u64,
+}
+
+impl FailedAccepts {
+    fn note(&mut self, e: &io::Error) {
+        if self.warned.is_none_or(|t| t.elapsed() >= ACCEPT_WARN_EVERY) {
+            let unlogged = self.unlogged;
+            let more = if unlogged > 0 { format!(" ({unlogged} more since the last message)") } else { String::new() };
+            log::warn!("transfer: accept failed: {e}{more}");
+            self.warned = Some(Instant::now());
+            self.unlogged = 0;
+        } else {
+            self.unlogged += 1;
+        }
+    }
+}
+
+/// A connection's place in [`Places`], given back when its thread ends however it ends (a panic
+/// included), or with its closure if it never starts.
+struct Held(Arc<Mutex<Places>>, u64);
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).give_back(self.1);
+    }
+}
+
+/// A place in the count of refusing threads ([`MAX_REFUSING`]), given back as [`Held`] is.
+struct Refusing(Arc<AtomicUsize>);
+
+impl Drop for Refusing {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// A place for the connection `stream` from `peer` among `places`, cutting off an unadmitted one
+/// if that is the rule (see [`serve`]); `Err` with why if there is none, `None` if the connection
+/// is closed at once (no handle of it could be kept).
+fn take_place(
+    places: &Arc<Mutex<Places>>,
+    stream: &TcpStream,
+    peer: SocketAddr,
+    opts: &TransferOptions,
+) -> Option<std::result::Result<Held, &'static str>> {
+    let mut p = places.lock().unwrap_or_else(PoisonError::into_inner);
+    let room = p.room_for(peer.ip(), opts);
+    match room {
+        Room::Refused(why) => return Some(Err(why)),
+        Room::Taken(i) => {
+            let cut = p.taken.remove(i);
+            log::debug!("transfer: cutting off an unadmitted connection from {} for {peer}", cut.ip);
+            if let Some(s) = cut.unadmitted {
+                let _ = s.shutdown(Shutdown::Both);
+            }
+        }
+        Room::Free => {}
+    }
+    match stream.try_clone() {
+        Ok(handle) => {
+            let id = p.next_id;
+            p.next_id += 1;
+            p.taken.push(Place { id, ip: peer.ip(), unadmitted: Some(handle) });
+            Some(Ok(Held(places.clone(), id)))
+        }
+        Err(e) => {
+            log::warn!("transfer: closing {peer}: cannot hold a handle of its connection: {e}");
+            None
+        }
+    }
+}
+
+/// Refuse `stream` (`why`) on a thread of its own: refusing waits for the client's greeting (up to
+/// a second), not on the accept loop. In a flood (more than [`MAX_REFUSING`] being refused) it is
+/// closed unanswered rather than starting a thread per connection.
+fn refuse_apart(refusing: &Arc<AtomicUsize>, mut stream: TcpStream, peer: SocketAddr, why: &'static str) {
+    if refusing.fetch_add(1, Ordering::SeqCst) >= MAX_REFUSING {
+        refusing.fetch_sub(1, Ordering::SeqCst);
+        log::debug!("transfer: closing {peer}: {why}, and too many being refused");
+        return;
+    }
+    let held = Refusing(refusing.clone());
+    let refused = std::thread::Builder::new().name("spillway-refuse".into()).spawn(move || {
+        let _held = held;
+        let _ = refuse(&mut stream, why);
+    });
+    if let Err(e) = refused {
+        log::warn!("transfer: cannot start a thread to refuse {peer}: {e}");
     }
 }
 
