@@ -314,7 +314,9 @@ impl<B: Backend> SegmentLog<B> {
         Ok(out)
     }
 
-    /// Encode `chunk` into one aligned buffer, write it, then publish the new locations.
+    /// Write `chunk`, then publish the new locations: kept pending in the active segment's tail
+    /// (write-behind) if it is small, written from its own frames if a payload is large
+    /// (`write_chunk_gathered`), else encoded and written in groups (`write_chunk_grouped`).
     pub(super) fn write_chunk(&self, st: &mut WriterState<B::File>, chunk: &[Prepared<'_>]) -> Result<Vec<Location>> {
         // Write-behind: keep a small batch pending in the tail if it fits the budget (writing what is
         // pending first if the batch would overflow it); any other batch writes what is pending first.
@@ -331,11 +333,6 @@ impl<B: Backend> SegmentLog<B> {
             return self.defer_chunk(st, chunk);
         }
         self.flush_pending(st)?;
-        // The chunk is encoded in groups of about WRITE_GROUP_BYTES. Each group's write covers its
-        // whole blocks only; its last, partial block is rewritten by the next group (or, for the last
-        // group, written with it). So the writes of one chunk never overlap, several can be in flight
-        // at once (up to WRITES_IN_FLIGHT, through `write_at_async`), and group k+1 is encoded while
-        // group k is being written. The chunk is published only when every write has completed.
         if self.backend.gathers_writes()
             && chunk
                 .iter()
@@ -343,6 +340,15 @@ impl<B: Backend> SegmentLog<B> {
         {
             return self.write_chunk_gathered(st, chunk);
         }
+        self.write_chunk_grouped(st, chunk)
+    }
+
+    /// Write `chunk` encoded in groups of about `write_group_bytes`. Each group's write covers its
+    /// whole blocks only; its last, partial block is rewritten by the next group (or, for the last
+    /// group, written with it). So the writes of one chunk never overlap, several can be in flight
+    /// at once (up to WRITES_IN_FLIGHT, through `write_at_async`), and group k+1 is encoded while
+    /// group k is being written. The chunk is published only when every write has completed.
+    fn write_chunk_grouped(&self, st: &mut WriterState<B::File>, chunk: &[Prepared<'_>]) -> Result<Vec<Location>> {
         let epoch = st.epoch;
         let align = self.align;
         let (id, file, mut data_end) = {
@@ -359,12 +365,7 @@ impl<B: Backend> SegmentLog<B> {
         let group_bytes = if self.backend.queues_writes() { self.opts.write_group_bytes.max(1) } else { u64::MAX };
         let mut i = 0;
         while i < chunk.len() {
-            let mut j = i;
-            let mut total = 0u64;
-            while j < chunk.len() && (j == i || total + padded(chunk[j].len) <= group_bytes) {
-                total += padded(chunk[j].len);
-                j += 1;
-            }
+            let (j, total) = group_end(chunk, i, group_bytes);
             let group = &chunk[i..j];
             let last = j == chunk.len();
             let base = align_down(data_end, align);
@@ -677,6 +678,17 @@ impl<B: Backend> SegmentLog<B> {
         }
         (locs, emptied)
     }
+}
+
+/// The end of the group of `chunk` that starts at record `i`: the records that fit in
+/// `group_bytes` (at least one), and their padded length.
+fn group_end(chunk: &[Prepared<'_>], i: usize, group_bytes: u64) -> (usize, u64) {
+    let (mut j, mut total) = (i, 0u64);
+    while j < chunk.len() && (j == i || total + padded(chunk[j].len) <= group_bytes) {
+        total += padded(chunk[j].len);
+        j += 1;
+    }
+    (j, total)
 }
 
 /// Where a group of records goes (see `SegmentLog::encode_group`): the active segment, the epoch
