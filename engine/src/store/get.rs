@@ -13,7 +13,7 @@ use crate::value::Frames;
 
 use super::entry::{decompress, Compressed, Tier, WeakHandle};
 use super::metrics::Activity;
-use super::{key_str, metrics, Codec, Revive, Store};
+use super::{key_str, metrics, Codec, Inner, Revive, Store};
 
 /// The error of a read whose record was removed from the log after the reader looked the key up (a
 /// racing `remove`); readers then start over, so callers never see it.
@@ -407,10 +407,26 @@ impl<C: Codec, B: Backend> Store<C, B> {
             }
             return Ok(Some(v));
         }
-        // A value read back from disk keeps its disk copy (disk_* fields unchanged): evicting it again
-        // costs no write. A revived object is not known to match its record: the record goes (a
-        // persistent store keeps it, as the key's durable value).
-        // Under `verify_copies`, a copy is kept only with the crc of what was read (this reader's:
+        self.promote(&mut inner, k, weight, crc, revived, disk_bytes);
+        self.enforce(inner, None)?;
+        self.relieve_process_memory(Some(k), weight);
+        Ok(Some(v))
+    }
+
+    /// Promote `k`'s entry, read back, to the object tier with its `weight`. It keeps its disk
+    /// copy (`disk_bytes` of record, read with `crc`), so evicting it again costs no write, unless
+    /// the copy is not to be relied on: the record then goes (a persistent store keeps it, as the
+    /// key's durable value).
+    fn promote(
+        &self,
+        inner: &mut Inner<C::Value>,
+        k: &Arc<[u8]>,
+        weight: u64,
+        crc: Option<u32>,
+        revived: bool,
+        disk_bytes: u64,
+    ) {
+        // A revived object is not known to match its record. Under `verify_copies`, a copy is kept only with the crc of what was read (this reader's:
         // one that promotes a value another reader read has none).
         let unverified = self.cfg.eviction.verify_copies && crc.is_none();
         // A record left in a log that a failed write made read-only goes too: evicted again, the value
@@ -444,9 +460,6 @@ impl<C: Codec, B: Backend> Store<C, B> {
         if drop_record {
             inner.table.unstick();
         }
-        self.enforce(inner, None)?;
-        self.relieve_process_memory(Some(k), weight);
-        Ok(Some(v))
     }
 
     /// Read `key`'s record from the log as a future (see [`SegmentLog::get_async`]).
