@@ -36,9 +36,9 @@
 //!
 //! | file | owns |
 //! |---|---|
-//! | `mod.rs` | [`Store`], the [`Codec`] trait, opening, lookups |
+//! | `mod.rs` | [`Store`], the [`Codec`] trait, the state under the lock (`Inner`), opening, lookups |
 //! | `config.rs` | [`StoreConfig`], [`EvictionPolicy`] |
-//! | `entry.rs` | entries, [`Tier`]s, the totals and the LRU order |
+//! | `entry.rs` | entries, [`Tier`]s, the entry table (`Table`): the only writer of the totals and the LRU order |
 //! | `put.rs` | `put`, `put_serialized`, `remove`, heavy values straight to disk |
 //! | `evict.rs` | eviction rounds: plan, write, settle; `max_spill`, stuck entries |
 //! | `receive.rs` | [`Store::receive`] and `put_stream`: values arriving in stored form |
