@@ -158,6 +158,37 @@ fn settle_winners(scans: &BTreeMap<u32, SegmentScan>, report: &mut RecoveryRepor
     Settled { index, segs, max_seq }
 }
 
+/// Why the newest segment, unsealed, cannot go on as the active one (`None` if it can): what the
+/// scan found in it (`scan`, `meta`) forbids writing after its records.
+fn why_not_continued(scan: &SegmentScan, meta: &SegMeta, align: u64, salt_learned: bool) -> Option<&'static str> {
+    let footer_len: u64 = scan.entries.iter().map(|e| FooterEntry::encoded_len(e.key.len())).sum();
+    // Sealing needs room for the footer and the trailer after the records (`seal_active`). The
+    // writer keeps that room at every record (`fits`), but records with valid checksums from
+    // elsewhere (a crafted file) need not have left it.
+    let footer_fits = align_up(meta.data_end, align)
+        .checked_add(footer_len + format::TRAILER_LEN as u64)
+        .is_some_and(|end| end <= meta.size);
+    // With a salt drawn fresh, what the scan cut may be records of a lost salt (every header
+    // that held it damaged): left as they are, not erased and not written over.
+    if !salt_learned && scan.cut.is_some() {
+        Some(
+            "no segment header or trailer holds the log's salt, and the segment holds bytes that may be \
+             records under it (left as they are)",
+        )
+    } else if !scan.header_ok {
+        Some(
+            "its header is damaged (records after it would not be verifiable once no other segment holds \
+             the log's salt)",
+        )
+    } else if !footer_fits {
+        Some("no room for its footer")
+    } else if scan.dropped_unsynced {
+        Some("a damaged record no sync followed was dropped")
+    } else {
+        None
+    }
+}
+
 /// What recovery found: everything a log is built from at open.
 pub(super) struct Recovered<F> {
     pub(super) salt: Salt,
@@ -348,38 +379,14 @@ impl<B: Backend> SegmentReader<'_, B> {
         if meta.sealed {
             return Ok(Newest { active: None, unsynced });
         }
-        let footer_len: u64 = scan.entries.iter().map(|e| FooterEntry::encoded_len(e.key.len())).sum();
-        // Sealing needs room for the footer and the trailer after the records (`seal_active`). The
-        // writer keeps that room at every record (`fits`), but records with valid checksums from
-        // elsewhere (a crafted file) need not have left it.
-        let footer_fits = align_up(meta.data_end, self.align)
-            .checked_add(footer_len + format::TRAILER_LEN as u64)
-            .is_some_and(|end| end <= meta.size);
-        // With a salt drawn fresh, what the scan cut may be records of a lost salt (every header
-        // that held it damaged): left as they are, not erased and not written over.
-        let unverifiable = !salt_learned && scan.cut.is_some();
-        if scan.dropped_unsynced || !footer_fits || unverifiable || !scan.header_ok {
+        if let Some(why) = why_not_continued(scan, meta, self.align, salt_learned) {
             // Writing goes on in a new segment. After a dropped record, so that this one's bytes,
             // and with them what the scan decided, stay as they are: a sync mark written after a
             // dropped record would make the next scan take it for synced damage, and it would hide
             // its key's value again. Without room for the footer, because it cannot be sealed. The
             // segment stays unsealed behind the active one (as after a crash during sealing):
             // readable, compacted and deleted like any other.
-            log::warn!(
-                "segment {last} of {}: {}; new records go to a new segment",
-                self.dir.display(),
-                if unverifiable {
-                    "no segment header or trailer holds the log's salt, and the segment holds bytes that \
-                     may be records under it (left as they are)"
-                } else if !scan.header_ok {
-                    "its header is damaged (records after it would not be verifiable once no other \
-                     segment holds the log's salt)"
-                } else if footer_fits {
-                    "a damaged record no sync followed was dropped"
-                } else {
-                    "no room for its footer"
-                }
-            );
+            log::warn!("segment {last} of {}: {why}; new records go to a new segment", self.dir.display());
             if self.opts.durable {
                 // What was recovered from it may be in the page cache only: the next `sync`
                 // fdatasyncs it, as it would the active segment.
