@@ -104,43 +104,7 @@ impl<B: Backend> SegmentLog<B> {
                 (NewRecord::Value { key, .. }, Payload::Frames(frames))
                     if laid_out_len(frames) >= self.opts.gather_min_bytes =>
                 {
-                    let frame_lens: Vec<u64> = frames.iter().map(|f| f.len() as u64).collect();
-                    let (offsets, raw_len) = format::frame_layout(frame_lens.iter().copied()).expect("prepared");
-                    let po = (format::head_len(frame_lens.len(), key.len()) + p.pad) as usize;
-                    let header = RecordHeader {
-                        flags: 0,
-                        frame_count: frame_lens.len() as u16,
-                        key_len: key.len() as u32,
-                        segment: id,
-                        epoch,
-                        payload_crc: 0, // once known: `fill_crcs`
-                        seq,
-                        raw_len,
-                        stored_len: raw_len,
-                        aux: p.pad as u32,
-                    };
-                    debug_assert_eq!(p.len, po as u64 + raw_len);
-                    let start = g.arena.len();
-                    g.arena.resize(start + po, 0);
-                    g.large.push(Large {
-                        head: start..start + po,
-                        header,
-                        frame_lens,
-                        key,
-                        frames,
-                        placed: g.placed.len(),
-                    });
-                    g.placed.push(Placed::new(pos, &header));
-                    g.push(Part::Arena(start..start + po), false);
-                    // The payload: each frame and the zeros before it.
-                    let mut at = 0u64;
-                    for (f, &off) in frames.iter().zip(&offsets) {
-                        if off > at {
-                            g.push(Part::Zeros((off - at) as usize), true);
-                        }
-                        g.push(Part::Frame(f), true);
-                        at = off + f.len() as u64;
-                    }
+                    g.push_large(p, key, frames, (id, epoch, seq), pos)
                 }
                 _ => {
                     let start = g.arena.len();
@@ -225,6 +189,43 @@ struct Gathered<'a> {
 }
 
 impl<'a> Gathered<'a> {
+    /// A record whose payload is written from its own `frames`: its head (room in the arena,
+    /// encoded once its payload crc is known), then each frame after the zeros before it. `at`:
+    /// its segment, epoch and sequence number; `pos`: its offset.
+    fn push_large(&mut self, p: &Prepared<'_>, key: &'a [u8], frames: &'a Frames, at: (u32, u32, u64), pos: u64) {
+        let (id, epoch, seq) = at;
+        let frame_lens: Vec<u64> = frames.iter().map(|f| f.len() as u64).collect();
+        let (offsets, raw_len) = format::frame_layout(frame_lens.iter().copied()).expect("prepared");
+        let po = (format::head_len(frame_lens.len(), key.len()) + p.pad) as usize;
+        let header = RecordHeader {
+            flags: 0,
+            frame_count: frame_lens.len() as u16,
+            key_len: key.len() as u32,
+            segment: id,
+            epoch,
+            payload_crc: 0, // once known: `fill_crcs`
+            seq,
+            raw_len,
+            stored_len: raw_len,
+            aux: p.pad as u32,
+        };
+        debug_assert_eq!(p.len, po as u64 + raw_len);
+        let start = self.arena.len();
+        self.arena.resize(start + po, 0);
+        self.large.push(Large { head: start..start + po, header, frame_lens, key, frames, placed: self.placed.len() });
+        self.placed.push(Placed::new(pos, &header));
+        self.push(Part::Arena(start..start + po), false);
+        // The payload: each frame and the zeros before it.
+        let mut at = 0u64;
+        for (f, &off) in frames.iter().zip(&offsets) {
+            if off > at {
+                self.push(Part::Zeros((off - at) as usize), true);
+            }
+            self.push(Part::Frame(f), true);
+            at = off + f.len() as u64;
+        }
+    }
+
     fn push(&mut self, part: Part<'a>, payload: bool) {
         self.parts.push(part);
         self.payload.push(payload);
