@@ -30,6 +30,35 @@ struct Op<F> {
     done: usize,
 }
 
+impl<F> Op<F> {
+    /// The read's completion `res` came (of a file opened with O_DIRECT or not): `Some` with its
+    /// result if it is over, `None` if the rest is to be read (a short read, EAGAIN or EINTR).
+    fn completed(&mut self, res: i32, o_direct: bool) -> Option<io::Result<()>> {
+        if res < 0 {
+            let errno = -res;
+            return if errno == libc::EAGAIN || errno == libc::EINTR {
+                None
+            } else {
+                Some(Err(io::Error::from_raw_os_error(errno)))
+            };
+        }
+        if res == 0 {
+            return Some(Err(io::Error::new(io::ErrorKind::UnexpectedEof, "read met end of file")));
+        }
+        self.done += res as usize;
+        let end = self.read.offset + self.done as u64;
+        if self.done == self.read.buf.len() {
+            Some(Ok(()))
+        } else if o_direct && end % 512 != 0 {
+            // An O_DIRECT read that ended short at an unaligned offset: the rest cannot even be
+            // asked for (O_DIRECT needs aligned offsets), so it is the end of the file.
+            Some(Err(io::Error::new(io::ErrorKind::UnexpectedEof, "read met end of file")))
+        } else {
+            None
+        }
+    }
+}
+
 struct Pipeline<F> {
     // Declared first: dropped after `Drop::drop` drained it, before `ops` (field order).
     ring: IoUring,
@@ -158,29 +187,8 @@ pub(super) fn run<F>(
         for &(ud, res) in &cqes {
             let key = ud as usize;
             let op = &mut p.ops[key];
-            let outcome = if res < 0 {
-                let errno = -res;
-                if errno == libc::EAGAIN || errno == libc::EINTR {
-                    None
-                } else {
-                    Some(Err(io::Error::from_raw_os_error(errno)))
-                }
-            } else if res == 0 {
-                Some(Err(io::Error::new(io::ErrorKind::UnexpectedEof, "read met end of file")))
-            } else {
-                op.done += res as usize;
-                let end = op.read.offset + op.done as u64;
-                if op.done == op.read.buf.len() {
-                    Some(Ok(()))
-                } else if file_of(&op.read.file).1 && end % 512 != 0 {
-                    // An O_DIRECT read that ended short at an unaligned offset: the rest cannot even be
-                    // asked for (O_DIRECT needs aligned offsets), so it is the end of the file.
-                    Some(Err(io::Error::new(io::ErrorKind::UnexpectedEof, "read met end of file")))
-                } else {
-                    None
-                }
-            };
-            match outcome {
+            let o_direct = file_of(&op.read.file).1;
+            match op.completed(res, o_direct) {
                 // Short read, EAGAIN or EINTR: read the rest.
                 None => {
                     let fd = file_of(&op.read.file);
