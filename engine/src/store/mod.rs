@@ -56,14 +56,13 @@ use std::time::Instant;
 
 use crate::backend::{Backend, PortableBackend};
 use crate::error::Result;
-use crate::key::{KeyMap, KeySet};
 use crate::log::SegmentLog;
 use crate::slot::Slot;
 // Locks, counters and the values' `Arc` come from the sync shim, so the loom models in `loom-tests/`
 // run this code as it is (keys and slots are plain `Arc`s: only their contents are shared state).
 use self::entry::{Entry, Table};
 use self::metrics::Metrics;
-use self::receive::Stream;
+use self::receive::Transfers;
 use self::writes::Writes;
 use crate::sync::{self, Condvar, Mutex, MutexGuard};
 use crate::value::Frames;
@@ -179,14 +178,8 @@ struct Inner<V> {
     /// direct write of one (`put_large`, `put_stream`) waits, and `flush` waits for those older
     /// than itself.
     writes: Writes,
-    /// Keys whose new value is arriving from a peer into memory (`receive_serialized`): a direct
-    /// write of the key, or a second transfer, waits as for `writes`; `flush` does not.
-    receiving: KeySet<Arc<[u8]>>,
-    /// Keys a `put_stream` is receiving right now (absent from `map` meanwhile).
-    streams: KeyMap<Arc<[u8]>, Stream>,
-    /// Bytes of values admitted into memory as they arrive ([`Store::admit`]) and not yet stored
-    /// or let go of.
-    admitted: u64,
+    /// The transfers in progress and the bytes admitted into memory (`receive.rs`).
+    transfers: Transfers,
     /// Gets answered with an object in memory: (count, weight), part of `Activity::MemoryRead`.
     object_reads: (u64, u64),
     /// A spill failed since the current eviction began ([`EvictionPolicy::failed_spill_ends_round`]).
@@ -233,9 +226,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
             logged_full: None,
             logged_disk: None,
             writes: Writes::default(),
-            receiving: KeySet::default(),
-            streams: KeyMap::default(),
-            admitted: 0,
+            transfers: Transfers::default(),
             round_failed: false,
             object_reads: (0, 0),
             failures: Vec::new(),

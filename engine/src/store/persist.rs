@@ -88,7 +88,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                     true
                 }
                 Some(_) => false,
-                None => inner.streams.contains_key(k),
+                None => inner.transfers.contains(k),
             });
             if pending.iter().all(|(k, ..)| inner.table.get(k).is_some_and(|e| e.stuck)) {
                 break;

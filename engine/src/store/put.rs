@@ -161,7 +161,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         mut inner: MutexGuard<'a, Inner<C::Value>>,
         key: &[u8],
     ) -> MutexGuard<'a, Inner<C::Value>> {
-        while inner.writes.contains(key) || inner.receiving.contains(key) {
+        while inner.writes.contains(key) || inner.transfers.receiving(key) {
             inner = self.written.wait(inner).unwrap_or_else(|p| p.into_inner());
         }
         inner
@@ -192,10 +192,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
         // Every put and remove comes here. A transfer of the key in progress loses to it (once the
         // old record, if any, is dropped: a remove that fails changes nothing); the old value a
         // transfer set aside counts as existing.
-        let supersede = |inner: &mut Inner<C::Value>| {
-            inner.streams.get_mut(key).is_some_and(|s| !std::mem::replace(&mut s.superseded, true) && s.has_old)
+        let Some(disk_bytes) = inner.table.get(key).map(|e| e.disk_bytes) else {
+            return Ok(inner.transfers.supersede(key));
         };
-        let Some(disk_bytes) = inner.table.get(key).map(|e| e.disk_bytes) else { return Ok(supersede(inner)) };
         if disk_bytes > 0 {
             if self.cfg.persistent {
                 self.logs.current().delete(key)?;
@@ -203,7 +202,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
                 self.logs.forget(key)?;
             }
         }
-        supersede(inner);
+        inner.transfers.supersede(key);
         inner.table.take(key);
         if disk_bytes > 0 {
             inner.table.unstick();

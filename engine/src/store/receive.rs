@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use crate::backend::Backend;
 use crate::error::{Error, Result};
+use crate::key::{KeyMap, KeySet};
 use crate::log::StreamedValue;
 use crate::slot::Slot;
 use crate::stored;
@@ -18,18 +19,70 @@ use super::metrics::Activity;
 use super::Inner;
 use super::{key_str, Codec, Store};
 
-/// A `put_stream` in progress.
-pub(super) struct Stream {
+/// A transfer of a key in progress.
+struct Stream {
     /// A put or remove of the key came after the transfer started: it wins over the transfer.
-    pub(super) superseded: bool,
+    superseded: bool,
     /// The key had a value when the transfer started (set aside meanwhile).
-    pub(super) has_old: bool,
-    /// Memory weight and spilled bytes of that value, still counted in `mem_bytes` and
-    /// `disk_raw` (it may come back): what `check_accounting` adds back.
+    has_old: bool,
+    /// Memory weight and spilled bytes of that value, still counted in the table's totals (it may
+    /// come back; see `Table::set_aside`).
     #[cfg_attr(not(feature = "testing"), allow(dead_code))]
-    pub(super) aside_weight: u64,
-    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
-    pub(super) aside_raw: u64,
+    aside: (u64, u64),
+}
+
+/// The values arriving for keys right now: which keys have a transfer in progress (each loses to a
+/// put or remove of its key that comes meanwhile), which of them arrive into memory (a direct write
+/// of the key waits for them), and the bytes admitted into memory ([`Store::admit`]) and not yet
+/// stored or let go of.
+#[derive(Default)]
+pub(super) struct Transfers {
+    streams: KeyMap<Arc<[u8]>, Stream>,
+    receiving: KeySet<Arc<[u8]>>,
+    admitted: u64,
+}
+
+impl Transfers {
+    /// A transfer of `k` begins, into the log; `old` is the key's value set aside meanwhile, if it
+    /// had one (its weight and spilled bytes).
+    fn begin(&mut self, k: Arc<[u8]>, old: Option<(u64, u64)>) {
+        let stream = Stream { superseded: false, has_old: old.is_some(), aside: old.unwrap_or((0, 0)) };
+        self.streams.insert(k, stream);
+    }
+
+    /// A transfer of `k` begins, into memory.
+    fn begin_receiving(&mut self, k: Arc<[u8]>) {
+        self.begin(k.clone(), None);
+        self.receiving.insert(k);
+    }
+
+    /// The transfer of `k` is over; returns whether a put or remove of the key superseded it.
+    fn end(&mut self, k: &[u8]) -> bool {
+        self.receiving.remove(k);
+        self.streams.remove(k).expect("a transfer in progress").superseded
+    }
+
+    /// A put or remove of `key` came: a transfer of it in progress loses. Returns whether the
+    /// transfer had set aside an old value (which then counts as existing, for the remove).
+    pub(super) fn supersede(&mut self, key: &[u8]) -> bool {
+        self.streams.get_mut(key).is_some_and(|s| !std::mem::replace(&mut s.superseded, true) && s.has_old)
+    }
+
+    /// Whether a transfer of `key` is in progress.
+    pub(super) fn contains(&self, key: &[u8]) -> bool {
+        self.streams.contains_key(key)
+    }
+
+    /// Whether `key`'s value is arriving into memory.
+    pub(super) fn receiving(&self, key: &[u8]) -> bool {
+        self.receiving.contains(key)
+    }
+
+    /// The weight and spilled bytes of the old values transfers set aside.
+    #[cfg(feature = "testing")]
+    pub(super) fn aside(&self) -> (u64, u64) {
+        self.streams.values().fold((0, 0), |(w, r), s| (w + s.aside.0, r + s.aside.1))
+    }
 }
 
 impl<C: Codec, B: Backend> Store<C, B> {
@@ -69,8 +122,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         let (aside_weight, aside_raw) = old.as_ref().map_or((0, 0), |o| (o.mem_weight(), o.disk_raw));
         inner.table.set_aside(aside_weight, aside_raw);
         let k: Arc<[u8]> = Arc::from(key);
-        let stream = Stream { superseded: false, has_old: old.is_some(), aside_weight, aside_raw };
-        inner.streams.insert(k.clone(), stream);
+        inner.transfers.begin(k.clone(), old.is_some().then_some((aside_weight, aside_raw)));
         inner.writes.begin(k.clone(), 0, raw);
         drop(inner);
         let t = Instant::now();
@@ -82,7 +134,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         self.written.notify_all();
         // A put of the key (in memory: its eviction waited for this write) or a remove came
         // meanwhile.
-        let superseded = inner.streams.remove(&k).expect("registered above").superseded;
+        let superseded = inner.transfers.end(&k);
         let streamed = match streamed {
             Ok(streamed) => streamed,
             Err(panic) => {
@@ -152,11 +204,11 @@ impl<C: Codec, B: Backend> Store<C, B> {
     pub fn admit(&self, nbytes: u64) -> bool {
         let headroom = self.process_headroom(); // (reads the RSS: without the lock)
         let mut inner = self.lock();
-        let admitted = inner.admitted.saturating_add(nbytes);
+        let admitted = inner.transfers.admitted.saturating_add(nbytes);
         let fits = inner.table.totals().mem_bytes.saturating_add(admitted) <= self.target()
             && headroom.is_none_or(|h| admitted <= h);
         if fits {
-            inner.admitted = admitted;
+            inner.transfers.admitted = admitted;
         }
         fits
     }
@@ -164,7 +216,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// `nbytes` admitted by [`Store::admit`] are stored now, or let go of.
     pub fn release_admitted(&self, nbytes: u64) {
         let mut inner = self.lock();
-        inner.admitted = inner.admitted.saturating_sub(nbytes);
+        inner.transfers.admitted = inner.transfers.admitted.saturating_sub(nbytes);
     }
 
     /// [`Self::receive`] into memory, with the store's lock held on entry. `put_stream` calls it for a value
@@ -180,15 +232,13 @@ impl<C: Codec, B: Backend> Store<C, B> {
     ) -> Result<()> {
         let mut inner = self.wait_unwritten(inner, key);
         let k: Arc<[u8]> = Arc::from(key);
-        inner.streams.insert(k.clone(), Stream { superseded: false, has_old: false, aside_weight: 0, aside_raw: 0 });
-        inner.receiving.insert(k.clone());
+        inner.transfers.begin_receiving(k.clone());
         drop(inner);
         let max = self.logs.current().options().max_value_bytes;
         let got = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| stored::read(meta, src, max)));
         let mut inner = self.lock();
-        inner.receiving.remove(&k);
+        let superseded = inner.transfers.end(&k);
         self.written.notify_all();
-        let superseded = inner.streams.remove(&k).expect("registered above").superseded;
         let frames = match got {
             Ok(frames) => frames?,
             Err(panic) => {
