@@ -41,7 +41,7 @@
 //! | `entry.rs` | entries, [`Tier`]s, the entry table (`Table`): the only writer of the totals and the LRU order |
 //! | `put.rs` | `put`, `put_serialized`, `remove`, heavy values straight to disk |
 //! | `evict.rs` | eviction rounds: plan, write, settle; `max_spill`, stuck entries |
-//! | `receive.rs` | [`Store::receive`] and `put_stream`: values arriving in stored form |
+//! | `receive.rs` | [`Store::receive`] and `put_stream`: values arriving in stored form; the transfers in progress (`Transfers`) |
 //! | `get.rs` | `get`, `get_many`, `get_async`, `get_serialized`; deserialize once |
 //! | `writes.rs` | the spill writes in flight: one per key, tickets for `flush`, the bytes they reserve |
 //! | `persist.rs` | `flush` of a persistent store |
