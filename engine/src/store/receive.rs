@@ -114,7 +114,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         }
         // The old value leaves the map but keeps its record (if any) in the log: a streamed record
         // that arrives whole supersedes that record; a failed transfer publishes nothing, and the
-        // old entry goes back. (Being in `writing`, the key is not spilled meanwhile: its eviction,
+        // old entry goes back. (Being in `writes`, the key is not spilled meanwhile: its eviction,
         // or a `put_large`, waits for this write.) Its memory stays counted until then.
         // Its record's spilled bytes stay counted against max_spill too: on failure it comes back
         // with them, so other spills must not take that room meanwhile.
