@@ -10,6 +10,8 @@ use crate::value::Frames;
 
 use super::index::Location;
 use super::segments::WriterState;
+use super::write::seq_for;
+use super::write::{encode_record, fence_failed_write, publish_chunk};
 use super::write::{NewRecord, Payload, Placed, Prepared};
 use super::{laid_out_len, padded, SegmentLog, ZEROS};
 
@@ -17,140 +19,143 @@ use super::{laid_out_len, padded, SegmentLog, ZEROS};
 /// backend supports it.
 pub(super) const GATHER_MIN_BYTES: u64 = 256 << 10;
 
-impl<B: Backend> SegmentLog<B> {
-    /// [`Self::write_chunk`] for a chunk holding large values, on a backend that writes gathered
-    /// slices (buffered files): the same bytes at the same offsets, but each large value's frames go to
-    /// the kernel from their own buffers instead of being copied into a staging buffer first. Headers,
-    /// small records and padding are built in a small arena.
-    ///
-    /// When the large payloads add up to [`LogOptions::parallel_crc_min_bytes`] or more, their crcs
-    /// are computed on a helper thread while this one writes the payloads; everything else (the
-    /// rewritten partial block, every record head, small records, padding) is written after, once
-    /// the crcs are in the heads. A crash in between leaves nothing but payload bytes past the
-    /// published end: no record of this chunk parses, so recovery ends the segment there as at a torn
-    /// tail, and what lay past the end before (zeros, or the head of a record cut off as torn at an
-    /// earlier recovery) is still followed by nothing valid, so it is cut again. On this machine the
-    /// crc of 16 MiB costs about a third of copying it into the page cache.
-    pub(super) fn write_chunk_gathered(
-        &self,
-        st: &mut WriterState<B::File>,
-        chunk: &[Prepared<'_>],
-    ) -> Result<Vec<Location>> {
-        let epoch = st.epoch;
-        let (id, file, data_end, tail) = {
-            // A copy of the tail (less than a block): a failed write leaves the active segment as it was.
-            let a = st.active.as_ref().expect("active segment");
-            (a.id, a.file.clone(), a.data_end, a.tail.clone())
-        };
-        let mut g = self.lay_out_gathered(st, chunk, id, epoch, data_end, tail);
-        let crc_of = |l: &Large<'_>| -> u32 { format::laid_out_crc(l.frames.iter().map(|f| &f[..])) };
-        let mut written = Ok(());
-        let mut crcs: Option<Vec<u32>> = None;
-        let payload_bytes: u64 = g.large.iter().map(|l| l.header.raw_len).sum();
-        if payload_bytes >= self.opts.parallel_crc_min_bytes {
-            let g_ref = &g;
-            std::thread::scope(|s| {
-                let helper = std::thread::Builder::new()
-                    .name("spillway-crc".into())
-                    .spawn_scoped(s, || g_ref.large.iter().map(crc_of).collect::<Vec<u32>>());
-                // Without a helper thread (resource limits), everything is written in order below.
-                if let Ok(h) = helper {
-                    written = self.write_parts(&file, g_ref, Some(true));
-                    crcs = Some(h.join().expect("crc32 does not panic"));
-                }
-            });
-        }
-        let deferred = crcs.is_some();
-        let crcs = crcs.unwrap_or_else(|| g.large.iter().map(crc_of).collect());
-        g.fill_crcs(crcs, self.salt);
-        if written.is_ok() {
-            written = self.write_parts(&file, &g, deferred.then_some(false));
-        }
-        if let Err(e) = written {
-            // Nothing of the chunk is published, and the active segment is as it was.
-            self.fence_failed_write(st, crate::error::io_no_space(&e).then_some(g.end));
-            return Err(self.health.write_failed("write segment", self.seg_path(id), e));
-        }
-        let new_tail = g.tail(self.align);
-        self.publish_chunk(st, chunk, &g.placed, g.end, new_tail, epoch, false)
-    }
-
-    /// The bytes of `chunk` from the aligned block before `data_end` (its `tail` rewritten first),
-    /// as parts: record heads, small records and padding in an arena, large payloads as their own
-    /// frames, zeros. A large record's head waits for its payload crc ([`Gathered::fill_crcs`]).
-    fn lay_out_gathered<'a>(
-        &self,
-        st: &mut WriterState<B::File>,
-        chunk: &'a [Prepared<'a>],
-        id: u32,
-        epoch: u32,
-        data_end: u64,
-        tail: Vec<u8>,
-    ) -> Gathered<'a> {
-        let parts = vec![Part::Arena(0..tail.len())];
-        let mut g = Gathered {
-            base: align_down(data_end, self.align),
-            end: data_end,
-            arena: tail,
-            parts,
-            payload: vec![false],
-            large: Vec::new(),
-            placed: Vec::with_capacity(chunk.len()),
-        };
-        let mut pos = data_end;
-        for p in chunk {
-            let seq = Self::seq_for(st, &p.rec);
-            match (&p.rec, &p.payload) {
-                (NewRecord::Value { key, .. }, Payload::Frames(frames))
-                    if laid_out_len(frames) >= self.opts.gather_min_bytes =>
-                {
-                    g.push_large(p, key, frames, (id, epoch, seq), pos)
-                }
-                _ => {
-                    let start = g.arena.len();
-                    g.arena.resize(start + p.len as usize, 0);
-                    let h = self.encode_record(p, &mut g.arena[start..], id, epoch, seq);
-                    g.push(Part::Arena(start..start + p.len as usize), false);
-                    g.placed.push(Placed::new(pos, &h));
-                }
+/// `write_chunk` for a chunk holding large values, on a backend that writes gathered
+/// slices (buffered files): the same bytes at the same offsets, but each large value's frames go to
+/// the kernel from their own buffers instead of being copied into a staging buffer first. Headers,
+/// small records and padding are built in a small arena.
+///
+/// When the large payloads add up to [`LogOptions::parallel_crc_min_bytes`] or more, their crcs
+/// are computed on a helper thread while this one writes the payloads; everything else (the
+/// rewritten partial block, every record head, small records, padding) is written after, once
+/// the crcs are in the heads. A crash in between leaves nothing but payload bytes past the
+/// published end: no record of this chunk parses, so recovery ends the segment there as at a torn
+/// tail, and what lay past the end before (zeros, or the head of a record cut off as torn at an
+/// earlier recovery) is still followed by nothing valid, so it is cut again. On this machine the
+/// crc of 16 MiB costs about a third of copying it into the page cache.
+pub(super) fn write_chunk_gathered<B: Backend>(
+    log: &SegmentLog<B>,
+    st: &mut WriterState<B::File>,
+    chunk: &[Prepared<'_>],
+) -> Result<Vec<Location>> {
+    let epoch = st.epoch;
+    let (id, file, data_end, tail) = {
+        // A copy of the tail (less than a block): a failed write leaves the active segment as it was.
+        let a = st.active.as_ref().expect("active segment");
+        (a.id, a.file.clone(), a.data_end, a.tail.clone())
+    };
+    let mut g = lay_out_gathered(log, st, chunk, id, epoch, data_end, tail);
+    let crc_of = |l: &Large<'_>| -> u32 { format::laid_out_crc(l.frames.iter().map(|f| &f[..])) };
+    let mut written = Ok(());
+    let mut crcs: Option<Vec<u32>> = None;
+    let payload_bytes: u64 = g.large.iter().map(|l| l.header.raw_len).sum();
+    if payload_bytes >= log.opts.parallel_crc_min_bytes {
+        let g_ref = &g;
+        std::thread::scope(|s| {
+            let helper = std::thread::Builder::new()
+                .name("spillway-crc".into())
+                .spawn_scoped(s, || g_ref.large.iter().map(crc_of).collect::<Vec<u32>>());
+            // Without a helper thread (resource limits), everything is written in order below.
+            if let Ok(h) = helper {
+                written = write_parts(log, &file, g_ref, Some(true));
+                crcs = Some(h.join().expect("crc32 does not panic"));
             }
-            let next = padded(pos + p.len);
-            g.push(Part::Zeros((next - pos - p.len) as usize), false); // padding between records
-            pos = next;
-        }
-        g.end = pos;
-        g.push(Part::Zeros((align_up(pos, self.align) - pos) as usize), false); // up to the aligned end
-        g
+        });
     }
+    let deferred = crcs.is_some();
+    let crcs = crcs.unwrap_or_else(|| g.large.iter().map(crc_of).collect());
+    g.fill_crcs(crcs, log.salt);
+    if written.is_ok() {
+        written = write_parts(log, &file, &g, deferred.then_some(false));
+    }
+    if let Err(e) = written {
+        // Nothing of the chunk is published, and the active segment is as it was.
+        fence_failed_write(log, st, crate::error::io_no_space(&e).then_some(g.end));
+        return Err(log.health.write_failed("write segment", log.seg_path(id), e));
+    }
+    let new_tail = g.tail(log.align);
+    publish_chunk(log, st, chunk, &g.placed, g.end, new_tail, epoch, false)
+}
 
-    /// Write `g`'s parts to `file` from its base. `None`: every part, in one gathered write.
-    /// `Some(p)`: the parts whose payload flag is `p`, one gathered write per run of consecutive ones.
-    fn write_parts(&self, file: &B::File, g: &Gathered<'_>, payloads: Option<bool>) -> io::Result<()> {
-        let slices = g.slices();
-        let Some(want) = payloads else {
-            let all: Vec<&[u8]> = slices.iter().map(|&(_, s)| s).collect();
-            return self.backend.write_gather_at(file, g.base, &all);
-        };
-        let mut at = g.base;
-        let mut run: Vec<&[u8]> = Vec::new();
-        let mut run_at = g.base;
-        for &(part, sl) in &slices {
-            if g.payload[part] == want {
-                if run.is_empty() {
-                    run_at = at;
-                }
-                run.push(sl);
-            } else if !run.is_empty() {
-                self.backend.write_gather_at(file, run_at, &run)?;
-                run.clear();
+/// The bytes of `chunk` from the aligned block before `data_end` (its `tail` rewritten first),
+/// as parts: record heads, small records and padding in an arena, large payloads as their own
+/// frames, zeros. A large record's head waits for its payload crc ([`Gathered::fill_crcs`]).
+fn lay_out_gathered<'a, B: Backend>(
+    log: &SegmentLog<B>,
+    st: &mut WriterState<B::File>,
+    chunk: &'a [Prepared<'a>],
+    id: u32,
+    epoch: u32,
+    data_end: u64,
+    tail: Vec<u8>,
+) -> Gathered<'a> {
+    let parts = vec![Part::Arena(0..tail.len())];
+    let mut g = Gathered {
+        base: align_down(data_end, log.align),
+        end: data_end,
+        arena: tail,
+        parts,
+        payload: vec![false],
+        large: Vec::new(),
+        placed: Vec::with_capacity(chunk.len()),
+    };
+    let mut pos = data_end;
+    for p in chunk {
+        let seq = seq_for(st, &p.rec);
+        match (&p.rec, &p.payload) {
+            (NewRecord::Value { key, .. }, Payload::Frames(frames))
+                if laid_out_len(frames) >= log.opts.gather_min_bytes =>
+            {
+                g.push_large(p, key, frames, (id, epoch, seq), pos)
             }
-            at += sl.len() as u64;
+            _ => {
+                let start = g.arena.len();
+                g.arena.resize(start + p.len as usize, 0);
+                let h = encode_record(log, p, &mut g.arena[start..], id, epoch, seq);
+                g.push(Part::Arena(start..start + p.len as usize), false);
+                g.placed.push(Placed::new(pos, &h));
+            }
         }
-        if !run.is_empty() {
-            self.backend.write_gather_at(file, run_at, &run)?;
-        }
-        Ok(())
+        let next = padded(pos + p.len);
+        g.push(Part::Zeros((next - pos - p.len) as usize), false); // padding between records
+        pos = next;
     }
+    g.end = pos;
+    g.push(Part::Zeros((align_up(pos, log.align) - pos) as usize), false); // up to the aligned end
+    g
+}
+
+/// Write `g`'s parts to `file` from its base. `None`: every part, in one gathered write.
+/// `Some(p)`: the parts whose payload flag is `p`, one gathered write per run of consecutive ones.
+fn write_parts<B: Backend>(
+    log: &SegmentLog<B>,
+    file: &B::File,
+    g: &Gathered<'_>,
+    payloads: Option<bool>,
+) -> io::Result<()> {
+    let slices = g.slices();
+    let Some(want) = payloads else {
+        let all: Vec<&[u8]> = slices.iter().map(|&(_, s)| s).collect();
+        return log.backend.write_gather_at(file, g.base, &all);
+    };
+    let mut at = g.base;
+    let mut run: Vec<&[u8]> = Vec::new();
+    let mut run_at = g.base;
+    for &(part, sl) in &slices {
+        if g.payload[part] == want {
+            if run.is_empty() {
+                run_at = at;
+            }
+            run.push(sl);
+        } else if !run.is_empty() {
+            log.backend.write_gather_at(file, run_at, &run)?;
+            run.clear();
+        }
+        at += sl.len() as u64;
+    }
+    if !run.is_empty() {
+        log.backend.write_gather_at(file, run_at, &run)?;
+    }
+    Ok(())
 }
 
 /// A part of a gathered chunk's bytes.

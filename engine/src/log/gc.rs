@@ -15,7 +15,10 @@ use crate::sync::{AtomicBool, Mutex, Ordering, RwLock};
 use super::health::{WARN_GC, WARN_PUNCH};
 use super::index::Location;
 use super::options::LogOptions;
+use super::read::buf_align;
+use super::segments::{sync_active, sync_dir_if_dirty};
 use super::segments::{SpareFile, WriterState, MAX_KEPT_AT_OPEN, MAX_SPARE_FILES};
+use super::write_behind::flush_pending;
 use super::{lock, parse_seg_file_name, SegmentLog};
 
 /// Forgotten records at least this large are hole-punched (with `LogOptions::punch_forgotten`).
@@ -53,249 +56,249 @@ impl Forgotten {
     }
 }
 
-impl<B: Backend> SegmentLog<B> {
-    /// Account for the records `forget` left while the writer lock was busy.
-    pub(super) fn settle_forgotten(&self, st: &mut WriterState<B::File>) {
-        for old in self.forgotten.take() {
-            self.release_forgotten(st, old);
-        }
+/// Account for the records `forget` left while the writer lock was busy.
+pub(super) fn settle_forgotten<B: Backend>(log: &SegmentLog<B>, st: &mut WriterState<B::File>) {
+    for old in log.forgotten.take() {
+        release_forgotten(log, st, old);
     }
+}
 
-    /// Account for a forgotten record (its index entry already removed): its segment's live count,
-    /// garbage collection, and the punch that releases its blocks.
-    pub(super) fn release_forgotten(&self, st: &mut WriterState<B::File>, old: Location) {
-        let mut emptied = Vec::new();
-        Self::release(st, old, &mut emptied);
-        if self.health.is_poisoned() {
-            return; // read-only: nothing on disk changes any more
-        }
-        if !emptied.is_empty() {
-            self.reclaim(st);
-        }
-        // Punch unless the record's segment is gone: an emptied segment may stay (the active one is
-        // never deleted, and a deletion can fail), and then the record's blocks would stay with it.
-        if self.opts.punch_forgotten
-            && old.len >= PUNCH_MIN_BYTES
-            && st.segs.contains_key(&old.segment)
-            && !self.health.is_poisoned()
-        {
-            self.punch(st, old);
-        }
+/// Account for a forgotten record (its index entry already removed): its segment's live count,
+/// garbage collection, and the punch that releases its blocks.
+pub(super) fn release_forgotten<B: Backend>(log: &SegmentLog<B>, st: &mut WriterState<B::File>, old: Location) {
+    let mut emptied = Vec::new();
+    release(st, old, &mut emptied);
+    if log.health.is_poisoned() {
+        return; // read-only: nothing on disk changes any more
     }
-
-    /// Release the whole blocks inside a forgotten record (`LogOptions::punch_forgotten`): its disk
-    /// space and page-cache pages go at once, as a deleted file's would, instead of staying (dirty) until
-    /// the whole segment dies or is compacted. Only blocks that lie entirely inside the record are
-    /// punched. Neighbouring records, the segment header and the tail block that the next write
-    /// rewrites are never touched. Advisory: a failure is logged once and changes nothing else.
-    /// Where the backend can punch without itself ([`Backend::detached_punch`]), the punch runs on
-    /// the log's punch thread ([`Punches`]), and the caller does not wait for it.
-    pub(super) fn punch(&self, st: &mut WriterState<B::File>, old: Location) {
-        if st.active.as_ref().is_some_and(|a| a.id == old.segment && old.offset >= a.written_end) {
-            return; // pending (write-behind): not in the file yet, nothing to release
-        }
-        if self.sends.pinned((old.segment, old.offset)) {
-            return; // being sent: its blocks go when the segment does
-        }
-        let Some(file) = self.files.read().unwrap_or_else(|p| p.into_inner()).get(&old.segment).cloned() else {
-            return;
-        };
-        // Keep the record's head (header, frame table, key) readable, so that recovery of a reopened
-        // log still finds the record boundary and steps over it (reporting a damaged payload) instead
-        // of taking the zeros for the end of the segment. One small read finds where the head ends; a
-        // head longer than that (a huge key or frame table) is rare, and its record is not punched.
-        let probe = old.len.min(4 << 10);
-        let start_read = align_down(old.offset, self.read_align);
-        let end_read = align_up(old.offset + probe, self.read_align);
-        let Ok(buf) = self.backend.read_new(
-            &file,
-            start_read,
-            (end_read - start_read) as usize,
-            self.buf_align(end_read - start_read),
-        ) else {
-            return;
-        };
-        let at = (old.offset - start_read) as usize;
-        let Ok(h) = format::peek_record_header(&buf[at..]) else { return };
-        if h.payload_offset() > probe {
-            return;
-        }
-        let start = align_up(old.offset + h.payload_offset(), self.align);
-        let end = align_down(old.offset + old.len, self.align);
-        if end <= start {
-            return;
-        }
-        let punched = match self.backend.detached_punch() {
-            Some(punch) if self.punches.queue(punch, &self.files, old.segment, &file, start, end - start) => Ok(()),
-            _ => self.backend.punch_hole(&file, start, end - start),
-        };
-        match punched {
-            Ok(()) => {
-                st.segs.punched(old.segment, end - start);
-            }
-            Err(e) => {
-                if self.health.warn_once(WARN_PUNCH) {
-                    log::warn!("cannot punch holes in segment files ({e}); forgotten records keep their space until compaction");
-                }
-            }
-        }
+    if !emptied.is_empty() {
+        reclaim(log, st);
     }
+    // Punch unless the record's segment is gone: an emptied segment may stay (the active one is
+    // never deleted, and a deletion can fail), and then the record's blocks would stay with it.
+    if log.opts.punch_forgotten
+        && old.len >= PUNCH_MIN_BYTES
+        && st.segs.contains_key(&old.segment)
+        && !log.health.is_poisoned()
+    {
+        punch(log, st, old);
+    }
+}
 
-    /// Garbage collection after a change was published (a write, a delete, a forget): housekeeping,
-    /// whose failure must not fail the change. It is logged, and the dead segment is deleted at a
-    /// later garbage collection.
-    pub(super) fn reclaim(&self, st: &mut WriterState<B::File>) {
-        if let Err(e) = self.collect_garbage(st) {
-            if self.health.warn_once(WARN_GC) {
+/// Release the whole blocks inside a forgotten record (`LogOptions::punch_forgotten`): its disk
+/// space and page-cache pages go at once, as a deleted file's would, instead of staying (dirty) until
+/// the whole segment dies or is compacted. Only blocks that lie entirely inside the record are
+/// punched. Neighbouring records, the segment header and the tail block that the next write
+/// rewrites are never touched. Advisory: a failure is logged once and changes nothing else.
+/// Where the backend can punch without itself ([`Backend::detached_punch`]), the punch runs on
+/// the log's punch thread ([`Punches`]), and the caller does not wait for it.
+pub(super) fn punch<B: Backend>(log: &SegmentLog<B>, st: &mut WriterState<B::File>, old: Location) {
+    if st.active.as_ref().is_some_and(|a| a.id == old.segment && old.offset >= a.written_end) {
+        return; // pending (write-behind): not in the file yet, nothing to release
+    }
+    if log.sends.pinned((old.segment, old.offset)) {
+        return; // being sent: its blocks go when the segment does
+    }
+    let Some(file) = log.files.read().unwrap_or_else(|p| p.into_inner()).get(&old.segment).cloned() else {
+        return;
+    };
+    // Keep the record's head (header, frame table, key) readable, so that recovery of a reopened
+    // log still finds the record boundary and steps over it (reporting a damaged payload) instead
+    // of taking the zeros for the end of the segment. One small read finds where the head ends; a
+    // head longer than that (a huge key or frame table) is rare, and its record is not punched.
+    let probe = old.len.min(4 << 10);
+    let start_read = align_down(old.offset, log.read_align);
+    let end_read = align_up(old.offset + probe, log.read_align);
+    let Ok(buf) = log.backend.read_new(
+        &file,
+        start_read,
+        (end_read - start_read) as usize,
+        buf_align(log, end_read - start_read),
+    ) else {
+        return;
+    };
+    let at = (old.offset - start_read) as usize;
+    let Ok(h) = format::peek_record_header(&buf[at..]) else { return };
+    if h.payload_offset() > probe {
+        return;
+    }
+    let start = align_up(old.offset + h.payload_offset(), log.align);
+    let end = align_down(old.offset + old.len, log.align);
+    if end <= start {
+        return;
+    }
+    let punched = match log.backend.detached_punch() {
+        Some(punch) if log.punches.queue(punch, &log.files, old.segment, &file, start, end - start) => Ok(()),
+        _ => log.backend.punch_hole(&file, start, end - start),
+    };
+    match punched {
+        Ok(()) => {
+            st.segs.punched(old.segment, end - start);
+        }
+        Err(e) => {
+            if log.health.warn_once(WARN_PUNCH) {
                 log::warn!(
-                    "segment log {}: cannot delete a dead segment yet ({e}); retrying at the next garbage collection",
-                    self.dir.display()
+                    "cannot punch holes in segment files ({e}); forgotten records keep their space until compaction"
                 );
             }
         }
     }
+}
 
-    pub(super) fn superseded_by_pending(st: &mut WriterState<B::File>, old: Location) {
-        st.segs.superseded_by_pending(old.segment);
-    }
-
-    pub(super) fn release(st: &mut WriterState<B::File>, old: Location, emptied: &mut Vec<u32>) {
-        if st.segs.release(old) {
-            emptied.push(old.segment);
+/// Garbage collection after a change was published (a write, a delete, a forget): housekeeping,
+/// whose failure must not fail the change. It is logged, and the dead segment is deleted at a
+/// later garbage collection.
+pub(super) fn reclaim<B: Backend>(log: &SegmentLog<B>, st: &mut WriterState<B::File>) {
+    if let Err(e) = collect_garbage(log, st) {
+        if log.health.warn_once(WARN_GC) {
+            log::warn!(
+                "segment log {}: cannot delete a dead segment yet ({e}); retrying at the next garbage collection",
+                log.dir.display()
+            );
         }
     }
+}
 
-    /// Whether some tombstone of segment `id` may still shadow an older record.
-    pub(super) fn tombstones_needed(st: &WriterState<B::File>, id: u32) -> bool {
-        let m = &st.segs[&id];
-        // `min_shadow <= id` always (recovery refuses a tombstone that shadows a later segment than
-        // its own); checked anyway, since `range` panics on a reversed range.
-        m.tombstones > 0 && m.min_shadow < id && st.segs.range(m.min_shadow..id).next().is_some()
+pub(super) fn superseded_by_pending<F>(st: &mut WriterState<F>, old: Location) {
+    st.segs.superseded_by_pending(old.segment);
+}
+
+pub(super) fn release<F>(st: &mut WriterState<F>, old: Location, emptied: &mut Vec<u32>) {
+    if st.segs.release(old) {
+        emptied.push(old.segment);
     }
+}
 
-    /// Delete every non-active segment with nothing live and no tombstone still needed. Deleting one
-    /// can make another's tombstones unneeded, so repeat until nothing changes.
-    pub(super) fn collect_garbage(&self, st: &mut WriterState<B::File>) -> Result<u64> {
-        let mut deleted = 0;
-        // Segments that could not be deleted this time: the others still go (on a full disk, one that
-        // waits for pending records to be written must not keep the rest from freeing the space).
-        let mut failed: Vec<u32> = Vec::new();
-        let mut first_error = None;
-        loop {
-            // A log made read-only by a failed write or fdatasync changes nothing on disk any more.
-            // Above all, it deletes no segment: deleting one needs the records that replaced its
-            // contents to be durable, and after a failed fdatasync nothing says they are (a retry can
-            // report success for pages the kernel dropped after reporting the first failure). One
-            // failed deletion here may be the fdatasync that poisoned the log.
-            if let Err(e) = self.health.check_writable() {
+/// Whether some tombstone of segment `id` may still shadow an older record.
+pub(super) fn tombstones_needed<F>(st: &WriterState<F>, id: u32) -> bool {
+    let m = &st.segs[&id];
+    // `min_shadow <= id` always (recovery refuses a tombstone that shadows a later segment than
+    // its own); checked anyway, since `range` panics on a reversed range.
+    m.tombstones > 0 && m.min_shadow < id && st.segs.range(m.min_shadow..id).next().is_some()
+}
+
+/// Delete every non-active segment with nothing live and no tombstone still needed. Deleting one
+/// can make another's tombstones unneeded, so repeat until nothing changes.
+pub(super) fn collect_garbage<B: Backend>(log: &SegmentLog<B>, st: &mut WriterState<B::File>) -> Result<u64> {
+    let mut deleted = 0;
+    // Segments that could not be deleted this time: the others still go (on a full disk, one that
+    // waits for pending records to be written must not keep the rest from freeing the space).
+    let mut failed: Vec<u32> = Vec::new();
+    let mut first_error = None;
+    loop {
+        // A log made read-only by a failed write or fdatasync changes nothing on disk any more.
+        // Above all, it deletes no segment: deleting one needs the records that replaced its
+        // contents to be durable, and after a failed fdatasync nothing says they are (a retry can
+        // report success for pages the kernel dropped after reporting the first failure). One
+        // failed deletion here may be the fdatasync that poisoned the log.
+        if let Err(e) = log.health.check_writable() {
+            first_error.get_or_insert(e);
+            break;
+        }
+        let active = st.active.as_ref().map(|a| a.id);
+        let victim = st
+            .segs
+            .iter()
+            .filter(|(&id, m)| Some(id) != active && m.live_records == 0 && !failed.contains(&id))
+            .map(|(&id, _)| id)
+            .find(|&id| !tombstones_needed(st, id));
+        let Some(id) = victim else { break };
+        match delete_segment(log, st, id) {
+            Ok(()) => deleted += 1,
+            Err(e) => {
+                failed.push(id);
                 first_error.get_or_insert(e);
-                break;
             }
-            let active = st.active.as_ref().map(|a| a.id);
-            let victim = st
-                .segs
-                .iter()
-                .filter(|(&id, m)| Some(id) != active && m.live_records == 0 && !failed.contains(&id))
-                .map(|(&id, _)| id)
-                .find(|&id| !Self::tombstones_needed(st, id));
-            let Some(id) = victim else { break };
-            match self.delete_segment(st, id) {
-                Ok(()) => deleted += 1,
-                Err(e) => {
-                    failed.push(id);
-                    first_error.get_or_insert(e);
-                }
-            }
-        }
-        match first_error {
-            Some(e) => Err(e),
-            None => Ok(deleted),
         }
     }
+    match first_error {
+        Some(e) => Err(e),
+        None => Ok(deleted),
+    }
+}
 
-    pub(super) fn delete_segment(&self, st: &mut WriterState<B::File>, id: u32) -> Result<()> {
-        // Never after a failed write or fdatasync: the fdatasync below must not be a retry of one
-        // that failed, and without it the segment may hold the only durable copy of its records.
-        self.health.check_writable()?;
-        // The records that made this segment dead may still be pending in memory (write-behind:
-        // overwrites, or compaction's copies of its live records): write them before the old copies
-        // disappear, so a process crash cannot lose both. With `durable`, also make them durable,
-        // so a power cut cannot either. Only a segment some of whose records were superseded by
-        // pending ones needs that write: deleting any other must not need a write, because on a full
-        // file system deleting dead segments is how the pending records get room. A log whose data
-        // dies with the process (`discard_existing`) has nothing to lose in a crash at all.
-        let superseded = st.segs.get(&id).is_some_and(|m| m.superseded_by_pending);
-        if superseded && !self.opts.discard_existing {
-            self.flush_pending(st)?;
-        }
-        if self.opts.durable {
-            if superseded {
-                self.sync_active(st)?;
-            } else if let Some(a) = st.active.as_ref().filter(|a| a.dirty) {
-                // What superseded this segment's records is written (or they were deleted): make
-                // it durable without writing what is pending, which a full disk may refuse. `dirty`
-                // stays set, for the pending records.
-                if let Err(e) = self.backend.sync_data(&a.file) {
-                    return Err(self.health.poison(Error::io("fdatasync", self.seg_path(a.id), e)));
-                }
+pub(super) fn delete_segment<B: Backend>(log: &SegmentLog<B>, st: &mut WriterState<B::File>, id: u32) -> Result<()> {
+    // Never after a failed write or fdatasync: the fdatasync below must not be a retry of one
+    // that failed, and without it the segment may hold the only durable copy of its records.
+    log.health.check_writable()?;
+    // The records that made this segment dead may still be pending in memory (write-behind:
+    // overwrites, or compaction's copies of its live records): write them before the old copies
+    // disappear, so a process crash cannot lose both. With `durable`, also make them durable,
+    // so a power cut cannot either. Only a segment some of whose records were superseded by
+    // pending ones needs that write: deleting any other must not need a write, because on a full
+    // file system deleting dead segments is how the pending records get room. A log whose data
+    // dies with the process (`discard_existing`) has nothing to lose in a crash at all.
+    let superseded = st.segs.get(&id).is_some_and(|m| m.superseded_by_pending);
+    if superseded && !log.opts.discard_existing {
+        flush_pending(log, st)?;
+    }
+    if log.opts.durable {
+        if superseded {
+            sync_active(log, st)?;
+        } else if let Some(a) = st.active.as_ref().filter(|a| a.dirty) {
+            // What superseded this segment's records is written (or they were deleted): make
+            // it durable without writing what is pending, which a full disk may refuse. `dirty`
+            // stays set, for the pending records.
+            if let Err(e) = log.backend.sync_data(&a.file) {
+                return Err(log.health.poison(Error::io("fdatasync", log.seg_path(a.id), e)));
             }
         }
-        if self.opts.durable && st.dir_new_segments {
-            // The records that replaced this segment's may live in a segment created since the
-            // directory's last fsync: its entry must be durable before this unlink can be, or a
-            // power cut could keep the unlink and lose the new file. (File systems that journal
-            // directory operations in order do not need this; nothing promises it.)
-            self.sync_dir_if_dirty(st)?;
-        }
-        if self.keep_as_spare(st, id) {
-            return Ok(());
-        }
-        let path = self.seg_path(id);
-        match self.backend.remove_file(&path) {
-            Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            // Still a segment (in `files` and `segs`): a later garbage collection tries again.
-            Err(e) => return Err(Error::io("remove segment", path, e)),
-        }
-        if let Some(file) = self.files.write().unwrap_or_else(|p| p.into_inner()).remove(&id) {
-            // A deleted segment needs no sync. Its handle must go too: while a descriptor is open,
-            // the unlinked file keeps its blocks, and a log that is never synced (a spill store)
-            // would hold every dead segment's disk space until it closed.
-            st.unsynced_sealed.retain(|f| !Arc::ptr_eq(f, &file));
-        }
-        st.segs.remove(id);
-        st.dir_dirty = true;
-        Ok(())
     }
-
-    /// With `recycle_segments`, keep the file of dead segment `id` for a new segment instead of
-    /// unlinking it, if it has the usual size and nothing else holds it (a reader that looked it up
-    /// before it died, a value being sent from it): its bytes are overwritten when it is reused.
-    pub(super) fn keep_as_spare(&self, st: &mut WriterState<B::File>, id: u32) -> bool {
-        if !self.opts.recycle_segments
-            || st.no_rename
-            || st.spare_files.len() >= MAX_SPARE_FILES
-            || st.segs.get(&id).is_none_or(|m| m.size != self.opts.segment_bytes)
-        {
-            return false;
-        }
-        if self.sends.take_sent_from(id) {
-            return false;
-        }
-        let punched = st.segs.get(&id).is_some_and(|m| m.punched > 0 || !m.reserved);
-        let mut files = self.files.write().unwrap_or_else(|p| p.into_inner());
-        let Some(file) = files.get(&id) else { return false };
-        let unsynced = st.unsynced_sealed.iter().filter(|f| Arc::ptr_eq(f, file)).count();
-        if Arc::strong_count(file) != 1 + unsynced {
-            return false;
-        }
-        let file = files.remove(&id).expect("looked up above");
-        drop(files);
+    if log.opts.durable && st.dir_new_segments {
+        // The records that replaced this segment's may live in a segment created since the
+        // directory's last fsync: its entry must be durable before this unlink can be, or a
+        // power cut could keep the unlink and lose the new file. (File systems that journal
+        // directory operations in order do not need this; nothing promises it.)
+        sync_dir_if_dirty(log, st)?;
+    }
+    if keep_as_spare(log, st, id) {
+        return Ok(());
+    }
+    let path = log.seg_path(id);
+    match log.backend.remove_file(&path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        // Still a segment (in `files` and `segs`): a later garbage collection tries again.
+        Err(e) => return Err(Error::io("remove segment", path, e)),
+    }
+    if let Some(file) = log.files.write().unwrap_or_else(|p| p.into_inner()).remove(&id) {
+        // A deleted segment needs no sync. Its handle must go too: while a descriptor is open,
+        // the unlinked file keeps its blocks, and a log that is never synced (a spill store)
+        // would hold every dead segment's disk space until it closed.
         st.unsynced_sealed.retain(|f| !Arc::ptr_eq(f, &file));
-        st.segs.remove(id);
-        st.spare_files.push(SpareFile { id, file, punched });
-        true
     }
+    st.segs.remove(id);
+    st.dir_dirty = true;
+    Ok(())
+}
+
+/// With `recycle_segments`, keep the file of dead segment `id` for a new segment instead of
+/// unlinking it, if it has the usual size and nothing else holds it (a reader that looked it up
+/// before it died, a value being sent from it): its bytes are overwritten when it is reused.
+pub(super) fn keep_as_spare<B: Backend>(log: &SegmentLog<B>, st: &mut WriterState<B::File>, id: u32) -> bool {
+    if !log.opts.recycle_segments
+        || st.no_rename
+        || st.spare_files.len() >= MAX_SPARE_FILES
+        || st.segs.get(&id).is_none_or(|m| m.size != log.opts.segment_bytes)
+    {
+        return false;
+    }
+    if log.sends.take_sent_from(id) {
+        return false;
+    }
+    let punched = st.segs.get(&id).is_some_and(|m| m.punched > 0 || !m.reserved);
+    let mut files = log.files.write().unwrap_or_else(|p| p.into_inner());
+    let Some(file) = files.get(&id) else { return false };
+    let unsynced = st.unsynced_sealed.iter().filter(|f| Arc::ptr_eq(f, file)).count();
+    if Arc::strong_count(file) != 1 + unsynced {
+        return false;
+    }
+    let file = files.remove(&id).expect("looked up above");
+    drop(files);
+    st.unsynced_sealed.retain(|f| !Arc::ptr_eq(f, &file));
+    st.segs.remove(id);
+    st.spare_files.push(SpareFile { id, file, punched });
+    true
 }
 
 /// At the open of a log with `discard_existing`: delete the segments `seg_dir` holds, unread (a

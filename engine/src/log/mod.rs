@@ -43,6 +43,7 @@ use std::sync::Arc;
 // that touches the index (a read racing a removal, for one) as a step to interleave.
 use crate::sync::{Mutex, MutexGuard, RwLock};
 
+use self::gc::settle_forgotten;
 use self::gc::{discard_segments, Forgotten, Punches, SegmentFiles};
 use self::health::Health;
 use self::index::PackedLoc;
@@ -50,12 +51,15 @@ use self::read::Sends;
 use self::recover::SegmentReader;
 use self::segments::WriterState;
 use self::stream::Streams;
+use self::write_behind::flush_pending;
 use self::write_behind::PendingMark;
 use crate::backend::{Backend, DirLock, PortableBackend};
 use crate::error::{Error, Result};
 use crate::format::{self, align_up, Salt, RECORD_ALIGN};
 use crate::key::{IndexKey, KeyMap};
 use crate::value::Frames;
+use bytes::Bytes;
+use std::future::Future;
 
 mod compact;
 mod gather;
@@ -271,7 +275,7 @@ impl<B: Backend> Drop for SegmentLog<B> {
     /// spill log, a failure is only a debug message: its records die with it.)
     fn drop(&mut self) {
         let mut st = self.writer();
-        if let Err(e) = self.flush_pending(&mut st) {
+        if let Err(e) = flush_pending(self, &mut st) {
             let level = if self.opts.discard_existing { log::Level::Debug } else { log::Level::Error };
             log::log!(level, "segment log {}: pending records not written at close: {e}", self.dir.display());
         }
@@ -404,8 +408,175 @@ impl<B: Backend> SegmentLog<B> {
     /// The writer lock, after settling what `forget` left for it while it was busy.
     fn writer(&self) -> Writer<'_, B> {
         let mut st = Writer { st: lock(&self.state), log: self, panicking: std::thread::panicking() };
-        self.settle_forgotten(&mut st);
+        settle_forgotten(self, &mut st);
         st
+    }
+
+    /// Store `value` under `key`, replacing any previous value. Returns once the record is written to
+    /// the kernel (it survives a process crash); call [`sync`](Self::sync) for power-loss durability.
+    /// With [`LogOptions::write_behind_bytes`], a small record may instead be pending in memory when
+    /// this returns (readable at once, written with a later write, `sync` or drop).
+    pub fn put(&self, key: &[u8], value: &Frames) -> Result<()> {
+        write::put(self, key, value)
+    }
+
+    /// Store several values with as few writes as possible (one aligned write per segment touched).
+    /// Not atomic across segments: if it fails, the values of the segments written before the failure
+    /// are stored, the others are not (each value is either its old or its new one, never damaged).
+    pub fn put_many(&self, items: &[(&[u8], &Frames)]) -> Result<()> {
+        write::put_many(self, items)
+    }
+
+    /// Whether `value` can be stored under `key`: what [`put_many`](Self::put_many) checks for
+    /// every item before it writes any (key and value limits, frame count, record length).
+    pub fn validate(&self, key: &[u8], frames: &Frames) -> Result<()> {
+        write::validate(self, key, frames)
+    }
+
+    /// Delete `key`. Returns whether it was live. Writes a tombstone so the deletion survives reopen.
+    pub fn delete(&self, key: &[u8]) -> Result<bool> {
+        write::delete(self, key)
+    }
+
+    /// Drop `key` from the index *without* writing a tombstone: its space is reclaimed like a deleted
+    /// record's, but the deletion does not survive a reopen (the old record may come back). For stores
+    /// whose contents die with the process (a worker's spill directory), where a tombstone per delete
+    /// would be wasted I/O.
+    ///
+    /// Forgetting writes nothing, so it works on a log that refuses writes too (after an I/O error),
+    /// where the space is not reclaimed. Reclaiming space (deleting a segment that holds nothing live
+    /// any more) is a side effect: if it fails, the key is forgotten all the same, the failure is
+    /// logged, and the segment goes at a later garbage collection.
+    pub fn forget(&self, key: &[u8]) -> Result<bool> {
+        write::forget(self, key)
+    }
+
+    /// Store a value whose stored form arrives from `src` (a peer's socket), without holding it in
+    /// memory (beyond 1 MiB, or an eighth of a segment) and without holding the writer lock while it
+    /// arrives: a value of at most that many stored bytes is read first, then appended like any
+    /// record; a larger one is written into a segment of its own as the bytes arrive (see
+    /// `put_stream_apart`). The payload checksum is computed on the way, and the key is published
+    /// only when all `meta.stored_len` bytes arrived, match `meta.payload_crc` and, for an lz4
+    /// block, decompress to `meta.raw_len` (`stored::PayloadCheck`). On a short read
+    /// (the sender hung up), a read error or a checksum mismatch, nothing becomes visible, nothing
+    /// of the value stays on disk, and the log stays usable. A write of the key published while the
+    /// value arrives wins over it (the streamed record is dead on arrival).
+    pub fn put_stream(&self, key: &[u8], meta: &StreamedValue, src: &mut dyn io::Read) -> Result<()> {
+        stream::put_stream(self, key, meta, src)
+    }
+
+    /// Make every record written before this call durable: fdatasync the active segment, and fsync the
+    /// segments directory if segments were created or removed since the last sync.
+    pub fn sync(&self) -> Result<()> {
+        segments::sync(self)
+    }
+
+    /// Wait until the hole punches of the records forgotten so far have run
+    /// ([`LogOptions::punch_forgotten`]: they run on the log's punch thread, and `forget` returns
+    /// without waiting). After it, the files' allocated blocks no longer count those records.
+    pub fn settle_punches(&self) {
+        write::settle_punches(self)
+    }
+
+    /// The value stored under `key`, or `None`. A damaged record is an error naming its segment and
+    /// offset; other records are unaffected.
+    pub fn get(&self, key: &[u8]) -> Result<Option<Frames>> {
+        read::get(self, key)
+    }
+
+    /// As [`SegmentLog::get`], with the crc this read checked the value against when the record is
+    /// not compressed: [`format::laid_out_crc`] of the frames returned (`None` for an lz4 record,
+    /// whose crc covers the compressed bytes). A caller that needs to know later whether a value
+    /// still serializes to these bytes gets it without another pass over them.
+    pub fn get_with_crc(&self, key: &[u8]) -> Result<Option<(Frames, Option<u32>)>> {
+        read::get_with_crc(self, key)
+    }
+
+    /// As [`SegmentLog::get`], but the read runs as a future: with the io_uring backend many reads
+    /// from one thread are in flight at once (the index lookup happens before the first poll). The
+    /// future owns everything it needs, so it may outlive borrows of the log; dropping it early is
+    /// safe (the backend keeps the buffer until the kernel is done with it). Unlike `get`, it cannot
+    /// look the key up again after a failed read: a read racing a `forget` of the same key may report
+    /// the punched record as damaged. ([`Store::get_async`](crate::Store::get_async) checks whether
+    /// the key is still there before it reports an error.)
+    pub fn get_async(&self, key: &[u8]) -> impl Future<Output = Result<Option<Frames>>> + Send + 'static {
+        read::get_async(self, key)
+    }
+
+    /// Read many keys with up to `depth` reads in flight, on the calling thread: `keys` is drained
+    /// lazily, and `on_value` receives every key with its result, in completion order (an absent
+    /// key right away, as `Ok(None)`). With the io_uring backend the calling thread owns a ring for
+    /// the call and submits and reaps itself ([`Backend::read_pipelined`]); the portable backend
+    /// reads one key after another. The bulk form of [`SegmentLog::get`]: unspilling a batch,
+    /// sending many keys to a peer.
+    pub fn get_pipelined(
+        &self,
+        depth: usize,
+        keys: &mut dyn Iterator<Item = Vec<u8>>,
+        on_value: &mut dyn FnMut(Vec<u8>, Result<Option<Frames>>),
+    ) -> Result<()> {
+        read::get_pipelined(self, depth, keys, on_value)
+    }
+
+    /// Where `key`'s record is, if it is live.
+    pub fn location(&self, key: &[u8]) -> Option<Location> {
+        read::location(self, key)
+    }
+
+    /// Whether `key` is live.
+    pub fn contains(&self, key: &[u8]) -> bool {
+        read::contains(self, key)
+    }
+
+    /// Number of live keys.
+    pub fn len(&self) -> usize {
+        read::len(self)
+    }
+
+    /// True when no key is live.
+    pub fn is_empty(&self) -> bool {
+        read::is_empty(self)
+    }
+
+    /// All live keys, sorted.
+    pub fn keys(&self) -> Vec<Vec<u8>> {
+        read::keys(self)
+    }
+
+    /// Where `key`'s stored form is on disk, for sending it without reading it into memory: the
+    /// segment file, the payload's offset in it, and the record's metadata (header checksum
+    /// verified). `None` if the key is absent.
+    pub fn stored_value(&self, key: &[u8]) -> Result<Option<StoredValue<B::File>>> {
+        read::stored_value(self, key)
+    }
+
+    /// The stored payload of `sv` read into memory (the transfer's copy path).
+    pub fn read_stored(&self, sv: &StoredValue<B::File>) -> Result<Bytes> {
+        read::read_stored(self, sv)
+    }
+
+    /// `len` bytes of `sv`'s stored payload from `from` (an aligned read, sliced): the payload a
+    /// piece at a time, for a sender that must not hold a whole value in memory.
+    pub fn read_stored_part(&self, sv: &StoredValue<B::File>, from: u64, len: u64) -> Result<Bytes> {
+        read::read_stored_part(self, sv, from, len)
+    }
+
+    /// Relocate the live records of every sealed segment (or unsealed one behind the active one, see
+    /// `closed`) that the [`CompactionPolicy`] finds sparse, then delete it. Afterwards no closed
+    /// segment is sparse, which bounds disk use ([`CompactionPolicy::disk_bound`]).
+    pub fn compact(&self) -> Result<CompactStats> {
+        compact::compact(self)
+    }
+
+    /// Space accounting.
+    pub fn stats(&self) -> LogStats {
+        verify::stats(self)
+    }
+
+    /// Read every record of every segment and check its checksums. Returns the problems found (empty
+    /// when the store is clean), including damaged regions found at open.
+    pub fn verify(&self) -> Result<Vec<VerifyProblem>> {
+        verify::verify(self)
     }
 }
 

@@ -21,6 +21,7 @@ use crate::value::Frames;
 use crate::{format, stored};
 
 use super::index::{Location, PackedLoc};
+use super::write_behind::{flush_pending, pending_record};
 use super::{lock, SegmentLog, PAGE_BYTES};
 
 /// A value's stored form on disk (see [`SegmentLog::stored_value`]).
@@ -170,323 +171,305 @@ pub(super) fn decode_read_with_crc(raw: Bytes, loc: Location, key: &[u8], salt: 
     Ok((frames, (!h.is_lz4()).then_some(h.payload_crc)))
 }
 
-impl<B: Backend> SegmentLog<B> {
-    /// The value stored under `key`, or `None`. A damaged record is an error naming its segment and
-    /// offset; other records are unaffected.
-    pub fn get(&self, key: &[u8]) -> Result<Option<Frames>> {
-        Ok(self.get_with_crc(key)?.map(|(frames, _)| frames))
-    }
+pub(super) fn get<B: Backend>(log: &SegmentLog<B>, key: &[u8]) -> Result<Option<Frames>> {
+    Ok(log.get_with_crc(key)?.map(|(frames, _)| frames))
+}
 
-    /// As [`SegmentLog::get`], with the crc this read checked the value against when the record is
-    /// not compressed: [`format::laid_out_crc`] of the frames returned (`None` for an lz4 record,
-    /// whose crc covers the compressed bytes). A caller that needs to know later whether a value
-    /// still serializes to these bytes gets it without another pass over them.
-    pub fn get_with_crc(&self, key: &[u8]) -> Result<Option<(Frames, Option<u32>)>> {
-        let mut tries = 0;
-        loop {
-            let Some((p, file)) = self.lookup(key) else {
-                return Ok(None);
-            };
-            let loc = p.loc();
-            let got = match self.pending_record(loc)? {
-                Some(raw) => decode_read_with_crc(raw, loc, key, self.salt),
-                None => self.read_planned(&file, self.plan_read(&p, key.len()), key),
-            };
-            match got {
-                Err(e) if tries < 8 && self.moved_under_read(&e, key, loc) => tries += 1,
-                got => return got.map(Some),
-            }
-        }
-    }
-
-    /// Whether `e`, the failure of a read of `key`'s record at `loc`, may come from the key being
-    /// forgotten or moved while it was read rather than from damage: a forget may punch the record's
-    /// blocks once the index no longer points there. Then the reader looks the key up again instead
-    /// of reporting damage that is not there.
-    pub(super) fn moved_under_read(&self, e: &Error, key: &[u8], loc: Location) -> bool {
-        matches!(e, Error::Corrupt { .. } | Error::ChecksumMismatch { .. })
-            && self.location(key).is_none_or(|l| (l.segment, l.offset) != (loc.segment, loc.offset))
-    }
-
-    /// Where `key`'s record is, if it is live.
-    pub fn location(&self, key: &[u8]) -> Option<Location> {
-        self.index.read().unwrap_or_else(|p| p.into_inner()).get(key).map(|&p| Location::from(p))
-    }
-
-    pub(super) fn lookup(&self, key: &[u8]) -> Option<(PackedLoc, Arc<B::File>)> {
-        // Hold the index lock while taking the file handle: a segment is only deleted after the index
-        // stopped pointing at it, so the pair is consistent (and an unlinked file stays readable).
-        let index = self.index.read().unwrap_or_else(|p| p.into_inner());
-        let p = *index.get(key)?;
-        let file = self.files.read().unwrap_or_else(|p| p.into_inner()).get(&p.segment)?.clone();
-        Some((p, file))
-    }
-
-    /// What to read for the record `p` of a key of `key_len` bytes: a value the index can check
-    /// (single frame, not compressed) is read without its head, only its payload, which the writer
-    /// put at a sector boundary when it is large (see [`ALIGN_PAYLOAD_MIN`]); any other record whole.
-    pub(super) fn plan_read(&self, p: &PackedLoc, key_len: usize) -> ReadPlan {
+pub(super) fn get_with_crc<B: Backend>(log: &SegmentLog<B>, key: &[u8]) -> Result<Option<(Frames, Option<u32>)>> {
+    let mut tries = 0;
+    loop {
+        let Some((p, file)) = lookup(log, key) else {
+            return Ok(None);
+        };
         let loc = p.loc();
-        let facts = p.facts();
-        let head = format::head_len(1, key_len) + facts.pad as u64;
-        let (from, len, crc) = match facts.direct_crc {
-            Some(crc) if head < loc.len => (loc.offset + head, loc.len - head, Some(crc)),
-            _ => (loc.offset, loc.len, None),
+        let got = match pending_record(log, loc)? {
+            Some(raw) => decode_read_with_crc(raw, loc, key, log.salt),
+            None => read_planned(log, &file, plan_read(log, &p, key.len()), key),
         };
-        let start = align_down(from, self.read_align);
-        let end = align_up(from + len, self.read_align);
-        ReadPlan { loc, start, end, from, len, crc }
-    }
-
-    /// Alignment of a buffer for a read of `len` bytes. O_DIRECT reads (`read_align` of 512 or
-    /// more) of a page or more get page-aligned buffers: into a buffer that is only 512-aligned, a
-    /// 4 KiB read spans two pages, and on this machine 4 KiB random reads (QD32) ran at 0.87-0.91x
-    /// the IOPS and 64 KiB ones (QD16) at 0.87-0.91x the bandwidth of the same reads into
-    /// page-aligned buffers (`docs/benchmarks.md`). Buffered reads keep 64-byte alignment.
-    pub(super) fn buf_align(&self, len: u64) -> usize {
-        if self.read_align >= 512 && len >= PAGE_BYTES {
-            PAGE_BYTES.max(self.read_align) as usize
-        } else {
-            self.read_align as usize
+        match got {
+            Err(e) if tries < 8 && moved_under_read(log, &e, key, loc) => tries += 1,
+            got => return got.map(Some),
         }
     }
+}
 
-    /// Read what `plan` says and decode it.
-    /// A payload read without its head is checksummed by the backend as it reads
-    /// ([`Backend::read_new_crc`]: a large one in two halves at once).
-    pub(super) fn read_planned(&self, file: &B::File, plan: ReadPlan, key: &[u8]) -> Result<(Frames, Option<u32>)> {
-        let (len, align) = ((plan.end - plan.start) as usize, self.buf_align(plan.end - plan.start));
-        let io_err = |e| Error::io("read segment", self.seg_path(plan.loc.segment), e);
-        let Some(expected) = plan.crc else {
-            let buf = self.backend.read_new(file, plan.start, len, align).map_err(io_err)?;
-            return plan.finish_with_crc(buf.freeze(), key, self.salt);
-        };
-        let at = (plan.from - plan.start) as usize;
-        let (buf, actual) =
-            self.backend.read_new_crc(file, plan.start, len, align, at..at + plan.len as usize).map_err(io_err)?;
-        plan.finish_payload(buf.freeze(), expected, actual)
+/// Whether `e`, the failure of a read of `key`'s record at `loc`, may come from the key being
+/// forgotten or moved while it was read rather than from damage: a forget may punch the record's
+/// blocks once the index no longer points there. Then the reader looks the key up again instead
+/// of reporting damage that is not there.
+pub(super) fn moved_under_read<B: Backend>(log: &SegmentLog<B>, e: &Error, key: &[u8], loc: Location) -> bool {
+    matches!(e, Error::Corrupt { .. } | Error::ChecksumMismatch { .. })
+        && log.location(key).is_none_or(|l| (l.segment, l.offset) != (loc.segment, loc.offset))
+}
+
+pub(super) fn location<B: Backend>(log: &SegmentLog<B>, key: &[u8]) -> Option<Location> {
+    log.index.read().unwrap_or_else(|p| p.into_inner()).get(key).map(|&p| Location::from(p))
+}
+
+pub(super) fn lookup<B: Backend>(log: &SegmentLog<B>, key: &[u8]) -> Option<(PackedLoc, Arc<B::File>)> {
+    // Hold the index lock while taking the file handle: a segment is only deleted after the index
+    // stopped pointing at it, so the pair is consistent (and an unlinked file stays readable).
+    let index = log.index.read().unwrap_or_else(|p| p.into_inner());
+    let p = *index.get(key)?;
+    let file = log.files.read().unwrap_or_else(|p| p.into_inner()).get(&p.segment)?.clone();
+    Some((p, file))
+}
+
+/// What to read for the record `p` of a key of `key_len` bytes: a value the index can check
+/// (single frame, not compressed) is read without its head, only its payload, which the writer
+/// put at a sector boundary when it is large (see [`ALIGN_PAYLOAD_MIN`]); any other record whole.
+pub(super) fn plan_read<B: Backend>(log: &SegmentLog<B>, p: &PackedLoc, key_len: usize) -> ReadPlan {
+    let loc = p.loc();
+    let facts = p.facts();
+    let head = format::head_len(1, key_len) + facts.pad as u64;
+    let (from, len, crc) = match facts.direct_crc {
+        Some(crc) if head < loc.len => (loc.offset + head, loc.len - head, Some(crc)),
+        _ => (loc.offset, loc.len, None),
+    };
+    let start = align_down(from, log.read_align);
+    let end = align_up(from + len, log.read_align);
+    ReadPlan { loc, start, end, from, len, crc }
+}
+
+/// Alignment of a buffer for a read of `len` bytes. O_DIRECT reads (`read_align` of 512 or
+/// more) of a page or more get page-aligned buffers: into a buffer that is only 512-aligned, a
+/// 4 KiB read spans two pages, and on this machine 4 KiB random reads (QD32) ran at 0.87-0.91x
+/// the IOPS and 64 KiB ones (QD16) at 0.87-0.91x the bandwidth of the same reads into
+/// page-aligned buffers (`docs/benchmarks.md`). Buffered reads keep 64-byte alignment.
+pub(super) fn buf_align<B: Backend>(log: &SegmentLog<B>, len: u64) -> usize {
+    if log.read_align >= 512 && len >= PAGE_BYTES {
+        PAGE_BYTES.max(log.read_align) as usize
+    } else {
+        log.read_align as usize
     }
+}
 
-    /// Read the raw bytes of the record at `loc` (aligned read, zero-copy slice).
-    pub(super) fn read_record_bytes(&self, file: &B::File, loc: Location) -> Result<Bytes> {
-        let start = align_down(loc.offset, self.read_align);
-        let end = align_up(loc.offset + loc.len, self.read_align);
-        let len = (end - start) as usize;
-        let buf = self
-            .backend
-            .read_new(file, start, len, self.buf_align(len as u64))
-            .map_err(|e| Error::io("read segment", self.seg_path(loc.segment), e))?;
-        let b = buf.freeze();
-        Ok(b.slice((loc.offset - start) as usize..(loc.offset - start + loc.len) as usize))
-    }
+/// Read what `plan` says and decode it.
+/// A payload read without its head is checksummed by the backend as it reads
+/// ([`Backend::read_new_crc`]: a large one in two halves at once).
+pub(super) fn read_planned<B: Backend>(
+    log: &SegmentLog<B>,
+    file: &B::File,
+    plan: ReadPlan,
+    key: &[u8],
+) -> Result<(Frames, Option<u32>)> {
+    let (len, align) = ((plan.end - plan.start) as usize, buf_align(log, plan.end - plan.start));
+    let io_err = |e| Error::io("read segment", log.seg_path(plan.loc.segment), e);
+    let Some(expected) = plan.crc else {
+        let buf = log.backend.read_new(file, plan.start, len, align).map_err(io_err)?;
+        return plan.finish_with_crc(buf.freeze(), key, log.salt);
+    };
+    let at = (plan.from - plan.start) as usize;
+    let (buf, actual) =
+        log.backend.read_new_crc(file, plan.start, len, align, at..at + plan.len as usize).map_err(io_err)?;
+    plan.finish_payload(buf.freeze(), expected, actual)
+}
 
-    /// As [`SegmentLog::get`], but the read runs as a future: with the io_uring backend many reads
-    /// from one thread are in flight at once (the index lookup happens before the first poll). The
-    /// future owns everything it needs, so it may outlive borrows of the log; dropping it early is
-    /// safe (the backend keeps the buffer until the kernel is done with it). Unlike `get`, it cannot
-    /// look the key up again after a failed read: a read racing a `forget` of the same key may report
-    /// the punched record as damaged. ([`Store::get_async`](crate::Store::get_async) checks whether
-    /// the key is still there before it reports an error.)
-    pub fn get_async(&self, key: &[u8]) -> impl Future<Output = Result<Option<Frames>>> + Send + 'static {
-        let started = self.lookup(key).map(|(p, file)| {
-            // A pending record (write-behind) is served from memory.
-            let plan = self.plan_read(&p, key.len());
-            let from_memory = self.pending_record(plan.loc)?;
-            let read = from_memory.is_none().then(|| {
-                let buf =
-                    self.backend.alloc_buf((plan.end - plan.start) as usize, self.buf_align(plan.end - plan.start));
-                self.backend.read_at_async(&file, plan.start, buf)
-            });
-            // The handle goes with the future until the read completes: a segment file something
-            // holds is never reused for another segment (`keep_as_spare`) while the read is in flight.
-            Ok((plan, from_memory, read.map(|r| (r, file)), self.seg_path(plan.loc.segment)))
+/// Read the raw bytes of the record at `loc` (aligned read, zero-copy slice).
+pub(super) fn read_record_bytes<B: Backend>(log: &SegmentLog<B>, file: &B::File, loc: Location) -> Result<Bytes> {
+    let start = align_down(loc.offset, log.read_align);
+    let end = align_up(loc.offset + loc.len, log.read_align);
+    let len = (end - start) as usize;
+    let buf = log
+        .backend
+        .read_new(file, start, len, buf_align(log, len as u64))
+        .map_err(|e| Error::io("read segment", log.seg_path(loc.segment), e))?;
+    let b = buf.freeze();
+    Ok(b.slice((loc.offset - start) as usize..(loc.offset - start + loc.len) as usize))
+}
+
+pub(super) fn get_async<B: Backend>(
+    log: &SegmentLog<B>,
+    key: &[u8],
+) -> impl Future<Output = Result<Option<Frames>>> + Send + 'static {
+    let started = lookup(log, key).map(|(p, file)| {
+        // A pending record (write-behind) is served from memory.
+        let plan = plan_read(log, &p, key.len());
+        let from_memory = pending_record(log, plan.loc)?;
+        let read = from_memory.is_none().then(|| {
+            let buf = log.backend.alloc_buf((plan.end - plan.start) as usize, buf_align(log, plan.end - plan.start));
+            log.backend.read_at_async(&file, plan.start, buf)
         });
-        let key = key.to_vec();
-        let salt = self.salt;
-        async move {
-            let Some(started) = started else {
-                return Ok(None);
-            };
-            let (plan, from_memory, read, path) = started?;
-            let Some((read, file)) = read else {
-                return decode_read(from_memory.expect("a pending record"), plan.loc, &key, salt).map(Some);
-            };
-            let (r, buf) = read.await;
-            drop(file);
-            r.map_err(|e| Error::io("read segment", path, e))?;
-            plan.finish(buf.freeze(), &key, salt).map(Some)
-        }
+        // The handle goes with the future until the read completes: a segment file something
+        // holds is never reused for another segment (`keep_as_spare`) while the read is in flight.
+        Ok((plan, from_memory, read.map(|r| (r, file)), log.seg_path(plan.loc.segment)))
+    });
+    let key = key.to_vec();
+    let salt = log.salt;
+    async move {
+        let Some(started) = started else {
+            return Ok(None);
+        };
+        let (plan, from_memory, read, path) = started?;
+        let Some((read, file)) = read else {
+            return decode_read(from_memory.expect("a pending record"), plan.loc, &key, salt).map(Some);
+        };
+        let (r, buf) = read.await;
+        drop(file);
+        r.map_err(|e| Error::io("read segment", path, e))?;
+        plan.finish(buf.freeze(), &key, salt).map(Some)
     }
+}
 
-    /// Read many keys with up to `depth` reads in flight, on the calling thread: `keys` is drained
-    /// lazily, and `on_value` receives every key with its result, in completion order (an absent
-    /// key right away, as `Ok(None)`). With the io_uring backend the calling thread owns a ring for
-    /// the call and submits and reaps itself ([`Backend::read_pipelined`]); the portable backend
-    /// reads one key after another. The bulk form of [`SegmentLog::get`]: unspilling a batch,
-    /// sending many keys to a peer.
-    pub fn get_pipelined(
-        &self,
-        depth: usize,
-        keys: &mut dyn Iterator<Item = Vec<u8>>,
-        on_value: &mut dyn FnMut(Vec<u8>, Result<Option<Frames>>),
-    ) -> Result<()> {
-        let pending: RefCell<slab::Slab<(Vec<u8>, ReadPlan)>> = RefCell::new(slab::Slab::new());
-        let on_value = RefCell::new(on_value);
-        let mut next = || loop {
-            let key = keys.next()?;
-            match self.lookup(&key) {
-                None => (on_value.borrow_mut())(key, Ok(None)),
-                // A pending record (write-behind): served from memory.
-                Some((p, _)) if self.pending.may_hold(p.loc()) => {
-                    let res = match self.pending_record(p.loc()) {
-                        Ok(Some(raw)) => decode_read(raw, p.loc(), &key, self.salt).map(Some),
-                        Ok(None) => self.get(&key), // written meanwhile: read as usual
-                        Err(e) => Err(e),
-                    };
-                    (on_value.borrow_mut())(key, res)
-                }
-                Some((p, file)) => {
-                    let plan = self.plan_read(&p, key.len());
-                    let buf =
-                        self.backend.alloc_buf((plan.end - plan.start) as usize, self.buf_align(plan.end - plan.start));
-                    let offset = plan.start;
-                    let tag = pending.borrow_mut().insert((key, plan)) as u64;
-                    return Some(PipelinedRead { file, offset, buf, tag });
-                }
+pub(super) fn get_pipelined<B: Backend>(
+    log: &SegmentLog<B>,
+    depth: usize,
+    keys: &mut dyn Iterator<Item = Vec<u8>>,
+    on_value: &mut dyn FnMut(Vec<u8>, Result<Option<Frames>>),
+) -> Result<()> {
+    let pending: RefCell<slab::Slab<(Vec<u8>, ReadPlan)>> = RefCell::new(slab::Slab::new());
+    let on_value = RefCell::new(on_value);
+    let mut next = || loop {
+        let key = keys.next()?;
+        match lookup(log, &key) {
+            None => (on_value.borrow_mut())(key, Ok(None)),
+            // A pending record (write-behind): served from memory.
+            Some((p, _)) if log.pending.may_hold(p.loc()) => {
+                let res = match pending_record(log, p.loc()) {
+                    Ok(Some(raw)) => decode_read(raw, p.loc(), &key, log.salt).map(Some),
+                    Ok(None) => log.get(&key), // written meanwhile: read as usual
+                    Err(e) => Err(e),
+                };
+                (on_value.borrow_mut())(key, res)
             }
-        };
-        let mut done = |tag: u64, (r, buf): BufResult| {
-            let (key, plan) = pending.borrow_mut().remove(tag as usize);
-            let res = match r {
-                Err(e) => Err(Error::io("read segment", self.seg_path(plan.loc.segment), e)),
-                Ok(()) => match plan.finish(buf.freeze(), &key, self.salt) {
-                    // Forgotten or moved while being read: as a fresh `get` finds it now.
-                    Err(e) if self.moved_under_read(&e, &key, plan.loc) => self.get(&key),
-                    got => got.map(Some),
-                },
-            };
-            (on_value.borrow_mut())(key, res);
-        };
-        self.backend.read_pipelined(depth, &mut next, &mut done).map_err(|e| Error::io("read pipeline", None, e))
-    }
-
-    /// Where `key`'s stored form is on disk, for sending it without reading it into memory: the
-    /// segment file, the payload's offset in it, and the record's metadata (header checksum
-    /// verified). `None` if the key is absent.
-    pub fn stored_value(&self, key: &[u8]) -> Result<Option<StoredValue<B::File>>> {
-        let mut tries = 0;
-        let (loc, file, pin) = loop {
-            let Some((loc, file)) = self.lookup(key).map(|(p, f)| (p.loc(), f)) else { return Ok(None) };
-            // Pinned before the index is checked again: a forget that removed the key before the
-            // check makes it absent; one after it finds the pin and does not punch what is being
-            // sent.
-            let pin = self.sends.pin((loc.segment, loc.offset));
-            match self.location(key) {
-                None => return Ok(None),
-                Some(l) if (l.segment, l.offset) == (loc.segment, loc.offset) => {
-                    if self.opts.recycle_segments {
-                        self.sends.sent_from(loc.segment);
-                    }
-                    break (loc, file, pin);
-                }
-                // Rewritten (a put, or compaction moving it) meanwhile: the new record is looked up.
-                Some(_) if tries < 64 => tries += 1,
-                Some(_) => {
-                    let why = io::Error::new(io::ErrorKind::WouldBlock, "the key is rewritten too often to pin");
-                    return Err(Error::io("pin a record to send", None, why));
-                }
-            }
-        };
-        if self.pending.may_hold(loc) {
-            // Pending (write-behind): written out first. If that write fails, it is in memory, not in
-            // a file (`Error::Poisoned`, or a full file system: the transfer sources then send it
-            // from memory).
-            let mut st = self.writer();
-            if st.active.as_ref().is_some_and(|a| a.id == loc.segment && loc.offset >= a.written_end) {
-                self.flush_pending(&mut st)?;
+            Some((p, file)) => {
+                let plan = plan_read(log, &p, key.len());
+                let buf =
+                    log.backend.alloc_buf((plan.end - plan.start) as usize, buf_align(log, plan.end - plan.start));
+                let offset = plan.start;
+                let tag = pending.borrow_mut().insert((key, plan)) as u64;
+                return Some(PipelinedRead { file, offset, buf, tag });
             }
         }
-        let fixed = self.read_range(&file, loc, 0, format::RECORD_HEADER_LEN as u64)?;
-        let h = format::peek_record_header(&fixed).map_err(|e| e.at(loc.segment, loc.offset))?;
-        let head = self.read_range(&file, loc, 0, h.payload_offset())?;
-        let frame_lens = format::verify_record_head(&head, &h, self.salt).map_err(|e| e.at(loc.segment, loc.offset))?;
-        let k = &head[h.key_offset()..h.key_offset() + h.key_len as usize];
-        if k != key || h.segment != loc.segment || h.is_tombstone() {
-            return Err(Error::Corrupt {
-                segment: loc.segment,
-                offset: loc.offset,
-                reason: "record does not match the index (key, segment or kind)".into(),
-            });
-        }
-        Ok(Some(StoredValue {
-            file,
-            path: self.seg_path(loc.segment),
-            payload_offset: loc.offset + h.payload_offset(),
-            meta: StreamedValue {
-                lz4: h.is_lz4(),
-                frame_lens,
-                raw_len: h.raw_len,
-                stored_len: h.stored_len,
-                payload_crc: h.payload_crc,
+    };
+    let mut done = |tag: u64, (r, buf): BufResult| {
+        let (key, plan) = pending.borrow_mut().remove(tag as usize);
+        let res = match r {
+            Err(e) => Err(Error::io("read segment", log.seg_path(plan.loc.segment), e)),
+            Ok(()) => match plan.finish(buf.freeze(), &key, log.salt) {
+                // Forgotten or moved while being read: as a fresh `get` finds it now.
+                Err(e) if moved_under_read(log, &e, &key, plan.loc) => log.get(&key),
+                got => got.map(Some),
             },
-            _pin: pin,
-        }))
-    }
+        };
+        (on_value.borrow_mut())(key, res);
+    };
+    log.backend.read_pipelined(depth, &mut next, &mut done).map_err(|e| Error::io("read pipeline", None, e))
+}
 
-    /// The stored payload of `sv` read into memory (the transfer's copy path).
-    pub fn read_stored(&self, sv: &StoredValue<B::File>) -> Result<Bytes> {
-        self.read_stored_part(sv, 0, sv.meta.stored_len)
-    }
-
-    /// `len` bytes of `sv`'s stored payload from `from` (an aligned read, sliced): the payload a
-    /// piece at a time, for a sender that must not hold a whole value in memory.
-    pub fn read_stored_part(&self, sv: &StoredValue<B::File>, from: u64, len: u64) -> Result<Bytes> {
-        if from.checked_add(len).is_none_or(|end| end > sv.meta.stored_len) {
-            return Err(Error::Internal(format!(
-                "bytes {from}..+{len} are outside a payload of {}",
-                sv.meta.stored_len
-            )));
+pub(super) fn stored_value<B: Backend>(log: &SegmentLog<B>, key: &[u8]) -> Result<Option<StoredValue<B::File>>> {
+    let mut tries = 0;
+    let (loc, file, pin) = loop {
+        let Some((loc, file)) = lookup(log, key).map(|(p, f)| (p.loc(), f)) else { return Ok(None) };
+        // Pinned before the index is checked again: a forget that removed the key before the
+        // check makes it absent; one after it finds the pin and does not punch what is being
+        // sent.
+        let pin = log.sends.pin((loc.segment, loc.offset));
+        match log.location(key) {
+            None => return Ok(None),
+            Some(l) if (l.segment, l.offset) == (loc.segment, loc.offset) => {
+                if log.opts.recycle_segments {
+                    log.sends.sent_from(loc.segment);
+                }
+                break (loc, file, pin);
+            }
+            // Rewritten (a put, or compaction moving it) meanwhile: the new record is looked up.
+            Some(_) if tries < 64 => tries += 1,
+            Some(_) => {
+                let why = io::Error::new(io::ErrorKind::WouldBlock, "the key is rewritten too often to pin");
+                return Err(Error::io("pin a record to send", None, why));
+            }
         }
-        let a = sv.payload_offset + from;
-        let start = align_down(a, self.read_align);
-        let end = align_up(a + len, self.read_align);
-        let buf = self.backend.alloc_buf((end - start) as usize, self.buf_align(end - start));
-        let (r, buf) = self.backend.read_at(&sv.file, start, buf);
-        r.map_err(|e| Error::io("read segment", sv.path.clone(), e))?;
-        Ok(buf.freeze().slice((a - start) as usize..(a - start + len) as usize))
+    };
+    if log.pending.may_hold(loc) {
+        // Pending (write-behind): written out first. If that write fails, it is in memory, not in
+        // a file (`Error::Poisoned`, or a full file system: the transfer sources then send it
+        // from memory).
+        let mut st = log.writer();
+        if st.active.as_ref().is_some_and(|a| a.id == loc.segment && loc.offset >= a.written_end) {
+            flush_pending(log, &mut st)?;
+        }
     }
+    let fixed = read_range(log, &file, loc, 0, format::RECORD_HEADER_LEN as u64)?;
+    let h = format::peek_record_header(&fixed).map_err(|e| e.at(loc.segment, loc.offset))?;
+    let head = read_range(log, &file, loc, 0, h.payload_offset())?;
+    let frame_lens = format::verify_record_head(&head, &h, log.salt).map_err(|e| e.at(loc.segment, loc.offset))?;
+    let k = &head[h.key_offset()..h.key_offset() + h.key_len as usize];
+    if k != key || h.segment != loc.segment || h.is_tombstone() {
+        return Err(Error::Corrupt {
+            segment: loc.segment,
+            offset: loc.offset,
+            reason: "record does not match the index (key, segment or kind)".into(),
+        });
+    }
+    Ok(Some(StoredValue {
+        file,
+        path: log.seg_path(loc.segment),
+        payload_offset: loc.offset + h.payload_offset(),
+        meta: StreamedValue {
+            lz4: h.is_lz4(),
+            frame_lens,
+            raw_len: h.raw_len,
+            stored_len: h.stored_len,
+            payload_crc: h.payload_crc,
+        },
+        _pin: pin,
+    }))
+}
 
-    /// `len` bytes from `from` within the record at `loc` (an aligned read, sliced).
-    pub(super) fn read_range(&self, file: &B::File, loc: Location, from: u64, len: u64) -> Result<Bytes> {
-        let a = loc.offset + from;
-        let start = align_down(a, self.read_align);
-        let end = align_up(a + len, self.read_align);
-        let buf = AlignedBuf::zeroed((end - start) as usize, self.buf_align(end - start));
-        let (r, buf) = self.backend.read_at(file, start, buf);
-        r.map_err(|e| Error::io("read segment", self.seg_path(loc.segment), e))?;
-        Ok(buf.freeze().slice((a - start) as usize..(a - start + len) as usize))
-    }
+pub(super) fn read_stored<B: Backend>(log: &SegmentLog<B>, sv: &StoredValue<B::File>) -> Result<Bytes> {
+    log.read_stored_part(sv, 0, sv.meta.stored_len)
+}
 
-    /// Whether `key` is live.
-    pub fn contains(&self, key: &[u8]) -> bool {
-        self.index.read().unwrap_or_else(|p| p.into_inner()).contains_key(key)
+pub(super) fn read_stored_part<B: Backend>(
+    log: &SegmentLog<B>,
+    sv: &StoredValue<B::File>,
+    from: u64,
+    len: u64,
+) -> Result<Bytes> {
+    if from.checked_add(len).is_none_or(|end| end > sv.meta.stored_len) {
+        return Err(Error::Internal(format!("bytes {from}..+{len} are outside a payload of {}", sv.meta.stored_len)));
     }
+    let a = sv.payload_offset + from;
+    let start = align_down(a, log.read_align);
+    let end = align_up(a + len, log.read_align);
+    let buf = log.backend.alloc_buf((end - start) as usize, buf_align(log, end - start));
+    let (r, buf) = log.backend.read_at(&sv.file, start, buf);
+    r.map_err(|e| Error::io("read segment", sv.path.clone(), e))?;
+    Ok(buf.freeze().slice((a - start) as usize..(a - start + len) as usize))
+}
 
-    /// Number of live keys.
-    pub fn len(&self) -> usize {
-        self.index.read().unwrap_or_else(|p| p.into_inner()).len()
-    }
+/// `len` bytes from `from` within the record at `loc` (an aligned read, sliced).
+pub(super) fn read_range<B: Backend>(
+    log: &SegmentLog<B>,
+    file: &B::File,
+    loc: Location,
+    from: u64,
+    len: u64,
+) -> Result<Bytes> {
+    let a = loc.offset + from;
+    let start = align_down(a, log.read_align);
+    let end = align_up(a + len, log.read_align);
+    let buf = AlignedBuf::zeroed((end - start) as usize, buf_align(log, end - start));
+    let (r, buf) = log.backend.read_at(file, start, buf);
+    r.map_err(|e| Error::io("read segment", log.seg_path(loc.segment), e))?;
+    Ok(buf.freeze().slice((a - start) as usize..(a - start + len) as usize))
+}
 
-    /// True when no key is live.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
+pub(super) fn contains<B: Backend>(log: &SegmentLog<B>, key: &[u8]) -> bool {
+    log.index.read().unwrap_or_else(|p| p.into_inner()).contains_key(key)
+}
 
-    /// All live keys, sorted.
-    pub fn keys(&self) -> Vec<Vec<u8>> {
-        let mut k: Vec<Vec<u8>> =
-            self.index.read().unwrap_or_else(|p| p.into_inner()).keys().map(|k| k.to_vec()).collect();
-        k.sort_unstable();
-        k
-    }
+pub(super) fn len<B: Backend>(log: &SegmentLog<B>) -> usize {
+    log.index.read().unwrap_or_else(|p| p.into_inner()).len()
+}
+
+pub(super) fn is_empty<B: Backend>(log: &SegmentLog<B>) -> bool {
+    log.len() == 0
+}
+
+pub(super) fn keys<B: Backend>(log: &SegmentLog<B>) -> Vec<Vec<u8>> {
+    let mut k: Vec<Vec<u8>> = log.index.read().unwrap_or_else(|p| p.into_inner()).keys().map(|k| k.to_vec()).collect();
+    k.sort_unstable();
+    k
 }

@@ -12,9 +12,12 @@ use crate::buf::AlignedBuf;
 use crate::error::{Error, Result};
 use crate::format::{self, align_up, FooterEntry};
 
+use super::compact::wants_compaction;
 use super::health::WARN_REUSE;
 use super::index::{Location, PackedLoc};
+use super::write::append;
 use super::write::NewRecord;
+use super::write_behind::flush_pending;
 use super::{padded, SegmentLog};
 
 #[derive(Debug, Clone)]
@@ -307,260 +310,261 @@ pub(super) const MAX_SPARE_FILES: usize = 4;
 /// back at once.
 pub(super) const MAX_KEPT_AT_OPEN: usize = 256;
 
-impl<B: Backend> SegmentLog<B> {
-    /// Room the footer will need for one more entry with this key.
-    pub(super) fn footer_entry_len(key_len: usize) -> u64 {
-        FooterEntry::encoded_len(key_len)
-    }
+/// Room the footer will need for one more entry with this key.
+pub(super) fn footer_entry_len(key_len: usize) -> u64 {
+    FooterEntry::encoded_len(key_len)
+}
 
-    /// Whether a record of `len` bytes (and its footer entry) fits in the active segment.
-    pub(super) fn fits(&self, a: &Active<B::File>, len: u64, key_len: usize) -> bool {
-        let data_end = padded(a.data_end + len);
-        let footer = a.footer.len() as u64 + Self::footer_entry_len(key_len);
-        // The index holds offsets in 32 bits: after a jumbo record, nothing more goes in its segment.
-        a.data_end <= u32::MAX as u64 && align_up(data_end, self.align) + footer + format::TRAILER_LEN as u64 <= a.size
-    }
+/// Whether a record of `len` bytes (and its footer entry) fits in the active segment.
+pub(super) fn fits<B: Backend>(log: &SegmentLog<B>, a: &Active<B::File>, len: u64, key_len: usize) -> bool {
+    let data_end = padded(a.data_end + len);
+    let footer = a.footer.len() as u64 + footer_entry_len(key_len);
+    // The index holds offsets in 32 bits: after a jumbo record, nothing more goes in its segment.
+    a.data_end <= u32::MAX as u64 && align_up(data_end, log.align) + footer + format::TRAILER_LEN as u64 <= a.size
+}
 
-    pub(super) fn sync_active(&self, st: &mut WriterState<B::File>) -> Result<()> {
-        // Records pending under write-behind are part of what must be durable (sealing, `sync`, and
-        // deleting a segment whose contents they superseded all rely on it).
-        self.flush_pending(st)?;
-        if let Some(a) = st.active.as_mut() {
-            if a.dirty {
-                // Never after a failed write or fdatasync (it could report success for lost data).
-                self.health.check_writable()?;
-                if let Err(e) = self.backend.sync_data(&a.file) {
-                    return Err(self.health.poison(Error::io("fdatasync", self.seg_path(a.id), e)));
+pub(super) fn sync_active<B: Backend>(log: &SegmentLog<B>, st: &mut WriterState<B::File>) -> Result<()> {
+    // Records pending under write-behind are part of what must be durable (sealing, `sync`, and
+    // deleting a segment whose contents they superseded all rely on it).
+    flush_pending(log, st)?;
+    if let Some(a) = st.active.as_mut() {
+        if a.dirty {
+            // Never after a failed write or fdatasync (it could report success for lost data).
+            log.health.check_writable()?;
+            if let Err(e) = log.backend.sync_data(&a.file) {
+                return Err(log.health.poison(Error::io("fdatasync", log.seg_path(a.id), e)));
+            }
+            a.dirty = false;
+        }
+    }
+    Ok(())
+}
+
+pub(super) fn sync_dir_if_dirty<B: Backend>(log: &SegmentLog<B>, st: &mut WriterState<B::File>) -> Result<()> {
+    if st.dir_dirty {
+        if let Err(e) = log.backend.sync_dir(&log.seg_dir) {
+            return Err(log.health.poison(Error::io("fsync directory", log.seg_dir.clone(), e)));
+        }
+        st.dir_dirty = false;
+        st.dir_new_segments = false;
+    }
+    Ok(())
+}
+
+/// Seal the active segment (if any) and create a new one that can hold a record of `len` bytes.
+pub(super) fn rotate<B: Backend>(
+    log: &SegmentLog<B>,
+    st: &mut WriterState<B::File>,
+    len: u64,
+    key_len: usize,
+) -> Result<()> {
+    if st.active.is_some() {
+        seal_active(log, st)?;
+        if log.opts.auto_compact && wants_compaction(log, st) {
+            // Run after the caller's records are written, not in the middle of its batch (and
+            // asked for here, so that a failure to create the next segment does not lose it).
+            st.compact_pending = true;
+        }
+    }
+    let data_start = log.align;
+    let need = align_up(padded(data_start + len), log.align)
+        + align_up(footer_entry_len(key_len) + format::TRAILER_LEN as u64, log.align);
+    let size = log.opts.segment_bytes.max(need);
+    let id = st.next_segment;
+    st.next_segment = id.checked_add(1).ok_or_else(|| Error::Exhausted("segment ids".into()))?;
+    let path = log.seg_path(id);
+    let cleanup = |e: Error| {
+        let _ = log.backend.remove_file(&path);
+        e
+    };
+    let (file, reserved) = match reuse_spare_file(log, st, &path, size) {
+        Some(reused) => reused,
+        None => {
+            if size != log.opts.segment_bytes {
+                // A segment sized for one large record: kept files cannot become it.
+                release_spare_files(log, st);
+            }
+            let file = log.backend.open(&path, true).map_err(|e| Error::io("create segment", path.clone(), e))?;
+            let mut reserved = log.backend.allocate(&file, size);
+            if !matches!(reserved, Ok(true)) && release_spare_files(log, st) {
+                // Files kept for reuse held the space this segment needs.
+                reserved = log.backend.allocate(&file, size);
+            }
+            let reserved = reserved.map_err(|e| cleanup(Error::io("fallocate", path.clone(), e)))?;
+            (Arc::new(file), reserved)
+        }
+    };
+    let mut hb = AlignedBuf::zeroed(log.align as usize, log.align as usize);
+    let header = format::SegmentHeader {
+        segment: id,
+        segment_bytes: size,
+        align: log.align as u32,
+        epoch: st.epoch,
+        data_start,
+        salt: log.salt,
+    };
+    hb[..format::SEGMENT_HEADER_LEN].copy_from_slice(&format::encode_segment_header(&header));
+    let (r, _) = log.backend.write_at(&file, 0, hb);
+    r.map_err(|e| cleanup(Error::io("write segment header", path.clone(), e)))?;
+    st.dir_dirty = true;
+    st.dir_new_segments = true;
+    log.files.write().unwrap_or_else(|p| p.into_inner()).insert(id, file.clone());
+    st.segs.insert(id, SegMeta { reserved, ..SegMeta::new(size, data_start) });
+    st.active = Some(Active {
+        id,
+        file,
+        size,
+        data_end: data_start,
+        tail: Vec::new(),
+        written_end: data_start,
+        footer: Vec::new(),
+        footer_entries: 0,
+        max_epoch: st.epoch,
+        dirty: true,
+        last_is_mark: false,
+        reserved,
+    });
+    Ok(())
+}
+
+/// The file of a deleted segment, renamed to `path`, for a new segment of `size` bytes, and
+/// whether its space is reserved: `None` if none is kept or the size differs (a segment sized
+/// for one large record). A file that cannot be renamed is unlinked instead.
+pub(super) fn reuse_spare_file<B: Backend>(
+    log: &SegmentLog<B>,
+    st: &mut WriterState<B::File>,
+    path: &Path,
+    size: u64,
+) -> Option<(Arc<B::File>, bool)> {
+    if size != log.opts.segment_bytes {
+        return None;
+    }
+    while let Some(spare) = st.spare_files.pop() {
+        let old = log.seg_path(spare.id);
+        let reserved = if spare.punched { log.backend.allocate(&spare.file, size) } else { Ok(true) };
+        match reserved.and_then(|r| log.backend.rename(&old, path).map(|()| r)) {
+            Ok(reserved) => return Some((spare.file, reserved)),
+            Err(e) => {
+                if e.kind() == io::ErrorKind::Unsupported {
+                    st.no_rename = true;
+                } else if log.health.warn_once(WARN_REUSE) {
+                    log::warn!(
+                        "segment log {}: reusing {} failed ({e}); unlinking it",
+                        log.dir.display(),
+                        old.display()
+                    );
                 }
-                a.dirty = false;
+                let _ = log.backend.remove_file(&old);
             }
         }
-        Ok(())
     }
+    None
+}
 
-    pub(super) fn sync_dir_if_dirty(&self, st: &mut WriterState<B::File>) -> Result<()> {
-        if st.dir_dirty {
-            if let Err(e) = self.backend.sync_dir(&self.seg_dir) {
-                return Err(self.health.poison(Error::io("fsync directory", self.seg_dir.clone(), e)));
-            }
-            st.dir_dirty = false;
-            st.dir_new_segments = false;
-        }
-        Ok(())
+/// Unlink every file kept for reuse, giving its disk space back: before a new file is
+/// preallocated where the space may be short (a segment sized for one large record, a full file
+/// system). Whether there was any.
+pub(super) fn release_spare_files<B: Backend>(log: &SegmentLog<B>, st: &mut WriterState<B::File>) -> bool {
+    let any = !st.spare_files.is_empty();
+    for spare in std::mem::take(&mut st.spare_files) {
+        let _ = log.backend.remove_file(&log.seg_path(spare.id));
     }
+    any
+}
 
-    /// Seal the active segment (if any) and create a new one that can hold a record of `len` bytes.
-    pub(super) fn rotate(&self, st: &mut WriterState<B::File>, len: u64, key_len: usize) -> Result<()> {
-        if st.active.is_some() {
-            self.seal_active(st)?;
-            if self.opts.auto_compact && self.wants_compaction(st) {
-                // Run after the caller's records are written, not in the middle of its batch (and
-                // asked for here, so that a failure to create the next segment does not lose it).
-                st.compact_pending = true;
-            }
-        }
-        let data_start = self.align;
-        let need = align_up(padded(data_start + len), self.align)
-            + align_up(Self::footer_entry_len(key_len) + format::TRAILER_LEN as u64, self.align);
-        let size = self.opts.segment_bytes.max(need);
-        let id = st.next_segment;
-        st.next_segment = id.checked_add(1).ok_or_else(|| Error::Exhausted("segment ids".into()))?;
-        let path = self.seg_path(id);
-        let cleanup = |e: Error| {
-            let _ = self.backend.remove_file(&path);
-            e
-        };
-        let (file, reserved) = match self.reuse_spare_file(st, &path, size) {
-            Some(reused) => reused,
-            None => {
-                if size != self.opts.segment_bytes {
-                    // A segment sized for one large record: kept files cannot become it.
-                    self.release_spare_files(st);
-                }
-                let file = self.backend.open(&path, true).map_err(|e| Error::io("create segment", path.clone(), e))?;
-                let mut reserved = self.backend.allocate(&file, size);
-                if !matches!(reserved, Ok(true)) && self.release_spare_files(st) {
-                    // Files kept for reuse held the space this segment needs.
-                    reserved = self.backend.allocate(&file, size);
-                }
-                let reserved = reserved.map_err(|e| cleanup(Error::io("fallocate", path.clone(), e)))?;
-                (Arc::new(file), reserved)
-            }
-        };
-        let mut hb = AlignedBuf::zeroed(self.align as usize, self.align as usize);
-        let header = format::SegmentHeader {
-            segment: id,
-            segment_bytes: size,
-            align: self.align as u32,
-            epoch: st.epoch,
-            data_start,
-            salt: self.salt,
-        };
-        hb[..format::SEGMENT_HEADER_LEN].copy_from_slice(&format::encode_segment_header(&header));
-        let (r, _) = self.backend.write_at(&file, 0, hb);
-        r.map_err(|e| cleanup(Error::io("write segment header", path.clone(), e)))?;
-        st.dir_dirty = true;
-        st.dir_new_segments = true;
-        self.files.write().unwrap_or_else(|p| p.into_inner()).insert(id, file.clone());
-        st.segs.insert(id, SegMeta { reserved, ..SegMeta::new(size, data_start) });
-        st.active = Some(Active {
-            id,
-            file,
-            size,
-            data_end: data_start,
-            tail: Vec::new(),
-            written_end: data_start,
-            footer: Vec::new(),
-            footer_entries: 0,
-            max_epoch: st.epoch,
-            dirty: true,
-            last_is_mark: false,
-            reserved,
+/// Write the footer and the trailer of segment `id` (`size` bytes, records up to `data_end`):
+/// the trailer last (in its own write, or at the end of the only one), so that without it the
+/// segment is still an unsealed one whose records end at `data_end`.
+#[allow(clippy::too_many_arguments)] // the segment's facts, from an `Active` or a stream
+pub(super) fn write_seal<B: Backend>(
+    log: &SegmentLog<B>,
+    file: &B::File,
+    id: u32,
+    size: u64,
+    data_end: u64,
+    footer: &[u8],
+    entries: u64,
+    max_epoch: u32,
+) -> io::Result<()> {
+    let footer_offset = align_up(data_end, log.align);
+    let footer_len = footer.len() as u64;
+    let trailer = format::Trailer {
+        segment: id,
+        max_epoch,
+        footer_offset,
+        footer_len,
+        entry_count: entries,
+        data_end,
+        footer_crc: format::footer_crc(footer),
+        salt: log.salt,
+    };
+    let tb = format::encode_trailer(&trailer);
+    let footer_end = align_up(footer_offset + footer_len, log.align);
+    let trailer_block = size - log.align;
+    let write = |offset: u64, buf: AlignedBuf| -> io::Result<()> { log.backend.write_at(file, offset, buf).0 };
+    if footer_end <= trailer_block {
+        let mut fb = AlignedBuf::zeroed((footer_end - footer_offset) as usize, log.align as usize);
+        fb[..footer.len()].copy_from_slice(footer);
+        let written = if footer_len > 0 { write(footer_offset, fb) } else { Ok(()) };
+        written.and_then(|()| {
+            let mut t = AlignedBuf::zeroed(log.align as usize, log.align as usize);
+            t[log.align as usize - format::TRAILER_LEN..].copy_from_slice(&tb);
+            write(trailer_block, t)
+        })
+    } else {
+        let mut fb = AlignedBuf::zeroed((size - footer_offset) as usize, log.align as usize);
+        fb[..footer.len()].copy_from_slice(footer);
+        let n = fb.len();
+        fb[n - format::TRAILER_LEN..].copy_from_slice(&tb);
+        write(footer_offset, fb)
+    }
+}
+
+/// Seal the active segment: data durable first, then footer and trailer.
+pub(super) fn seal_active<B: Backend>(log: &SegmentLog<B>, st: &mut WriterState<B::File>) -> Result<()> {
+    flush_pending(log, st)?;
+    if log.opts.durable {
+        sync_active(log, st)?;
+        sync_dir_if_dirty(log, st)?;
+    }
+    let a = st.active.as_ref().expect("active segment to seal");
+    if align_up(a.data_end, log.align) + a.footer.len() as u64 + format::TRAILER_LEN as u64 > a.size {
+        // Never for segments this log wrote (`fits` keeps the room) nor recovered (`recover`
+        // does not continue one without it); an error, not a panic, all the same.
+        return Err(Error::Corrupt {
+            segment: a.id,
+            offset: a.data_end,
+            reason: "no room for the segment's footer and trailer after its records".into(),
         });
-        Ok(())
     }
+    let a = st.active.take().expect("active segment to seal");
+    let written = write_seal(log, &a.file, a.id, a.size, a.data_end, &a.footer, a.footer_entries, a.max_epoch);
+    if let Err(e) = written {
+        // The trailer comes last (in its own write, or at the end of the only one), so without it
+        // the segment is still an unsealed one whose records end at `data_end`: it stays active.
+        let err = log.health.write_failed("write footer", log.seg_path(a.id), e);
+        st.active = Some(a);
+        return Err(err);
+    }
+    st.segs.seal(a.id);
+    st.unsynced_sealed.push(a.file);
+    Ok(())
+}
 
-    /// The file of a deleted segment, renamed to `path`, for a new segment of `size` bytes, and
-    /// whether its space is reserved: `None` if none is kept or the size differs (a segment sized
-    /// for one large record). A file that cannot be renamed is unlinked instead.
-    pub(super) fn reuse_spare_file(
-        &self,
-        st: &mut WriterState<B::File>,
-        path: &Path,
-        size: u64,
-    ) -> Option<(Arc<B::File>, bool)> {
-        if size != self.opts.segment_bytes {
-            return None;
-        }
-        while let Some(spare) = st.spare_files.pop() {
-            let old = self.seg_path(spare.id);
-            let reserved = if spare.punched { self.backend.allocate(&spare.file, size) } else { Ok(true) };
-            match reserved.and_then(|r| self.backend.rename(&old, path).map(|()| r)) {
-                Ok(reserved) => return Some((spare.file, reserved)),
-                Err(e) => {
-                    if e.kind() == io::ErrorKind::Unsupported {
-                        st.no_rename = true;
-                    } else if self.health.warn_once(WARN_REUSE) {
-                        log::warn!(
-                            "segment log {}: reusing {} failed ({e}); unlinking it",
-                            self.dir.display(),
-                            old.display()
-                        );
-                    }
-                    let _ = self.backend.remove_file(&old);
-                }
-            }
-        }
-        None
+pub(super) fn sync<B: Backend>(log: &SegmentLog<B>) -> Result<()> {
+    let mut st = log.writer();
+    // Under the writer lock: a sync that failed while this one waited poisoned the log, and a
+    // failed fdatasync must never be retried (it can report success for data that was dropped).
+    log.health.check_writable()?;
+    if st.active.as_ref().is_some_and(|a| a.dirty && !a.last_is_mark) {
+        append(log, &mut st, vec![NewRecord::SyncMark])?;
     }
-
-    /// Unlink every file kept for reuse, giving its disk space back: before a new file is
-    /// preallocated where the space may be short (a segment sized for one large record, a full file
-    /// system). Whether there was any.
-    pub(super) fn release_spare_files(&self, st: &mut WriterState<B::File>) -> bool {
-        let any = !st.spare_files.is_empty();
-        for spare in std::mem::take(&mut st.spare_files) {
-            let _ = self.backend.remove_file(&self.seg_path(spare.id));
-        }
-        any
-    }
-
-    /// Write the footer and the trailer of segment `id` (`size` bytes, records up to `data_end`):
-    /// the trailer last (in its own write, or at the end of the only one), so that without it the
-    /// segment is still an unsealed one whose records end at `data_end`.
-    #[allow(clippy::too_many_arguments)] // the segment's facts, from an `Active` or a stream
-    pub(super) fn write_seal(
-        &self,
-        file: &B::File,
-        id: u32,
-        size: u64,
-        data_end: u64,
-        footer: &[u8],
-        entries: u64,
-        max_epoch: u32,
-    ) -> io::Result<()> {
-        let footer_offset = align_up(data_end, self.align);
-        let footer_len = footer.len() as u64;
-        let trailer = format::Trailer {
-            segment: id,
-            max_epoch,
-            footer_offset,
-            footer_len,
-            entry_count: entries,
-            data_end,
-            footer_crc: format::footer_crc(footer),
-            salt: self.salt,
-        };
-        let tb = format::encode_trailer(&trailer);
-        let footer_end = align_up(footer_offset + footer_len, self.align);
-        let trailer_block = size - self.align;
-        let write = |offset: u64, buf: AlignedBuf| -> io::Result<()> { self.backend.write_at(file, offset, buf).0 };
-        if footer_end <= trailer_block {
-            let mut fb = AlignedBuf::zeroed((footer_end - footer_offset) as usize, self.align as usize);
-            fb[..footer.len()].copy_from_slice(footer);
-            let written = if footer_len > 0 { write(footer_offset, fb) } else { Ok(()) };
-            written.and_then(|()| {
-                let mut t = AlignedBuf::zeroed(self.align as usize, self.align as usize);
-                t[self.align as usize - format::TRAILER_LEN..].copy_from_slice(&tb);
-                write(trailer_block, t)
-            })
-        } else {
-            let mut fb = AlignedBuf::zeroed((size - footer_offset) as usize, self.align as usize);
-            fb[..footer.len()].copy_from_slice(footer);
-            let n = fb.len();
-            fb[n - format::TRAILER_LEN..].copy_from_slice(&tb);
-            write(footer_offset, fb)
+    flush_pending(log, &mut st)?;
+    sync_active(log, &mut st)?;
+    for f in std::mem::take(&mut st.unsynced_sealed) {
+        if let Err(e) = log.backend.sync_data(&f) {
+            return Err(log.health.poison(Error::io("fdatasync", log.seg_dir.clone(), e)));
         }
     }
-
-    /// Seal the active segment: data durable first, then footer and trailer.
-    pub(super) fn seal_active(&self, st: &mut WriterState<B::File>) -> Result<()> {
-        self.flush_pending(st)?;
-        if self.opts.durable {
-            self.sync_active(st)?;
-            self.sync_dir_if_dirty(st)?;
-        }
-        let a = st.active.as_ref().expect("active segment to seal");
-        if align_up(a.data_end, self.align) + a.footer.len() as u64 + format::TRAILER_LEN as u64 > a.size {
-            // Never for segments this log wrote (`fits` keeps the room) nor recovered (`recover`
-            // does not continue one without it); an error, not a panic, all the same.
-            return Err(Error::Corrupt {
-                segment: a.id,
-                offset: a.data_end,
-                reason: "no room for the segment's footer and trailer after its records".into(),
-            });
-        }
-        let a = st.active.take().expect("active segment to seal");
-        let written = self.write_seal(&a.file, a.id, a.size, a.data_end, &a.footer, a.footer_entries, a.max_epoch);
-        if let Err(e) = written {
-            // The trailer comes last (in its own write, or at the end of the only one), so without it
-            // the segment is still an unsealed one whose records end at `data_end`: it stays active.
-            let err = self.health.write_failed("write footer", self.seg_path(a.id), e);
-            st.active = Some(a);
-            return Err(err);
-        }
-        st.segs.seal(a.id);
-        st.unsynced_sealed.push(a.file);
-        Ok(())
-    }
-
-    /// Make every record written before this call durable: fdatasync the active segment, and fsync the
-    /// segments directory if segments were created or removed since the last sync.
-    pub fn sync(&self) -> Result<()> {
-        let mut st = self.writer();
-        // Under the writer lock: a sync that failed while this one waited poisoned the log, and a
-        // failed fdatasync must never be retried (it can report success for data that was dropped).
-        self.health.check_writable()?;
-        if st.active.as_ref().is_some_and(|a| a.dirty && !a.last_is_mark) {
-            self.append(&mut st, vec![NewRecord::SyncMark])?;
-        }
-        self.flush_pending(&mut st)?;
-        self.sync_active(&mut st)?;
-        for f in std::mem::take(&mut st.unsynced_sealed) {
-            if let Err(e) = self.backend.sync_data(&f) {
-                return Err(self.health.poison(Error::io("fdatasync", self.seg_dir.clone(), e)));
-            }
-        }
-        self.sync_dir_if_dirty(&mut st)
-    }
+    sync_dir_if_dirty(log, &mut st)
 }

@@ -17,9 +17,16 @@ use crate::sync::{AtomicBool, Mutex, Ordering};
 use crate::value::Frames;
 use crate::{format, stored};
 
+use super::compact::compact_if_pending;
+use super::gc::reclaim;
+use super::gc::release;
 use super::index::{Location, PackedLoc, RecordFacts};
+use super::segments::footer_entry_len;
+use super::segments::{fits, release_spare_files, rotate, write_seal};
 use super::segments::{SegMeta, WriterState};
+use super::write::{fence_failed_write, publish_chunk};
 use super::write::{NewRecord, Payload, Placed, Prepared};
+use super::write_behind::flush_pending;
 use super::{lock, padded, SegmentLog, MAX_RECORD_BYTES};
 
 /// Each key's streams: (sequence number, overtaken).
@@ -205,7 +212,7 @@ impl ReserveAhead {
         if !matches!(reserved, Ok(true)) && !self.spares_released {
             // Files kept for reuse may hold the space this stream's own segment needs.
             self.spares_released = true;
-            if log.release_spare_files(&mut log.writer()) {
+            if release_spare_files(log, &mut log.writer()) {
                 reserved = log.backend.allocate(file, upto);
             }
         }
@@ -215,401 +222,400 @@ impl ReserveAhead {
     }
 }
 
-impl<B: Backend> SegmentLog<B> {
-    /// Store a value whose stored form arrives from `src` (a peer's socket), without holding it in
-    /// memory (beyond 1 MiB, or an eighth of a segment) and without holding the writer lock while it
-    /// arrives: a value of at most that many stored bytes is read first, then appended like any
-    /// record; a larger one is written into a segment of its own as the bytes arrive (see
-    /// `put_stream_apart`). The payload checksum is computed on the way, and the key is published
-    /// only when all `meta.stored_len` bytes arrived, match `meta.payload_crc` and, for an lz4
-    /// block, decompress to `meta.raw_len` (`stored::PayloadCheck`). On a short read
-    /// (the sender hung up), a read error or a checksum mismatch, nothing becomes visible, nothing
-    /// of the value stays on disk, and the log stays usable. A write of the key published while the
-    /// value arrives wins over it (the streamed record is dead on arrival).
-    pub fn put_stream(&self, key: &[u8], meta: &StreamedValue, src: &mut dyn io::Read) -> Result<()> {
-        if key.len() > format::MAX_KEY_BYTES {
-            return Err(Error::KeyTooLarge { len: key.len(), max: format::MAX_KEY_BYTES });
-        }
-        stored::check_announced(meta)?;
-        let total: u64 = meta.frame_lens.iter().sum(); // laid out within u64: checked above
-        if total > self.opts.max_value_bytes || meta.stored_len > self.opts.max_value_bytes + (1 << 20) {
-            return Err(Error::ValueTooLarge {
-                len: total.max(meta.stored_len),
-                max: self.opts.max_value_bytes,
-                unit: "bytes",
-            });
-        }
-        let len = format::record_len(meta.frame_lens.len(), key.len(), meta.stored_len);
-        if len > MAX_RECORD_BYTES {
-            return Err(Error::ValueTooLarge { len, max: MAX_RECORD_BYTES, unit: "record bytes" });
-        }
-        if meta.stored_len > STREAM_BUFFERED_MAX.max(self.opts.segment_bytes / 8) {
-            return self.put_stream_apart(key, meta, src, len);
-        }
-        // Small: into memory first, so that the writer lock is held for a write, never for a peer.
-        let mut payload = vec![0u8; meta.stored_len as usize];
-        read_payload(src, &mut payload)?;
-        self.put_stream_locked(key, meta, &mut &payload[..], len)
+pub(super) fn put_stream<B: Backend>(
+    log: &SegmentLog<B>,
+    key: &[u8],
+    meta: &StreamedValue,
+    src: &mut dyn io::Read,
+) -> Result<()> {
+    if key.len() > format::MAX_KEY_BYTES {
+        return Err(Error::KeyTooLarge { len: key.len(), max: format::MAX_KEY_BYTES });
     }
-
-    /// The header and the encoded head (header, frame table, key: everything before the payload)
-    /// of a streamed value's record in segment `segment`. A streamed payload is never padded
-    /// (`aux` 0): it is written as it arrives.
-    pub(super) fn streamed_head(
-        &self,
-        key: &[u8],
-        meta: &StreamedValue,
-        segment: u32,
-        epoch: u32,
-        seq: u64,
-    ) -> (RecordHeader, Vec<u8>) {
-        let h = RecordHeader {
-            flags: if meta.lz4 { format::FLAG_LZ4 } else { 0 },
-            frame_count: meta.frame_lens.len() as u16,
-            key_len: key.len() as u32,
-            segment,
-            epoch,
-            payload_crc: meta.payload_crc,
-            seq,
-            raw_len: meta.raw_len,
-            stored_len: meta.stored_len,
-            aux: 0,
-        };
-        let mut head = vec![0u8; h.payload_offset() as usize];
-        format::write_record_head(&mut head, &h, &meta.frame_lens, key, self.salt);
-        (h, head)
+    stored::check_announced(meta)?;
+    let total: u64 = meta.frame_lens.iter().sum(); // laid out within u64: checked above
+    if total > log.opts.max_value_bytes || meta.stored_len > log.opts.max_value_bytes + (1 << 20) {
+        return Err(Error::ValueTooLarge {
+            len: total.max(meta.stored_len),
+            max: log.opts.max_value_bytes,
+            unit: "bytes",
+        });
     }
-
-    /// `put_stream` of a value read from `src` while holding the writer lock (its bytes are in
-    /// memory already: see `put_stream`), appended to the active segment.
-    pub(super) fn put_stream_locked(
-        &self,
-        key: &[u8],
-        meta: &StreamedValue,
-        src: &mut dyn io::Read,
-        len: u64,
-    ) -> Result<()> {
-        let mut guard = self.writer();
-        // Checked under the writer lock: a write or fsync that failed while this call waited for
-        // the lock poisoned the log, and nothing may be written (or an fsync retried) after that.
-        self.health.check_writable()?;
-        let st = &mut *guard;
-        let need_new = match &st.active {
-            Some(a) => !self.fits(a, len, key.len()),
-            None => true,
-        };
-        if need_new {
-            self.rotate(st, len, key.len())?;
-        }
-        // The value is streamed straight to the file, after what is pending (write-behind).
-        self.flush_pending(st)?;
-        let epoch = st.epoch;
-        let seq = st.next_seq;
-        st.next_seq += 1;
-        let a = st.active.as_ref().expect("active after rotate");
-        let (id, start, file) = (a.id, a.data_end, a.file.clone());
-        let at = StreamAt { id, base: align_down(start, self.align), old_tail: a.tail.clone(), end: start + len };
-        let (h, head) = self.streamed_head(key, meta, id, epoch, seq);
-        // A panic of the caller's reader is caught, so that what this value wrote is erased below
-        // like after any other failure, and then goes on unwinding.
-        let mut incoming = Incoming::new(src, meta);
-        let (last, last_base) = match self.stream_into_active(&file, &at, &head, &mut incoming) {
-            Ok(last) => last,
-            Err((e, written_to)) => {
-                let failed = self.abort_stream(st, &file, &at, written_to, e);
-                if let Some(panic) = incoming.panicked.take() {
-                    drop(guard);
-                    std::panic::resume_unwind(panic);
-                }
-                return Err(failed);
-            }
-        };
-        // The record's padding is part of the tail block the next write rewrites.
-        let pend = padded(at.end);
-        let tail_start = align_down(pend, self.align);
-        let tail = last[(tail_start - last_base) as usize..(pend - last_base) as usize].to_vec();
-        let empty = Frames::default();
-        let rec = NewRecord::Value { key, frames: &empty };
-        let chunk = [Prepared { rec, payload: Payload::Empty, len, pad: 0, align_head: 0 }];
-        self.publish_chunk(st, &chunk, &[Placed::new(start, &h)], pend, tail, epoch, false)?;
-        self.compact_if_pending(st);
-        Ok(())
+    let len = format::record_len(meta.frame_lens.len(), key.len(), meta.stored_len);
+    if len > MAX_RECORD_BYTES {
+        return Err(Error::ValueTooLarge { len, max: MAX_RECORD_BYTES, unit: "record bytes" });
     }
-
-    /// Write a streamed record into the active segment's `file` at `at`: the tail block before it
-    /// and its `head` first, then its payload from `incoming`, in pieces of at least 1 MiB (each a
-    /// multiple of the alignment), the last one padded to the block. Returns the last piece and its
-    /// offset; on failure, the error and the offset up to which bytes may have been written.
-    fn stream_into_active(
-        &self,
-        file: &B::File,
-        at: &StreamAt,
-        head: &[u8],
-        incoming: &mut Incoming<'_>,
-    ) -> std::result::Result<(AlignedBuf, u64), (Error, u64)> {
-        const CHUNK: usize = 1 << 20;
-        let align = self.align as usize;
-        // The extra block of capacity leaves room for the last record's padding.
-        let fill = CHUNK.max(align_up((at.old_tail.len() + head.len()) as u64, self.align) as usize);
-        let mut buf = self.backend.alloc_buf(fill + align, align);
-        buf.set_len(0);
-        buf.extend_from_slice(&at.old_tail);
-        buf.extend_from_slice(head);
-        let mut buf_base = at.base;
-        let write = |buf: &mut AlignedBuf, base: u64| -> Result<()> {
-            let (r, b) = self.backend.write_at(file, base, std::mem::replace(buf, AlignedBuf::zeroed(0, align)));
-            *buf = b;
-            r.map_err(|e| self.health.write_failed("write segment", self.seg_path(at.id), e))
-        };
-        let result = (|| {
-            // Fill the buffer from the peer, then write it whole (it is a multiple of `align`).
-            while !incoming.fill_caught(&mut buf, fill)? {
-                write(&mut buf, buf_base)?;
-                buf_base += buf.len() as u64;
-                buf.set_len(0);
-            }
-            // Bad bytes from the peer (the record is zeroed by the caller).
-            incoming.finish()?;
-            // Last piece: pad the record and the block, write, keep the new tail block.
-            let from = buf.len();
-            debug_assert_eq!(from, (at.end - buf_base) as usize);
-            let block_end = (align_up(padded(at.end), self.align) - buf_base) as usize;
-            buf.set_len(block_end.max(from));
-            buf[from..].fill(0);
-            write(&mut buf, buf_base)
-        })();
-        match result {
-            Ok(()) => Ok((buf, buf_base)),
-            Err(e) => Err((e, align_up(at.end, self.align).min(buf_base + buf.capacity() as u64))),
-        }
+    if meta.stored_len > STREAM_BUFFERED_MAX.max(log.opts.segment_bytes / 8) {
+        return put_stream_apart(log, key, meta, src, len);
     }
+    // Small: into memory first, so that the writer lock is held for a write, never for a peer.
+    let mut payload = vec![0u8; meta.stored_len as usize];
+    read_payload(src, &mut payload)?;
+    put_stream_locked(log, key, meta, &mut &payload[..], len)
+}
 
-    /// A streamed record into the active segment failed with `e`: nothing was published. Erase
-    /// what it wrote (up to `written_to`), so neither the next records nor recovery ever see a
-    /// partial record, and fence the write. Returns the error to report.
-    fn abort_stream(
-        &self,
-        st: &mut WriterState<B::File>,
-        file: &B::File,
-        at: &StreamAt,
-        written_to: u64,
-        e: Error,
-    ) -> Error {
-        let erased = erase_aborted(&self.backend, self.align, file, at.base, &at.old_tail, written_to);
-        self.fence_failed_write(st, None); // (erased just above)
-        match erased {
-            Err(we) => self.health.write_failed("erase an aborted value", self.seg_path(at.id), we),
-            Ok(()) if self.opts.durable && !self.health.is_poisoned() => {
-                // As in `erase_durably`: the aborted record's head sat at the published end.
-                let file = st.active.as_ref().expect("still active").file.clone();
-                match self.backend.sync_data(&file) {
-                    Err(se) => self.health.poison(Error::io("sync segment", self.seg_path(at.id), se)),
-                    Ok(()) => e,
-                }
-            }
-            Ok(()) => e,
-        }
+/// The header and the encoded head (header, frame table, key: everything before the payload)
+/// of a streamed value's record in segment `segment`. A streamed payload is never padded
+/// (`aux` 0): it is written as it arrives.
+pub(super) fn streamed_head<B: Backend>(
+    log: &SegmentLog<B>,
+    key: &[u8],
+    meta: &StreamedValue,
+    segment: u32,
+    epoch: u32,
+    seq: u64,
+) -> (RecordHeader, Vec<u8>) {
+    let h = RecordHeader {
+        flags: if meta.lz4 { format::FLAG_LZ4 } else { 0 },
+        frame_count: meta.frame_lens.len() as u16,
+        key_len: key.len() as u32,
+        segment,
+        epoch,
+        payload_crc: meta.payload_crc,
+        seq,
+        raw_len: meta.raw_len,
+        stored_len: meta.stored_len,
+        aux: 0,
+    };
+    let mut head = vec![0u8; h.payload_offset() as usize];
+    format::write_record_head(&mut head, &h, &meta.frame_lens, key, log.salt);
+    (h, head)
+}
+
+/// `put_stream` of a value read from `src` while holding the writer lock (its bytes are in
+/// memory already: see `put_stream`), appended to the active segment.
+pub(super) fn put_stream_locked<B: Backend>(
+    log: &SegmentLog<B>,
+    key: &[u8],
+    meta: &StreamedValue,
+    src: &mut dyn io::Read,
+    len: u64,
+) -> Result<()> {
+    let mut guard = log.writer();
+    // Checked under the writer lock: a write or fsync that failed while this call waited for
+    // the lock poisoned the log, and nothing may be written (or an fsync retried) after that.
+    log.health.check_writable()?;
+    let st = &mut *guard;
+    let need_new = match &st.active {
+        Some(a) => !fits(log, a, len, key.len()),
+        None => true,
+    };
+    if need_new {
+        rotate(log, st, len, key.len())?;
     }
-
-    /// `put_stream` of a large value: into a segment of its own, created for it, without the writer
-    /// lock (taken only to reserve the segment id and the sequence number, then to publish), so that
-    /// writes go on while the value arrives. The segment is written whole (its header, the record,
-    /// the footer and the trailer: sealed) before it joins the log. A put, delete or forget of the
-    /// key while the value arrives is newer: the streamed record is then dead on arrival (the
-    /// record a later recovery would pick agrees: the other operation's sequence number is higher,
-    /// or, after a forget, a spill log may bring either back). Compaction may move the key's old
-    /// record meanwhile: a move keeps its sequence number and does not overtake the stream.
-    pub(super) fn put_stream_apart(
-        &self,
-        key: &[u8],
-        meta: &StreamedValue,
-        src: &mut dyn io::Read,
-        len: u64,
-    ) -> Result<()> {
-        let data_start = self.align;
-        let size = align_up(padded(data_start + len), self.align)
-            + align_up(Self::footer_entry_len(key.len()) + format::TRAILER_LEN as u64, self.align);
-        let (id, seq, epoch) = {
-            let mut st = self.writer();
-            self.health.check_writable()?;
-            let id = st.next_segment;
-            st.next_segment = id.checked_add(1).ok_or_else(|| Error::Exhausted("segment ids".into()))?;
-            let seq = st.next_seq;
-            st.next_seq += 1;
-            self.streams.begin(key, seq);
-            (id, seq, st.epoch)
-        };
-        let path = self.seg_path(id);
-        let written = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            self.write_streamed_segment(&path, id, size, key, meta, seq, epoch, src)
-        }));
-        let mut guard = self.writer();
-        let st = &mut *guard;
-        let (file, h) = match written {
-            Ok(Ok(w)) => w,
-            Ok(Err(e)) => {
-                self.streams.ended(key, seq);
-                return Err(e);
-            }
-            Err(panic) => {
-                // (Its file may be there: a reader that panics is the caller's bug, and the
-                // segment goes like any torn one at the next open if this removal fails.)
-                let _ = self.backend.remove_file(&path);
-                self.streams.ended(key, seq);
+    // The value is streamed straight to the file, after what is pending (write-behind).
+    flush_pending(log, st)?;
+    let epoch = st.epoch;
+    let seq = st.next_seq;
+    st.next_seq += 1;
+    let a = st.active.as_ref().expect("active after rotate");
+    let (id, start, file) = (a.id, a.data_end, a.file.clone());
+    let at = StreamAt { id, base: align_down(start, log.align), old_tail: a.tail.clone(), end: start + len };
+    let (h, head) = streamed_head(log, key, meta, id, epoch, seq);
+    // A panic of the caller's reader is caught, so that what this value wrote is erased below
+    // like after any other failure, and then goes on unwinding.
+    let mut incoming = Incoming::new(src, meta);
+    let (last, last_base) = match stream_into_active(log, &file, &at, &head, &mut incoming) {
+        Ok(last) => last,
+        Err((e, written_to)) => {
+            let failed = abort_stream(log, st, &file, &at, written_to, e);
+            if let Some(panic) = incoming.panicked.take() {
                 drop(guard);
                 std::panic::resume_unwind(panic);
             }
-        };
-        if let Err(e) = self.health.check_writable() {
-            // Poisoned meanwhile: the log changes nothing on disk any more, and takes no segment.
-            drop(file);
-            let _ = self.backend.remove_file(&path);
-            self.streams.ended(key, seq);
+            return Err(failed);
+        }
+    };
+    // The record's padding is part of the tail block the next write rewrites.
+    let pend = padded(at.end);
+    let tail_start = align_down(pend, log.align);
+    let tail = last[(tail_start - last_base) as usize..(pend - last_base) as usize].to_vec();
+    let empty = Frames::default();
+    let rec = NewRecord::Value { key, frames: &empty };
+    let chunk = [Prepared { rec, payload: Payload::Empty, len, pad: 0, align_head: 0 }];
+    publish_chunk(log, st, &chunk, &[Placed::new(start, &h)], pend, tail, epoch, false)?;
+    compact_if_pending(log, st);
+    Ok(())
+}
+
+/// Write a streamed record into the active segment's `file` at `at`: the tail block before it
+/// and its `head` first, then its payload from `incoming`, in pieces of at least 1 MiB (each a
+/// multiple of the alignment), the last one padded to the block. Returns the last piece and its
+/// offset; on failure, the error and the offset up to which bytes may have been written.
+fn stream_into_active<B: Backend>(
+    log: &SegmentLog<B>,
+    file: &B::File,
+    at: &StreamAt,
+    head: &[u8],
+    incoming: &mut Incoming<'_>,
+) -> std::result::Result<(AlignedBuf, u64), (Error, u64)> {
+    const CHUNK: usize = 1 << 20;
+    let align = log.align as usize;
+    // The extra block of capacity leaves room for the last record's padding.
+    let fill = CHUNK.max(align_up((at.old_tail.len() + head.len()) as u64, log.align) as usize);
+    let mut buf = log.backend.alloc_buf(fill + align, align);
+    buf.set_len(0);
+    buf.extend_from_slice(&at.old_tail);
+    buf.extend_from_slice(head);
+    let mut buf_base = at.base;
+    let write = |buf: &mut AlignedBuf, base: u64| -> Result<()> {
+        let (r, b) = log.backend.write_at(file, base, std::mem::replace(buf, AlignedBuf::zeroed(0, align)));
+        *buf = b;
+        r.map_err(|e| log.health.write_failed("write segment", log.seg_path(at.id), e))
+    };
+    let result = (|| {
+        // Fill the buffer from the peer, then write it whole (it is a multiple of `align`).
+        while !incoming.fill_caught(&mut buf, fill)? {
+            write(&mut buf, buf_base)?;
+            buf_base += buf.len() as u64;
+            buf.set_len(0);
+        }
+        // Bad bytes from the peer (the record is zeroed by the caller).
+        incoming.finish()?;
+        // Last piece: pad the record and the block, write, keep the new tail block.
+        let from = buf.len();
+        debug_assert_eq!(from, (at.end - buf_base) as usize);
+        let block_end = (align_up(padded(at.end), log.align) - buf_base) as usize;
+        buf.set_len(block_end.max(from));
+        buf[from..].fill(0);
+        write(&mut buf, buf_base)
+    })();
+    match result {
+        Ok(()) => Ok((buf, buf_base)),
+        Err(e) => Err((e, align_up(at.end, log.align).min(buf_base + buf.capacity() as u64))),
+    }
+}
+
+/// A streamed record into the active segment failed with `e`: nothing was published. Erase
+/// what it wrote (up to `written_to`), so neither the next records nor recovery ever see a
+/// partial record, and fence the write. Returns the error to report.
+fn abort_stream<B: Backend>(
+    log: &SegmentLog<B>,
+    st: &mut WriterState<B::File>,
+    file: &B::File,
+    at: &StreamAt,
+    written_to: u64,
+    e: Error,
+) -> Error {
+    let erased = erase_aborted(&log.backend, log.align, file, at.base, &at.old_tail, written_to);
+    fence_failed_write(log, st, None); // (erased just above)
+    match erased {
+        Err(we) => log.health.write_failed("erase an aborted value", log.seg_path(at.id), we),
+        Ok(()) if log.opts.durable && !log.health.is_poisoned() => {
+            // As in `erase_durably`: the aborted record's head sat at the published end.
+            let file = st.active.as_ref().expect("still active").file.clone();
+            match log.backend.sync_data(&file) {
+                Err(se) => log.health.poison(Error::io("sync segment", log.seg_path(at.id), se)),
+                Ok(()) => e,
+            }
+        }
+        Ok(()) => e,
+    }
+}
+
+/// `put_stream` of a large value: into a segment of its own, created for it, without the writer
+/// lock (taken only to reserve the segment id and the sequence number, then to publish), so that
+/// writes go on while the value arrives. The segment is written whole (its header, the record,
+/// the footer and the trailer: sealed) before it joins the log. A put, delete or forget of the
+/// key while the value arrives is newer: the streamed record is then dead on arrival (the
+/// record a later recovery would pick agrees: the other operation's sequence number is higher,
+/// or, after a forget, a spill log may bring either back). Compaction may move the key's old
+/// record meanwhile: a move keeps its sequence number and does not overtake the stream.
+pub(super) fn put_stream_apart<B: Backend>(
+    log: &SegmentLog<B>,
+    key: &[u8],
+    meta: &StreamedValue,
+    src: &mut dyn io::Read,
+    len: u64,
+) -> Result<()> {
+    let data_start = log.align;
+    let size = align_up(padded(data_start + len), log.align)
+        + align_up(footer_entry_len(key.len()) + format::TRAILER_LEN as u64, log.align);
+    let (id, seq, epoch) = {
+        let mut st = log.writer();
+        log.health.check_writable()?;
+        let id = st.next_segment;
+        st.next_segment = id.checked_add(1).ok_or_else(|| Error::Exhausted("segment ids".into()))?;
+        let seq = st.next_seq;
+        st.next_seq += 1;
+        log.streams.begin(key, seq);
+        (id, seq, st.epoch)
+    };
+    let path = log.seg_path(id);
+    let written = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        write_streamed_segment(log, &path, id, size, key, meta, seq, epoch, src)
+    }));
+    let mut guard = log.writer();
+    let st = &mut *guard;
+    let (file, h) = match written {
+        Ok(Ok(w)) => w,
+        Ok(Err(e)) => {
+            log.streams.ended(key, seq);
             return Err(e);
         }
-        let file = Arc::new(file);
-        st.dir_dirty = true;
-        st.dir_new_segments = true;
-        self.files.write().unwrap_or_else(|p| p.into_inner()).insert(id, file.clone());
-        let mut m = SegMeta::new(size, data_start);
-        m.data_end = padded(data_start + len);
-        m.sealed = true;
-        m.records = 1;
-        st.segs.insert(id, m);
-        st.unsynced_sealed.push(file);
-        self.publish_streamed(st, key, seq, Location { segment: id, offset: data_start, len }, &h);
-        self.health.wrote();
-        // The old record's segment, or this one if a newer operation made it dead on arrival.
-        self.reclaim(st);
-        Ok(())
-    }
-
-    /// Publish the record at `loc` (header `h`) of a stream of `key` (sequence number `seq`) in a
-    /// segment of its own, unless a newer write of the key overtook it (then it is dead on
-    /// arrival, and its segment goes at the next garbage collection).
-    fn publish_streamed(&self, st: &mut WriterState<B::File>, key: &[u8], seq: u64, loc: Location, h: &RecordHeader) {
-        let mut index = self.index.write().unwrap_or_else(|p| p.into_inner());
-        // Under the index lock, as `forget` marks streams: none can come between.
-        if self.streams.ended(key, seq) {
-            return;
+        Err(panic) => {
+            // (Its file may be there: a reader that panics is the caller's bug, and the
+            // segment goes like any torn one at the next open if this removal fails.)
+            let _ = log.backend.remove_file(&path);
+            log.streams.ended(key, seq);
+            drop(guard);
+            std::panic::resume_unwind(panic);
         }
-        // A write of the key, for the streams of it that began before this one.
-        self.streams.written_meanwhile(key, seq);
-        let id = loc.segment;
-        let first = index.get(key).map_or(id, |o| st.segs.first_segment(o).min(id));
-        let elsewhere = st.segs.note_first(id, loc.offset, first);
-        let facts = RecordFacts::of(h.flags, h.frame_count, h.payload_crc, h.aux, h.stored_len);
-        let mut emptied = Vec::new();
-        if let Some(old) = index.insert(IndexKey::from(key), PackedLoc::new(loc, facts, elsewhere)) {
-            Self::release(st, old.into(), &mut emptied);
-        }
-        st.segs.add_live(id, loc.len);
+    };
+    if let Err(e) = log.health.check_writable() {
+        // Poisoned meanwhile: the log changes nothing on disk any more, and takes no segment.
+        drop(file);
+        let _ = log.backend.remove_file(&path);
+        log.streams.ended(key, seq);
+        return Err(e);
     }
+    let file = Arc::new(file);
+    st.dir_dirty = true;
+    st.dir_new_segments = true;
+    log.files.write().unwrap_or_else(|p| p.into_inner()).insert(id, file.clone());
+    let mut m = SegMeta::new(size, data_start);
+    m.data_end = padded(data_start + len);
+    m.sealed = true;
+    m.records = 1;
+    st.segs.insert(id, m);
+    st.unsynced_sealed.push(file);
+    publish_streamed(log, st, key, seq, Location { segment: id, offset: data_start, len }, &h);
+    log.health.wrote();
+    // The old record's segment, or this one if a newer operation made it dead on arrival.
+    reclaim(log, st);
+    Ok(())
+}
 
-    /// The segment of a `put_stream_apart`: created at `path`, its header, the record (its payload
-    /// from `src`, checked by `stored::PayloadCheck`), made durable first in a durable log, then
-    /// its footer and trailer. On failure the file is removed (it was never part of the log).
-    #[allow(clippy::too_many_arguments)] // one value's record, as `put_stream_apart` placed it
-    pub(super) fn write_streamed_segment(
-        &self,
-        path: &Path,
-        id: u32,
-        size: u64,
-        key: &[u8],
-        meta: &StreamedValue,
-        seq: u64,
-        epoch: u32,
-        src: &mut dyn io::Read,
-    ) -> Result<(B::File, RecordHeader)> {
-        let file = self.backend.open(path, true).map_err(|e| Error::io("create segment", path.to_path_buf(), e))?;
-        let data_start = self.align;
-        let align = self.align as usize;
-        // As on every write path: a full file system fails this call alone, any other failure
-        // makes the log read-only (see `write_failed`).
-        let io_err = |op: &'static str| move |e: io::Error| self.health.write_failed(op, path.to_path_buf(), e);
-        let mut space = ReserveAhead { size, reserved_to: 0, spares_released: false };
-        let mut reserve = |upto: u64| space.reserve(self, &file, upto).map_err(io_err("fallocate"));
-        let written = (|| -> Result<RecordHeader> {
-            reserve(0)?;
-            let header = format::SegmentHeader {
-                segment: id,
-                segment_bytes: size,
-                align: align as u32,
-                epoch,
-                data_start,
-                salt: self.salt,
-            };
-            let mut hb = AlignedBuf::zeroed(align, align);
-            hb[..format::SEGMENT_HEADER_LEN].copy_from_slice(&format::encode_segment_header(&header));
-            self.backend.write_at(&file, 0, hb).0.map_err(io_err("write segment header"))?;
-            let (h, head) = self.streamed_head(key, meta, id, epoch, seq);
-            let po = head.len();
-            const CHUNK: usize = 1 << 20;
-            // Pieces of `fill` bytes (a multiple of the alignment), the last one padded.
-            let fill = CHUNK.max(align_up(po as u64, self.align) as usize);
-            let mut buf = self.backend.alloc_buf(fill + align, align);
-            buf.set_len(0);
-            buf.extend_from_slice(&head);
-            let mut at = data_start;
-            let mut incoming = Incoming::new(&mut *src, meta);
-            while !incoming.fill(&mut buf, fill)? {
-                reserve(at + buf.len() as u64)?;
-                let (r, b) =
-                    self.backend.write_at(&file, at, std::mem::replace(&mut buf, AlignedBuf::zeroed(0, align)));
-                buf = b;
-                r.map_err(io_err("write segment"))?;
-                at += buf.len() as u64;
-                buf.set_len(0);
-            }
-            incoming.finish()?;
-            reserve(size)?;
-            let end = buf.len();
-            buf.set_len(align_up(end as u64, self.align) as usize);
-            buf[end..].fill(0);
-            self.backend.write_at(&file, at, buf).0.map_err(io_err("write segment"))?;
-            if self.opts.durable {
-                self.backend.sync_data(&file).map_err(io_err("sync segment"))?;
-            }
-            self.seal_streamed(&file, id, size, key, &h, epoch).map_err(io_err("write footer"))?;
-            Ok(h)
-        })();
-        match written {
-            Ok(h) => Ok((file, h)),
-            Err(e) => {
-                drop(file);
-                let _ = self.backend.remove_file(path);
-                Err(e)
-            }
-        }
+/// Publish the record at `loc` (header `h`) of a stream of `key` (sequence number `seq`) in a
+/// segment of its own, unless a newer write of the key overtook it (then it is dead on
+/// arrival, and its segment goes at the next garbage collection).
+fn publish_streamed<B: Backend>(
+    log: &SegmentLog<B>,
+    st: &mut WriterState<B::File>,
+    key: &[u8],
+    seq: u64,
+    loc: Location,
+    h: &RecordHeader,
+) {
+    let mut index = log.index.write().unwrap_or_else(|p| p.into_inner());
+    // Under the index lock, as `forget` marks streams: none can come between.
+    if log.streams.ended(key, seq) {
+        return;
     }
+    // A write of the key, for the streams of it that began before this one.
+    log.streams.written_meanwhile(key, seq);
+    let id = loc.segment;
+    let first = index.get(key).map_or(id, |o| st.segs.first_segment(o).min(id));
+    let elsewhere = st.segs.note_first(id, loc.offset, first);
+    let facts = RecordFacts::of(h.flags, h.frame_count, h.payload_crc, h.aux, h.stored_len);
+    let mut emptied = Vec::new();
+    if let Some(old) = index.insert(IndexKey::from(key), PackedLoc::new(loc, facts, elsewhere)) {
+        release(st, old.into(), &mut emptied);
+    }
+    st.segs.add_live(id, loc.len);
+}
 
-    /// Seal a streamed segment (`size` bytes): its footer, the entry of its one record (`key`,
-    /// with header `h`), and its trailer.
-    fn seal_streamed(
-        &self,
-        file: &B::File,
-        id: u32,
-        size: u64,
-        key: &[u8],
-        h: &RecordHeader,
-        epoch: u32,
-    ) -> io::Result<()> {
-        let data_start = self.align;
-        let mut footer = Vec::new();
-        let entry = FooterEntry {
-            key: key.to_vec(),
-            flags: h.flags & format::FLAG_LZ4,
-            frame_count: h.frame_count,
-            payload_crc: h.payload_crc,
-            offset: data_start,
-            record_len: h.record_len(),
-            seq: h.seq,
-            aux: 0,
+/// The segment of a `put_stream_apart`: created at `path`, its header, the record (its payload
+/// from `src`, checked by `stored::PayloadCheck`), made durable first in a durable log, then
+/// its footer and trailer. On failure the file is removed (it was never part of the log).
+#[allow(clippy::too_many_arguments)] // one value's record, as `put_stream_apart` placed it
+pub(super) fn write_streamed_segment<B: Backend>(
+    log: &SegmentLog<B>,
+    path: &Path,
+    id: u32,
+    size: u64,
+    key: &[u8],
+    meta: &StreamedValue,
+    seq: u64,
+    epoch: u32,
+    src: &mut dyn io::Read,
+) -> Result<(B::File, RecordHeader)> {
+    let file = log.backend.open(path, true).map_err(|e| Error::io("create segment", path.to_path_buf(), e))?;
+    let data_start = log.align;
+    let align = log.align as usize;
+    // As on every write path: a full file system fails this call alone, any other failure
+    // makes the log read-only (see `write_failed`).
+    let io_err = |op: &'static str| move |e: io::Error| log.health.write_failed(op, path.to_path_buf(), e);
+    let mut space = ReserveAhead { size, reserved_to: 0, spares_released: false };
+    let mut reserve = |upto: u64| space.reserve(log, &file, upto).map_err(io_err("fallocate"));
+    let written = (|| -> Result<RecordHeader> {
+        reserve(0)?;
+        let header = format::SegmentHeader {
+            segment: id,
+            segment_bytes: size,
+            align: align as u32,
+            epoch,
+            data_start,
+            salt: log.salt,
         };
-        format::encode_footer_entry(&mut footer, &entry);
-        let data_end = padded(data_start + h.record_len());
-        self.write_seal(file, id, size, data_end, &footer, 1, epoch)
+        let mut hb = AlignedBuf::zeroed(align, align);
+        hb[..format::SEGMENT_HEADER_LEN].copy_from_slice(&format::encode_segment_header(&header));
+        log.backend.write_at(&file, 0, hb).0.map_err(io_err("write segment header"))?;
+        let (h, head) = streamed_head(log, key, meta, id, epoch, seq);
+        let po = head.len();
+        const CHUNK: usize = 1 << 20;
+        // Pieces of `fill` bytes (a multiple of the alignment), the last one padded.
+        let fill = CHUNK.max(align_up(po as u64, log.align) as usize);
+        let mut buf = log.backend.alloc_buf(fill + align, align);
+        buf.set_len(0);
+        buf.extend_from_slice(&head);
+        let mut at = data_start;
+        let mut incoming = Incoming::new(&mut *src, meta);
+        while !incoming.fill(&mut buf, fill)? {
+            reserve(at + buf.len() as u64)?;
+            let (r, b) = log.backend.write_at(&file, at, std::mem::replace(&mut buf, AlignedBuf::zeroed(0, align)));
+            buf = b;
+            r.map_err(io_err("write segment"))?;
+            at += buf.len() as u64;
+            buf.set_len(0);
+        }
+        incoming.finish()?;
+        reserve(size)?;
+        let end = buf.len();
+        buf.set_len(align_up(end as u64, log.align) as usize);
+        buf[end..].fill(0);
+        log.backend.write_at(&file, at, buf).0.map_err(io_err("write segment"))?;
+        if log.opts.durable {
+            log.backend.sync_data(&file).map_err(io_err("sync segment"))?;
+        }
+        seal_streamed(log, &file, id, size, key, &h, epoch).map_err(io_err("write footer"))?;
+        Ok(h)
+    })();
+    match written {
+        Ok(h) => Ok((file, h)),
+        Err(e) => {
+            drop(file);
+            let _ = log.backend.remove_file(path);
+            Err(e)
+        }
     }
+}
+
+/// Seal a streamed segment (`size` bytes): its footer, the entry of its one record (`key`,
+/// with header `h`), and its trailer.
+fn seal_streamed<B: Backend>(
+    log: &SegmentLog<B>,
+    file: &B::File,
+    id: u32,
+    size: u64,
+    key: &[u8],
+    h: &RecordHeader,
+    epoch: u32,
+) -> io::Result<()> {
+    let data_start = log.align;
+    let mut footer = Vec::new();
+    let entry = FooterEntry {
+        key: key.to_vec(),
+        flags: h.flags & format::FLAG_LZ4,
+        frame_count: h.frame_count,
+        payload_crc: h.payload_crc,
+        offset: data_start,
+        record_len: h.record_len(),
+        seq: h.seq,
+        aux: 0,
+    };
+    format::encode_footer_entry(&mut footer, &entry);
+    let data_end = padded(data_start + h.record_len());
+    write_seal(log, file, id, size, data_end, &footer, 1, epoch)
 }
 
 /// Erase `base..end` of a segment (the active one after an aborted `put_stream`, or a tail that

@@ -13,9 +13,16 @@ use crate::key::IndexKey;
 use crate::value::Frames;
 use crate::{format, stored};
 
+use super::compact::compact_if_pending;
+use super::gather::write_chunk_gathered;
+use super::gc::{reclaim, release_forgotten, settle_forgotten};
+use super::gc::{release, superseded_by_pending};
 use super::index::{Location, PackedLoc, RecordFacts};
 use super::options::Compression;
+use super::segments::footer_entry_len;
 use super::segments::WriterState;
+use super::segments::{fits, rotate};
+use super::write_behind::{defer_chunk, flush_pending};
 use super::{laid_out_len, padded, SegmentLog, Writer, MAX_RECORD_BYTES, MAX_SPARE_BUF};
 
 /// With a backend that queues writes, records are encoded and written in groups of about this size,
@@ -126,558 +133,538 @@ impl Prepared<'_> {
     }
 }
 
-impl<B: Backend> SegmentLog<B> {
-    /// Whether `value` can be stored under `key`: what [`put_many`](Self::put_many) checks for
-    /// every item before it writes any (key and value limits, frame count, record length).
-    pub fn validate(&self, key: &[u8], frames: &Frames) -> Result<()> {
-        if key.len() > format::MAX_KEY_BYTES {
-            return Err(Error::KeyTooLarge { len: key.len(), max: format::MAX_KEY_BYTES });
-        }
-        if frames.len() > format::MAX_FRAMES {
-            return Err(Error::ValueTooLarge {
-                len: frames.len() as u64,
-                max: format::MAX_FRAMES as u64,
-                unit: "frames",
-            });
-        }
-        if frames.total_len() > self.opts.max_value_bytes {
-            return Err(Error::ValueTooLarge {
-                len: frames.total_len(),
-                max: self.opts.max_value_bytes,
-                unit: "bytes",
-            });
-        }
-        // The record around the value (header, frame table, key, 64-byte frame gaps) must fit the
-        // index's 32-bit length too: near the value limit, many frames can push it over.
-        // (With the largest payload padding the writer may add.)
-        let len = format::record_len(frames.len(), key.len(), laid_out_len(frames)) + format::PAYLOAD_PAD_LIMIT
-            - format::FRAME_ALIGN;
-        if len > MAX_RECORD_BYTES {
-            return Err(Error::ValueTooLarge { len, max: MAX_RECORD_BYTES, unit: "record bytes" });
-        }
-        Ok(())
+pub(super) fn validate<B: Backend>(log: &SegmentLog<B>, key: &[u8], frames: &Frames) -> Result<()> {
+    if key.len() > format::MAX_KEY_BYTES {
+        return Err(Error::KeyTooLarge { len: key.len(), max: format::MAX_KEY_BYTES });
     }
-
-    /// Store `value` under `key`, replacing any previous value. Returns once the record is written to
-    /// the kernel (it survives a process crash); call [`sync`](Self::sync) for power-loss durability.
-    /// With [`LogOptions::write_behind_bytes`], a small record may instead be pending in memory when
-    /// this returns (readable at once, written with a later write, `sync` or drop).
-    pub fn put(&self, key: &[u8], value: &Frames) -> Result<()> {
-        self.put_many(&[(key, value)])
+    if frames.len() > format::MAX_FRAMES {
+        return Err(Error::ValueTooLarge { len: frames.len() as u64, max: format::MAX_FRAMES as u64, unit: "frames" });
     }
+    if frames.total_len() > log.opts.max_value_bytes {
+        return Err(Error::ValueTooLarge { len: frames.total_len(), max: log.opts.max_value_bytes, unit: "bytes" });
+    }
+    // The record around the value (header, frame table, key, 64-byte frame gaps) must fit the
+    // index's 32-bit length too: near the value limit, many frames can push it over.
+    // (With the largest payload padding the writer may add.)
+    let len = format::record_len(frames.len(), key.len(), laid_out_len(frames)) + format::PAYLOAD_PAD_LIMIT
+        - format::FRAME_ALIGN;
+    if len > MAX_RECORD_BYTES {
+        return Err(Error::ValueTooLarge { len, max: MAX_RECORD_BYTES, unit: "record bytes" });
+    }
+    Ok(())
+}
 
-    /// Store several values with as few writes as possible (one aligned write per segment touched).
-    /// Not atomic across segments: if it fails, the values of the segments written before the failure
-    /// are stored, the others are not (each value is either its old or its new one, never damaged).
-    pub fn put_many(&self, items: &[(&[u8], &Frames)]) -> Result<()> {
-        for (k, v) in items {
-            self.validate(k, v)?;
+pub(super) fn put<B: Backend>(log: &SegmentLog<B>, key: &[u8], value: &Frames) -> Result<()> {
+    log.put_many(&[(key, value)])
+}
+
+pub(super) fn put_many<B: Backend>(log: &SegmentLog<B>, items: &[(&[u8], &Frames)]) -> Result<()> {
+    for (k, v) in items {
+        log.validate(k, v)?;
+    }
+    let recs: Vec<NewRecord<'_>> = items.iter().map(|(key, frames)| NewRecord::Value { key, frames }).collect();
+    let mut st = log.writer();
+    append(log, &mut st, recs).map(|_| ())
+}
+
+pub(super) fn delete<B: Backend>(log: &SegmentLog<B>, key: &[u8]) -> Result<bool> {
+    if key.len() > format::MAX_KEY_BYTES {
+        return Err(Error::KeyTooLarge { len: key.len(), max: format::MAX_KEY_BYTES });
+    }
+    let mut st = log.writer();
+    let Some(packed) = log.index.read().unwrap_or_else(|p| p.into_inner()).get(key).copied() else {
+        return Ok(false);
+    };
+    let first = st.segs.first_segment(&packed);
+    append(log, &mut st, vec![NewRecord::Tombstone { key, aux: first }])?;
+    Ok(true)
+}
+
+pub(super) fn forget<B: Backend>(log: &SegmentLog<B>, key: &[u8]) -> Result<bool> {
+    let old = {
+        let mut index = log.index.write().unwrap_or_else(|p| p.into_inner());
+        let old = index.remove(key);
+        if old.is_some() {
+            log.streams.written_meanwhile(key, u64::MAX); // (under the index lock, as publishing is)
         }
-        let recs: Vec<NewRecord<'_>> = items.iter().map(|(key, frames)| NewRecord::Value { key, frames }).collect();
-        let mut st = self.writer();
-        self.append(&mut st, recs).map(|_| ())
-    }
-
-    /// Delete `key`. Returns whether it was live. Writes a tombstone so the deletion survives reopen.
-    pub fn delete(&self, key: &[u8]) -> Result<bool> {
-        if key.len() > format::MAX_KEY_BYTES {
-            return Err(Error::KeyTooLarge { len: key.len(), max: format::MAX_KEY_BYTES });
+        old
+    };
+    let Some(old) = old.map(Location::from) else { return Ok(false) };
+    let st = match log.state.try_lock() {
+        Ok(st) => st,
+        Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+        Err(std::sync::TryLockError::WouldBlock) => {
+            // A write holds the lock (a large one, or compaction): the
+            // key is gone from the index already; the rest is left to the writer lock's next
+            // taker.
+            log.forgotten.push(old);
+            return Ok(true);
         }
-        let mut st = self.writer();
-        let Some(packed) = self.index.read().unwrap_or_else(|p| p.into_inner()).get(key).copied() else {
-            return Ok(false);
-        };
-        let first = st.segs.first_segment(&packed);
-        self.append(&mut st, vec![NewRecord::Tombstone { key, aux: first }])?;
-        Ok(true)
-    }
+    };
+    // Guarded like `writer`: releasing a record can delete a segment (a punch, an unlink, an
+    // fsync, and a write of what is pending).
+    let mut st = Writer { st, log, panicking: std::thread::panicking() };
+    settle_forgotten(log, &mut st);
+    release_forgotten(log, &mut st, old);
+    Ok(true)
+}
 
-    /// Drop `key` from the index *without* writing a tombstone: its space is reclaimed like a deleted
-    /// record's, but the deletion does not survive a reopen (the old record may come back). For stores
-    /// whose contents die with the process (a worker's spill directory), where a tombstone per delete
-    /// would be wasted I/O.
-    ///
-    /// Forgetting writes nothing, so it works on a log that refuses writes too (after an I/O error),
-    /// where the space is not reclaimed. Reclaiming space (deleting a segment that holds nothing live
-    /// any more) is a side effect: if it fails, the key is forgotten all the same, the failure is
-    /// logged, and the segment goes at a later garbage collection.
-    pub fn forget(&self, key: &[u8]) -> Result<bool> {
-        let old = {
-            let mut index = self.index.write().unwrap_or_else(|p| p.into_inner());
-            let old = index.remove(key);
-            if old.is_some() {
-                self.streams.written_meanwhile(key, u64::MAX); // (under the index lock, as publishing is)
-            }
-            old
-        };
-        let Some(old) = old.map(Location::from) else { return Ok(false) };
-        let st = match self.state.try_lock() {
-            Ok(st) => st,
-            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
-            Err(std::sync::TryLockError::WouldBlock) => {
-                // A write holds the lock (a large one, or compaction): the
-                // key is gone from the index already; the rest is left to the writer lock's next
-                // taker.
-                self.forgotten.push(old);
-                return Ok(true);
-            }
-        };
-        // Guarded like `writer`: releasing a record can delete a segment (a punch, an unlink, an
-        // fsync, and a write of what is pending).
-        let mut st = Writer { st, log: self, panicking: std::thread::panicking() };
-        self.settle_forgotten(&mut st);
-        self.release_forgotten(&mut st, old);
-        Ok(true)
-    }
+pub(super) fn settle_punches<B: Backend>(log: &SegmentLog<B>) {
+    log.punches.settle();
+}
 
-    /// Wait until the hole punches of the records forgotten so far have run
-    /// ([`LogOptions::punch_forgotten`]: they run on the log's punch thread, and `forget` returns
-    /// without waiting). After it, the files' allocated blocks no longer count those records.
-    pub fn settle_punches(&self) {
-        self.punches.settle();
-    }
-
-    pub(super) fn prepare<'a>(&self, rec: NewRecord<'a>) -> Prepared<'a> {
-        let key_len = rec.key().len();
-        let (payload, frame_count, stored) = match &rec {
-            NewRecord::Tombstone { .. } | NewRecord::SyncMark => (Payload::Empty, 0, 0),
-            NewRecord::Relocated { bytes, .. } => {
-                let bytes: &'a [u8] = bytes;
-                return Prepared {
-                    len: bytes.len() as u64,
-                    payload: Payload::Relocated(bytes),
-                    rec,
-                    pad: 0,
-                    align_head: 0,
-                };
-            }
-            NewRecord::Value { frames, .. } => {
-                let raw = laid_out_len(frames);
-                let frames: &'a Frames = frames;
-                if self.opts.compression == Compression::Lz4 && raw >= MIN_COMPRESS_BYTES {
-                    let (c, _) = stored::compress(frames);
-                    if (c.len() as u64) <= raw - raw / 8 {
-                        let n = c.len() as u64;
-                        (Payload::Compressed(c), frames.len(), n)
-                    } else {
-                        (Payload::Frames(frames), frames.len(), raw)
-                    }
+pub(super) fn prepare<'a, B: Backend>(log: &SegmentLog<B>, rec: NewRecord<'a>) -> Prepared<'a> {
+    let key_len = rec.key().len();
+    let (payload, frame_count, stored) = match &rec {
+        NewRecord::Tombstone { .. } | NewRecord::SyncMark => (Payload::Empty, 0, 0),
+        NewRecord::Relocated { bytes, .. } => {
+            let bytes: &'a [u8] = bytes;
+            return Prepared {
+                len: bytes.len() as u64,
+                payload: Payload::Relocated(bytes),
+                rec,
+                pad: 0,
+                align_head: 0,
+            };
+        }
+        NewRecord::Value { frames, .. } => {
+            let raw = laid_out_len(frames);
+            let frames: &'a Frames = frames;
+            if log.opts.compression == Compression::Lz4 && raw >= MIN_COMPRESS_BYTES {
+                let (c, _) = stored::compress(frames);
+                if (c.len() as u64) <= raw - raw / 8 {
+                    let n = c.len() as u64;
+                    (Payload::Compressed(c), frames.len(), n)
                 } else {
                     (Payload::Frames(frames), frames.len(), raw)
                 }
+            } else {
+                (Payload::Frames(frames), frames.len(), raw)
             }
+        }
+    };
+    let aligned = matches!(payload, Payload::Frames(f) if f.len() == 1) && stored >= ALIGN_PAYLOAD_MIN;
+    let align_head = if aligned { format::head_len(frame_count, key_len) } else { 0 };
+    Prepared { len: format::record_len(frame_count, key_len, stored), payload, rec, pad: 0, align_head }
+}
+
+pub(super) fn append<B: Backend>(
+    log: &SegmentLog<B>,
+    st: &mut WriterState<B::File>,
+    recs: Vec<NewRecord<'_>>,
+) -> Result<Vec<Location>> {
+    log.health.check_writable()?;
+    let mut prepared: Vec<Prepared<'_>> = recs.into_iter().map(|r| prepare(log, r)).collect();
+    let mut out = Vec::with_capacity(prepared.len());
+    let mut i = 0;
+    while i < prepared.len() {
+        // Make sure the active segment can take at least the next record.
+        let need_new = match &st.active {
+            Some(a) => !fits(log, a, prepared[i].max_len(), prepared[i].rec.key().len()),
+            None => true,
         };
-        let aligned = matches!(payload, Payload::Frames(f) if f.len() == 1) && stored >= ALIGN_PAYLOAD_MIN;
-        let align_head = if aligned { format::head_len(frame_count, key_len) } else { 0 };
-        Prepared { len: format::record_len(frame_count, key_len, stored), payload, rec, pad: 0, align_head }
-    }
-
-    pub(super) fn append(&self, st: &mut WriterState<B::File>, recs: Vec<NewRecord<'_>>) -> Result<Vec<Location>> {
-        self.health.check_writable()?;
-        let mut prepared: Vec<Prepared<'_>> = recs.into_iter().map(|r| self.prepare(r)).collect();
-        let mut out = Vec::with_capacity(prepared.len());
-        let mut i = 0;
-        while i < prepared.len() {
-            // Make sure the active segment can take at least the next record.
-            let need_new = match &st.active {
-                Some(a) => !self.fits(a, prepared[i].max_len(), prepared[i].rec.key().len()),
-                None => true,
-            };
-            if need_new {
-                self.rotate(st, prepared[i].max_len(), prepared[i].rec.key().len())?;
-            }
-            // Take as many records as fit into this segment.
-            let a = st.active.as_ref().expect("active after rotate");
-            let mut j = i;
-            let mut end = a.data_end;
-            let mut footer = a.footer.len() as u64;
-            while j < prepared.len() {
-                let p = &mut prepared[j];
-                p.place(end);
-                let new_end = padded(end + p.len);
-                let new_footer = footer + Self::footer_entry_len(p.rec.key().len());
-                if end > u32::MAX as u64
-                    || align_up(new_end, self.align) + new_footer + format::TRAILER_LEN as u64 > a.size
-                {
-                    break;
-                }
-                end = new_end;
-                footer = new_footer;
-                j += 1;
-            }
-            assert!(j > i, "a freshly rotated segment must fit the next record");
-            let locs = self.write_chunk(st, &prepared[i..j])?;
-            out.extend(locs);
-            i = j;
+        if need_new {
+            rotate(log, st, prepared[i].max_len(), prepared[i].rec.key().len())?;
         }
-        self.compact_if_pending(st);
-        Ok(out)
-    }
-
-    /// Write `chunk`, then publish the new locations: kept pending in the active segment's tail
-    /// (write-behind) if it is small, written from its own frames if a payload is large
-    /// (`write_chunk_gathered`), else encoded and written in groups (`write_chunk_grouped`).
-    pub(super) fn write_chunk(&self, st: &mut WriterState<B::File>, chunk: &[Prepared<'_>]) -> Result<Vec<Location>> {
-        // Write-behind: keep a small batch pending in the tail if it fits the budget (writing what is
-        // pending first if the batch would overflow it); any other batch writes what is pending first.
-        let budget = self.opts.write_behind_bytes;
-        let defer = budget > 0
-            && st.active.as_ref().is_some_and(|a| a.reserved)
-            && chunk.iter().all(|p| !matches!(p.rec, NewRecord::SyncMark));
-        let total: u64 = chunk.iter().map(|p| padded(p.len)).sum();
-        let pending_len = |st: &WriterState<B::File>| st.active.as_ref().map_or(0, |a| a.tail.len() as u64);
-        if defer && pending_len(st) + total > budget {
-            self.flush_pending(st)?;
-        }
-        if defer && pending_len(st) + total <= budget {
-            return self.defer_chunk(st, chunk);
-        }
-        self.flush_pending(st)?;
-        if self.backend.gathers_writes()
-            && chunk
-                .iter()
-                .any(|p| matches!(p.payload, Payload::Frames(f) if laid_out_len(f) >= self.opts.gather_min_bytes))
-        {
-            return self.write_chunk_gathered(st, chunk);
-        }
-        self.write_chunk_grouped(st, chunk)
-    }
-
-    /// Write `chunk` encoded in groups of about `write_group_bytes`. Each group's write covers its
-    /// whole blocks only; its last, partial block is rewritten by the next group (or, for the last
-    /// group, written with it). So the writes of one chunk never overlap, several can be in flight
-    /// at once (up to WRITES_IN_FLIGHT, through `write_at_async`), and group k+1 is encoded while
-    /// group k is being written. The chunk is published only when every write has completed.
-    fn write_chunk_grouped(&self, st: &mut WriterState<B::File>, chunk: &[Prepared<'_>]) -> Result<Vec<Location>> {
-        let epoch = st.epoch;
-        let align = self.align;
-        let (id, file, mut data_end) = {
-            let a = st.active.as_ref().expect("active segment");
-            (a.id, a.file.clone(), a.data_end)
-        };
-        // The partial block the next group rewrites: the active segment's own tail until a group is
-        // encoded (which stays in place, so that a failed write leaves the segment as it was).
-        let mut tail: Option<Vec<u8>> = None;
-        let mut placed: Vec<Placed> = Vec::with_capacity(chunk.len());
-        let mut in_flight: std::collections::VecDeque<crate::backend::IoFuture> = std::collections::VecDeque::new();
-        let mut failure: Option<io::Error> = None;
-        // Without a submission queue, one write per chunk (several would only add syscalls).
-        let group_bytes = if self.backend.queues_writes() { self.opts.write_group_bytes.max(1) } else { u64::MAX };
-        let mut i = 0;
-        while i < chunk.len() {
-            let (j, total) = group_end(chunk, i, group_bytes);
-            let group = &chunk[i..j];
-            let last = j == chunk.len();
-            let base = align_down(data_end, align);
-            let end = data_end + total;
-            let needed = (align_up(end, align) - base) as usize;
-            let at = GroupAt { id, epoch, base, data_end };
-            let mut buf = self.encode_group(st, group, tail.as_deref(), at, needed, &mut placed);
-            let tail_start = align_down(end, align);
-            tail = Some(buf[(tail_start - base) as usize..(end - base) as usize].to_vec());
-            // Whole blocks only, except for the last group (the next group rewrites this partial block).
-            let write_len = if last { needed } else { (tail_start - base) as usize };
-            data_end = end;
-            i = j;
-            if write_len == 0 {
-                st.spare_bufs.push(buf);
-                continue;
-            }
-            buf.set_len(write_len);
-            while in_flight.len() >= WRITES_IN_FLIGHT {
-                let w = in_flight.pop_front().expect("non-empty");
-                self.reap_write(st, w, &mut failure);
-            }
-            if failure.is_some() {
-                st.spare_bufs.push(buf);
+        // Take as many records as fit into this segment.
+        let a = st.active.as_ref().expect("active after rotate");
+        let mut j = i;
+        let mut end = a.data_end;
+        let mut footer = a.footer.len() as u64;
+        while j < prepared.len() {
+            let p = &mut prepared[j];
+            p.place(end);
+            let new_end = padded(end + p.len);
+            let new_footer = footer + footer_entry_len(p.rec.key().len());
+            if end > u32::MAX as u64 || align_up(new_end, log.align) + new_footer + format::TRAILER_LEN as u64 > a.size
+            {
                 break;
             }
-            if last && in_flight.is_empty() {
-                // Nothing to overlap with: a plain blocking write (inline on io_uring, no hand-off).
-                let (r, buf) = self.backend.write_at(&file, base, buf);
-                if buf.capacity() <= MAX_SPARE_BUF {
-                    st.spare_bufs.push(buf);
-                }
-                if let Err(e) = r {
-                    Self::note_failure(&mut failure, e);
-                }
-                break;
-            }
-            in_flight.push_back(self.backend.write_at_async(&file, base, buf));
+            end = new_end;
+            footer = new_footer;
+            j += 1;
         }
-        while let Some(w) = in_flight.pop_front() {
-            self.reap_write(st, w, &mut failure);
-        }
-        if let Some(e) = failure {
-            // Nothing of the chunk is published, and the active segment is as it was.
-            self.fence_failed_write(st, crate::error::io_no_space(&e).then_some(data_end));
-            return Err(self.health.write_failed("write segment", self.seg_path(id), e));
-        }
-        let tail = tail.expect("a non-empty chunk encodes a group");
-        self.publish_chunk(st, chunk, &placed, data_end, tail, epoch, false)
+        assert!(j > i, "a freshly rotated segment must fit the next record");
+        let locs = write_chunk(log, st, &prepared[i..j])?;
+        out.extend(locs);
+        i = j;
     }
+    compact_if_pending(log, st);
+    Ok(out)
+}
 
-    /// The sequence number of a record being written: a relocated record keeps its own, any other
-    /// takes the next one.
-    pub(super) fn seq_for(st: &mut WriterState<B::File>, rec: &NewRecord<'_>) -> u64 {
-        match rec {
-            NewRecord::Relocated { header, .. } => header.seq,
-            _ => {
-                let s = st.next_seq;
-                st.next_seq += 1;
-                s
-            }
-        }
+/// Write `chunk`, then publish the new locations: kept pending in the active segment's tail
+/// (write-behind) if it is small, written from its own frames if a payload is large
+/// (`write_chunk_gathered`), else encoded and written in groups (`write_chunk_grouped`).
+pub(super) fn write_chunk<B: Backend>(
+    log: &SegmentLog<B>,
+    st: &mut WriterState<B::File>,
+    chunk: &[Prepared<'_>],
+) -> Result<Vec<Location>> {
+    // Write-behind: keep a small batch pending in the tail if it fits the budget (writing what is
+    // pending first if the batch would overflow it); any other batch writes what is pending first.
+    let budget = log.opts.write_behind_bytes;
+    let defer = budget > 0
+        && st.active.as_ref().is_some_and(|a| a.reserved)
+        && chunk.iter().all(|p| !matches!(p.rec, NewRecord::SyncMark));
+    let total: u64 = chunk.iter().map(|p| padded(p.len)).sum();
+    let pending_len = |st: &WriterState<B::File>| st.active.as_ref().map_or(0, |a| a.tail.len() as u64);
+    if defer && pending_len(st) + total > budget {
+        flush_pending(log, st)?;
     }
-
-    /// Encode one prepared record into `dst` (exactly `p.len` bytes): header, frame table, key and
-    /// payload, with both checksums.
-    pub(super) fn encode_record(
-        &self,
-        p: &Prepared<'_>,
-        dst: &mut [u8],
-        segment: u32,
-        epoch: u32,
-        seq: u64,
-    ) -> RecordHeader {
-        match (&p.rec, &p.payload) {
-            (NewRecord::Relocated { header, .. }, Payload::Relocated(bytes)) => {
-                dst.copy_from_slice(bytes);
-                format::relocate_record(dst, header, segment, epoch, self.salt);
-                RecordHeader { segment, epoch, ..*header }
-            }
-            (rec, payload) => {
-                let key = rec.key();
-                let (flags, aux, frame_lens, raw_len): (u8, u32, Vec<u64>, u64) = match (rec, payload) {
-                    (NewRecord::Tombstone { aux, .. }, _) => (format::FLAG_TOMBSTONE, *aux, Vec::new(), 0),
-                    (NewRecord::SyncMark, _) => (format::FLAG_SYNC_MARK, 0, Vec::new(), 0),
-                    (NewRecord::Value { frames, .. }, Payload::Compressed(_)) => (
-                        format::FLAG_LZ4,
-                        p.pad as u32,
-                        frames.iter().map(|f| f.len() as u64).collect(),
-                        laid_out_len(frames),
-                    ),
-                    (NewRecord::Value { frames, .. }, _) => {
-                        (0, p.pad as u32, frames.iter().map(|f| f.len() as u64).collect(), laid_out_len(frames))
-                    }
-                    (NewRecord::Relocated { .. }, _) => {
-                        unreachable!("relocated records carry their bytes")
-                    }
-                };
-                let po = (format::head_len(frame_lens.len(), key.len()) + p.pad) as usize;
-                let stored_len = p.len - po as u64;
-                let w = po;
-                match payload {
-                    Payload::Frames(frames) => {
-                        let n = laid_out_len(frames) as usize;
-                        format::lay_out_frames(&mut dst[w..w + n], frames.iter().map(|f| &f[..]));
-                    }
-                    Payload::Compressed(c) => dst[w..w + c.len()].copy_from_slice(c),
-                    Payload::Empty | Payload::Relocated(_) => {}
-                }
-                let h = RecordHeader {
-                    flags,
-                    frame_count: frame_lens.len() as u16,
-                    key_len: key.len() as u32,
-                    segment,
-                    epoch,
-                    payload_crc: format::payload_crc(&dst[po..]),
-                    seq,
-                    raw_len,
-                    stored_len,
-                    aux,
-                };
-                format::write_record_head(dst, &h, &frame_lens, key, self.salt);
-                h
-            }
-        }
+    if defer && pending_len(st) + total <= budget {
+        return defer_chunk(log, st, chunk);
     }
+    flush_pending(log, st)?;
+    if log.backend.gathers_writes()
+        && chunk.iter().any(|p| matches!(p.payload, Payload::Frames(f) if laid_out_len(f) >= log.opts.gather_min_bytes))
+    {
+        return write_chunk_gathered(log, st, chunk);
+    }
+    write_chunk_grouped(log, st, chunk)
+}
 
-    /// Wait for one write of `write_chunk`, keep its buffer for reuse, remember the first failure.
-    pub(super) fn reap_write(
-        &self,
-        st: &mut WriterState<B::File>,
-        w: crate::backend::IoFuture,
-        failure: &mut Option<io::Error>,
-    ) {
-        let (r, buf) = crate::task::block_on(w);
-        if buf.capacity() <= MAX_SPARE_BUF {
+/// Write `chunk` encoded in groups of about `write_group_bytes`. Each group's write covers its
+/// whole blocks only; its last, partial block is rewritten by the next group (or, for the last
+/// group, written with it). So the writes of one chunk never overlap, several can be in flight
+/// at once (up to WRITES_IN_FLIGHT, through `write_at_async`), and group k+1 is encoded while
+/// group k is being written. The chunk is published only when every write has completed.
+fn write_chunk_grouped<B: Backend>(
+    log: &SegmentLog<B>,
+    st: &mut WriterState<B::File>,
+    chunk: &[Prepared<'_>],
+) -> Result<Vec<Location>> {
+    let epoch = st.epoch;
+    let align = log.align;
+    let (id, file, mut data_end) = {
+        let a = st.active.as_ref().expect("active segment");
+        (a.id, a.file.clone(), a.data_end)
+    };
+    // The partial block the next group rewrites: the active segment's own tail until a group is
+    // encoded (which stays in place, so that a failed write leaves the segment as it was).
+    let mut tail: Option<Vec<u8>> = None;
+    let mut placed: Vec<Placed> = Vec::with_capacity(chunk.len());
+    let mut in_flight: std::collections::VecDeque<crate::backend::IoFuture> = std::collections::VecDeque::new();
+    let mut failure: Option<io::Error> = None;
+    // Without a submission queue, one write per chunk (several would only add syscalls).
+    let group_bytes = if log.backend.queues_writes() { log.opts.write_group_bytes.max(1) } else { u64::MAX };
+    let mut i = 0;
+    while i < chunk.len() {
+        let (j, total) = group_end(chunk, i, group_bytes);
+        let group = &chunk[i..j];
+        let last = j == chunk.len();
+        let base = align_down(data_end, align);
+        let end = data_end + total;
+        let needed = (align_up(end, align) - base) as usize;
+        let at = GroupAt { id, epoch, base, data_end };
+        let mut buf = encode_group(log, st, group, tail.as_deref(), at, needed, &mut placed);
+        let tail_start = align_down(end, align);
+        tail = Some(buf[(tail_start - base) as usize..(end - base) as usize].to_vec());
+        // Whole blocks only, except for the last group (the next group rewrites this partial block).
+        let write_len = if last { needed } else { (tail_start - base) as usize };
+        data_end = end;
+        i = j;
+        if write_len == 0 {
             st.spare_bufs.push(buf);
+            continue;
         }
-        if let Err(e) = r {
-            Self::note_failure(failure, e);
+        buf.set_len(write_len);
+        while in_flight.len() >= WRITES_IN_FLIGHT {
+            let w = in_flight.pop_front().expect("non-empty");
+            reap_write(st, w, &mut failure);
+        }
+        if failure.is_some() {
+            st.spare_bufs.push(buf);
+            break;
+        }
+        if last && in_flight.is_empty() {
+            // Nothing to overlap with: a plain blocking write (inline on io_uring, no hand-off).
+            let (r, buf) = log.backend.write_at(&file, base, buf);
+            if buf.capacity() <= MAX_SPARE_BUF {
+                st.spare_bufs.push(buf);
+            }
+            if let Err(e) = r {
+                note_failure(&mut failure, e);
+            }
+            break;
+        }
+        in_flight.push_back(log.backend.write_at_async(&file, base, buf));
+    }
+    while let Some(w) = in_flight.pop_front() {
+        reap_write(st, w, &mut failure);
+    }
+    if let Some(e) = failure {
+        // Nothing of the chunk is published, and the active segment is as it was.
+        fence_failed_write(log, st, crate::error::io_no_space(&e).then_some(data_end));
+        return Err(log.health.write_failed("write segment", log.seg_path(id), e));
+    }
+    let tail = tail.expect("a non-empty chunk encodes a group");
+    publish_chunk(log, st, chunk, &placed, data_end, tail, epoch, false)
+}
+
+/// The sequence number of a record being written: a relocated record keeps its own, any other
+/// takes the next one.
+pub(super) fn seq_for<F>(st: &mut WriterState<F>, rec: &NewRecord<'_>) -> u64 {
+    match rec {
+        NewRecord::Relocated { header, .. } => header.seq,
+        _ => {
+            let s = st.next_seq;
+            st.next_seq += 1;
+            s
         }
     }
+}
 
-    /// After a write of new records failed: whole records of it may lie in the file past the published
-    /// end, beyond what the next write covers. Later records get a higher epoch, and recovery's scan
-    /// drops a record whose epoch is lower than the one before it (as it does for a torn tail's
-    /// leftovers), so those records never come back once anything was written after them. After a
-    /// full file system (`erase_to`: the end of the failed write; the log stays writable), a durable
-    /// log also zeroes and syncs what the write left, for the reason recovery does (see
-    /// [`Self::erase_durably`]): a leftover *at* the end is not covered by the epoch rule; a failed
-    /// sync then makes the log read-only. (After any other failure the log is read-only already, and
-    /// recovery erases the leftovers at the next open.)
-    pub(super) fn fence_failed_write(&self, st: &mut WriterState<B::File>, erase_to: Option<u64>) {
-        if let Some(e) = st.epoch.checked_add(1) {
-            st.epoch = e;
+/// Encode one prepared record into `dst` (exactly `p.len` bytes): header, frame table, key and
+/// payload, with both checksums.
+pub(super) fn encode_record<B: Backend>(
+    log: &SegmentLog<B>,
+    p: &Prepared<'_>,
+    dst: &mut [u8],
+    segment: u32,
+    epoch: u32,
+    seq: u64,
+) -> RecordHeader {
+    match (&p.rec, &p.payload) {
+        (NewRecord::Relocated { header, .. }, Payload::Relocated(bytes)) => {
+            dst.copy_from_slice(bytes);
+            format::relocate_record(dst, header, segment, epoch, log.salt);
+            RecordHeader { segment, epoch, ..*header }
         }
-        let (Some(end), true) = (erase_to, self.opts.durable) else { return };
-        let Some(a) = &st.active else { return };
-        debug_assert_eq!(a.written_end, a.data_end, "pending records are written before new ones");
-        let end = align_up(end, self.align).min(a.size);
-        if let Err(e) = self.reader().erase_durably(&a.file, a.id, a.data_end, &a.tail, end) {
-            self.health.poison(e);
+        (rec, payload) => {
+            let key = rec.key();
+            let (flags, aux, frame_lens, raw_len): (u8, u32, Vec<u64>, u64) = match (rec, payload) {
+                (NewRecord::Tombstone { aux, .. }, _) => (format::FLAG_TOMBSTONE, *aux, Vec::new(), 0),
+                (NewRecord::SyncMark, _) => (format::FLAG_SYNC_MARK, 0, Vec::new(), 0),
+                (NewRecord::Value { frames, .. }, Payload::Compressed(_)) => (
+                    format::FLAG_LZ4,
+                    p.pad as u32,
+                    frames.iter().map(|f| f.len() as u64).collect(),
+                    laid_out_len(frames),
+                ),
+                (NewRecord::Value { frames, .. }, _) => {
+                    (0, p.pad as u32, frames.iter().map(|f| f.len() as u64).collect(), laid_out_len(frames))
+                }
+                (NewRecord::Relocated { .. }, _) => {
+                    unreachable!("relocated records carry their bytes")
+                }
+            };
+            let po = (format::head_len(frame_lens.len(), key.len()) + p.pad) as usize;
+            let stored_len = p.len - po as u64;
+            let w = po;
+            match payload {
+                Payload::Frames(frames) => {
+                    let n = laid_out_len(frames) as usize;
+                    format::lay_out_frames(&mut dst[w..w + n], frames.iter().map(|f| &f[..]));
+                }
+                Payload::Compressed(c) => dst[w..w + c.len()].copy_from_slice(c),
+                Payload::Empty | Payload::Relocated(_) => {}
+            }
+            let h = RecordHeader {
+                flags,
+                frame_count: frame_lens.len() as u16,
+                key_len: key.len() as u32,
+                segment,
+                epoch,
+                payload_crc: format::payload_crc(&dst[po..]),
+                seq,
+                raw_len,
+                stored_len,
+                aux,
+            };
+            format::write_record_head(dst, &h, &frame_lens, key, log.salt);
+            h
         }
     }
+}
 
-    /// Keep the first failure of a chunk's writes, unless a later one is worse than a full file
-    /// system (which leaves the log writable, see [`Self::write_failed`]).
-    pub(super) fn note_failure(failure: &mut Option<io::Error>, e: io::Error) {
-        match failure {
-            Some(f) if crate::error::io_no_space(f) && !crate::error::io_no_space(&e) => *failure = Some(e),
-            Some(_) => {}
-            None => *failure = Some(e),
-        }
+/// Wait for one write of `write_chunk`, keep its buffer for reuse, remember the first failure.
+pub(super) fn reap_write<F>(st: &mut WriterState<F>, w: crate::backend::IoFuture, failure: &mut Option<io::Error>) {
+    let (r, buf) = crate::task::block_on(w);
+    if buf.capacity() <= MAX_SPARE_BUF {
+        st.spare_bufs.push(buf);
     }
-
-    /// A write buffer of `needed` bytes: a spare one if large enough, else a new one with slack.
-    /// Encode `group` at `at.data_end` of the active segment into an aligned buffer of `needed`
-    /// bytes from `at.base`: first the partial block before it (`prev`, else the segment's own
-    /// tail), then each record and the zeros after it, to the aligned end. Each record's place goes
-    /// to `placed`.
-    fn encode_group(
-        &self,
-        st: &mut WriterState<B::File>,
-        group: &[Prepared<'_>],
-        prev: Option<&[u8]>,
-        at: GroupAt,
-        needed: usize,
-        placed: &mut Vec<Placed>,
-    ) -> AlignedBuf {
-        let GroupAt { id, epoch, base, data_end } = at;
-        let mut buf = self.write_buffer(st, needed);
-        let prev = prev.unwrap_or_else(|| &st.active.as_ref().expect("active segment").tail);
-        buf[..prev.len()].copy_from_slice(prev);
-        let mut pos = data_end;
-        for p in group {
-            let seq = Self::seq_for(st, &p.rec);
-            let from = (pos - base) as usize;
-            let h = self.encode_record(p, &mut buf[from..from + p.len as usize], id, epoch, seq);
-            placed.push(Placed::new(pos, &h));
-            let rec_end = (pos + p.len - base) as usize;
-            pos = padded(pos + p.len);
-            buf[rec_end..(pos - base) as usize].fill(0); // padding between records
-        }
-        debug_assert_eq!(align_up(pos, self.align) - base, needed as u64, "the group fills the buffer");
-        buf[(pos - base) as usize..].fill(0); // padding up to the aligned end
-        buf
+    if let Err(e) = r {
+        note_failure(failure, e);
     }
+}
 
-    pub(super) fn write_buffer(&self, st: &mut WriterState<B::File>, needed: usize) -> AlignedBuf {
-        if let Some(k) = st.spare_bufs.iter().position(|b| b.capacity() >= needed) {
-            let mut b = st.spare_bufs.swap_remove(k);
-            b.set_len(needed);
-            return b;
-        }
-        // Room to grow: the next batch of same-sized values needs a little more or less depending on
-        // where the last one ended in its block. Without the slack, writing 8 MiB values would
-        // alternate between reusing the buffer and allocating (and faulting in) a fresh one; profiled
-        // in a dask worker, that was a quarter of the spill time.
-        st.spare_bufs.truncate(WRITES_IN_FLIGHT);
-        let cap = (needed + (needed / 8).max(64 << 10)).min(MAX_SPARE_BUF.max(needed));
-        let mut b = self.backend.alloc_buf(cap, self.align as usize);
+/// After a write of new records failed: whole records of it may lie in the file past the published
+/// end, beyond what the next write covers. Later records get a higher epoch, and recovery's scan
+/// drops a record whose epoch is lower than the one before it (as it does for a torn tail's
+/// leftovers), so those records never come back once anything was written after them. After a
+/// full file system (`erase_to`: the end of the failed write; the log stays writable), a durable
+/// log also zeroes and syncs what the write left, for the reason recovery does (see
+/// [`SegmentLog::erase_durably`]): a leftover *at* the end is not covered by the epoch rule; a failed
+/// sync then makes the log read-only. (After any other failure the log is read-only already, and
+/// recovery erases the leftovers at the next open.)
+pub(super) fn fence_failed_write<B: Backend>(
+    log: &SegmentLog<B>,
+    st: &mut WriterState<B::File>,
+    erase_to: Option<u64>,
+) {
+    if let Some(e) = st.epoch.checked_add(1) {
+        st.epoch = e;
+    }
+    let (Some(end), true) = (erase_to, log.opts.durable) else { return };
+    let Some(a) = &st.active else { return };
+    debug_assert_eq!(a.written_end, a.data_end, "pending records are written before new ones");
+    let end = align_up(end, log.align).min(a.size);
+    if let Err(e) = log.reader().erase_durably(&a.file, a.id, a.data_end, &a.tail, end) {
+        log.health.poison(e);
+    }
+}
+
+/// Keep the first failure of a chunk's writes, unless a later one is worse than a full file
+/// system (which leaves the log writable, see [`SegmentLog::write_failed`]).
+pub(super) fn note_failure(failure: &mut Option<io::Error>, e: io::Error) {
+    match failure {
+        Some(f) if crate::error::io_no_space(f) && !crate::error::io_no_space(&e) => *failure = Some(e),
+        Some(_) => {}
+        None => *failure = Some(e),
+    }
+}
+
+/// A write buffer of `needed` bytes: a spare one if large enough, else a new one with slack.
+/// Encode `group` at `at.data_end` of the active segment into an aligned buffer of `needed`
+/// bytes from `at.base`: first the partial block before it (`prev`, else the segment's own
+/// tail), then each record and the zeros after it, to the aligned end. Each record's place goes
+/// to `placed`.
+fn encode_group<B: Backend>(
+    log: &SegmentLog<B>,
+    st: &mut WriterState<B::File>,
+    group: &[Prepared<'_>],
+    prev: Option<&[u8]>,
+    at: GroupAt,
+    needed: usize,
+    placed: &mut Vec<Placed>,
+) -> AlignedBuf {
+    let GroupAt { id, epoch, base, data_end } = at;
+    let mut buf = write_buffer(log, st, needed);
+    let prev = prev.unwrap_or_else(|| &st.active.as_ref().expect("active segment").tail);
+    buf[..prev.len()].copy_from_slice(prev);
+    let mut pos = data_end;
+    for p in group {
+        let seq = seq_for(st, &p.rec);
+        let from = (pos - base) as usize;
+        let h = encode_record(log, p, &mut buf[from..from + p.len as usize], id, epoch, seq);
+        placed.push(Placed::new(pos, &h));
+        let rec_end = (pos + p.len - base) as usize;
+        pos = padded(pos + p.len);
+        buf[rec_end..(pos - base) as usize].fill(0); // padding between records
+    }
+    debug_assert_eq!(align_up(pos, log.align) - base, needed as u64, "the group fills the buffer");
+    buf[(pos - base) as usize..].fill(0); // padding up to the aligned end
+    buf
+}
+
+pub(super) fn write_buffer<B: Backend>(
+    log: &SegmentLog<B>,
+    st: &mut WriterState<B::File>,
+    needed: usize,
+) -> AlignedBuf {
+    if let Some(k) = st.spare_bufs.iter().position(|b| b.capacity() >= needed) {
+        let mut b = st.spare_bufs.swap_remove(k);
         b.set_len(needed);
-        b
+        return b;
     }
+    // Room to grow: the next batch of same-sized values needs a little more or less depending on
+    // where the last one ended in its block. Without the slack, writing 8 MiB values would
+    // alternate between reusing the buffer and allocating (and faulting in) a fresh one; profiled
+    // in a dask worker, that was a quarter of the spill time.
+    st.spare_bufs.truncate(WRITES_IN_FLIGHT);
+    let cap = (needed + (needed / 8).max(64 << 10)).min(MAX_SPARE_BUF.max(needed));
+    let mut b = log.backend.alloc_buf(cap, log.align as usize);
+    b.set_len(needed);
+    b
+}
 
-    /// After the bytes of `chunk` are written at `placed` (offset, len, seq) up to `end` (or, if
-    /// `deferred`, encoded in `tail` and pending): update the active segment (tail, footer,
-    /// metadata), then the index and the live accounting.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn publish_chunk(
-        &self,
-        st: &mut WriterState<B::File>,
-        chunk: &[Prepared<'_>],
-        placed: &[Placed],
-        end: u64,
-        tail: Vec<u8>,
-        epoch: u32,
-        deferred: bool,
-    ) -> Result<Vec<Location>> {
-        let id = note_in_active(st, chunk, placed, end, tail, epoch, deferred);
-        if !deferred {
-            self.health.wrote();
-        }
-        let (locs, emptied) = self.publish_to_index(st, chunk, placed, id, deferred);
-        if !emptied.is_empty() {
-            self.reclaim(st);
-        }
-        Ok(locs)
+/// After the bytes of `chunk` are written at `placed` (offset, len, seq) up to `end` (or, if
+/// `deferred`, encoded in `tail` and pending): update the active segment (tail, footer,
+/// metadata), then the index and the live accounting.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn publish_chunk<B: Backend>(
+    log: &SegmentLog<B>,
+    st: &mut WriterState<B::File>,
+    chunk: &[Prepared<'_>],
+    placed: &[Placed],
+    end: u64,
+    tail: Vec<u8>,
+    epoch: u32,
+    deferred: bool,
+) -> Result<Vec<Location>> {
+    let id = note_in_active(st, chunk, placed, end, tail, epoch, deferred);
+    if !deferred {
+        log.health.wrote();
     }
+    let (locs, emptied) = publish_to_index(log, st, chunk, placed, id, deferred);
+    if !emptied.is_empty() {
+        reclaim(log, st);
+    }
+    Ok(locs)
+}
 
-    /// Publish a chunk written (or pending) in segment `id`: the index, and the live and tombstone
-    /// accounting. Returns each record's location and the segments left with nothing live.
-    fn publish_to_index(
-        &self,
-        st: &mut WriterState<B::File>,
-        chunk: &[Prepared<'_>],
-        placed: &[Placed],
-        id: u32,
-        deferred: bool,
-    ) -> (Vec<Location>, Vec<u32>) {
-        let mut locs = Vec::with_capacity(chunk.len());
-        let mut emptied = Vec::new();
-        {
-            let mut index = self.index.write().unwrap_or_else(|p| p.into_inner());
-            for (p, pl) in chunk.iter().zip(placed) {
-                let key = p.rec.key();
-                let (offset, len, h) = (pl.offset, pl.h.record_len(), &pl.h);
-                let loc = Location { segment: id, offset, len };
-                match &p.rec {
-                    NewRecord::Tombstone { aux, .. } => {
-                        self.streams.written_meanwhile(key, h.seq);
-                        if let Some(old) = index.remove(key) {
-                            Self::release(st, old.into(), &mut emptied);
-                            if deferred {
-                                Self::superseded_by_pending(st, old.into());
-                            }
+/// Publish a chunk written (or pending) in segment `id`: the index, and the live and tombstone
+/// accounting. Returns each record's location and the segments left with nothing live.
+fn publish_to_index<B: Backend>(
+    log: &SegmentLog<B>,
+    st: &mut WriterState<B::File>,
+    chunk: &[Prepared<'_>],
+    placed: &[Placed],
+    id: u32,
+    deferred: bool,
+) -> (Vec<Location>, Vec<u32>) {
+    let mut locs = Vec::with_capacity(chunk.len());
+    let mut emptied = Vec::new();
+    {
+        let mut index = log.index.write().unwrap_or_else(|p| p.into_inner());
+        for (p, pl) in chunk.iter().zip(placed) {
+            let key = p.rec.key();
+            let (offset, len, h) = (pl.offset, pl.h.record_len(), &pl.h);
+            let loc = Location { segment: id, offset, len };
+            match &p.rec {
+                NewRecord::Tombstone { aux, .. } => {
+                    log.streams.written_meanwhile(key, h.seq);
+                    if let Some(old) = index.remove(key) {
+                        release(st, old.into(), &mut emptied);
+                        if deferred {
+                            superseded_by_pending(st, old.into());
                         }
-                        st.segs.add_tombstone(id, len, *aux);
-                        locs.push(loc);
                     }
-                    NewRecord::SyncMark => locs.push(loc),
-                    NewRecord::Relocated { header, .. } if header.is_tombstone() => {
-                        st.segs.add_tombstone(id, len, header.aux);
-                        locs.push(loc);
+                    st.segs.add_tombstone(id, len, *aux);
+                    locs.push(loc);
+                }
+                NewRecord::SyncMark => locs.push(loc),
+                NewRecord::Relocated { header, .. } if header.is_tombstone() => {
+                    st.segs.add_tombstone(id, len, header.aux);
+                    locs.push(loc);
+                }
+                NewRecord::Relocated { from, .. }
+                    if index.get(key).is_none_or(|l| (l.segment, l.offset()) != *from) =>
+                {
+                    // Forgotten while compaction copied it: the copy is dead on arrival.
+                    locs.push(loc);
+                }
+                _ => {
+                    if matches!(p.rec, NewRecord::Value { .. }) {
+                        log.streams.written_meanwhile(key, h.seq);
                     }
-                    NewRecord::Relocated { from, .. }
-                        if index.get(key).is_none_or(|l| (l.segment, l.offset()) != *from) =>
-                    {
-                        // Forgotten while compaction copied it: the copy is dead on arrival.
-                        locs.push(loc);
-                    }
-                    _ => {
-                        if matches!(p.rec, NewRecord::Value { .. }) {
-                            self.streams.written_meanwhile(key, h.seq);
+                    let first = index.get(key).map_or(id, |o| st.segs.first_segment(o).min(id));
+                    let elsewhere = st.segs.note_first(id, offset, first);
+                    let facts = RecordFacts::of(h.flags, h.frame_count, h.payload_crc, h.aux, h.stored_len);
+                    if let Some(old) = index.insert(IndexKey::from(key), PackedLoc::new(loc, facts, elsewhere)) {
+                        release(st, old.into(), &mut emptied);
+                        if deferred {
+                            superseded_by_pending(st, old.into());
                         }
-                        let first = index.get(key).map_or(id, |o| st.segs.first_segment(o).min(id));
-                        let elsewhere = st.segs.note_first(id, offset, first);
-                        let facts = RecordFacts::of(h.flags, h.frame_count, h.payload_crc, h.aux, h.stored_len);
-                        if let Some(old) = index.insert(IndexKey::from(key), PackedLoc::new(loc, facts, elsewhere)) {
-                            Self::release(st, old.into(), &mut emptied);
-                            if deferred {
-                                Self::superseded_by_pending(st, old.into());
-                            }
-                        }
-                        st.segs.add_live(id, len);
-                        locs.push(loc);
                     }
+                    st.segs.add_live(id, len);
+                    locs.push(loc);
                 }
             }
         }
-        (locs, emptied)
     }
+    (locs, emptied)
 }
 
 /// The end of the group of `chunk` that starts at record `i`: the records that fit in
