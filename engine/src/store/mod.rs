@@ -64,6 +64,7 @@ use self::entry::{Entry, Table};
 use self::metrics::Metrics;
 use self::receive::Transfers;
 use self::writes::Writes;
+use crate::stored::StreamedValue;
 use crate::sync::{self, Condvar, Mutex, MutexGuard};
 use crate::value::Frames;
 
@@ -254,6 +255,180 @@ impl<C: Codec, B: Backend> Store<C, B> {
             process: pressure::ProcessMemory::default(),
             metrics: Metrics::default(),
         })
+    }
+
+    /// Store a materialized value. If it is heavier than the target it is serialized and written to disk
+    /// at once; a serialize failure then fails this call and the key is forgotten.
+    pub fn put(&self, key: &[u8], value: C::Value) -> Result<()> {
+        put::put(self, key, value)
+    }
+
+    /// Store serialized frames (data from a peer or from disk): they stay serialized until a `get`.
+    pub fn put_serialized(&self, key: &[u8], frames: Frames) -> Result<()> {
+        put::put_serialized(self, key, frames)
+    }
+
+    /// Store frames straight on disk, whatever their size (as a value heavier than the target goes):
+    /// for data passing through that should not take memory.
+    pub fn put_serialized_on_disk(&self, key: &[u8], frames: Frames) -> Result<()> {
+        put::put_serialized_on_disk(self, key, frames)
+    }
+
+    /// Delete `key` from every tier. Returns whether it existed.
+    pub fn remove(&self, key: &[u8]) -> Result<bool> {
+        put::remove(self, key)
+    }
+
+    /// The materialized value of `key`, deserializing it (exactly once, whatever the concurrency) if it
+    /// is held serialized. A value read back from disk is promoted to memory unless it is heavier than
+    /// the target.
+    ///
+    /// A get that races a `remove` (or a new `put`) of the key returns the old value, `None` or the new
+    /// value, never an error caused by the race: if reading fails and the entry it was reading has been
+    /// removed or replaced meanwhile, the get starts over.
+    pub fn get(&self, key: &[u8]) -> Result<Option<sync::Arc<C::Value>>> {
+        get::get(self, key)
+    }
+
+    /// The value of `key` without changing anything: no promotion, no LRU move, no metrics of a
+    /// memory read. For inspection (dask's `fast`/`slow` views): a value held serialized or on disk
+    /// is deserialized for this caller alone (an evicted object still alive elsewhere is returned
+    /// as it is), outside the key's slot, so a concurrent `get` may deserialize it too.
+    pub fn peek(&self, key: &[u8]) -> Result<Option<sync::Arc<C::Value>>> {
+        get::peek(self, key)
+    }
+
+    /// The values of `keys`, in order, as [`Store::get`] would return them one by one (the same
+    /// single deserialize, the same promotion). Where reads wait for the device
+    /// ([`Backend::pipelines_reads`]: io_uring with O_DIRECT), the values on disk are read together,
+    /// up to [`GET_MANY_DEPTH`] in flight ([`SegmentLog::get_pipelined`]), in batches of
+    /// [`GET_MANY_BATCH`] keys: 3.4x the rate of single gets for 4 KiB values here. Otherwise it is
+    /// the gets one after another, which is faster for reads served from the page cache. For a task
+    /// that needs many inputs, or a peer asking for many keys. Each key gets its own result, so one
+    /// damaged record does not hide the others.
+    pub fn get_many(&self, keys: &[&[u8]]) -> Vec<Result<Option<sync::Arc<C::Value>>>> {
+        get::get_many(self, keys)
+    }
+
+    /// The serialized frames of `key`, never deserializing: for data that is only passing through (to a
+    /// peer). A materialized value is serialized (its object stays); a value on disk is read and, unless
+    /// heavier than the target or [`EvictionPolicy::serialized_reads_promote`] is off, promoted to
+    /// the serialized tier.
+    pub fn get_serialized(&self, key: &[u8]) -> Result<Option<Frames>> {
+        get::get_serialized(self, key)
+    }
+
+    /// [`Store::get_serialized`] that moves the value as a [`Store::get`] would, whatever the
+    /// policy: to the end of the LRU order, and, from disk, back into memory (as its frames, not
+    /// deserialized) unless it is heavier than the target, others being evicted for it. For a
+    /// caller that stands in for a get (dask's `get_data` reads `data[key]`, which unspills).
+    pub fn get_serialized_promoting(&self, key: &[u8]) -> Result<Option<Frames>> {
+        get::get_serialized_promoting(self, key)
+    }
+
+    /// The async form of [`Store::get`], over the same slots: the same value, the same single
+    /// deserialize shared with concurrent sync and async callers. A disk read runs as a future (on
+    /// io_uring the driver thread does it and the calling task is not blocked). Then the polling thread
+    /// deserializes, because that is CPU work. If another caller is deserializing the same value at that
+    /// moment, the polling thread waits for it rather than deserializing twice. Dropping the future
+    /// part-way is safe: the backend keeps the read's buffer until the kernel is done with it, and
+    /// nothing of the store changes until the read has completed.
+    pub async fn get_async(&self, key: &[u8]) -> Result<Option<sync::Arc<C::Value>>> {
+        get::get_async(self, key).await
+    }
+
+    /// The async form of [`Store::get_serialized`]: a disk read runs as a future; nothing is
+    /// deserialized. Dropping the future part-way is safe (see [`Store::get_async`]).
+    pub async fn get_serialized_async(&self, key: &[u8]) -> Result<Option<Frames>> {
+        get::get_serialized_async(self, key).await
+    }
+
+    /// Take in a value arriving in stored form (from a peer, a file: `meta` announces it, `src`
+    /// yields its stored bytes). One that fits under `target_bytes` is kept in memory, serialized
+    /// (deserialized only when a task asks for it), as `put_serialized` would keep it; one that does
+    /// not is written straight into the log without being held in memory ([`Store::put_stream`]).
+    /// In memory, the bytes arrive without the store's lock, with the key held as being received (a
+    /// second transfer of it, or a direct write, waits; `flush` does not); its old value stays
+    /// readable meanwhile. A `put` or `remove` of the key while the bytes arrive wins: the received
+    /// value is dropped. On any failure nothing is stored and the key's old value, if any, stays.
+    pub fn receive(&self, key: &[u8], meta: &StreamedValue, src: &mut dyn std::io::Read) -> Result<()> {
+        receive::receive(self, key, meta, src)
+    }
+
+    /// Store a value arriving from a peer (`src`, in the stored form `meta` announces) straight into
+    /// the log, never holding it in memory: for a receiver over its target. The value is then on
+    /// disk, like a spilled one. When `max_spill` refuses it, it is received into memory instead
+    /// (serialized). The bytes arrive without the store's lock held (other operations go on); nothing
+    /// of the value is visible until it arrived whole and verified. The old value of `key`, if any,
+    /// is out of sight during the transfer (the key reads as absent, as a key being fetched does)
+    /// and is back as it was if the transfer fails. (A value `max_spill` refuses is received into
+    /// memory instead, as [`Client::get_into_store`](crate::transfer::Client::get_into_store)
+    /// receives one under the target: then the old value stays readable until the new one
+    /// replaces it.) If a `put` of the same key lands during the
+    /// transfer, or a `remove`, the newer operation wins: the streamed record (or, on failure, the
+    /// old value) is dropped. In a persistent store that drop (a tombstone over the old record)
+    /// is written when the transfer ends, when the store settles the key: a crash before then
+    /// brings the old value back at the next open.
+    pub fn put_stream(&self, key: &[u8], meta: &StreamedValue, src: &mut dyn std::io::Read) -> Result<()> {
+        receive::put_stream(self, key, meta, src)
+    }
+
+    /// Whether a value of `nbytes` (its frames' total) arriving from a peer is to be kept in memory,
+    /// serialized: it fits under the target with what the store holds in memory and what it
+    /// admitted before and is still arriving or waiting to be stored, and under the process's
+    /// headroom ([`Store::process_headroom`]) with what it admitted. If so, its bytes count as
+    /// admitted until [`Store::release_admitted`] (once it is stored, or let go of); if not, it is
+    /// to go straight to disk ([`Store::put_stream`]), never held in memory.
+    pub fn admit(&self, nbytes: u64) -> bool {
+        receive::admit(self, nbytes)
+    }
+
+    /// `nbytes` admitted by [`Store::admit`] are stored now, or let go of.
+    pub fn release_admitted(&self, nbytes: u64) {
+        receive::release_admitted(self, nbytes)
+    }
+
+    /// Spill the least-recently-used memory-resident entry to disk (for a worker's memory monitor).
+    /// Returns the memory weight freed; 0 when nothing could be evicted. Never fails for a spill
+    /// problem (the entry then stays in memory and the condition is reported).
+    pub fn evict(&self) -> Result<u64> {
+        evict::evict(self)
+    }
+
+    /// Evict least-recently-used values, whatever the target, until `bytes` of memory weight have
+    /// been planned out (or nothing more can go): for a process whose memory is above its own limit
+    /// while the store is under its target (dask's memory monitor evicts until the process is back
+    /// under it). `spare` (the key just put or read) is passed over. Returns the weight evicted; a
+    /// value whose spill fails stays in memory, reported as any failed spill, and is counted in
+    /// neither.
+    pub fn evict_bytes(&self, bytes: u64, spare: Option<&[u8]>) -> Result<u64> {
+        evict::evict_bytes(self, bytes, spare)
+    }
+
+    /// [`Store::evict`], telling "nothing was evicted" (`None`: nothing in memory could go, or its
+    /// spill failed) from the eviction of a value that weighs nothing (`Some(0)`).
+    pub fn evict_one(&self) -> Result<Option<u64>> {
+        evict::evict_one(self)
+    }
+
+    /// The spills that did not happen since the last call (with `StoreConfig::report_failures`),
+    /// oldest first. Cheap when there are none.
+    pub fn take_failures(&self) -> Vec<SpillFailure> {
+        evict::take_failures(self)
+    }
+
+    /// Make everything spilled so far durable (fdatasync of the log), spill writes in flight
+    /// included (they are waited for; writes that start meanwhile are not).
+    ///
+    /// A persistent store first writes a disk copy of every value it holds only in memory when the
+    /// call begins, and keeps the value in memory (its later eviction then costs no write; a value
+    /// heavier than the target goes to the disk tier), so that once `flush` returns its contents as
+    /// of the call survive a crash and reopen; without a flush, only what was spilled does. Values
+    /// that cannot be written (`max_spill` reached, a full disk, a serialize failure) stay in memory,
+    /// readable, and `flush` then fails with [`Error::NotPersisted`] after syncing the rest. It ends
+    /// by enforcing the memory target (values kept above it can now be dropped for free).
+    pub fn flush(&self) -> Result<()> {
+        persist::flush(self)
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner<C::Value>> {

@@ -10,6 +10,8 @@ use crate::sync::{self, MutexGuard, Ordering};
 use crate::value::Frames;
 
 use super::entry::{decompress, Compressed, Tier};
+use super::evict::note_landed;
+use super::evict::{end_settle, enforce, serialize, spill_allowed, spill_failed, write_batch};
 use super::evict::{Listed, Settled, EVICT_SCAN};
 use super::get::vanished;
 use super::metrics::Activity;
@@ -35,232 +37,220 @@ struct Job<V> {
     copy: Copy<V>,
 }
 
-impl<C: Codec, B: Backend> Store<C, B> {
-    /// Make everything spilled so far durable (fdatasync of the log), spill writes in flight
-    /// included (they are waited for; writes that start meanwhile are not).
-    ///
-    /// A persistent store first writes a disk copy of every value it holds only in memory when the
-    /// call begins, and keeps the value in memory (its later eviction then costs no write; a value
-    /// heavier than the target goes to the disk tier), so that once `flush` returns its contents as
-    /// of the call survive a crash and reopen; without a flush, only what was spilled does. Values
-    /// that cannot be written (`max_spill` reached, a full disk, a serialize failure) stay in memory,
-    /// readable, and `flush` then fails with [`Error::NotPersisted`] after syncing the rest. It ends
-    /// by enforcing the memory target (values kept above it can now be dropped for free).
-    pub fn flush(&self) -> Result<()> {
-        let mut inner = self.lock();
-        if !self.cfg.persistent {
-            inner = self.wait_for_writes(inner);
+pub(super) fn flush<C: Codec, B: Backend>(store: &Store<C, B>) -> Result<()> {
+    let mut inner = store.lock();
+    if !store.cfg.persistent {
+        inner = wait_for_writes(store, inner);
+        drop(inner);
+        return store.logs.current().sync();
+    }
+    // An explicit request to persist: values refused before are tried again.
+    inner.table.unstick();
+    // What this flush must write: the values held only in memory when it began (values put
+    // meanwhile are the next flush's). Each is written by this flush, or by another thread's
+    // eviction while this flush waits for it.
+    let mut pending: Vec<Listed<C::Value>> = inner
+        .table
+        .iter()
+        .filter(|(_, e)| e.tier != Tier::Disk && e.disk_bytes == 0)
+        .map(|(k, e)| (k.clone(), e.slot.clone(), true))
+        .collect();
+    // Several passes: a key another thread was writing (or demoting, object -> frames, which
+    // leaves it in memory) is skipped, waited for, and tried again. Bounded, in case other
+    // threads' evictions keep demoting the same keys.
+    for _ in 0..FLUSH_PASSES {
+        for chunk in pending.chunks(EVICT_SCAN) {
+            inner = persist_round(store, inner, chunk);
+            // Let other threads in between rounds.
             drop(inner);
-            return self.logs.current().sync();
+            inner = store.lock();
         }
-        // An explicit request to persist: values refused before are tried again.
-        inner.table.unstick();
-        // What this flush must write: the values held only in memory when it began (values put
-        // meanwhile are the next flush's). Each is written by this flush, or by another thread's
-        // eviction while this flush waits for it.
-        let mut pending: Vec<Listed<C::Value>> = inner
-            .table
-            .iter()
-            .filter(|(_, e)| e.tier != Tier::Disk && e.disk_bytes == 0)
-            .map(|(k, e)| (k.clone(), e.slot.clone(), true))
-            .collect();
-        // Several passes: a key another thread was writing (or demoting, object -> frames, which
-        // leaves it in memory) is skipped, waited for, and tried again. Bounded, in case other
-        // threads' evictions keep demoting the same keys.
-        for _ in 0..FLUSH_PASSES {
-            for chunk in pending.chunks(EVICT_SCAN) {
-                inner = self.persist_round(inner, chunk);
-                // Let other threads in between rounds.
-                drop(inner);
-                inner = self.lock();
-            }
-            inner = self.wait_for_writes(inner);
-            // Still to write: the listed keys still held only in memory, with whatever value they
-            // hold now (a failed transfer brings an old value back under a new slot; a key replaced
-            // meanwhile is written with its new value), and keys a transfer has set aside right now
-            // (it may bring the old value back).
-            pending.retain_mut(|(k, slot, original)| match inner.table.get(k) {
-                Some(e) if e.tier != Tier::Disk && e.disk_bytes == 0 => {
-                    if !Arc::ptr_eq(slot, &e.slot) {
-                        *slot = e.slot.clone();
-                        *original = false;
-                    }
-                    true
+        inner = wait_for_writes(store, inner);
+        // Still to write: the listed keys still held only in memory, with whatever value they
+        // hold now (a failed transfer brings an old value back under a new slot; a key replaced
+        // meanwhile is written with its new value), and keys a transfer has set aside right now
+        // (it may bring the old value back).
+        pending.retain_mut(|(k, slot, original)| match inner.table.get(k) {
+            Some(e) if e.tier != Tier::Disk && e.disk_bytes == 0 => {
+                if !Arc::ptr_eq(slot, &e.slot) {
+                    *slot = e.slot.clone();
+                    *original = false;
                 }
-                Some(_) => false,
-                None => inner.transfers.contains(k),
-            });
-            if pending.iter().all(|(k, ..)| inner.table.get(k).is_some_and(|e| e.stuck)) {
-                break;
+                true
             }
-        }
-        // Values that replaced a listed one meanwhile were written if they could be, but are not
-        // this flush's promise: only the listed values count.
-        let only_in_memory = pending
-            .iter()
-            .filter(|(k, slot, original)| *original && inner.table.get(k).is_some_and(|e| Arc::ptr_eq(&e.slot, slot)))
-            .count();
-        // A value the flush wrote may have been kept in memory above the target (refused by
-        // max_spill until now): it can be dropped for free now.
-        let enforced = self.enforce(inner, None);
-        self.logs.current().sync()?;
-        enforced?;
-        match only_in_memory {
-            0 => Ok(()),
-            keys => Err(Error::NotPersisted { keys }),
+            Some(_) => false,
+            None => inner.transfers.contains(k),
+        });
+        if pending.iter().all(|(k, ..)| inner.table.get(k).is_some_and(|e| e.stuck)) {
+            break;
         }
     }
-
-    /// Wait for the spill writes that started before this call.
-    pub(super) fn wait_for_writes<'a>(
-        &'a self,
-        mut inner: MutexGuard<'a, Inner<C::Value>>,
-    ) -> MutexGuard<'a, Inner<C::Value>> {
-        let now = inner.writes.next_ticket();
-        while inner.writes.any_before(now) {
-            inner = self.written.wait(inner).unwrap_or_else(|p| p.into_inner());
-        }
-        inner
+    // Values that replaced a listed one meanwhile were written if they could be, but are not
+    // this flush's promise: only the listed values count.
+    let only_in_memory = pending
+        .iter()
+        .filter(|(k, slot, original)| *original && inner.table.get(k).is_some_and(|e| Arc::ptr_eq(&e.slot, slot)))
+        .count();
+    // A value the flush wrote may have been kept in memory above the target (refused by
+    // max_spill until now): it can be dropped for free now.
+    let enforced = enforce(store, inner, None);
+    store.logs.current().sync()?;
+    enforced?;
+    match only_in_memory {
+        0 => Ok(()),
+        keys => Err(Error::NotPersisted { keys }),
     }
+}
 
-    /// For a persistent store's `flush`: write a disk copy of each value of `keys` (each with the
-    /// slot that identifies its entry) that is still held only in memory, leaving it in memory. A
-    /// key removed or replaced since, stuck, or being written by another thread is skipped.
-    /// Serialization and the write run without the store's lock, the keys marked as being written
-    /// (eviction skips them, a direct write of one waits).
-    ///
-    /// Settled as a spill batch is: a value removed or replaced meanwhile leaves a record nobody wants,
-    /// which is dropped; one whose record did not land (max_spill, a full disk, a serialize failure)
-    /// stays as it was, stuck and reported. A value heavier than the target goes to the disk tier,
-    /// where it lives.
-    pub(super) fn persist_round<'a>(
-        &'a self,
-        mut inner: MutexGuard<'a, Inner<C::Value>>,
-        keys: &[Listed<C::Value>],
-    ) -> MutexGuard<'a, Inner<C::Value>> {
-        let todo = Self::plan_copies(&mut inner, keys);
-        if todo.is_empty() {
-            return inner;
-        }
-        drop(inner);
-        let data: Vec<Result<Frames>> = todo.iter().map(|job| self.copy_frames(job)).collect();
-        // max_spill: reserve what is written, as an eviction's batch does.
-        let mut inner = self.lock();
-        let mut reserved = 0u64;
-        let allowed: Vec<bool> = data
-            .iter()
-            .zip(&todo)
-            .map(|(d, job)| match d {
-                Ok(f) if self.spill_allowed(&mut inner, &job.key, reserved + f.total_len()) => {
-                    reserved += f.total_len();
-                    true
-                }
-                _ => false,
-            })
-            .collect();
-        inner.writes.reserve(reserved);
-        drop(inner);
-        let items: Vec<(&[u8], &Frames)> = todo
-            .iter()
-            .zip(&data)
-            .zip(&allowed)
-            .filter_map(|((j, d), &ok)| d.as_ref().ok().filter(|_| ok).map(|f| (&*j.key, f)))
-            .collect();
-        let (result, panicked) = self.write_batch(&items);
-        let mut inner = self.lock();
-        inner.writes.release(reserved);
-        let mut settled = Settled::new(&result, todo.first().map(|j| &j.key), panicked);
-        for ((job, d), &ok) in todo.iter().zip(&data).zip(&allowed) {
-            self.settle_copy(&mut inner, job, d, ok, &mut settled);
-        }
-        self.end_settle(inner, settled)
+/// Wait for the spill writes that started before this call.
+pub(super) fn wait_for_writes<'a, C: Codec, B: Backend>(
+    store: &'a Store<C, B>,
+    mut inner: MutexGuard<'a, Inner<C::Value>>,
+) -> MutexGuard<'a, Inner<C::Value>> {
+    let now = inner.writes.next_ticket();
+    while inner.writes.any_before(now) {
+        inner = store.written.wait(inner).unwrap_or_else(|p| p.into_inner());
     }
+    inner
+}
 
-    /// The values of `keys` that still need a disk copy, each marked as being written, with what
-    /// it is copied from.
-    fn plan_copies(inner: &mut Inner<C::Value>, keys: &[Listed<C::Value>]) -> Vec<Job<C::Value>> {
-        let mut todo = Vec::new();
-        for (key, slot, _) in keys {
-            let Some(e) = inner.table.get(key).filter(|e| Arc::ptr_eq(&e.slot, slot)) else { continue };
-            if e.stuck || e.disk_bytes > 0 || inner.writes.contains(key) {
-                continue;
+/// For a persistent store's `flush`: write a disk copy of each value of `keys` (each with the
+/// slot that identifies its entry) that is still held only in memory, leaving it in memory. A
+/// key removed or replaced since, stuck, or being written by another thread is skipped.
+/// Serialization and the write run without the store's lock, the keys marked as being written
+/// (eviction skips them, a direct write of one waits).
+///
+/// Settled as a spill batch is: a value removed or replaced meanwhile leaves a record nobody wants,
+/// which is dropped; one whose record did not land (max_spill, a full disk, a serialize failure)
+/// stays as it was, stuck and reported. A value heavier than the target goes to the disk tier,
+/// where it lives.
+pub(super) fn persist_round<'a, C: Codec, B: Backend>(
+    store: &'a Store<C, B>,
+    mut inner: MutexGuard<'a, Inner<C::Value>>,
+    keys: &[Listed<C::Value>],
+) -> MutexGuard<'a, Inner<C::Value>> {
+    let todo = plan_copies(&mut inner, keys);
+    if todo.is_empty() {
+        return inner;
+    }
+    drop(inner);
+    let data: Vec<Result<Frames>> = todo.iter().map(|job| copy_frames(store, job)).collect();
+    // max_spill: reserve what is written, as an eviction's batch does.
+    let mut inner = store.lock();
+    let mut reserved = 0u64;
+    let allowed: Vec<bool> = data
+        .iter()
+        .zip(&todo)
+        .map(|(d, job)| match d {
+            Ok(f) if spill_allowed(store, &mut inner, &job.key, reserved + f.total_len()) => {
+                reserved += f.total_len();
+                true
             }
-            let copy = match (e.tier, &e.frames, &e.compressed) {
-                (Tier::Materialized, ..) => match e.slot.try_get() {
-                    Some(v) => Copy::Object(v),
-                    None => continue,
-                },
-                (Tier::Disk, ..) => continue,
-                (_, Some(f), _) => Copy::Frames(f.clone()),
-                (_, None, Some(c)) => Copy::Compressed(c.clone()),
-                (_, None, None) => continue,
-            };
-            inner.writes.begin(key.clone(), 0, 0);
-            todo.push(Job { key: key.clone(), slot: slot.clone(), copy });
-        }
-        todo
+            _ => false,
+        })
+        .collect();
+    inner.writes.reserve(reserved);
+    drop(inner);
+    let items: Vec<(&[u8], &Frames)> = todo
+        .iter()
+        .zip(&data)
+        .zip(&allowed)
+        .filter_map(|((j, d), &ok)| d.as_ref().ok().filter(|_| ok).map(|f| (&*j.key, f)))
+        .collect();
+    let (result, panicked) = write_batch(store, &items);
+    let mut inner = store.lock();
+    inner.writes.release(reserved);
+    let mut settled = Settled::new(&result, todo.first().map(|j| &j.key), panicked);
+    for ((job, d), &ok) in todo.iter().zip(&data).zip(&allowed) {
+        settle_copy(store, &mut inner, job, d, ok, &mut settled);
     }
+    end_settle(store, inner, settled)
+}
 
-    /// The frames `job` writes (serialized or decompressed, without the store's lock), checked
-    /// against the log's limits.
-    fn copy_frames(&self, job: &Job<C::Value>) -> Result<Frames> {
-        let f = match &job.copy {
-            Copy::Object(v) => self.serialize(&job.key, v)?,
-            Copy::Frames(f) => f.clone(),
-            Copy::Compressed(c) => {
-                let t = Instant::now();
-                let f = decompress(c)?;
-                self.metrics.record(Activity::Decompress, f.total_len(), t);
-                f
-            }
+/// The values of `keys` that still need a disk copy, each marked as being written, with what
+/// it is copied from.
+fn plan_copies<V>(inner: &mut Inner<V>, keys: &[Listed<V>]) -> Vec<Job<V>> {
+    let mut todo = Vec::new();
+    for (key, slot, _) in keys {
+        let Some(e) = inner.table.get(key).filter(|e| Arc::ptr_eq(&e.slot, slot)) else { continue };
+        if e.stuck || e.disk_bytes > 0 || inner.writes.contains(key) {
+            continue;
+        }
+        let copy = match (e.tier, &e.frames, &e.compressed) {
+            (Tier::Materialized, ..) => match e.slot.try_get() {
+                Some(v) => Copy::Object(v),
+                None => continue,
+            },
+            (Tier::Disk, ..) => continue,
+            (_, Some(f), _) => Copy::Frames(f.clone()),
+            (_, None, Some(c)) => Copy::Compressed(c.clone()),
+            (_, None, None) => continue,
         };
-        self.logs.current().validate(&job.key, &f).map(|()| f)
+        inner.writes.begin(key.clone(), 0, 0);
+        todo.push(Job { key: key.clone(), slot: slot.clone(), copy });
     }
+    todo
+}
 
-    /// Settle one copy after the batch `settled.result` wrote: landed (the entry keeps its value
-    /// and gains its disk copy), failed (the entry stays without one: stuck, the failure counted
-    /// and logged), or no longer the entry's (replaced or removed meanwhile: a record written for
-    /// it is dropped). `data` is what was to be written, `allowed` whether max_spill let it.
-    fn settle_copy(
-        &self,
-        inner: &mut Inner<C::Value>,
-        Job { key, slot, .. }: &Job<C::Value>,
-        data: &Result<Frames>,
-        allowed: bool,
-        settled: &mut Settled<'_>,
-    ) {
-        inner.writes.end(key, 0, 0);
-        let ours = inner.table.get(key).is_some_and(|e| Arc::ptr_eq(&e.slot, slot));
-        let loc = if allowed { self.logs.location(key) } else { None };
-        match (ours, loc) {
-            (true, Some(loc)) => {
-                let raw = data.as_ref().map_or(0, |f| f.total_len());
-                Self::note_landed(inner, key, raw, loc.len, true, None);
-                settled.landed = true;
-            }
-            (true, None) => {
-                match data {
-                    Err(err @ Error::Codec { .. }) => {
-                        self.metrics.spill_failures.fetch_add(1, Ordering::Relaxed);
-                        if !inner.table.modify(key, |e| std::mem::replace(&mut e.logged_serialize, true)) {
-                            log::error!("Failed to serialize {:?}; keeping it in memory: {err}", key_str(key));
-                        }
-                    }
-                    Err(err) => self.spill_failed(inner, key, err),
-                    // Refused by max_spill (counted and logged there).
-                    Ok(_) if !allowed => {}
-                    Ok(_) => {
-                        let err = settled.result.clone().err().unwrap_or_else(|| vanished(key));
-                        self.spill_failed(inner, key, &err);
+/// The frames `job` writes (serialized or decompressed, without the store's lock), checked
+/// against the log's limits.
+fn copy_frames<C: Codec, B: Backend>(store: &Store<C, B>, job: &Job<C::Value>) -> Result<Frames> {
+    let f = match &job.copy {
+        Copy::Object(v) => serialize(store, &job.key, v)?,
+        Copy::Frames(f) => f.clone(),
+        Copy::Compressed(c) => {
+            let t = Instant::now();
+            let f = decompress(c)?;
+            store.metrics.record(Activity::Decompress, f.total_len(), t);
+            f
+        }
+    };
+    store.logs.current().validate(&job.key, &f).map(|()| f)
+}
+
+/// Settle one copy after the batch `settled.result` wrote: landed (the entry keeps its value
+/// and gains its disk copy), failed (the entry stays without one: stuck, the failure counted
+/// and logged), or no longer the entry's (replaced or removed meanwhile: a record written for
+/// it is dropped). `data` is what was to be written, `allowed` whether max_spill let it.
+fn settle_copy<C: Codec, B: Backend>(
+    store: &Store<C, B>,
+    inner: &mut Inner<C::Value>,
+    Job { key, slot, .. }: &Job<C::Value>,
+    data: &Result<Frames>,
+    allowed: bool,
+    settled: &mut Settled<'_>,
+) {
+    inner.writes.end(key, 0, 0);
+    let ours = inner.table.get(key).is_some_and(|e| Arc::ptr_eq(&e.slot, slot));
+    let loc = if allowed { store.logs.location(key) } else { None };
+    match (ours, loc) {
+        (true, Some(loc)) => {
+            let raw = data.as_ref().map_or(0, |f| f.total_len());
+            note_landed(inner, key, raw, loc.len, true, None);
+            settled.landed = true;
+        }
+        (true, None) => {
+            match data {
+                Err(err @ Error::Codec { .. }) => {
+                    store.metrics.spill_failures.fetch_add(1, Ordering::Relaxed);
+                    if !inner.table.modify(key, |e| std::mem::replace(&mut e.logged_serialize, true)) {
+                        log::error!("Failed to serialize {:?}; keeping it in memory: {err}", key_str(key));
                     }
                 }
-                settled.stuck.push(key.clone());
+                Err(err) => spill_failed(store, inner, key, err),
+                // Refused by max_spill (counted and logged there).
+                Ok(_) if !allowed => {}
+                Ok(_) => {
+                    let err = settled.result.clone().err().unwrap_or_else(|| vanished(key));
+                    spill_failed(store, inner, key, &err);
+                }
             }
-            (false, Some(_)) => {
-                settled.stale.push(key.clone());
-                settled.freed = true;
-            }
-            (false, None) => settled.freed |= allowed && settled.result.is_ok(),
+            settled.stuck.push(key.clone());
         }
+        (false, Some(_)) => {
+            settled.stale.push(key.clone());
+            settled.freed = true;
+        }
+        (false, None) => settled.freed |= allowed && settled.result.is_ok(),
     }
 }

@@ -15,7 +15,9 @@ use crate::stored;
 use crate::sync::MutexGuard;
 
 use super::entry::{Entry, Tier};
+use super::evict::{enforce, set_stuck, spill_allowed};
 use super::metrics::Activity;
+use super::put::{insert, put_large, wait_unwritten};
 use super::Inner;
 use super::{key_str, Codec, Store};
 
@@ -85,227 +87,206 @@ impl Transfers {
     }
 }
 
-impl<C: Codec, B: Backend> Store<C, B> {
-    /// Store a value arriving from a peer (`src`, in the stored form `meta` announces) straight into
-    /// the log, never holding it in memory: for a receiver over its target. The value is then on
-    /// disk, like a spilled one. When `max_spill` refuses it, it is received into memory instead
-    /// (serialized). The bytes arrive without the store's lock held (other operations go on); nothing
-    /// of the value is visible until it arrived whole and verified. The old value of `key`, if any,
-    /// is out of sight during the transfer (the key reads as absent, as a key being fetched does)
-    /// and is back as it was if the transfer fails. (A value `max_spill` refuses is received into
-    /// memory instead, as [`Client::get_into_store`](crate::transfer::Client::get_into_store)
-    /// receives one under the target: then the old value stays readable until the new one
-    /// replaces it.) If a `put` of the same key lands during the
-    /// transfer, or a `remove`, the newer operation wins: the streamed record (or, on failure, the
-    /// old value) is dropped. In a persistent store that drop (a tombstone over the old record)
-    /// is written when the transfer ends, when the store settles the key: a crash before then
-    /// brings the old value back at the next open.
-    pub fn put_stream(&self, key: &[u8], meta: &StreamedValue, src: &mut dyn std::io::Read) -> Result<()> {
-        let raw = meta.frame_lens.iter().try_fold(0u64, |a, &l| a.checked_add(l)).ok_or(Error::ValueTooLarge {
-            len: u64::MAX,
-            max: self.logs.current().options().max_value_bytes,
-            unit: "bytes",
-        })?;
-        let mut inner = self.wait_unwritten(self.lock(), key);
-        // The record it replaces (if any) stops counting against max_spill once this one lands.
-        let replaced = inner.table.get(key).map_or(0, |e| e.disk_raw);
-        if !self.spill_allowed(&mut inner, key, raw.saturating_sub(replaced)) {
-            return self.receive_serialized(inner, key, meta, src, true);
+pub(super) fn put_stream<C: Codec, B: Backend>(
+    store: &Store<C, B>,
+    key: &[u8],
+    meta: &StreamedValue,
+    src: &mut dyn std::io::Read,
+) -> Result<()> {
+    let raw = meta.frame_lens.iter().try_fold(0u64, |a, &l| a.checked_add(l)).ok_or(Error::ValueTooLarge {
+        len: u64::MAX,
+        max: store.logs.current().options().max_value_bytes,
+        unit: "bytes",
+    })?;
+    let mut inner = wait_unwritten(store, store.lock(), key);
+    // The record it replaces (if any) stops counting against max_spill once this one lands.
+    let replaced = inner.table.get(key).map_or(0, |e| e.disk_raw);
+    if !spill_allowed(store, &mut inner, key, raw.saturating_sub(replaced)) {
+        return receive_serialized(store, inner, key, meta, src, true);
+    }
+    // The old value leaves the map but keeps its record (if any) in the log: a streamed record
+    // that arrives whole supersedes that record; a failed transfer publishes nothing, and the
+    // old entry goes back. (Being in `writes`, the key is not spilled meanwhile: its eviction,
+    // or a `put_large`, waits for this write.) Its memory stays counted until then.
+    // Its record's spilled bytes stay counted against max_spill too: on failure it comes back
+    // with them, so other spills must not take that room meanwhile.
+    let old = inner.table.take(key);
+    let (aside_weight, aside_raw) = old.as_ref().map_or((0, 0), |o| (o.mem_weight(), o.disk_raw));
+    inner.table.set_aside(aside_weight, aside_raw);
+    let k: Arc<[u8]> = Arc::from(key);
+    inner.transfers.begin(k.clone(), old.is_some().then_some((aside_weight, aside_raw)));
+    inner.writes.begin(k.clone(), 0, raw);
+    drop(inner);
+    let t = Instant::now();
+    // A panic of the caller's reader (or the log) still settles the store before it goes on.
+    let streamed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| store.logs.put_stream(key, meta, src)));
+    let mut inner = store.lock();
+    inner.table.end_aside(aside_weight, aside_raw);
+    inner.writes.end(&k, 0, raw);
+    store.written.notify_all();
+    // A put of the key (in memory: its eviction waited for this write) or a remove came
+    // meanwhile.
+    let superseded = inner.transfers.end(&k);
+    let streamed = match streamed {
+        Ok(streamed) => streamed,
+        Err(panic) => {
+            inner.table.unstick();
+            settle_failed_stream(store, &mut inner, key, old, superseded);
+            drop(inner);
+            std::panic::resume_unwind(panic);
         }
-        // The old value leaves the map but keeps its record (if any) in the log: a streamed record
-        // that arrives whole supersedes that record; a failed transfer publishes nothing, and the
-        // old entry goes back. (Being in `writes`, the key is not spilled meanwhile: its eviction,
-        // or a `put_large`, waits for this write.) Its memory stays counted until then.
-        // Its record's spilled bytes stay counted against max_spill too: on failure it comes back
-        // with them, so other spills must not take that room meanwhile.
-        let old = inner.table.take(key);
-        let (aside_weight, aside_raw) = old.as_ref().map_or((0, 0), |o| (o.mem_weight(), o.disk_raw));
-        inner.table.set_aside(aside_weight, aside_raw);
-        let k: Arc<[u8]> = Arc::from(key);
-        inner.transfers.begin(k.clone(), old.is_some().then_some((aside_weight, aside_raw)));
-        inner.writes.begin(k.clone(), 0, raw);
-        drop(inner);
-        let t = Instant::now();
-        // A panic of the caller's reader (or the log) still settles the store before it goes on.
-        let streamed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.logs.put_stream(key, meta, src)));
-        let mut inner = self.lock();
-        inner.table.end_aside(aside_weight, aside_raw);
-        inner.writes.end(&k, 0, raw);
-        self.written.notify_all();
-        // A put of the key (in memory: its eviction waited for this write) or a remove came
-        // meanwhile.
-        let superseded = inner.transfers.end(&k);
-        let streamed = match streamed {
-            Ok(streamed) => streamed,
-            Err(panic) => {
-                inner.table.unstick();
-                self.settle_failed_stream(&mut inner, key, old, superseded);
-                drop(inner);
-                std::panic::resume_unwind(panic);
-            }
-        };
-        if let Err(e) = streamed {
-            if !e.is_no_space() {
-                // The space this stream reserved against max_spill is free again (unless the disk
-                // is full, when retrying the refused evictions would only fail again).
-                inner.table.unstick();
-            }
-            self.settle_failed_stream(&mut inner, key, old, superseded);
-            return Err(e);
-        }
-        self.metrics.add(Activity::DiskWrite, 1, raw, t.elapsed().as_nanos() as u64);
-        if superseded || old.is_some_and(|o| o.disk_bytes > 0) {
-            // Disk space comes free: the streamed record, or the old one it superseded.
+    };
+    if let Err(e) = streamed {
+        if !e.is_no_space() {
+            // The space this stream reserved against max_spill is free again (unless the disk
+            // is full, when retrying the refused evictions would only fail again).
             inner.table.unstick();
         }
-        if superseded {
-            self.drop_stale_record(key);
-            return Ok(());
-        }
-        let mut e = Entry::new(Slot::new(), Tier::Disk, raw);
-        e.disk_raw = raw;
-        e.disk_bytes = self.logs.location(key).map_or(0, |l| l.len);
-        e.large = raw > self.target();
-        self.insert(&mut inner, key, e)?;
-        Ok(())
+        settle_failed_stream(store, &mut inner, key, old, superseded);
+        return Err(e);
     }
+    store.metrics.add(Activity::DiskWrite, 1, raw, t.elapsed().as_nanos() as u64);
+    if superseded || old.is_some_and(|o| o.disk_bytes > 0) {
+        // Disk space comes free: the streamed record, or the old one it superseded.
+        inner.table.unstick();
+    }
+    if superseded {
+        drop_stale_record(store, key);
+        return Ok(());
+    }
+    let mut e = Entry::new(Slot::new(), Tier::Disk, raw);
+    e.disk_raw = raw;
+    e.disk_bytes = store.logs.location(key).map_or(0, |l| l.len);
+    e.large = raw > store.target();
+    insert(store, &mut inner, key, e)?;
+    Ok(())
+}
 
-    /// Take in a value arriving in stored form (from a peer, a file: `meta` announces it, `src`
-    /// yields its stored bytes). One that fits under `target_bytes` is kept in memory, serialized
-    /// (deserialized only when a task asks for it), as `put_serialized` would keep it; one that does
-    /// not is written straight into the log without being held in memory ([`Store::put_stream`]).
-    /// In memory, the bytes arrive without the store's lock, with the key held as being received (a
-    /// second transfer of it, or a direct write, waits; `flush` does not); its old value stays
-    /// readable meanwhile. A `put` or `remove` of the key while the bytes arrive wins: the received
-    /// value is dropped. On any failure nothing is stored and the key's old value, if any, stays.
-    pub fn receive(&self, key: &[u8], meta: &StreamedValue, src: &mut dyn std::io::Read) -> Result<()> {
-        stored::check_announced(meta)?;
-        let total: u64 = meta.frame_lens.iter().sum(); // laid out within u64: checked above
-        if !self.admit(total) {
-            return self.put_stream(key, meta, src);
+pub(super) fn receive<C: Codec, B: Backend>(
+    store: &Store<C, B>,
+    key: &[u8],
+    meta: &StreamedValue,
+    src: &mut dyn std::io::Read,
+) -> Result<()> {
+    stored::check_announced(meta)?;
+    let total: u64 = meta.frame_lens.iter().sum(); // laid out within u64: checked above
+    if !store.admit(total) {
+        return store.put_stream(key, meta, src);
+    }
+    /// The admission, let go of however the receive ends.
+    struct Admitted<'a, C: Codec, B: Backend>(&'a Store<C, B>, u64);
+    impl<C: Codec, B: Backend> Drop for Admitted<'_, C, B> {
+        fn drop(&mut self) {
+            self.0.release_admitted(self.1);
         }
-        /// The admission, let go of however the receive ends.
-        struct Admitted<'a, C: Codec, B: Backend>(&'a Store<C, B>, u64);
-        impl<C: Codec, B: Backend> Drop for Admitted<'_, C, B> {
-            fn drop(&mut self) {
-                self.0.release_admitted(self.1);
+    }
+    let _admitted = Admitted(store, total);
+    receive_serialized(store, store.lock(), key, meta, src, false)
+}
+
+pub(super) fn admit<C: Codec, B: Backend>(store: &Store<C, B>, nbytes: u64) -> bool {
+    let headroom = store.process_headroom(); // (reads the RSS: without the lock)
+    let mut inner = store.lock();
+    let admitted = inner.transfers.admitted.saturating_add(nbytes);
+    let fits = inner.table.totals().mem_bytes.saturating_add(admitted) <= store.target()
+        && headroom.is_none_or(|h| admitted <= h);
+    if fits {
+        inner.transfers.admitted = admitted;
+    }
+    fits
+}
+
+pub(super) fn release_admitted<C: Codec, B: Backend>(store: &Store<C, B>, nbytes: u64) {
+    let mut inner = store.lock();
+    inner.transfers.admitted = inner.transfers.admitted.saturating_sub(nbytes);
+}
+
+/// [`Store::receive`] into memory, with the store's lock held on entry. `put_stream` calls it for a value
+/// `refused` by `max_spill`, which stays in memory as `put_large` keeps a refused value, without
+/// asking `max_spill` (and counting a refusal) again.
+pub(super) fn receive_serialized<'a, C: Codec, B: Backend>(
+    store: &'a Store<C, B>,
+    inner: MutexGuard<'a, Inner<C::Value>>,
+    key: &[u8],
+    meta: &StreamedValue,
+    src: &mut dyn std::io::Read,
+    refused: bool,
+) -> Result<()> {
+    let mut inner = wait_unwritten(store, inner, key);
+    let k: Arc<[u8]> = Arc::from(key);
+    inner.transfers.begin_receiving(k.clone());
+    drop(inner);
+    let max = store.logs.current().options().max_value_bytes;
+    let got = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| stored::read(meta, src, max)));
+    let mut inner = store.lock();
+    let superseded = inner.transfers.end(&k);
+    store.written.notify_all();
+    let frames = match got {
+        Ok(frames) => frames?,
+        Err(panic) => {
+            drop(inner);
+            std::panic::resume_unwind(panic);
+        }
+    };
+    if superseded {
+        return Ok(());
+    }
+    if frames.total_len() > store.target() {
+        if !refused {
+            return put_large(store, inner, key, frames, None, true, None);
+        }
+        let k = insert(store, &mut inner, key, Entry::serialized(frames, true))?;
+        set_stuck(store, &mut inner, &k);
+        return Ok(());
+    }
+    let e = Entry::serialized(frames, false);
+    let slot = e.slot.clone();
+    insert(store, &mut inner, key, e)?;
+    enforce(store, inner, Some(&slot))
+}
+
+/// After a failed `put_stream`: the old value goes back as it was, unless a put or remove of
+/// the key came meanwhile; then its record (if any) must not outlive the newer operation.
+pub(super) fn settle_failed_stream<C: Codec, B: Backend>(
+    store: &Store<C, B>,
+    inner: &mut Inner<C::Value>,
+    key: &[u8],
+    old: Option<Entry<C::Value>>,
+    superseded: bool,
+) {
+    match old {
+        Some(mut old) if !superseded => {
+            // Retried like every other entry: a refusal may have been lifted meanwhile.
+            old.stuck = false;
+            // A get that started before the value was set aside may have materialized it into
+            // this slot meanwhile, and found no entry to promote: an entry that is not
+            // materialized must not come back with a cached object nobody accounts for.
+            if old.tier != Tier::Materialized {
+                old.slot = Arc::new(Slot::new());
             }
+            // It held a valid key before, so inserting it cannot fail.
+            drop(insert(store, inner, key, old));
         }
-        let _admitted = Admitted(self, total);
-        self.receive_serialized(self.lock(), key, meta, src, false)
+        Some(old) if old.disk_bytes > 0 => drop_stale_record(store, key),
+        _ => {}
     }
+}
 
-    /// Whether a value of `nbytes` (its frames' total) arriving from a peer is to be kept in memory,
-    /// serialized: it fits under the target with what the store holds in memory and what it
-    /// admitted before and is still arriving or waiting to be stored, and under the process's
-    /// headroom ([`Store::process_headroom`]) with what it admitted. If so, its bytes count as
-    /// admitted until [`Store::release_admitted`] (once it is stored, or let go of); if not, it is
-    /// to go straight to disk ([`Store::put_stream`]), never held in memory.
-    pub fn admit(&self, nbytes: u64) -> bool {
-        let headroom = self.process_headroom(); // (reads the RSS: without the lock)
-        let mut inner = self.lock();
-        let admitted = inner.transfers.admitted.saturating_add(nbytes);
-        let fits = inner.table.totals().mem_bytes.saturating_add(admitted) <= self.target()
-            && headroom.is_none_or(|h| admitted <= h);
-        if fits {
-            inner.transfers.admitted = admitted;
-        }
-        fits
-    }
-
-    /// `nbytes` admitted by [`Store::admit`] are stored now, or let go of.
-    pub fn release_admitted(&self, nbytes: u64) {
-        let mut inner = self.lock();
-        inner.transfers.admitted = inner.transfers.admitted.saturating_sub(nbytes);
-    }
-
-    /// [`Self::receive`] into memory, with the store's lock held on entry. `put_stream` calls it for a value
-    /// `refused` by `max_spill`, which stays in memory as `put_large` keeps a refused value, without
-    /// asking `max_spill` (and counting a refusal) again.
-    pub(super) fn receive_serialized<'a>(
-        &'a self,
-        inner: MutexGuard<'a, Inner<C::Value>>,
-        key: &[u8],
-        meta: &StreamedValue,
-        src: &mut dyn std::io::Read,
-        refused: bool,
-    ) -> Result<()> {
-        let mut inner = self.wait_unwritten(inner, key);
-        let k: Arc<[u8]> = Arc::from(key);
-        inner.transfers.begin_receiving(k.clone());
-        drop(inner);
-        let max = self.logs.current().options().max_value_bytes;
-        let got = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| stored::read(meta, src, max)));
-        let mut inner = self.lock();
-        let superseded = inner.transfers.end(&k);
-        self.written.notify_all();
-        let frames = match got {
-            Ok(frames) => frames?,
-            Err(panic) => {
-                drop(inner);
-                std::panic::resume_unwind(panic);
-            }
-        };
-        if superseded {
-            return Ok(());
-        }
-        if frames.total_len() > self.target() {
-            if !refused {
-                return self.put_large(inner, key, frames, None, true, None);
-            }
-            let k = self.insert(&mut inner, key, Entry::serialized(frames, true))?;
-            self.set_stuck(&mut inner, &k);
-            return Ok(());
-        }
-        let e = Entry::serialized(frames, false);
-        let slot = e.slot.clone();
-        self.insert(&mut inner, key, e)?;
-        self.enforce(inner, Some(&slot))
-    }
-
-    /// After a failed `put_stream`: the old value goes back as it was, unless a put or remove of
-    /// the key came meanwhile; then its record (if any) must not outlive the newer operation.
-    pub(super) fn settle_failed_stream(
-        &self,
-        inner: &mut Inner<C::Value>,
-        key: &[u8],
-        old: Option<Entry<C::Value>>,
-        superseded: bool,
-    ) {
-        match old {
-            Some(mut old) if !superseded => {
-                // Retried like every other entry: a refusal may have been lifted meanwhile.
-                old.stuck = false;
-                // A get that started before the value was set aside may have materialized it into
-                // this slot meanwhile, and found no entry to promote: an entry that is not
-                // materialized must not come back with a cached object nobody accounts for.
-                if old.tier != Tier::Materialized {
-                    old.slot = Arc::new(Slot::new());
-                }
-                // It held a valid key before, so inserting it cannot fail.
-                drop(self.insert(inner, key, old));
-            }
-            Some(old) if old.disk_bytes > 0 => self.drop_stale_record(key),
-            _ => {}
+/// Drop the record a spill or stream wrote for `key` after the key was removed or replaced
+/// meanwhile. A persistent store writes a tombstone; if it cannot (a full disk), the record is
+/// forgotten instead, so the store and its log agree for as long as the process lives, and the
+/// failure is logged: after a restart the old value could come back.
+pub(super) fn drop_stale_record<C: Codec, B: Backend>(store: &Store<C, B>, key: &[u8]) {
+    if store.cfg.persistent {
+        match store.logs.current().delete(key) {
+            Ok(_) => return,
+            Err(e) => log::error!(
+                "Failed to delete the record of {:?}, removed while it was written ({e}); forgetting it instead, so it may come back after a restart",
+                key_str(key)
+            ),
         }
     }
-
-    /// Drop the record a spill or stream wrote for `key` after the key was removed or replaced
-    /// meanwhile. A persistent store writes a tombstone; if it cannot (a full disk), the record is
-    /// forgotten instead, so the store and its log agree for as long as the process lives, and the
-    /// failure is logged: after a restart the old value could come back.
-    pub(super) fn drop_stale_record(&self, key: &[u8]) {
-        if self.cfg.persistent {
-            match self.logs.current().delete(key) {
-                Ok(_) => return,
-                Err(e) => log::error!(
-                    "Failed to delete the record of {:?}, removed while it was written ({e}); forgetting it instead, so it may come back after a restart",
-                    key_str(key)
-                ),
-            }
-        }
-        if let Err(e) = self.logs.forget(key) {
-            log::error!("Failed to drop the record of {:?}, removed while it was written: {e}", key_str(key));
-        }
+    if let Err(e) = store.logs.forget(key) {
+        log::error!("Failed to drop the record of {:?}, removed while it was written: {e}", key_str(key));
     }
 }
