@@ -7,16 +7,14 @@ use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::format::{self, FooterEntry};
 
-use super::gc::collect_garbage;
-use super::gc::tombstones_needed;
+use super::gc::{collect_garbage, tombstones_needed};
 use super::health::WARN_COMPACT;
 use super::index::Location;
 use super::read::read_record_bytes;
 use super::recover::RecoveryReport;
 use super::scan::{entry_matches, FOOTER_MISMATCH};
 use super::segments::{SegMeta, WriterState};
-use super::write::append;
-use super::write::NewRecord;
+use super::write::{append, NewRecord};
 use super::{padded, SegmentLog};
 
 /// What [`SegmentLog::compact`] did.

@@ -10,9 +10,7 @@ use crate::value::Frames;
 
 use super::index::Location;
 use super::segments::WriterState;
-use super::write::seq_for;
-use super::write::{encode_record, fence_failed_write, publish_chunk};
-use super::write::{NewRecord, Payload, Placed, Prepared};
+use super::write::{encode_record, fence_failed_write, publish_chunk, seq_for, NewRecord, Payload, Placed, Prepared};
 use super::{laid_out_len, padded, SegmentLog, ZEROS};
 
 /// A chunk holding a value at least this large is written gathered (no staging copy) where the

@@ -16,8 +16,7 @@ use super::health::{WARN_GC, WARN_PUNCH};
 use super::index::Location;
 use super::options::LogOptions;
 use super::read::buf_align;
-use super::segments::{sync_active, sync_dir_if_dirty};
-use super::segments::{SpareFile, WriterState, MAX_KEPT_AT_OPEN, MAX_SPARE_FILES};
+use super::segments::{sync_active, sync_dir_if_dirty, SpareFile, WriterState, MAX_KEPT_AT_OPEN, MAX_SPARE_FILES};
 use super::write_behind::flush_pending;
 use super::{lock, parse_seg_file_name, SegmentLog};
 

@@ -43,16 +43,14 @@ use std::sync::Arc;
 // that touches the index (a read racing a removal, for one) as a step to interleave.
 use crate::sync::{Mutex, MutexGuard, RwLock};
 
-use self::gc::settle_forgotten;
-use self::gc::{discard_segments, Forgotten, Punches, SegmentFiles};
+use self::gc::{discard_segments, settle_forgotten, Forgotten, Punches, SegmentFiles};
 use self::health::Health;
 use self::index::PackedLoc;
 use self::read::Sends;
 use self::recover::SegmentReader;
 use self::segments::WriterState;
 use self::stream::Streams;
-use self::write_behind::flush_pending;
-use self::write_behind::PendingMark;
+use self::write_behind::{flush_pending, PendingMark};
 use crate::backend::{Backend, DirLock, PortableBackend};
 use crate::error::{Error, Result};
 use crate::format::{self, align_up, Salt, RECORD_ALIGN};

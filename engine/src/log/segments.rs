@@ -15,8 +15,7 @@ use crate::format::{self, align_up, FooterEntry};
 use super::compact::wants_compaction;
 use super::health::WARN_REUSE;
 use super::index::{Location, PackedLoc};
-use super::write::append;
-use super::write::NewRecord;
+use super::write::{append, NewRecord};
 use super::write_behind::flush_pending;
 use super::{padded, SegmentLog};
 

@@ -18,14 +18,10 @@ use crate::value::Frames;
 use crate::{format, stored};
 
 use super::compact::compact_if_pending;
-use super::gc::reclaim;
-use super::gc::release;
+use super::gc::{reclaim, release};
 use super::index::{Location, PackedLoc, RecordFacts};
-use super::segments::footer_entry_len;
-use super::segments::{fits, release_spare_files, rotate, write_seal};
-use super::segments::{SegMeta, WriterState};
-use super::write::{fence_failed_write, publish_chunk};
-use super::write::{NewRecord, Payload, Placed, Prepared};
+use super::segments::{fits, footer_entry_len, release_spare_files, rotate, write_seal, SegMeta, WriterState};
+use super::write::{fence_failed_write, publish_chunk, NewRecord, Payload, Placed, Prepared};
 use super::write_behind::flush_pending;
 use super::{lock, padded, SegmentLog, MAX_RECORD_BYTES};
 

@@ -7,8 +7,7 @@ use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::format;
 
-use super::gc::tombstones_needed;
-use super::gc::PUNCH_MIN_BYTES;
+use super::gc::{tombstones_needed, PUNCH_MIN_BYTES};
 use super::index::Location;
 use super::read::read_record_bytes;
 use super::recover::RecoveryReport;

@@ -15,13 +15,10 @@ use crate::{format, stored};
 
 use super::compact::compact_if_pending;
 use super::gather::write_chunk_gathered;
-use super::gc::{reclaim, release_forgotten, settle_forgotten};
-use super::gc::{release, superseded_by_pending};
+use super::gc::{reclaim, release, release_forgotten, settle_forgotten, superseded_by_pending};
 use super::index::{Location, PackedLoc, RecordFacts};
 use super::options::Compression;
-use super::segments::footer_entry_len;
-use super::segments::WriterState;
-use super::segments::{fits, rotate};
+use super::segments::{fits, footer_entry_len, rotate, WriterState};
 use super::write_behind::{defer_chunk, flush_pending};
 use super::{laid_out_len, padded, SegmentLog, Writer, MAX_RECORD_BYTES, MAX_SPARE_BUF};
 

@@ -12,9 +12,7 @@ use crate::sync::{AtomicU64, Ordering};
 
 use super::index::Location;
 use super::segments::WriterState;
-use super::write::seq_for;
-use super::write::{encode_record, publish_chunk, write_buffer};
-use super::write::{Placed, Prepared};
+use super::write::{encode_record, publish_chunk, seq_for, write_buffer, Placed, Prepared};
 use super::{lock, padded, SegmentLog, MAX_SPARE_BUF, ZEROS};
 
 /// Largest `LogOptions::write_behind_bytes`.

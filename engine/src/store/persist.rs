@@ -10,9 +10,9 @@ use crate::sync::{self, MutexGuard, Ordering};
 use crate::value::Frames;
 
 use super::entry::{decompress, Compressed, Tier};
-use super::evict::note_landed;
-use super::evict::{end_settle, enforce, serialize, spill_allowed, spill_failed, write_batch};
-use super::evict::{Listed, Settled, EVICT_SCAN};
+use super::evict::{
+    end_settle, enforce, note_landed, serialize, spill_allowed, spill_failed, write_batch, Listed, Settled, EVICT_SCAN,
+};
 use super::get::vanished;
 use super::metrics::Activity;
 use super::Inner;

@@ -10,8 +10,7 @@ use crate::sync::{self, MutexGuard};
 use crate::value::Frames;
 
 use super::entry::{Entry, Tier, WeakHandle};
-use super::evict::{enforce, enforce_sparing, keep_weak, serialize, set_stuck, spill, spill_allowed};
-use super::evict::{Plan, Planned};
+use super::evict::{enforce, enforce_sparing, keep_weak, serialize, set_stuck, spill, spill_allowed, Plan, Planned};
 use super::get::Source;
 use super::Inner;
 use super::{Codec, Revive, Store};
