@@ -378,20 +378,7 @@ pub(super) fn rotate<B: Backend>(
     };
     let (file, reserved) = match reuse_spare_file(log, st, &path, size) {
         Some(reused) => reused,
-        None => {
-            if size != log.opts.segment_bytes {
-                // A segment sized for one large record: kept files cannot become it.
-                release_spare_files(log, st);
-            }
-            let file = log.backend.open(&path, true).map_err(|e| Error::io("create segment", path.clone(), e))?;
-            let mut reserved = log.backend.allocate(&file, size);
-            if !matches!(reserved, Ok(true)) && release_spare_files(log, st) {
-                // Files kept for reuse held the space this segment needs.
-                reserved = log.backend.allocate(&file, size);
-            }
-            let reserved = reserved.map_err(|e| cleanup(Error::io("fallocate", path.clone(), e)))?;
-            (Arc::new(file), reserved)
-        }
+        None => create_segment_file(log, st, &path, size)?,
     };
     let mut hb = AlignedBuf::zeroed(log.align as usize, log.align as usize);
     let header = format::SegmentHeader {
@@ -424,6 +411,32 @@ pub(super) fn rotate<B: Backend>(
         reserved,
     });
     Ok(())
+}
+
+/// A new file for segment `path` of `size` bytes, its space reserved (`true`) where the backend
+/// can; files kept for reuse are let go first when they cannot become it (a segment sized for one
+/// large record) or when they hold the space it needs. A file it cannot reserve space for is removed.
+fn create_segment_file<B: Backend>(
+    log: &SegmentLog<B>,
+    st: &mut WriterState<B::File>,
+    path: &Path,
+    size: u64,
+) -> Result<(Arc<B::File>, bool)> {
+    if size != log.opts.segment_bytes {
+        release_spare_files(log, st);
+    }
+    let file = log.backend.open(path, true).map_err(|e| Error::io("create segment", path.to_path_buf(), e))?;
+    let mut reserved = log.backend.allocate(&file, size);
+    if !matches!(reserved, Ok(true)) && release_spare_files(log, st) {
+        reserved = log.backend.allocate(&file, size);
+    }
+    match reserved {
+        Ok(reserved) => Ok((Arc::new(file), reserved)),
+        Err(e) => {
+            let _ = log.backend.remove_file(path);
+            Err(Error::io("fallocate", path.to_path_buf(), e))
+        }
+    }
 }
 
 /// The file of a deleted segment, renamed to `path`, for a new segment of `size` bytes, and

@@ -146,6 +146,20 @@ pub(super) fn put_stream<C: Codec, B: Backend>(
         return Err(e);
     }
     store.metrics.add(Activity::DiskWrite, 1, raw, t.elapsed().as_nanos() as u64);
+    settle_streamed(store, &mut inner, key, raw, old, superseded)
+}
+
+/// A value streamed to disk whole (`raw` bytes laid out) becomes `key`'s entry on disk, unless a
+/// put or remove of the key came meanwhile (`superseded`): then its record is dropped. Either frees
+/// disk space when something was superseded, so spills refused for want of it may try again.
+fn settle_streamed<C: Codec, B: Backend>(
+    store: &Store<C, B>,
+    inner: &mut Inner<C::Value>,
+    key: &[u8],
+    raw: u64,
+    old: Option<Entry<C::Value>>,
+    superseded: bool,
+) -> Result<()> {
     if superseded || old.is_some_and(|o| o.disk_bytes > 0) {
         // Disk space comes free: the streamed record, or the old one it superseded.
         inner.table.unstick();
@@ -158,7 +172,7 @@ pub(super) fn put_stream<C: Codec, B: Backend>(
     e.disk_raw = raw;
     e.disk_bytes = store.logs.location(key).map_or(0, |l| l.len);
     e.large = raw > store.target();
-    insert(store, &mut inner, key, e)?;
+    insert(store, inner, key, e)?;
     Ok(())
 }
 
