@@ -175,23 +175,6 @@ pub(super) fn relocate_segment<B: Backend>(
     // Relocate in bounded batches so memory stays proportional to the batch, not the segment.
     let mut batch: Vec<(Bytes, u64)> = Vec::new();
     let mut batch_bytes = 0u64;
-    let flush = |st: &mut WriterState<B::File>, batch: &mut Vec<(Bytes, u64)>| -> Result<()> {
-        let recs: Vec<NewRecord<'_>> = batch
-            .iter()
-            .map(|(b, offset)| {
-                let header = format::peek_record_header(b).expect("verified before relocation");
-                NewRecord::Relocated {
-                    bytes: b,
-                    header,
-                    key: &b[header.key_offset()..header.key_offset() + header.key_len as usize],
-                    from: (id, *offset),
-                }
-            })
-            .collect();
-        append(log, st, recs)?;
-        batch.clear();
-        Ok(())
-    };
     let mut stuck = Stuck { tombstones: 0, bytes: 0, shadow: u32::MAX, any: false };
     for (e, keep) in index_snapshot {
         if !keep {
@@ -221,7 +204,7 @@ pub(super) fn relocate_segment<B: Backend>(
         batch_bytes += e.record_len;
         batch.push((raw, e.offset));
         if batch_bytes >= 8 << 20 {
-            flush(st, &mut batch)?;
+            append_relocated(log, st, id, &mut batch)?;
             batch_bytes = 0;
         }
     }
@@ -229,7 +212,7 @@ pub(super) fn relocate_segment<B: Backend>(
     // delete the segment (and keep its file for reuse, which a handle held here would prevent).
     drop(file);
     if !batch.is_empty() {
-        flush(st, &mut batch)?;
+        append_relocated(log, st, id, &mut batch)?;
     }
     // Tombstones moved out: this segment's tombstones are no longer needed here, except those
     // that could not be moved. They stay counted, so the segment (and with it each damaged
@@ -237,6 +220,31 @@ pub(super) fn relocate_segment<B: Backend>(
     let pending = st.active.as_ref().is_some_and(|a| a.written_end != a.data_end);
     st.segs.tombstones_moved(id, (stuck.tombstones, stuck.bytes, stuck.shadow), stuck.any, pending);
     Ok((moved, bytes))
+}
+
+/// Append the records of `batch` (each read whole from segment `id`, with its offset there) as
+/// relocated copies of the originals, then empty it.
+fn append_relocated<B: Backend>(
+    log: &SegmentLog<B>,
+    st: &mut WriterState<B::File>,
+    id: u32,
+    batch: &mut Vec<(Bytes, u64)>,
+) -> Result<()> {
+    let recs: Vec<NewRecord<'_>> = batch
+        .iter()
+        .map(|(b, offset)| {
+            let header = format::peek_record_header(b).expect("verified before relocation");
+            NewRecord::Relocated {
+                bytes: b,
+                header,
+                key: &b[header.key_offset()..header.key_offset() + header.key_len as usize],
+                from: (id, *offset),
+            }
+        })
+        .collect();
+    append(log, st, recs)?;
+    batch.clear();
+    Ok(())
 }
 
 /// Each record of segment `id` (its footer entries or scan), with whether compaction keeps it:

@@ -218,24 +218,7 @@ pub(super) fn get_batch<C: Codec, B: Backend>(
             Ok(GetStart::Read { .. }) => Plan::Single,
         })
         .collect();
-    let mut read: Vec<Option<Result<Frames>>> = (0..batch.len()).map(|_| None).collect();
-    if !batch.is_empty() {
-        let positions: HashMap<&[u8], usize> = batch.iter().enumerate().map(|(i, k)| (&k[..], i)).collect();
-        let t = Instant::now();
-        let mut keys_iter = batch.clone().into_iter();
-        let r = store.logs.current().get_pipelined(GET_MANY_DEPTH, &mut keys_iter, &mut |k, res| {
-            let i = positions[&k[..]];
-            read[i] = Some(res.and_then(|f| f.ok_or_else(|| vanished(&k))));
-        });
-        // Disk-read time is the batch's wall time, shared out over its reads.
-        let ok: Vec<u64> = read.iter().flatten().filter_map(|r| r.as_ref().ok().map(|f| f.total_len())).collect();
-        store.metrics.add(Activity::DiskRead, ok.len() as u64, ok.iter().sum(), t.elapsed().as_nanos() as u64);
-        if let Err(e) = r {
-            // The pipeline itself failed (its ring could not be set up): what was not read yet
-            // is read one by one below.
-            log::warn!("batched read failed ({e}); reading one by one");
-        }
-    }
+    let mut read = read_batch(store, &batch);
     plans
         .into_iter()
         .zip(keys)
@@ -266,6 +249,32 @@ pub(super) fn get_batch<C: Codec, B: Backend>(
             }
         })
         .collect()
+}
+
+/// Read the keys of `batch` from the current log with several reads in flight: each key's frames,
+/// its error, or `None` where the pipeline failed before reading it (the caller reads those
+/// alone).
+fn read_batch<C: Codec, B: Backend>(store: &Store<C, B>, batch: &[Vec<u8>]) -> Vec<Option<Result<Frames>>> {
+    let mut read: Vec<Option<Result<Frames>>> = (0..batch.len()).map(|_| None).collect();
+    if batch.is_empty() {
+        return read;
+    }
+    let positions: HashMap<&[u8], usize> = batch.iter().enumerate().map(|(i, k)| (&k[..], i)).collect();
+    let t = Instant::now();
+    let mut keys_iter = batch.iter().cloned();
+    let r = store.logs.current().get_pipelined(GET_MANY_DEPTH, &mut keys_iter, &mut |k, res| {
+        let i = positions[&k[..]];
+        read[i] = Some(res.and_then(|f| f.ok_or_else(|| vanished(&k))));
+    });
+    // Disk-read time is the batch's wall time, shared out over its reads.
+    let ok: Vec<u64> = read.iter().flatten().filter_map(|r| r.as_ref().ok().map(|f| f.total_len())).collect();
+    store.metrics.add(Activity::DiskRead, ok.len() as u64, ok.iter().sum(), t.elapsed().as_nanos() as u64);
+    if let Err(e) = r {
+        // The pipeline itself failed (its ring could not be set up): what was not read yet
+        // is read one by one by `get_batch`.
+        log::warn!("batched read failed ({e}); reading one by one");
+    }
+    read
 }
 
 /// First half of a get, under the store's lock: the value if it is ready (or the key absent),
