@@ -1,20 +1,19 @@
-//! Compaction: which segments are sparse (the [`CompactionPolicy`]) and relocating their live
-//! records so the segment can be deleted.
+//! Compaction: relocating the live records of the segments the [`CompactionPolicy`] finds sparse,
+//! so the segments can be deleted.
 
 use bytes::Bytes;
 
 use crate::backend::Backend;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::format::{self, FooterEntry};
 
-use super::gc::{collect_garbage, tombstones_needed};
-use super::health::WARN_COMPACT;
+use super::gc::collect_garbage;
 use super::index::Location;
 use super::read::read_record_bytes;
-use super::recover::RecoveryReport;
-use super::scan::{entry_matches, FOOTER_MISMATCH};
-use super::segments::{SegMeta, WriterState};
-use super::write::{append, NewRecord};
+use super::record::NewRecord;
+use super::scan::{entry_matches, RecoveryReport, FOOTER_MISMATCH};
+use super::segments::{closed, is_sparse, WriterState};
+use super::write::append;
 use super::{padded, SegmentLog};
 
 /// What [`SegmentLog::compact`] did.
@@ -32,52 +31,6 @@ pub struct CompactStats {
     pub bytes_freed: u64,
 }
 
-/// Which closed segments compaction relocates: the rule behind the log's space bound.
-///
-/// A closed segment is *sparse* when its live bytes, plus the tombstone bytes it must keep, are
-/// less than `min_live_percent` percent of its size (less the bytes already punched out of it).
-/// [`SegmentLog::compact`] relocates the live records of every sparse closed segment and deletes it,
-/// so afterwards every closed segment is at least `min_live_percent` live and
-/// `disk bytes <= live bytes * 100 / min_live_percent + the active segment`
-/// ([`CompactionPolicy::disk_bound`]; docs/architecture.md, "Bound"). The default, 50 percent, bounds
-/// disk use to twice the live bytes plus one segment;
-/// `compaction_brings_disk_use_within_the_documented_bound` (tests/tests/tombstones_gc.rs) checks it.
-/// A higher percentage trades more copying for a tighter bound.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct CompactionPolicy {
-    /// Smallest live share, in percent (1..=99), that a closed segment keeps without compaction.
-    pub min_live_percent: u8,
-}
-
-impl Default for CompactionPolicy {
-    fn default() -> Self {
-        CompactionPolicy { min_live_percent: 50 }
-    }
-}
-
-impl CompactionPolicy {
-    /// Whether a closed segment holding `kept` bytes that must stay (live records and needed
-    /// tombstones) out of `size` usable bytes is worth compacting.
-    pub fn is_sparse(&self, kept: u64, size: u64) -> bool {
-        kept as u128 * 100 < size as u128 * self.min_live_percent as u128
-    }
-
-    /// The most disk bytes a log holding `live` bytes uses right after [`SegmentLog::compact`],
-    /// with segments of `segment_bytes`: every closed segment at least `min_live_percent` live, plus
-    /// the active segment (with `LogOptions::recycle_segments`, plus up to 4 files kept for reuse).
-    pub fn disk_bound(&self, live: u64, segment_bytes: u64) -> u64 {
-        (live as u128 * 100 / self.min_live_percent.max(1) as u128) as u64 + segment_bytes
-    }
-
-    pub(super) fn validate(&self) -> Result<()> {
-        if (1..=99).contains(&self.min_live_percent) {
-            Ok(())
-        } else {
-            Err(Error::InvalidConfig(format!("compaction min_live_percent {} is not in 1..=99", self.min_live_percent)))
-        }
-    }
-}
-
 /// Records to keep that compaction could not move (damaged): the segment must keep them. The
 /// tombstones among them: their count, bytes and oldest shadowed segment.
 struct Stuck {
@@ -86,38 +39,6 @@ struct Stuck {
     shadow: u32,
     /// Any record to keep could not be moved.
     any: bool,
-}
-
-/// The automatic compaction a sealed segment asked for, run after the caller's records are
-/// written. It is housekeeping: its failure does not fail the write that triggered it (the
-/// records are published), it is logged, and it is tried again at the next seal.
-pub(super) fn compact_if_pending<B: Backend>(log: &SegmentLog<B>, st: &mut WriterState<B::File>) {
-    if st.compact_pending && !st.compacting {
-        st.compact_pending = false;
-        if let Err(e) = compact_locked(log, st) {
-            if log.health.warn_once(WARN_COMPACT) {
-                log::warn!("segment log {}: automatic compaction failed: {e}", log.dir.display());
-            }
-        }
-    }
-}
-
-pub(super) fn wants_compaction<B: Backend>(log: &SegmentLog<B>, st: &WriterState<B::File>) -> bool {
-    st.segs.iter().any(|(&id, m)| closed(st, id, m) && is_sparse(log, st, id, m))
-}
-
-/// Whether segment `id` takes no more records: sealed, or an unsealed one that recovery found
-/// behind the newest (its footer did not land before a crash). Such segments can be compacted.
-pub(super) fn closed<F>(st: &WriterState<F>, id: u32, m: &SegMeta) -> bool {
-    m.sealed || st.active.as_ref().is_none_or(|a| a.id != id)
-}
-
-pub(super) fn is_sparse<B: Backend>(log: &SegmentLog<B>, st: &WriterState<B::File>, id: u32, m: &SegMeta) -> bool {
-    if m.unmovable {
-        return false;
-    }
-    let tomb = if tombstones_needed(st, id) { m.tombstone_bytes } else { 0 };
-    log.opts.compaction.is_sparse(m.live_bytes + tomb, m.size - m.punched.min(m.size))
 }
 
 pub(super) fn compact<B: Backend>(log: &SegmentLog<B>) -> Result<CompactStats> {

@@ -9,13 +9,9 @@ use crate::format::{self, align_down, align_up, RecordHeader};
 use crate::value::Frames;
 
 use super::index::Location;
+use super::record::{encode_record, fence_failed_write, publish_chunk, seq_for, NewRecord, Payload, Placed, Prepared};
 use super::segments::WriterState;
-use super::write::{encode_record, fence_failed_write, publish_chunk, seq_for, NewRecord, Payload, Placed, Prepared};
 use super::{laid_out_len, padded, SegmentLog, ZEROS};
-
-/// A chunk holding a value at least this large is written gathered (no staging copy) where the
-/// backend supports it.
-pub(super) const GATHER_MIN_BYTES: u64 = 256 << 10;
 
 /// `write_chunk` for a chunk holding large values, on a backend that writes gathered
 /// slices (buffered files): the same bytes at the same offsets, but each large value's frames go to
@@ -177,7 +173,7 @@ struct Large<'a> {
     placed: usize,
 }
 
-/// A chunk laid out for a gathered write ([`SegmentLog::lay_out_gathered`]).
+/// A chunk laid out for a gathered write (`lay_out_gathered`).
 struct Gathered<'a> {
     /// Where its bytes start in the file: the aligned block before the old end.
     base: u64,

@@ -1,4 +1,4 @@
-//! Reclaiming space: releasing a superseded record from its segment's accounting, punching holes in
+//! Reclaiming space: releasing forgotten records, punching holes in
 //! closed segments for large dead records, deleting segments with nothing live and no needed
 //! tombstone, or keeping their files to become new segments (`LogOptions::recycle_segments`).
 
@@ -15,9 +15,11 @@ use crate::sync::{AtomicBool, Mutex, Ordering, RwLock};
 use super::health::{WARN_GC, WARN_PUNCH};
 use super::index::Location;
 use super::options::LogOptions;
-use super::read::buf_align;
-use super::segments::{sync_active, sync_dir_if_dirty, SpareFile, WriterState, MAX_KEPT_AT_OPEN, MAX_SPARE_FILES};
-use super::write_behind::flush_pending;
+use super::segments::flush_pending;
+use super::segments::{
+    release, sync_active, sync_dir_if_dirty, tombstones_needed, SpareFile, WriterState, MAX_KEPT_AT_OPEN,
+    MAX_SPARE_FILES,
+};
 use super::{lock, parse_seg_file_name, SegmentLog};
 
 /// Forgotten records at least this large are hole-punched (with `LogOptions::punch_forgotten`).
@@ -108,12 +110,9 @@ pub(super) fn punch<B: Backend>(log: &SegmentLog<B>, st: &mut WriterState<B::Fil
     let probe = old.len.min(4 << 10);
     let start_read = align_down(old.offset, log.read_align);
     let end_read = align_up(old.offset + probe, log.read_align);
-    let Ok(buf) = log.backend.read_new(
-        &file,
-        start_read,
-        (end_read - start_read) as usize,
-        buf_align(log, end_read - start_read),
-    ) else {
+    let Ok(buf) =
+        log.backend.read_new(&file, start_read, (end_read - start_read) as usize, log.buf_align(end_read - start_read))
+    else {
         return;
     };
     let at = (old.offset - start_read) as usize;
@@ -156,24 +155,6 @@ pub(super) fn reclaim<B: Backend>(log: &SegmentLog<B>, st: &mut WriterState<B::F
             );
         }
     }
-}
-
-pub(super) fn superseded_by_pending<F>(st: &mut WriterState<F>, old: Location) {
-    st.segs.superseded_by_pending(old.segment);
-}
-
-pub(super) fn release<F>(st: &mut WriterState<F>, old: Location, emptied: &mut Vec<u32>) {
-    if st.segs.release(old) {
-        emptied.push(old.segment);
-    }
-}
-
-/// Whether some tombstone of segment `id` may still shadow an older record.
-pub(super) fn tombstones_needed<F>(st: &WriterState<F>, id: u32) -> bool {
-    let m = &st.segs[&id];
-    // `min_shadow <= id` always (recovery refuses a tombstone that shadows a later segment than
-    // its own); checked anyway, since `range` panics on a reversed range.
-    m.tombstones > 0 && m.min_shadow < id && st.segs.range(m.min_shadow..id).next().is_some()
 }
 
 /// Delete every non-active segment with nothing live and no tombstone still needed. Deleting one

@@ -16,20 +16,21 @@
 //!
 //! | file | owns |
 //! |---|---|
-//! | `mod.rs` | [`SegmentLog`], opening (built from what recovery found), the writer lock |
+//! | `mod.rs` | [`SegmentLog`] and its public methods, opening (built from what recovery found), the writer lock, running the compaction a seal asked for |
 //! | `health.rs` | poisoning after a failed write, warnings logged once (`Health`) |
-//! | `options.rs` | [`LogOptions`], [`Compression`] |
+//! | `options.rs` | [`LogOptions`], [`Compression`], [`CompactionPolicy`] |
 //! | `index.rs` | [`Location`] and the packed index entry |
-//! | `segments.rs` | the segment table (`SegmentTable`: the only writer of per-segment accounting), the active segment, rotate / seal / sync |
+//! | `segments.rs` | the segment table (`SegmentTable`: the only writer of per-segment accounting), the active segment and its pending tail, rotate / seal, write buffers |
 //! | `recover.rs` | opening: footers, scans, which record of a key wins, torn tails (`SegmentReader`) |
-//! | `scan.rs` | reading a segment record by record, resync past damage (`Scanner`) |
+//! | `scan.rs` | reading a segment record by record, resync past damage (`Scanner`); [`RecoveryReport`] |
 //! | `read.rs` | gets, pipelined and async reads, the stored form for sending |
-//! | `write.rs` | puts, deletes, batching, encoding, publishing to the index |
+//! | `write.rs` | puts, deletes, sync, batching into segments and write groups |
+//! | `record.rs` | a record on its way into a segment: encoding, publishing to the index, fencing a failed write |
 //! | `gather.rs` | large payloads written from their own frames |
 //! | `write_behind.rs` | small writes held in a pending buffer |
 //! | `stream.rs` | `put_stream`: values read from a socket or file |
 //! | `gc.rs` | releasing dead records, hole punching, deleting empty segments or keeping their files for reuse |
-//! | `compact.rs` | the compaction policy and relocation |
+//! | `compact.rs` | relocation out of sparse segments |
 //! | `verify.rs` | stats and read-back verification |
 //!
 //! See `docs/architecture.md` for the write and recovery paths step by step, and `docs/format.md`
@@ -44,13 +45,13 @@ use std::sync::Arc;
 use crate::sync::{Mutex, MutexGuard, RwLock};
 
 use self::gc::{discard_segments, settle_forgotten, Forgotten, Punches, SegmentFiles};
-use self::health::Health;
+use self::health::{Health, WARN_COMPACT};
 use self::index::PackedLoc;
 use self::read::Sends;
 use self::recover::SegmentReader;
-use self::segments::WriterState;
+use self::segments::{flush_pending, WriterState};
 use self::stream::Streams;
-use self::write_behind::{flush_pending, PendingMark};
+use self::write_behind::PendingMark;
 use crate::backend::{Backend, DirLock, PortableBackend};
 use crate::error::{Error, Result};
 use crate::format::{self, align_up, Salt, RECORD_ALIGN};
@@ -66,6 +67,7 @@ mod health;
 mod index;
 mod options;
 mod read;
+mod record;
 mod recover;
 mod scan;
 mod segments;
@@ -74,11 +76,11 @@ mod verify;
 mod write;
 mod write_behind;
 
-pub use self::compact::{CompactStats, CompactionPolicy};
+pub use self::compact::CompactStats;
 pub use self::index::Location;
-pub use self::options::{Compression, LogOptions};
+pub use self::options::{CompactionPolicy, Compression, LogOptions};
 pub use self::read::StoredValue;
-pub use self::recover::RecoveryReport;
+pub use self::scan::RecoveryReport;
 pub use self::verify::{LogStats, VerifyProblem};
 pub use self::write_behind::MAX_WRITE_BEHIND_BYTES;
 pub use crate::stored::StreamedValue;
@@ -403,11 +405,38 @@ impl<B: Backend> SegmentLog<B> {
         }
     }
 
+    /// Alignment of a buffer for a read of `len` bytes. O_DIRECT reads (`read_align` of 512 or
+    /// more) of a page or more get page-aligned buffers: into a buffer that is only 512-aligned, a
+    /// 4 KiB read spans two pages, and on this machine 4 KiB random reads (QD32) ran at 0.87-0.91x
+    /// the IOPS and 64 KiB ones (QD16) at 0.87-0.91x the bandwidth of the same reads into
+    /// page-aligned buffers (`docs/benchmarks.md`). Buffered reads keep 64-byte alignment.
+    fn buf_align(&self, len: u64) -> usize {
+        if self.read_align >= 512 && len >= PAGE_BYTES {
+            PAGE_BYTES.max(self.read_align) as usize
+        } else {
+            self.read_align as usize
+        }
+    }
+
     /// The writer lock, after settling what `forget` left for it while it was busy.
     fn writer(&self) -> Writer<'_, B> {
         let mut st = Writer { st: lock(&self.state), log: self, panicking: std::thread::panicking() };
         settle_forgotten(self, &mut st);
         st
+    }
+
+    /// The automatic compaction a sealed segment asked for, run after the caller's records are
+    /// written. It is housekeeping: its failure does not fail the write that triggered it (the
+    /// records are published), it is logged, and it is tried again at the next seal.
+    fn compact_if_pending(&self, st: &mut WriterState<B::File>) {
+        if st.compact_pending && !st.compacting {
+            st.compact_pending = false;
+            if let Err(e) = compact::compact_locked(self, st) {
+                if self.health.warn_once(WARN_COMPACT) {
+                    log::warn!("segment log {}: automatic compaction failed: {e}", self.dir.display());
+                }
+            }
+        }
     }
 
     /// Store `value` under `key`, replacing any previous value. Returns once the record is written to
@@ -466,7 +495,7 @@ impl<B: Backend> SegmentLog<B> {
     /// Make every record written before this call durable: fdatasync the active segment, and fsync the
     /// segments directory if segments were created or removed since the last sync.
     pub fn sync(&self) -> Result<()> {
-        segments::sync(self)
+        write::sync(self)
     }
 
     /// Wait until the hole punches of the records forgotten so far have run

@@ -21,8 +21,9 @@ use crate::value::Frames;
 use crate::{format, stored};
 
 use super::index::{Location, PackedLoc};
-use super::write_behind::{flush_pending, pending_record};
-use super::{lock, SegmentLog, PAGE_BYTES};
+use super::segments::flush_pending;
+use super::write_behind::pending_record;
+use super::{lock, SegmentLog};
 
 /// A value's stored form on disk (see [`SegmentLog::stored_value`]).
 pub struct StoredValue<F> {
@@ -97,7 +98,7 @@ impl Drop for SendPin {
     }
 }
 
-/// A read of a record, planned by [`SegmentLog::plan_read`].
+/// A read of a record, planned by `plan_read`.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct ReadPlan {
     pub(super) loc: Location,
@@ -231,19 +232,6 @@ pub(super) fn plan_read<B: Backend>(log: &SegmentLog<B>, p: &PackedLoc, key_len:
     ReadPlan { loc, start, end, from, len, crc }
 }
 
-/// Alignment of a buffer for a read of `len` bytes. O_DIRECT reads (`read_align` of 512 or
-/// more) of a page or more get page-aligned buffers: into a buffer that is only 512-aligned, a
-/// 4 KiB read spans two pages, and on this machine 4 KiB random reads (QD32) ran at 0.87-0.91x
-/// the IOPS and 64 KiB ones (QD16) at 0.87-0.91x the bandwidth of the same reads into
-/// page-aligned buffers (`docs/benchmarks.md`). Buffered reads keep 64-byte alignment.
-pub(super) fn buf_align<B: Backend>(log: &SegmentLog<B>, len: u64) -> usize {
-    if log.read_align >= 512 && len >= PAGE_BYTES {
-        PAGE_BYTES.max(log.read_align) as usize
-    } else {
-        log.read_align as usize
-    }
-}
-
 /// Read what `plan` says and decode it.
 /// A payload read without its head is checksummed by the backend as it reads
 /// ([`Backend::read_new_crc`]: a large one in two halves at once).
@@ -253,7 +241,7 @@ pub(super) fn read_planned<B: Backend>(
     plan: ReadPlan,
     key: &[u8],
 ) -> Result<(Frames, Option<u32>)> {
-    let (len, align) = ((plan.end - plan.start) as usize, buf_align(log, plan.end - plan.start));
+    let (len, align) = ((plan.end - plan.start) as usize, log.buf_align(plan.end - plan.start));
     let io_err = |e| Error::io("read segment", log.seg_path(plan.loc.segment), e);
     let Some(expected) = plan.crc else {
         let buf = log.backend.read_new(file, plan.start, len, align).map_err(io_err)?;
@@ -272,7 +260,7 @@ pub(super) fn read_record_bytes<B: Backend>(log: &SegmentLog<B>, file: &B::File,
     let len = (end - start) as usize;
     let buf = log
         .backend
-        .read_new(file, start, len, buf_align(log, len as u64))
+        .read_new(file, start, len, log.buf_align(len as u64))
         .map_err(|e| Error::io("read segment", log.seg_path(loc.segment), e))?;
     let b = buf.freeze();
     Ok(b.slice((loc.offset - start) as usize..(loc.offset - start + loc.len) as usize))
@@ -287,7 +275,7 @@ pub(super) fn get_async<B: Backend>(
         let plan = plan_read(log, &p, key.len());
         let from_memory = pending_record(log, plan.loc)?;
         let read = from_memory.is_none().then(|| {
-            let buf = log.backend.alloc_buf((plan.end - plan.start) as usize, buf_align(log, plan.end - plan.start));
+            let buf = log.backend.alloc_buf((plan.end - plan.start) as usize, log.buf_align(plan.end - plan.start));
             log.backend.read_at_async(&file, plan.start, buf)
         });
         // The handle goes with the future until the read completes: a segment file something
@@ -334,8 +322,7 @@ pub(super) fn get_pipelined<B: Backend>(
             }
             Some((p, file)) => {
                 let plan = plan_read(log, &p, key.len());
-                let buf =
-                    log.backend.alloc_buf((plan.end - plan.start) as usize, buf_align(log, plan.end - plan.start));
+                let buf = log.backend.alloc_buf((plan.end - plan.start) as usize, log.buf_align(plan.end - plan.start));
                 let offset = plan.start;
                 let tag = pending.borrow_mut().insert((key, plan)) as u64;
                 return Some(PipelinedRead { file, offset, buf, tag });
@@ -433,7 +420,7 @@ pub(super) fn read_stored_part<B: Backend>(
     let a = sv.payload_offset + from;
     let start = align_down(a, log.read_align);
     let end = align_up(a + len, log.read_align);
-    let buf = log.backend.alloc_buf((end - start) as usize, buf_align(log, end - start));
+    let buf = log.backend.alloc_buf((end - start) as usize, log.buf_align(end - start));
     let (r, buf) = log.backend.read_at(&sv.file, start, buf);
     r.map_err(|e| Error::io("read segment", sv.path.clone(), e))?;
     Ok(buf.freeze().slice((a - start) as usize..(a - start + len) as usize))
@@ -450,7 +437,7 @@ pub(super) fn read_range<B: Backend>(
     let a = loc.offset + from;
     let start = align_down(a, log.read_align);
     let end = align_up(a + len, log.read_align);
-    let buf = AlignedBuf::zeroed((end - start) as usize, buf_align(log, end - start));
+    let buf = AlignedBuf::zeroed((end - start) as usize, log.buf_align(end - start));
     let (r, buf) = log.backend.read_at(file, start, buf);
     r.map_err(|e| Error::io("read segment", log.seg_path(loc.segment), e))?;
     Ok(buf.freeze().slice((a - start) as usize..(a - start + len) as usize))

@@ -1,6 +1,7 @@
 //! Scanning a segment record by record (unsealed segments, and sealed ones whose footer is
 //! unusable): the read window, probing a record at an offset, resynchronising past damage at the
-//! next sync mark, and telling a torn tail from damage in the middle.
+//! next sync mark, and telling a torn tail from damage in the middle; what a scan finds
+//! (`SegmentScan`) and what opening found in all segments ([`RecoveryReport`]).
 
 use std::path::Path;
 
@@ -10,8 +11,44 @@ use crate::error::{Error, Result};
 use crate::format::{self, align_down, align_up, FooterEntry, RecordHeader, Salt, RECORD_ALIGN};
 
 use super::padded;
-use super::recover::{RecoveryReport, SegmentScan};
 use super::segments::SegMeta;
+
+/// What recovery found when the log was opened.
+#[derive(Debug, Clone, Default)]
+pub struct RecoveryReport {
+    /// Segments whose footer was used.
+    pub sealed_segments: u32,
+    /// Segments that were scanned record by record.
+    pub scanned_segments: u32,
+    /// Records found (live and dead, tombstones included).
+    pub records: u64,
+    /// Bytes of a torn or garbage tail that were cut off an unsealed segment.
+    pub truncated_bytes: u64,
+    /// Damaged regions found while scanning, as (segment, offset, reason).
+    pub corrupt: Vec<(u32, u64, String)>,
+}
+
+/// Everything recovery learns from one segment.
+pub(super) struct SegmentScan {
+    pub(super) meta: SegMeta,
+    pub(super) entries: Vec<FooterEntry>,
+    pub(super) max_epoch: u32,
+    /// For unsealed segments: bytes of the last partial block before `data_end`.
+    pub(super) tail: Vec<u8>,
+    /// The end of a torn or garbage tail cut off at `data_end` (its bytes are still in the file).
+    pub(super) cut: Option<u64>,
+    /// The last record kept is a sync mark (a `sync` then needs no new one, only an fdatasync).
+    pub(super) ends_with_mark: bool,
+    /// Damaged records that no sync mark follows were dropped (see `scan_segment`), not cut: they
+    /// lie before `data_end`.
+    pub(super) dropped_unsynced: bool,
+    /// Its header decoded (with the log's salt). Records written after a damaged one could not be
+    /// verified by a later open that draws a fresh salt, so such a segment is never continued.
+    pub(super) header_ok: bool,
+    /// Its header block is all zeros and nothing follows it: a segment whose creation a crash cut
+    /// short before the header was written. Not damage, and nothing in it (see `recover`).
+    pub(super) never_written: bool,
+}
 
 /// Read window used when scanning unsealed segments.
 pub(super) const SCAN_WINDOW: usize = 1 << 20;

@@ -1,6 +1,9 @@
 //! Segments as the writer sees them: per-segment accounting (`SegMeta`: live bytes, tombstone
 //! bytes, punched bytes; every change to them goes through its methods), the active segment and the
-//! writer's state, and the segment lifecycle: fit, rotate, seal (footer and trailer), sync.
+//! writer's state, and the segment lifecycle: fit, rotate, seal (footer and trailer). Also what the
+//! layers above build on: a superseded record's accounting and which tombstones are still needed,
+//! which closed segments are sparse, the write buffers, writing the records pending in the active
+//! segment's tail, and erasing what an aborted write left past the published end.
 
 use std::collections::BTreeMap;
 use std::io;
@@ -10,14 +13,15 @@ use std::sync::Arc;
 use crate::backend::Backend;
 use crate::buf::AlignedBuf;
 use crate::error::{Error, Result};
-use crate::format::{self, align_up, FooterEntry};
+use crate::format::{self, align_down, align_up, FooterEntry};
 
-use super::compact::wants_compaction;
 use super::health::WARN_REUSE;
 use super::index::{Location, PackedLoc};
-use super::write::{append, NewRecord};
-use super::write_behind::flush_pending;
-use super::{padded, SegmentLog};
+
+use super::{padded, SegmentLog, MAX_SPARE_BUF, ZEROS};
+
+/// Writes of one chunk in flight at once.
+pub(super) const WRITES_IN_FLIGHT: usize = 16;
 
 #[derive(Debug, Clone)]
 pub(super) struct SegMeta {
@@ -563,20 +567,147 @@ pub(super) fn seal_active<B: Backend>(log: &SegmentLog<B>, st: &mut WriterState<
     Ok(())
 }
 
-pub(super) fn sync<B: Backend>(log: &SegmentLog<B>) -> Result<()> {
-    let mut st = log.writer();
-    // Under the writer lock: a sync that failed while this one waited poisoned the log, and a
-    // failed fdatasync must never be retried (it can report success for data that was dropped).
+/// Erase `base..end` of a segment (the active one after an aborted `put_stream`, or a tail that
+/// recovery cut): the block at `base` gets the previous tail back (published records) and zeros
+/// after it; the rest is punched out, which needs no free space (zero writes into blocks the aborted
+/// write never reached would, on a full disk), or zeroed where the file system cannot punch.
+pub(super) fn erase_aborted<B: Backend>(
+    backend: &B,
+    align: u64,
+    file: &B::File,
+    base: u64,
+    old_tail: &[u8],
+    end: u64,
+) -> io::Result<()> {
+    let block = align;
+    let align = align as usize;
+    let mut pos = base;
+    if !old_tail.is_empty() {
+        let mut z = AlignedBuf::zeroed(align, align);
+        z[..old_tail.len()].copy_from_slice(old_tail);
+        backend.write_at(file, base, z).0?;
+        pos += block;
+    }
+    if pos >= end {
+        return Ok(());
+    }
+    match backend.punch_hole(file, pos, end - pos) {
+        Err(e) if e.kind() == io::ErrorKind::Unsupported => {}
+        r => return r,
+    }
+    const CHUNK: u64 = 1 << 20;
+    let mut z = AlignedBuf::zeroed(CHUNK.min(end - pos) as usize, align);
+    while pos < end {
+        let n = (end - pos).min(CHUNK) as usize;
+        z.set_len(n);
+        let (r, b) = backend.write_at(file, pos, z);
+        z = b;
+        r?;
+        pos += n as u64;
+    }
+    Ok(())
+}
+
+pub(super) fn superseded_by_pending<F>(st: &mut WriterState<F>, old: Location) {
+    st.segs.superseded_by_pending(old.segment);
+}
+
+pub(super) fn release<F>(st: &mut WriterState<F>, old: Location, emptied: &mut Vec<u32>) {
+    if st.segs.release(old) {
+        emptied.push(old.segment);
+    }
+}
+
+/// Whether some tombstone of segment `id` may still shadow an older record.
+pub(super) fn tombstones_needed<F>(st: &WriterState<F>, id: u32) -> bool {
+    let m = &st.segs[&id];
+    // `min_shadow <= id` always (recovery refuses a tombstone that shadows a later segment than
+    // its own); checked anyway, since `range` panics on a reversed range.
+    m.tombstones > 0 && m.min_shadow < id && st.segs.range(m.min_shadow..id).next().is_some()
+}
+
+pub(super) fn wants_compaction<B: Backend>(log: &SegmentLog<B>, st: &WriterState<B::File>) -> bool {
+    st.segs.iter().any(|(&id, m)| closed(st, id, m) && is_sparse(log, st, id, m))
+}
+
+/// Whether segment `id` takes no more records: sealed, or an unsealed one that recovery found
+/// behind the newest (its footer did not land before a crash). Such segments can be compacted.
+pub(super) fn closed<F>(st: &WriterState<F>, id: u32, m: &SegMeta) -> bool {
+    m.sealed || st.active.as_ref().is_none_or(|a| a.id != id)
+}
+
+pub(super) fn is_sparse<B: Backend>(log: &SegmentLog<B>, st: &WriterState<B::File>, id: u32, m: &SegMeta) -> bool {
+    if m.unmovable {
+        return false;
+    }
+    let tomb = if tombstones_needed(st, id) { m.tombstone_bytes } else { 0 };
+    log.opts.compaction.is_sparse(m.live_bytes + tomb, m.size - m.punched.min(m.size))
+}
+
+/// Write the records pending in the active segment's tail (write-behind), if any. On failure the
+/// log is poisoned and the records stay pending, readable from memory.
+pub(super) fn flush_pending<B: Backend>(log: &SegmentLog<B>, st: &mut WriterState<B::File>) -> Result<()> {
+    let Some(a) = st.active.as_ref() else { return Ok(()) };
+    if a.written_end == a.data_end {
+        return Ok(());
+    }
     log.health.check_writable()?;
-    if st.active.as_ref().is_some_and(|a| a.dirty && !a.last_is_mark) {
-        append(log, &mut st, vec![NewRecord::SyncMark])?;
-    }
-    flush_pending(log, &mut st)?;
-    sync_active(log, &mut st)?;
-    for f in std::mem::take(&mut st.unsynced_sealed) {
-        if let Err(e) = log.backend.sync_data(&f) {
-            return Err(log.health.poison(Error::io("fdatasync", log.seg_dir.clone(), e)));
+    let (id, file, data_end) = (a.id, a.file.clone(), a.data_end);
+    let base = data_end - a.tail.len() as u64;
+    debug_assert_eq!(base % log.align, 0, "the tail starts at a block boundary");
+    let needed = (align_up(data_end, log.align) - base) as usize;
+    let r = if log.backend.gathers_writes() {
+        // Buffered files: straight from the tail, no copy into a staging buffer first (the tail
+        // holds every pending byte, encoded once; copying it again costs as much as encoding).
+        let mut parts: Vec<&[u8]> = vec![&a.tail];
+        let mut zeros = needed - a.tail.len();
+        while zeros > 0 {
+            let k = zeros.min(ZEROS.len());
+            parts.push(&ZEROS[..k]);
+            zeros -= k;
         }
+        log.backend.write_gather_at(&file, base, &parts)
+    } else {
+        let mut buf = write_buffer(log, st, needed);
+        let a = st.active.as_ref().expect("active segment");
+        buf[..a.tail.len()].copy_from_slice(&a.tail);
+        buf[a.tail.len()..].fill(0);
+        let (r, buf) = log.backend.write_at(&file, base, buf);
+        if buf.capacity() <= MAX_SPARE_BUF {
+            st.spare_bufs.push(buf);
+        }
+        r
+    };
+    if let Err(e) = r {
+        // The records stay pending in the tail, readable from memory.
+        return Err(log.health.write_failed("write segment", log.seg_path(id), e));
     }
-    sync_dir_if_dirty(log, &mut st)
+    let a = st.active.as_mut().expect("active segment");
+    a.tail.drain(..(align_down(data_end, log.align) - base) as usize);
+    a.written_end = data_end;
+    log.pending.clear();
+    log.health.wrote();
+    st.segs.pending_written();
+    Ok(())
+}
+
+pub(super) fn write_buffer<B: Backend>(
+    log: &SegmentLog<B>,
+    st: &mut WriterState<B::File>,
+    needed: usize,
+) -> AlignedBuf {
+    if let Some(k) = st.spare_bufs.iter().position(|b| b.capacity() >= needed) {
+        let mut b = st.spare_bufs.swap_remove(k);
+        b.set_len(needed);
+        return b;
+    }
+    // Room to grow: the next batch of same-sized values needs a little more or less depending on
+    // where the last one ended in its block. Without the slack, writing 8 MiB values would
+    // alternate between reusing the buffer and allocating (and faulting in) a fresh one; profiled
+    // in a dask worker, that was a quarter of the spill time.
+    st.spare_bufs.truncate(WRITES_IN_FLIGHT);
+    let cap = (needed + (needed / 8).max(64 << 10)).min(MAX_SPARE_BUF.max(needed));
+    let mut b = log.backend.alloc_buf(cap, log.align as usize);
+    b.set_len(needed);
+    b
 }

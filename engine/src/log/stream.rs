@@ -17,12 +17,13 @@ use crate::sync::{AtomicBool, Mutex, Ordering};
 use crate::value::Frames;
 use crate::{format, stored};
 
-use super::compact::compact_if_pending;
-use super::gc::{reclaim, release};
+use super::gc::reclaim;
 use super::index::{Location, PackedLoc, RecordFacts};
-use super::segments::{fits, footer_entry_len, release_spare_files, rotate, write_seal, SegMeta, WriterState};
-use super::write::{fence_failed_write, publish_chunk, NewRecord, Payload, Placed, Prepared};
-use super::write_behind::flush_pending;
+use super::record::{fence_failed_write, publish_chunk, NewRecord, Payload, Placed, Prepared};
+use super::segments::flush_pending;
+use super::segments::{
+    erase_aborted, fits, footer_entry_len, release, release_spare_files, rotate, write_seal, SegMeta, WriterState,
+};
 use super::{lock, padded, SegmentLog, MAX_RECORD_BYTES};
 
 /// Each key's streams: (sequence number, overtaken).
@@ -329,7 +330,7 @@ pub(super) fn put_stream_locked<B: Backend>(
     let rec = NewRecord::Value { key, frames: &empty };
     let chunk = [Prepared { rec, payload: Payload::Empty, len, pad: 0, align_head: 0 }];
     publish_chunk(log, st, &chunk, &[Placed::new(start, &h)], pend, tail, epoch, false)?;
-    compact_if_pending(log, st);
+    log.compact_if_pending(st);
     Ok(())
 }
 
@@ -612,45 +613,4 @@ fn seal_streamed<B: Backend>(
     format::encode_footer_entry(&mut footer, &entry);
     let data_end = padded(data_start + h.record_len());
     write_seal(log, file, id, size, data_end, &footer, 1, epoch)
-}
-
-/// Erase `base..end` of a segment (the active one after an aborted `put_stream`, or a tail that
-/// recovery cut): the block at `base` gets the previous tail back (published records) and zeros
-/// after it; the rest is punched out, which needs no free space (zero writes into blocks the aborted
-/// write never reached would, on a full disk), or zeroed where the file system cannot punch.
-pub(super) fn erase_aborted<B: Backend>(
-    backend: &B,
-    align: u64,
-    file: &B::File,
-    base: u64,
-    old_tail: &[u8],
-    end: u64,
-) -> io::Result<()> {
-    let block = align;
-    let align = align as usize;
-    let mut pos = base;
-    if !old_tail.is_empty() {
-        let mut z = AlignedBuf::zeroed(align, align);
-        z[..old_tail.len()].copy_from_slice(old_tail);
-        backend.write_at(file, base, z).0?;
-        pos += block;
-    }
-    if pos >= end {
-        return Ok(());
-    }
-    match backend.punch_hole(file, pos, end - pos) {
-        Err(e) if e.kind() == io::ErrorKind::Unsupported => {}
-        r => return r,
-    }
-    const CHUNK: u64 = 1 << 20;
-    let mut z = AlignedBuf::zeroed(CHUNK.min(end - pos) as usize, align);
-    while pos < end {
-        let n = (end - pos).min(CHUNK) as usize;
-        z.set_len(n);
-        let (r, b) = backend.write_at(file, pos, z);
-        z = b;
-        r?;
-        pos += n as u64;
-    }
-    Ok(())
 }

@@ -7,12 +7,11 @@ use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::format;
 
-use super::gc::{tombstones_needed, PUNCH_MIN_BYTES};
+use super::gc::PUNCH_MIN_BYTES;
 use super::index::Location;
 use super::read::read_record_bytes;
-use super::recover::RecoveryReport;
-use super::scan::{entry_matches, FOOTER_MISMATCH};
-use super::write_behind::flush_pending;
+use super::scan::{entry_matches, RecoveryReport, FOOTER_MISMATCH};
+use super::segments::{flush_pending, tombstones_needed};
 use super::SegmentLog;
 
 /// Space accounting, as reported by [`SegmentLog::stats`].

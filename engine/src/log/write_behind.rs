@@ -1,19 +1,19 @@
 //! Write-behind: small batches may stay in a pending buffer (up to `LogOptions::write_behind_bytes`,
 //! at most [`MAX_WRITE_BEHIND_BYTES`]) until it fills, a read needs them, or a sync; reads of a
-//! pending record are served from the buffer.
+//! pending record are served from the buffer (`segments::flush_pending` writes it).
 
 use bytes::Bytes;
 
 use crate::backend::Backend;
 use crate::buf::AlignedBuf;
 use crate::error::Result;
-use crate::format::{self, align_down, align_up};
+use crate::format::{self};
 use crate::sync::{AtomicU64, Ordering};
 
 use super::index::Location;
+use super::record::{encode_record, publish_chunk, seq_for, Placed, Prepared};
 use super::segments::WriterState;
-use super::write::{encode_record, publish_chunk, seq_for, write_buffer, Placed, Prepared};
-use super::{lock, padded, SegmentLog, MAX_SPARE_BUF, ZEROS};
+use super::{lock, padded, SegmentLog};
 
 /// Largest `LogOptions::write_behind_bytes`.
 pub const MAX_WRITE_BEHIND_BYTES: u64 = 64 << 20;
@@ -39,7 +39,7 @@ impl PendingMark {
     }
 
     /// Nothing is pending any more.
-    fn clear(&self) {
+    pub(super) fn clear(&self) {
         self.0.store(NOTHING_PENDING, Ordering::Release);
     }
 
@@ -79,53 +79,6 @@ pub(super) fn defer_chunk<B: Backend>(
         log.pending.set(id, written_end);
     }
     publish_chunk(log, st, chunk, &placed, pos, tail, epoch, true)
-}
-
-/// Write the records pending in the active segment's tail (write-behind), if any. On failure the
-/// log is poisoned and the records stay pending, readable from memory.
-pub(super) fn flush_pending<B: Backend>(log: &SegmentLog<B>, st: &mut WriterState<B::File>) -> Result<()> {
-    let Some(a) = st.active.as_ref() else { return Ok(()) };
-    if a.written_end == a.data_end {
-        return Ok(());
-    }
-    log.health.check_writable()?;
-    let (id, file, data_end) = (a.id, a.file.clone(), a.data_end);
-    let base = data_end - a.tail.len() as u64;
-    debug_assert_eq!(base % log.align, 0, "the tail starts at a block boundary");
-    let needed = (align_up(data_end, log.align) - base) as usize;
-    let r = if log.backend.gathers_writes() {
-        // Buffered files: straight from the tail, no copy into a staging buffer first (the tail
-        // holds every pending byte, encoded once; copying it again costs as much as encoding).
-        let mut parts: Vec<&[u8]> = vec![&a.tail];
-        let mut zeros = needed - a.tail.len();
-        while zeros > 0 {
-            let k = zeros.min(ZEROS.len());
-            parts.push(&ZEROS[..k]);
-            zeros -= k;
-        }
-        log.backend.write_gather_at(&file, base, &parts)
-    } else {
-        let mut buf = write_buffer(log, st, needed);
-        let a = st.active.as_ref().expect("active segment");
-        buf[..a.tail.len()].copy_from_slice(&a.tail);
-        buf[a.tail.len()..].fill(0);
-        let (r, buf) = log.backend.write_at(&file, base, buf);
-        if buf.capacity() <= MAX_SPARE_BUF {
-            st.spare_bufs.push(buf);
-        }
-        r
-    };
-    if let Err(e) = r {
-        // The records stay pending in the tail, readable from memory.
-        return Err(log.health.write_failed("write segment", log.seg_path(id), e));
-    }
-    let a = st.active.as_mut().expect("active segment");
-    a.tail.drain(..(align_down(data_end, log.align) - base) as usize);
-    a.written_end = data_end;
-    log.pending.clear();
-    log.health.wrote();
-    st.segs.pending_written();
-    Ok(())
 }
 
 /// For a record that may be pending (write-behind): its bytes copied out of memory, 64-byte
