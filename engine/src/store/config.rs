@@ -18,7 +18,7 @@ pub struct StoreConfig {
     /// [`SPILL_WRITE_BEHIND_BYTES`] of small spill batches ([`LogOptions::write_behind_bytes`]);
     /// a persistent store never defers writes.
     pub log: LogOptions,
-    /// Keep the contents across reopen: what was spilled, and after [`Store::flush`] everything
+    /// Keep the contents across reopen: what was spilled, and after [`Store::flush`](crate::Store::flush) everything
     /// (values held only in memory are not written until they are evicted or flushed). When false
     /// (a worker's spill store, whose data dies with it), records left by an earlier process are
     /// discarded at open and removals write no tombstones.
@@ -26,12 +26,12 @@ pub struct StoreConfig {
     /// How room is made when memory is over the target.
     pub eviction: EvictionPolicy,
     /// Spills that do not happen (max_spill, a serialize failure, a disk error) are kept for
-    /// [`Store::take_failures`] instead of being logged: for an embedding that reports them in its
+    /// [`Store::take_failures`](crate::Store::take_failures) instead of being logged: for an embedding that reports them in its
     /// own words (dask's messages, with the caller's exception). Default false.
     pub report_failures: bool,
     /// How many times a spill store whose log a failed write left read-only (an EIO) opens a fresh
     /// log, in a subdirectory of its own, for the spills that follow (the read-only ones keep
-    /// serving their records). At most [`MAX_FRESH_LOGS`]; a persistent store never does. Default 3.
+    /// serving their records). At most [`MAX_FRESH_LOGS`](crate::store::MAX_FRESH_LOGS); a persistent store never does. Default 3.
     pub fresh_logs: u32,
 }
 

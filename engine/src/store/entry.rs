@@ -482,3 +482,10 @@ impl<V> Table<V> {
         Ok(())
     }
 }
+
+/// Where a reader finds the bytes of a non-materialized entry.
+pub(super) enum Source {
+    Frames(Frames),
+    Compressed(Box<Compressed>),
+    Disk,
+}

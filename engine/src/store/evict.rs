@@ -11,13 +11,11 @@ use crate::slot::Slot;
 use crate::sync::{self, MutexGuard, Ordering};
 use crate::value::Frames;
 
-use super::entry::{compress, decompress, Compressed, EntrySlot, Table, Tier, WeakHandle};
-use super::get::{vanished, Source};
+use super::entry::{compress, decompress, Compressed, EntrySlot, Source, Table, Tier, WeakHandle};
 use super::metrics::Activity;
-use super::put::drop_entry;
-use super::receive::drop_stale_record;
+use super::remove::{drop_entry, drop_stale_record};
 use super::Inner;
-use super::{key_str, log_due, panic_message, Codec, Revive, Store};
+use super::{key_str, log_due, panic_message, vanished, Codec, Revive, Store};
 
 /// Entries looked at per eviction round.
 pub(super) const EVICT_SCAN: usize = 256;
@@ -71,7 +69,7 @@ impl<V> Plan<V> {
 /// it began (what it promises to make durable).
 pub(super) type Listed<V> = (Arc<[u8]>, Arc<Slot<V, Error>>, bool);
 
-/// What is left to do once each key of a written batch is settled (see `Store::end_settle`).
+/// What is left to do once each key of a written batch is settled (see `end_settle`).
 pub(super) struct Settled<'r> {
     /// The write's result.
     pub(super) result: &'r Result<()>,
@@ -698,7 +696,7 @@ pub(super) fn write_disk<C: Codec, B: Backend>(store: &Store<C, B>, items: &[(&[
 
 /// Demote least-recently-used entries until memory, not counting what is being written to disk
 /// right now, is at or below the target. Spill writes run with the lock released (see
-/// `Store::spill`); the caller's guard is consumed. `protect` is the slot of the value being
+/// `spill`); the caller's guard is consumed. `protect` is the slot of the value being
 /// inserted: if *its* serialization fails, it is forgotten and the error returned.
 ///
 /// Memory can exceed the target by the writes in flight: at most one batch per thread inside
@@ -754,7 +752,7 @@ pub(super) fn enforce_sparing<'a, C: Codec, B: Backend>(
 
 /// One eviction round over the LRU order (or over the single key `only`): drops values that
 /// still have their disk copy, and plans the demotion of objects and the spill writes of
-/// serialized values, without doing them (`Store::spill` does). The entry of the slot `spare` is
+/// serialized values, without doing them (`spill` does). The entry of the slot `spare` is
 /// passed over. Returns the weight freed or planned, and the plan (its keys already marked as
 /// being written).
 pub(super) fn evict_round<C: Codec, B: Backend>(

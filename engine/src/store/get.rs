@@ -11,16 +11,10 @@ use crate::slot::Slot;
 use crate::sync;
 use crate::value::Frames;
 
-use super::entry::{decompress, Compressed, Tier, WeakHandle};
+use super::entry::{decompress, Source, Tier, WeakHandle};
 use super::evict::{enforce, keep_weak, serialize};
 use super::metrics::Activity;
-use super::{key_str, metrics, Codec, Inner, Revive, Store};
-
-/// The error of a read whose record was removed from the log after the reader looked the key up (a
-/// racing `remove`); readers then start over, so callers never see it.
-pub(super) fn vanished(key: &[u8]) -> Error {
-    Error::Vanished { key: key_str(key) }
-}
+use super::{key_str, metrics, vanished, Codec, Inner, Revive, Store};
 
 /// How a get goes on after looking the key up.
 pub(super) enum GetStart<V> {
@@ -39,13 +33,6 @@ pub(super) enum SerStart<V> {
     Object(Arc<[u8]>, sync::Arc<V>),
     /// Read from `source`.
     Read { key: Arc<[u8]>, slot: Arc<Slot<V, Error>>, source: Source, large: bool },
-}
-
-/// Where a reader finds the bytes of a non-materialized entry.
-pub(super) enum Source {
-    Frames(Frames),
-    Compressed(Box<Compressed>),
-    Disk,
 }
 
 /// Reads in flight at once in [`Store::get_many`] (on io_uring).

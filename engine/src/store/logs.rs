@@ -8,7 +8,7 @@
 //! [`Backend::fresh`]), retries the write that failed there, and sends later writes there too. The
 //! read-only log keeps serving its records (each read checks its crc) until they are read back,
 //! removed or replaced; a key has its record in one log at a time (a write to a newer log forgets it
-//! in the older ones). After [`StoreConfig::fresh_logs`] fresh logs (a disk that fails that often is
+//! in the older ones). After [`StoreConfig::fresh_logs`](crate::StoreConfig::fresh_logs) fresh logs (a disk that fails that often is
 //! failing), the last read-only one stays: spills fail as disk errors, and that data is kept in memory
 //! from now on is logged once. A persistent store never replaces its log: its durable contents are in
 //! that log, and a read-only log is the safe answer to a failed fsync.
@@ -27,7 +27,7 @@ use crate::error::{Error, Result};
 use crate::log::{Location, LogOptions, SegmentLog, StreamedValue};
 use crate::value::Frames;
 
-/// Most fresh logs a store can open in its life (the cap of [`StoreConfig::fresh_logs`]).
+/// Most fresh logs a store can open in its life (the cap of [`StoreConfig::fresh_logs`](crate::StoreConfig::fresh_logs)).
 pub const MAX_FRESH_LOGS: u32 = 8;
 
 pub(super) struct Logs<B: Backend> {

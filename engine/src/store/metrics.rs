@@ -30,7 +30,7 @@ pub enum Activity {
     /// A get answered from memory: an object (bytes: its weight) or frames (their length).
     MemoryRead,
     /// An eviction that wrote nothing: the value's verified copy on disk is what it serializes to
-    /// ([`EvictionPolicy::verify_copies`]).
+    /// ([`EvictionPolicy::verify_copies`](crate::EvictionPolicy::verify_copies)).
     DiskWriteSaved,
 }
 

@@ -29,7 +29,7 @@
 //! One mutex guards the key map, the LRU order and the accounting; it is held for lookups, LRU updates
 //! and eviction decisions, and never during disk I/O, (de)serialization or (de)compression. An
 //! eviction round is planned under the lock (its keys marked as being written), carried out without
-//! it (objects serialized, values written, see `Store::spill`), and settled under it again.
+//! it (objects serialized, values written, see `evict::spill`), and settled under it again.
 //! Materialization happens in the per-key `Slot`, whose ready path is lock-free.
 //!
 //! ## Where each rule lives
@@ -39,6 +39,7 @@
 //! | `mod.rs` | [`Store`], the [`Codec`] trait, the state under the lock (`Inner`), opening, lookups |
 //! | `config.rs` | [`StoreConfig`], [`EvictionPolicy`] |
 //! | `entry.rs` | entries, [`Tier`]s, the entry table (`Table`): the only writer of the totals and the LRU order |
+//! | `remove.rs` | removing a key's entry and record; dropping a record nobody wants |
 //! | `put.rs` | `put`, `put_serialized`, `remove`, heavy values straight to disk |
 //! | `evict.rs` | eviction rounds: plan, write, settle; `max_spill`, stuck entries |
 //! | `receive.rs` | [`Store::receive`] and `put_stream`: values arriving in stored form; the transfers in progress (`Transfers`) |
@@ -55,7 +56,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::backend::{Backend, PortableBackend};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::log::SegmentLog;
 use crate::slot::Slot;
 // Locks, counters and the values' `Arc` come from the sync shim, so the loom models in `loom-tests/`
@@ -80,6 +81,7 @@ mod persist;
 mod pressure;
 mod put;
 mod receive;
+mod remove;
 mod writes;
 
 pub use self::config::{EvictionPolicy, StoreConfig, SPILL_WRITE_BEHIND_BYTES};
@@ -208,6 +210,12 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> &str {
         Some(s) => s,
         None => payload.downcast_ref::<String>().map_or("(no message)", |s| s.as_str()),
     }
+}
+
+/// The error of a read whose record was removed from the log after the reader looked the key up (a
+/// racing `remove`); readers then start over, so callers never see it.
+pub(super) fn vanished(key: &[u8]) -> Error {
+    Error::Vanished { key: key_str(key) }
 }
 
 fn key_str(k: &[u8]) -> String {

@@ -13,10 +13,9 @@ use super::entry::{decompress, Compressed, Tier};
 use super::evict::{
     end_settle, enforce, note_landed, serialize, spill_allowed, spill_failed, write_batch, Listed, Settled, EVICT_SCAN,
 };
-use super::get::vanished;
 use super::metrics::Activity;
 use super::Inner;
-use super::{key_str, Codec, Store};
+use super::{key_str, vanished, Codec, Store};
 
 /// Passes of a persistent store's `flush` (write a disk copy of everything, wait for the writes)
 /// while values are left in memory without their disk copy.

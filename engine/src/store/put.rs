@@ -1,5 +1,6 @@
-//! Puts and removes: `put` (an object), `put_serialized` (frames), a value heavier than the
-//! target straight to disk (`put_large`), and waiting for a key's write in flight.
+//! Puts and removes: `put` (an object), `put_serialized` (frames), `remove` (through
+//! `remove::drop_entry`), a value heavier than the target straight to disk (`put_large`), and
+//! waiting for a key's write in flight.
 
 use std::sync::Arc;
 
@@ -9,9 +10,9 @@ use crate::slot::Slot;
 use crate::sync::{self, MutexGuard};
 use crate::value::Frames;
 
-use super::entry::{Entry, Tier, WeakHandle};
+use super::entry::{Entry, Source, Tier, WeakHandle};
 use super::evict::{enforce, enforce_sparing, keep_weak, serialize, set_stuck, spill, spill_allowed, Plan, Planned};
-use super::get::Source;
+use super::remove::drop_entry;
 use super::Inner;
 use super::{Codec, Revive, Store};
 
@@ -180,32 +181,4 @@ pub(super) fn insert<C: Codec, B: Backend>(
     let k: Arc<[u8]> = Arc::from(key);
     inner.table.insert(k.clone(), e);
     Ok(k)
-}
-
-/// Remove `key`'s entry from memory and disk; returns whether it existed. If the log cannot drop
-/// the record (a persistent store's tombstone write failed), the entry stays as it was.
-pub(super) fn drop_entry<C: Codec, B: Backend>(
-    store: &Store<C, B>,
-    inner: &mut Inner<C::Value>,
-    key: &[u8],
-) -> Result<bool> {
-    // Every put and remove comes here. A transfer of the key in progress loses to it (once the
-    // old record, if any, is dropped: a remove that fails changes nothing); the old value a
-    // transfer set aside counts as existing.
-    let Some(disk_bytes) = inner.table.get(key).map(|e| e.disk_bytes) else {
-        return Ok(inner.transfers.supersede(key));
-    };
-    if disk_bytes > 0 {
-        if store.cfg.persistent {
-            store.logs.current().delete(key)?;
-        } else {
-            store.logs.forget(key)?;
-        }
-    }
-    inner.transfers.supersede(key);
-    inner.table.take(key);
-    if disk_bytes > 0 {
-        inner.table.unstick();
-    }
-    Ok(true)
 }

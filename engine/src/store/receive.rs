@@ -18,8 +18,9 @@ use super::entry::{Entry, Tier};
 use super::evict::{enforce, set_stuck, spill_allowed};
 use super::metrics::Activity;
 use super::put::{insert, put_large, wait_unwritten};
+use super::remove::drop_stale_record;
 use super::Inner;
-use super::{key_str, Codec, Store};
+use super::{Codec, Store};
 
 /// A transfer of a key in progress.
 struct Stream {
@@ -283,24 +284,5 @@ pub(super) fn settle_failed_stream<C: Codec, B: Backend>(
         }
         Some(old) if old.disk_bytes > 0 => drop_stale_record(store, key),
         _ => {}
-    }
-}
-
-/// Drop the record a spill or stream wrote for `key` after the key was removed or replaced
-/// meanwhile. A persistent store writes a tombstone; if it cannot (a full disk), the record is
-/// forgotten instead, so the store and its log agree for as long as the process lives, and the
-/// failure is logged: after a restart the old value could come back.
-pub(super) fn drop_stale_record<C: Codec, B: Backend>(store: &Store<C, B>, key: &[u8]) {
-    if store.cfg.persistent {
-        match store.logs.current().delete(key) {
-            Ok(_) => return,
-            Err(e) => log::error!(
-                "Failed to delete the record of {:?}, removed while it was written ({e}); forgetting it instead, so it may come back after a restart",
-                key_str(key)
-            ),
-        }
-    }
-    if let Err(e) = store.logs.forget(key) {
-        log::error!("Failed to drop the record of {:?}, removed while it was written: {e}", key_str(key));
     }
 }

@@ -10,7 +10,7 @@
 //! time, so the sender's memory stays flat whatever the value size; `copy` mode reads the stored
 //! payload into memory and writes it (the baseline, and the path for backends without descriptors).
 //! Receive paths: into memory ([`Client::get`]), straight into a segment log in 1 MiB chunks
-//! ([`Client::get_into`], [`SegmentLog::put_stream`]), or streamed to a writer ([`Client::get_to`]).
+//! ([`Client::get_into`], [`SegmentLog::put_stream`](crate::SegmentLog::put_stream)), or streamed to a writer ([`Client::get_to`]).
 //!
 //! Every request carries a [`Ticket`] that the server's [`Access`] must accept: a standing ticket
 //! for every key, or a one-time grant for one key (see `access`). Limits: connections in total

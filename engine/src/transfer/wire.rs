@@ -103,7 +103,7 @@ pub fn read_value_header(r: &mut impl Read, max: u64) -> Result<StreamedValue> {
 /// Bytes of a request before its key: op (1), ticket ([`TICKET_BYTES`]), key length (4).
 pub(super) const REQUEST_HEAD: usize = 1 + TICKET_BYTES + 4;
 
-/// The message of the ERROR response to a request its server's [`Access`] refused.
+/// The message of the ERROR response to a request its server's [`Access`](crate::transfer::Access) refused.
 pub const NOT_AUTHORIZED: &str = "not authorized";
 
 /// The head of a VALUE response (status byte, header, frame table); the stored bytes follow. Used by

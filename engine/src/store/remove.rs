@@ -1,0 +1,55 @@
+//! Removing a key: its entry from memory and its record from the log (every put and remove comes
+//! here), and dropping a record nobody wants (one whose key was removed or replaced while it was
+//! written).
+
+use crate::backend::Backend;
+use crate::error::Result;
+
+use super::{key_str, Codec, Inner, Store};
+
+/// Remove `key`'s entry from memory and disk; returns whether it existed. If the log cannot drop
+/// the record (a persistent store's tombstone write failed), the entry stays as it was.
+pub(super) fn drop_entry<C: Codec, B: Backend>(
+    store: &Store<C, B>,
+    inner: &mut Inner<C::Value>,
+    key: &[u8],
+) -> Result<bool> {
+    // Every put and remove comes here. A transfer of the key in progress loses to it (once the
+    // old record, if any, is dropped: a remove that fails changes nothing); the old value a
+    // transfer set aside counts as existing.
+    let Some(disk_bytes) = inner.table.get(key).map(|e| e.disk_bytes) else {
+        return Ok(inner.transfers.supersede(key));
+    };
+    if disk_bytes > 0 {
+        if store.cfg.persistent {
+            store.logs.current().delete(key)?;
+        } else {
+            store.logs.forget(key)?;
+        }
+    }
+    inner.transfers.supersede(key);
+    inner.table.take(key);
+    if disk_bytes > 0 {
+        inner.table.unstick();
+    }
+    Ok(true)
+}
+
+/// Drop the record a spill or stream wrote for `key` after the key was removed or replaced
+/// meanwhile. A persistent store writes a tombstone; if it cannot (a full disk), the record is
+/// forgotten instead, so the store and its log agree for as long as the process lives, and the
+/// failure is logged: after a restart the old value could come back.
+pub(super) fn drop_stale_record<C: Codec, B: Backend>(store: &Store<C, B>, key: &[u8]) {
+    if store.cfg.persistent {
+        match store.logs.current().delete(key) {
+            Ok(_) => return,
+            Err(e) => log::error!(
+                "Failed to delete the record of {:?}, removed while it was written ({e}); forgetting it instead, so it may come back after a restart",
+                key_str(key)
+            ),
+        }
+    }
+    if let Err(e) = store.logs.forget(key) {
+        log::error!("Failed to drop the record of {:?}, removed while it was written: {e}", key_str(key));
+    }
+}
