@@ -26,6 +26,10 @@ cargo fmt --all -- --check
 step "clippy (all targets, warnings are errors)"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
+step "layout and docs: the engine's files in layers, each type implemented in its own file; rustdoc links"
+python3 scripts/check_layout.py engine/src
+RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --locked -q -p spillway
+
 step "unit and integration tests"
 # The Python extension is a cdylib tested from Python (below), not by cargo test.
 cargo test --workspace --exclude spillway-python --locked 2>&1 | tee -a "$log"
