@@ -72,27 +72,25 @@ const CARVED_ALIGN_MAX: usize = 64;
 /// aligned allocation (`posix_memalign`) by cutting it out of a larger chunk and freeing the rest:
 /// with buffered reads into carved 64-aligned buffers instead of 512-aligned ones, a store get of a
 /// spilled 4 KiB value took 3.15-3.22 µs instead of 3.47-3.67 µs (criterion, the two builds
-/// alternating). Larger alignments (O_DIRECT) use an aligned allocation. A buffer that need not be
-/// zeroed may be one this thread freed recently (see [`recycle`]).
+/// alternating). Larger alignments (O_DIRECT) use an aligned allocation. The allocation may be one
+/// freed recently (see [`recycle`]), zeroed here if asked for.
 fn heap(capacity: usize, align: usize, zeroed: bool) -> (NonNull<u8>, Owner) {
     let carve = align > 16 && align <= CARVED_ALIGN_MAX;
     let layout = if carve {
-        Layout::from_size_align(capacity.checked_add(align).expect(OVERFLOW), 16)
+        Layout::from_size_align(size_class(capacity.checked_add(align).expect(OVERFLOW)), 16)
     } else {
-        Layout::from_size_align(capacity, align)
+        Layout::from_size_align(size_class(capacity), align)
     }
     .expect(OVERFLOW);
-    let recycled = if zeroed { None } else { recycled_take(layout) };
-    let raw = match recycled {
+    let raw = match recycled_take(layout) {
+        Some(raw) if zeroed => {
+            // SAFETY: `raw` is a live allocation of `layout` that no one else refers to.
+            unsafe { raw.as_ptr().write_bytes(0, layout.size()) };
+            raw.as_ptr()
+        }
         Some(raw) => raw.as_ptr(),
         // SAFETY: `layout` has a non-zero size (`capacity` is non-zero, the callers check).
-        None => unsafe {
-            if zeroed {
-                alloc::alloc_zeroed(layout)
-            } else {
-                alloc::alloc(layout)
-            }
-        },
+        None => unsafe { if zeroed { alloc::alloc_zeroed(layout) } else { alloc::alloc(layout) } },
     };
     if raw.is_null() {
         alloc::handle_alloc_error(layout);
@@ -135,10 +133,49 @@ thread_local! {
         const { std::cell::RefCell::new(Recycled(Vec::new())) };
 }
 
-/// A recycled allocation of exactly `layout`, if this thread holds one; no one else refers to it.
-/// Treat its bytes as uninitialized: they may be an earlier buffer's, or never written (buffers of
-/// different alignments can share a layout, with different offsets).
+/// Freed allocations from this size up are large: the process keeps the last few ([`KEPT`]). From
+/// here glibc maps each allocation afresh (its mmap threshold, which a dask worker's
+/// `MALLOC_TRIM_THRESHOLD_` pins), so a read into fresh memory first faults in and zeroes every page.
+const KEEP_MIN_BYTES: usize = 128 << 10;
+/// The most memory the kept large allocations hold together (and so the largest one kept).
+const KEEP_BYTES: usize = 32 << 20;
+/// The most large allocations kept.
+const KEEP_SLOTS: usize = 4;
+
+/// Freed large allocations, oldest first, and the bytes they hold (at most [`KEEP_BYTES`]).
+struct Kept(Vec<(Layout, NonNull<u8>)>, usize);
+
+// SAFETY: `Kept` holds the only reference to each of its allocations (`recycle`'s contract), which
+// any thread may reuse or free.
+unsafe impl Send for Kept {}
+
+/// The large allocations freed last, by any thread (a value read on one thread is often dropped on
+/// another). Reading a 16 MiB spilled value into fresh memory took 10 ms here, into memory touched
+/// before 1 ms: see `docs/benchmarks.md`, "Reads into memory touched before".
+static KEPT: std::sync::Mutex<Kept> = std::sync::Mutex::new(Kept(Vec::new(), 0));
+
+/// The size allocated for `n` bytes: `n` itself below [`KEEP_MIN_BYTES`], else `n` rounded up to an
+/// eighth of the power of two below it, so that values of about one size (the pieces of a shuffle)
+/// share a layout and reuse each other's memory ([`KEPT`]). The rounding is at most an eighth of `n`,
+/// and pages of it that no read writes are never touched.
+fn size_class(n: usize) -> usize {
+    if n < KEEP_MIN_BYTES {
+        return n;
+    }
+    round_up(n, 1 << (n.ilog2() - 3))
+}
+
+/// A recycled allocation of exactly `layout`, if this thread holds one (or, a large one, the process
+/// keeps one: the newest); no one else refers to it. Treat its bytes as uninitialized: they may be an
+/// earlier buffer's, or never written (buffers of different alignments can share a layout, with
+/// different offsets).
 fn recycled_take(layout: Layout) -> Option<NonNull<u8>> {
+    if layout.size() >= KEEP_MIN_BYTES {
+        let mut kept = KEPT.lock().unwrap_or_else(PoisonError::into_inner);
+        let i = kept.0.iter().rposition(|(l, _)| *l == layout)?;
+        kept.1 -= layout.size();
+        return Some(kept.0.remove(i).1);
+    }
     if layout.size() > RECYCLE_MAX_BYTES {
         return None;
     }
@@ -152,12 +189,43 @@ fn recycled_take(layout: Layout) -> Option<NonNull<u8>> {
         .flatten()
 }
 
-/// Give up the allocation `raw` of `layout`: keep it for reuse by this thread, or free it.
+/// Keep the large allocation `raw` of `layout` in [`KEPT`], freeing the oldest kept ones beyond its
+/// bounds; one larger than [`KEEP_BYTES`] is freed.
+///
+/// # Safety
+/// As [`recycle`].
+unsafe fn keep_large(raw: NonNull<u8>, layout: Layout) {
+    let mut freed = Vec::new();
+    if layout.size() > KEEP_BYTES {
+        freed.push((layout, raw));
+    } else {
+        let mut kept = KEPT.lock().unwrap_or_else(PoisonError::into_inner);
+        kept.0.push((layout, raw));
+        kept.1 += layout.size();
+        while kept.1 > KEEP_BYTES || kept.0.len() > KEEP_SLOTS {
+            let (l, raw) = kept.0.remove(0);
+            kept.1 -= l.size();
+            freed.push((l, raw));
+        }
+    }
+    for (layout, raw) in freed {
+        // SAFETY: the caller's allocation, or one `KEPT` held the only reference to (the contract
+        // under which `recycle` put it there), taken out of it; each is freed once, here.
+        unsafe { alloc::dealloc(raw.as_ptr(), layout) }
+    }
+}
+
+/// Give up the allocation `raw` of `layout`: keep it for reuse (a small one by this thread, a large one
+/// by any), or free it.
 ///
 /// # Safety
 /// `raw` is a live allocation of `layout` from `alloc::alloc` or `alloc::alloc_zeroed`, and the
 /// caller gives up every pointer into it.
 unsafe fn recycle(raw: NonNull<u8>, layout: Layout) {
+    if layout.size() >= KEEP_MIN_BYTES {
+        // SAFETY: the caller's contract.
+        return unsafe { keep_large(raw, layout) };
+    }
     let kept = layout.size() <= RECYCLE_MAX_BYTES
         && RECYCLED
             .try_with(|r| {
@@ -717,11 +785,13 @@ mod tests {
         let cap = b.capacity();
         assert!(b.spare_full()[4190..cap].iter().all(|&x| x == 0), "rounding tail zeroed");
         drop(b);
-        // A zeroed buffer never comes from the recycled ones.
-        let z = AlignedBuf::with_capacity(4224, 64);
-        assert_ne!(z.as_ptr() as usize, addr);
-        assert_eq!(held(), 1);
+        // A zeroed buffer may come from the recycled ones: zeroed, not holding the old bytes.
+        let mut z = AlignedBuf::with_capacity(4224, 64);
+        assert_eq!(z.as_ptr() as usize, addr, "same layout: recycled");
+        assert_eq!(held(), 0);
+        assert!(z.spare_full().iter().all(|&x| x == 0), "zeroed");
         drop(z);
+        assert_eq!(held(), 1);
         // Bounded: however many are freed, at most RECYCLE_SLOTS are kept; large ones never.
         let many: Vec<AlignedBuf> =
             (0..3 * RECYCLE_SLOTS).map(|i| AlignedBuf::read_exact_at(&f, i as u64, 3000, 64).unwrap()).collect();
@@ -738,6 +808,39 @@ mod tests {
             });
         });
         assert_eq!(held(), RECYCLE_SLOTS);
+    }
+
+    #[test]
+    fn freed_large_buffers_are_reused_by_any_thread_and_bounded() {
+        let data: Vec<u8> = (0..(2u32 << 20)).map(|i| (i * 7 % 249) as u8 + 1).collect();
+        let f = tempfile_of(&data);
+        let len = (3 << 19) + 60_000; // sizes no other test uses: tests run at once in one process
+        // A read freed on another thread, then a read of a few KiB less here: the same memory,
+        // holding the new bytes; then a zeroed buffer of it holds zeros, not the old bytes. (Other
+        // tests free large buffers too; one of a few tries sees few enough of them in between.)
+        let reused = (0..20).any(|i| {
+            let a = AlignedBuf::read_exact_at(&f, 0, len, 64).unwrap();
+            let addr = a.as_ptr() as usize;
+            std::thread::scope(|s| s.spawn(move || drop(a)).join().unwrap());
+            let (at, smaller) = (1000 + i, len - 5000); // the same size class (`size_class`)
+            let b = AlignedBuf::read_exact_at(&f, at as u64, smaller, 64).unwrap();
+            assert_eq!(&b[..], &data[at..at + smaller]);
+            let again = b.as_ptr() as usize == addr;
+            drop(b);
+            let mut z = AlignedBuf::with_capacity(len, 64);
+            assert!(z.spare_full().iter().all(|&x| x == 0), "zeroed");
+            again && z.as_ptr() as usize == addr
+        });
+        assert!(reused, "a freed large buffer is reused");
+        // Bounded: at most KEEP_SLOTS allocations of KEEP_BYTES together; a larger one is freed.
+        f.set_len(KEEP_BYTES as u64 + 1).unwrap();
+        for n in [9 << 20, 9 << 20, 9 << 20, 9 << 20, 300 << 10, 200 << 10, KEEP_BYTES + 1] {
+            drop(AlignedBuf::read_exact_at(&f, 0, n, 64).unwrap());
+            let kept = KEPT.lock().unwrap();
+            assert!(kept.0.len() <= KEEP_SLOTS);
+            assert_eq!(kept.1, kept.0.iter().map(|(l, _)| l.size()).sum::<usize>());
+            assert!(kept.1 <= KEEP_BYTES);
+        }
     }
 
     #[test]
