@@ -151,7 +151,7 @@ unsafe impl Send for Kept {}
 
 /// The large allocations freed last, by any thread (a value read on one thread is often dropped on
 /// another). Reading a 16 MiB spilled value into fresh memory took 10 ms here, into memory touched
-/// before 1 ms: see `docs/benchmarks.md`, "Reads into memory touched before".
+/// before 1 ms: see `docs/benchmarks.md`, "Large read buffers are reused".
 static KEPT: std::sync::Mutex<Kept> = std::sync::Mutex::new(Kept(Vec::new(), 0));
 
 /// The size allocated for `n` bytes: `n` itself below [`KEEP_MIN_BYTES`], else `n` rounded up to an
