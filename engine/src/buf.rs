@@ -142,8 +142,15 @@ const KEEP_BYTES: usize = 32 << 20;
 /// The most large allocations kept.
 const KEEP_SLOTS: usize = 4;
 
-/// Freed large allocations, oldest first, and the bytes they hold (at most [`KEEP_BYTES`]).
-struct Kept(Vec<(Layout, NonNull<u8>)>, usize);
+/// Freed large allocations, oldest first: at most [`KEEP_SLOTS`], of [`KEEP_BYTES`] together.
+struct Kept(Vec<(Layout, NonNull<u8>)>);
+
+impl Kept {
+    /// The bytes the kept allocations hold.
+    fn bytes(&self) -> usize {
+        self.0.iter().map(|(l, _)| l.size()).sum()
+    }
+}
 
 // SAFETY: `Kept` holds the only reference to each of its allocations (`recycle`'s contract), which
 // any thread may reuse or free.
@@ -152,7 +159,7 @@ unsafe impl Send for Kept {}
 /// The large allocations freed last, by any thread (a value read on one thread is often dropped on
 /// another). Reading a 16 MiB spilled value into fresh memory took 10 ms here, into memory touched
 /// before 1 ms: see `docs/benchmarks.md`, "Large read buffers are reused".
-static KEPT: std::sync::Mutex<Kept> = std::sync::Mutex::new(Kept(Vec::new(), 0));
+static KEPT: std::sync::Mutex<Kept> = std::sync::Mutex::new(Kept(Vec::new()));
 
 /// The size allocated for `n` bytes: `n` itself below [`KEEP_MIN_BYTES`], else `n` rounded up to an
 /// eighth of the power of two below it, so that values of about one size (the pieces of a shuffle)
@@ -173,7 +180,6 @@ fn recycled_take(layout: Layout) -> Option<NonNull<u8>> {
     if layout.size() >= KEEP_MIN_BYTES {
         let mut kept = KEPT.lock().unwrap_or_else(PoisonError::into_inner);
         let i = kept.0.iter().rposition(|(l, _)| *l == layout)?;
-        kept.1 -= layout.size();
         return Some(kept.0.remove(i).1);
     }
     if layout.size() > RECYCLE_MAX_BYTES {
@@ -201,11 +207,8 @@ unsafe fn keep_large(raw: NonNull<u8>, layout: Layout) {
     } else {
         let mut kept = KEPT.lock().unwrap_or_else(PoisonError::into_inner);
         kept.0.push((layout, raw));
-        kept.1 += layout.size();
-        while kept.1 > KEEP_BYTES || kept.0.len() > KEEP_SLOTS {
-            let (l, raw) = kept.0.remove(0);
-            kept.1 -= l.size();
-            freed.push((l, raw));
+        while kept.bytes() > KEEP_BYTES || kept.0.len() > KEEP_SLOTS {
+            freed.push(kept.0.remove(0));
         }
     }
     for (layout, raw) in freed {
@@ -838,8 +841,7 @@ mod tests {
             drop(AlignedBuf::read_exact_at(&f, 0, n, 64).unwrap());
             let kept = KEPT.lock().unwrap();
             assert!(kept.0.len() <= KEEP_SLOTS);
-            assert_eq!(kept.1, kept.0.iter().map(|(l, _)| l.size()).sum::<usize>());
-            assert!(kept.1 <= KEEP_BYTES);
+            assert!(kept.bytes() <= KEEP_BYTES);
         }
     }
 
