@@ -14,7 +14,9 @@ spillway, run 2 spillway then dask, and so on. Reported per store and run:
   managed memory, and the "Unmanaged memory use is high" warnings;
 * the scheduler's unmanaged-memory samples (from the workers' heartbeats);
 * wall time of each phase, and whether every phase's result is identical across all runs of all
-  stores.
+  stores;
+* the CPU time of each phase: the machine's (busy and idle, over all its cores) and the workers'
+  own (user and system), which says whether a phase is bound by the CPUs, and whose work fills them.
 
 Phases: ``persist`` (a random float64 array, most of it spilled), ``transpose-sum``
 (``(x + x.T).sum()``), ``rechunk`` (a task rechunk to tall narrow chunks, ``x.rechunk((n, 128))
@@ -190,6 +192,13 @@ class RunResult:
     #: phase -> {worker: [serializations, deserializations] since it started} (serial_counts.py),
     #: a worker closed in the phase (retire) with its counts at its close.
     serial: dict = field(default_factory=dict)
+    #: phase -> the machine's CPU time in the phase, seconds summed over its cores, by kind
+    #: (``psutil.cpu_times``: user, system, idle, iowait, steal, ...): every process, the scheduler
+    #: and this one included. Where ``busy`` is close to ``cores``, the phase is bound by the CPUs.
+    cpu: dict = field(default_factory=dict)
+    #: phase -> [user, system] CPU seconds of the worker processes in the phase, summed (a worker
+    #: that started in it from its start; one that left in it, retire's, not counted).
+    worker_cpu: dict = field(default_factory=dict)
     backend: str = ""
 
     @property
@@ -293,6 +302,7 @@ class MemorySampler(WorkerPlugin):
             out["time"] = _fine_seconds(self.worker)
             counter = sys.modules.get("serial_counts")
             out["serial"] = list(counter.counts()) if counter is not None else None
+            out["cpu"] = _worker_cpu(self.worker)  # since it started
             if TIMELINE:
                 out["timeline"], self.timeline = self.timeline, []
             self.reset()
@@ -377,6 +387,14 @@ def _serial(stats: dict, before: dict, closed_dir: str) -> dict:
             with open(path) as f:
                 out[w] = json.load(f)
     return out
+
+
+def _worker_cpu(dask_worker) -> list:
+    """[user, system] CPU seconds of this worker process since it started."""
+    import psutil
+
+    times = psutil.Process().cpu_times()
+    return [times.user, times.system]
 
 
 def _collect(dask_worker):
@@ -903,6 +921,7 @@ def run_one(
     import tempfile
 
     import cloudpickle
+    import psutil
     from distributed import Client
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -928,10 +947,13 @@ def run_one(
         result.backend = ",".join(sorted({b for b in client.run(_backend).values() if b}))
         try:
             for name, phase in _phases(client, size, phases, result.notes):
+                workers0 = client.run(_worker_cpu)
+                cpu0 = psutil.cpu_times()
                 t0 = time.perf_counter()
                 wire0 = cluster.link_bytes() if net else 0
                 value = phase()
                 result.phase_seconds[name] = time.perf_counter() - t0
+                result.cpu[name] = _cpu_spent(cpu0, psutil.cpu_times())
                 if net:
                     result.link_bytes[name] = cluster.link_bytes() - wire0
                 result.results[name] = _digest(value)
@@ -939,6 +961,14 @@ def run_one(
                 result.worker_stats[name] = {
                     w: s for w, s in client.run(_collect).items() if s is not None
                 }
+                result.worker_cpu[name] = [
+                    sum(
+                        s["cpu"][i] - workers0.get(w, (0.0, 0.0))[i]
+                        for w, s in result.worker_stats[name].items()
+                        if s.get("cpu")
+                    )
+                    for i in (0, 1)
+                ]
                 previous = list(result.serial.values())[-1] if result.serial else {}
                 result.serial[name] = _serial(result.worker_stats[name], previous, closed_dir)
             result.completed = True
@@ -950,6 +980,16 @@ def run_one(
         result.peak_rss = [watch.rss[k] for k in sorted(watch.rss)]
         result.unmanaged = watch.unmanaged
     return result
+
+
+def _cpu_spent(before, after) -> dict:
+    """The machine's CPU seconds between two ``psutil.cpu_times()``, by kind, with ``busy`` (all
+    but idle and iowait), ``total`` and ``cores``."""
+    out = {k: getattr(after, k) - getattr(before, k) for k in after._fields}
+    out["total"] = sum(out.values())
+    out["busy"] = out["total"] - out.get("idle", 0.0) - out.get("iowait", 0.0)
+    out["cores"] = os.cpu_count() or 1
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1015,6 +1055,25 @@ def summarize(results: list) -> dict:
             "phase_median_link_mib": {
                 p: statistics.median(r.link_bytes[p] for r in done if p in r.link_bytes) / MiB
                 for p in (done[0].link_bytes if done else {})
+            },
+            # CPU seconds over all the machine's cores, medians over the completed runs: busy
+            # (every process), its share of the cores' time, and the workers' user and system.
+            "phase_median_cpu": {
+                p: {
+                    "busy": statistics.median(r.cpu[p]["busy"] for r in done if p in r.cpu),
+                    "busy_share": statistics.median(
+                        r.cpu[p]["busy"] / max(r.cpu[p]["total"], 1e-9) for r in done if p in r.cpu
+                    ),
+                    "system": statistics.median(r.cpu[p]["system"] for r in done if p in r.cpu),
+                    "workers_user": statistics.median(
+                        r.worker_cpu[p][0] for r in done if p in r.worker_cpu
+                    ),
+                    "workers_system": statistics.median(
+                        r.worker_cpu[p][1] for r in done if p in r.worker_cpu
+                    ),
+                }
+                for p in (done[0].cpu if done else {})
+                if all(p in r.cpu and p in r.worker_cpu for r in done)
             },
             # Per worker of the run's start, medians over the completed runs.
             "phase_median_serial_per_worker": {
@@ -1126,6 +1185,26 @@ def report(results: list) -> str:
                     dwire = stores["dask"]["phase_median_link_mib"].get(p)
                     moved = f", over the links {dwire:.0f} / {wire:.0f} MiB" if wire is not None else ""
                     lines.append(f"    {p}: dask {d:.1f} s, {other} {t:.1f} s, {d / t:.2f}x{moved}")
+    cores = next((c["cores"] for r in results for c in r.cpu.values()), None)
+    if cores is not None:
+        lines.append("")
+        lines.append(
+            f"CPU per phase (s over the machine's {cores} cores, median of runs): busy (its share"
+            " of the cores' time; system part) = workers user + system + the rest (scheduler,"
+            " client, kernel threads)"
+        )
+    for p in phases if cores is not None else ():
+        cells = []
+        for store, st in stores.items():
+            c = st.get("phase_median_cpu", {}).get(p)
+            if c:
+                rest = c["busy"] - c["workers_user"] - c["workers_system"]
+                cells.append(
+                    f"{store} {c['busy']:.1f} ({c['busy_share']:.0%}; sys {c['system']:.1f})"
+                    f" = {c['workers_user']:.1f} + {c['workers_system']:.1f} + {rest:.1f}"
+                )
+        if cells:
+            lines.append(f"    {p}: " + ", ".join(cells))
     lines.append("")
     lines.append("serializations / deserializations per worker (median of runs):")
     for store, st in stores.items():

@@ -57,6 +57,17 @@ def test_a_tight_memory_cluster_restarts_no_worker_and_computes_what_dask_comput
     moved = run.notes["retire moved keys"]
     assert counts["retire"][0] >= moved and counts["retire"][1] >= moved, (counts, moved)
 
+    # The CPU each phase cost: the machine's busy time covers the workers' own (they run on it),
+    # and cannot exceed what its cores had in the phase.
+    for phase, cpu in run.cpu.items():
+        user, system = run.worker_cpu[phase]
+        assert 0 < user + system <= cpu["busy"] + 0.5, (phase, run.worker_cpu[phase], cpu)
+        assert cpu["busy"] <= cpu["total"] <= cpu["cores"] * run.phase_seconds[phase] * 1.2 + 0.5, (
+            phase,
+            cpu,
+            run.phase_seconds[phase],
+        )
+
     expected = cluster_bench.reference(size)
     for phase, value in expected.items():
         got = run.values[phase]
