@@ -6,8 +6,8 @@
 #
 # DISTRIBUTED_SRC: a checkout of dask/distributed at the installed version (its tests are not in the
 # wheel or the sdist). MODES: any of stock, spillway, plugin (default: all three). PYTEST_ARGS:
-# default distributed/tests/test_worker_memory.py. The spillway package under test is the one on
-# PYTHONPATH (default: target/python, where scripts/test-all.sh unpacks the built wheel).
+# default distributed/tests/test_worker_memory.py. The Python is $PYTHON (default: target/venv, where
+# scripts/test-all.sh installs the built wheel with the versions tested).
 set -uo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 src="$(cd "${1:?usage: $0 DISTRIBUTED_SRC [stock|spillway|plugin ...] [-- PYTEST_ARGS]}" && pwd)"
@@ -18,12 +18,11 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do modes+=("$1"); shift; done
 [ ${#modes[@]} -eq 0 ] && modes=(stock spillway plugin)
 args=("$@")
 [ ${#args[@]} -eq 0 ] && args=(distributed/tests/test_worker_memory.py)
-# (Made absolute: the tests run from the distributed source directory.)
-pkg="$(python3 -c 'import os, sys; print(os.pathsep.join(os.path.abspath(p) for p in sys.argv[1].split(os.pathsep) if p))' "${PYTHONPATH:-$here/target/python}")"
-echo "distributed $(python3 -c 'import distributed; print(distributed.__version__)') from $(python3 -c 'import distributed, os; print(os.path.dirname(distributed.__file__))')"
+py="${PYTHON:-$here/target/venv/bin/python}"
+echo "distributed $("$py" -c 'import distributed; print(distributed.__version__)') from $("$py" -c 'import distributed, os; print(os.path.dirname(distributed.__file__))')"
 summary=()
 for mode in "${modes[@]}"; do
-  env=(PYTHONPATH="$here/scripts/dask-default-store:$pkg")
+  env=(PYTHONPATH="$here/scripts/dask-default-store${PYTHONPATH:+:$PYTHONPATH}")
   case "$mode" in
     stock) ;;
     spillway) env+=(SPILLWAY_DASK_DEFAULT_STORE=1) ;;
@@ -32,7 +31,7 @@ for mode in "${modes[@]}"; do
   esac
   log="$(mktemp)"
   echo "=== $mode: ${args[*]}"
-  (cd "$src" && env "${env[@]}" python3 -m pytest -p no:cacheprovider -q -rfE --color=no --durations=0 --timeout=300 -o timeout_method=signal "${args[@]}") 2>&1 | tee "$log" | grep -E "^(FAILED|ERROR)|(passed|failed|error).* in [0-9.]+s"
+  (cd "$src" && env "${env[@]}" "$py" -m pytest -p no:cacheprovider -q -rfE --color=no --durations=0 --timeout=300 -o timeout_method=signal "${args[@]}") 2>&1 | tee "$log" | grep -E "^(FAILED|ERROR)|(passed|failed|error).* in [0-9.]+s"
   summary+=("$mode: $(grep -E '(passed|failed|error).* in [0-9.]+s' "$log" | tail -1 | tr -d '=' | sed 's/^ *//')")
   rm -f "$log"
 done

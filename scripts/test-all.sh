@@ -11,9 +11,9 @@ step "tools: what the tests need, installed where missing"
 rustup component add rustfmt clippy >/dev/null 2>&1 || true
 # cargo-fuzz (stable toolchain, run with -s none): builds in about two minutes.
 cargo fuzz --help >/dev/null 2>&1 || cargo install cargo-fuzz --locked
-# cryptography: dask's Security.temporary(), for the TLS cluster test.
-python3 -m pip install -q --disable-pip-version-check maturin pytest pytest-timeout numpy "dask[dataframe]" \
-  distributed psutil prometheus_client bokeh cryptography
+# Python packages go into virtual environments under target/ (python_env below), never into the
+# system Python: each resolved with spillway's own bounds (python/pyproject.toml) under the
+# constraints of the versions tested (python/requirements/).
 # Debian's Chromium, for the test that looks at dask's dashboard (test_dashboard.py).
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 \
@@ -39,27 +39,62 @@ step "loom models (own target dir, --cfg spillway_loom): slot, store, log, bufpo
 RUSTFLAGS="--cfg spillway_loom" CARGO_TARGET_DIR=target/loom \
   cargo test --release --locked -p spillway-loom-tests --tests 2>&1 | tee -a "$log"
 
-step "python bindings: build the extension, run pytest (including a real dask cluster)"
-maturin build --release --locked -q -m python/Cargo.toml -o target/wheels
-# Unpack the wheel next to the build instead of installing it: the package under test is this one.
-rm -rf target/python && mkdir -p target/python
-python3 -m zipfile -e "$(ls -t target/wheels/spillway-*.whl | head -1)" target/python
-# A test that hangs (a cluster that lost a worker, say) fails after 10 minutes instead of stalling CI.
-PYTHONPATH="$PWD/target/python" python3 -m pytest -p no:cacheprovider -q --timeout=600 python/tests 2>&1 | tee -a "$log"
+# python_env DIR [pip arguments...]: a virtual environment at DIR (made if missing) with spillway's
+# freshly built wheel and its [test] extra installed as pip resolves them with the package's own
+# bounds and the given arguments (constraints, pins, --pre...).
+python_env() {
+  local dir=$1; shift
+  [ -x "$dir/bin/python" ] || python3 -m venv "$dir"
+  "$dir/bin/python" -m pip install -q --disable-pip-version-check "$wheel[test]" "$@"
+  # The wheel's version does not change between builds: put this build in place.
+  "$dir/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "$wheel"
+}
+versions() { "$1/bin/python" -c 'import dask, distributed; print(f"dask {dask.__version__}, distributed {distributed.__version__}")'; }
+# The tests where dask meets spillway: run again on other distributed releases.
+dask_tests=(python/tests/test_spill_contract.py python/tests/test_dask_parity.py python/tests/test_config.py
+  python/tests/test_worker.py python/tests/test_memory.py python/tests/test_dask_plugin.py
+  python/tests/test_dask_received.py python/tests/test_dask_side_channel.py
+  python/tests/test_dask_metrics.py python/tests/test_dask_cli.py python/tests/test_dask_hooks.py)
+pytest_in() { local dir=$1; shift; "$dir/bin/python" -m pytest -p no:cacheprovider -q --timeout=600 "$@"; }
 
-step "python bindings against the lowest distributed spillway supports (python/pyproject.toml)"
-# A virtual environment with that dask (and a pandas it knows): the tests where dask meets spillway.
+step "python bindings: build the wheel, install it in target/venv with the versions tested, run pytest"
+main=target/venv
+[ -x "$main/bin/python" ] || python3 -m venv "$main"
+"$main/bin/python" -m pip install -q --disable-pip-version-check -c python/requirements/tested.txt "maturin>=1.5,<2"
+"$main/bin/maturin" build --release --locked -q -m python/Cargo.toml -o target/wheels
+wheel=$(ls -t "$PWD"/target/wheels/spillway-*.whl | head -1)
+python_env "$main" -c python/requirements/tested.txt
+echo "target/venv: $(versions "$main") (python/requirements/tested.txt)"
+# A test that hangs (a cluster that lost a worker, say) fails after 10 minutes instead of stalling CI.
+pytest_in "$main" python/tests 2>&1 | tee -a "$log"
+
+step "python bindings against the lowest distributed spillway supports (python/requirements/lowest.txt)"
 lowest=$(sed -n 's/.*"distributed>=\([0-9.]*\),.*/\1/p' python/pyproject.toml)
-venv=target/venv-distributed-$lowest
-[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-"$venv/bin/pip" install -q --disable-pip-version-check "distributed==$lowest" "dask[dataframe]==$lowest" \
-  "pandas<3" numpy pytest pytest-timeout psutil prometheus_client cryptography
-echo "distributed $("$venv/bin/python" -c 'import distributed; print(distributed.__version__)')"
-PYTHONPATH="$PWD/target/python" "$venv/bin/python" -m pytest -p no:cacheprovider -q --timeout=600 \
-  python/tests/test_spill_contract.py python/tests/test_dask_parity.py python/tests/test_config.py \
-  python/tests/test_worker.py python/tests/test_memory.py python/tests/test_dask_plugin.py \
-  python/tests/test_dask_received.py python/tests/test_dask_side_channel.py \
-  python/tests/test_dask_metrics.py python/tests/test_dask_cli.py 2>&1 | tee -a "$log"
+grep -qx "distributed==$lowest" python/requirements/lowest.txt \
+  || { echo "python/requirements/lowest.txt does not pin distributed==$lowest (pyproject's lower bound)"; exit 1; }
+python_env "target/venv-lowest" -c python/requirements/lowest.txt
+echo "target/venv-lowest: $(versions target/venv-lowest)"
+pytest_in target/venv-lowest "${dask_tests[@]}" 2>&1 | tee -a "$log"
+
+step "python bindings against the newest release within spillway's bounds (whatever the registry serves today)"
+python_env target/venv-newest --upgrade --upgrade-strategy eager
+newest=$(versions target/venv-newest)
+if [ "$newest" = "$(versions "$main")" ]; then
+  echo "target/venv-newest: $newest, the versions tested above"
+else
+  echo "target/venv-newest: $newest (tested: $(versions "$main"))"
+  pytest_in target/venv-newest "${dask_tests[@]}" 2>&1 | tee -a "$log"
+fi
+
+step "python bindings against the newest pre-release (reported, not counted)"
+if ! python_env target/venv-pre --upgrade --upgrade-strategy eager --pre >target/venv-pre.log 2>&1; then
+  echo "no pre-release environment could be installed:"; tail -5 target/venv-pre.log
+elif [ "$(versions target/venv-pre)" = "$newest" ]; then
+  echo "no pre-release newer than the newest release ($newest)"
+else
+  echo "target/venv-pre: $(versions target/venv-pre)"
+  pytest_in target/venv-pre "${dask_tests[@]}" 2>&1 | tail -3 || true
+fi
 
 step "fuzz smoke: every cargo-fuzz target for ${FUZZ_SECONDS:-20} s from its seed corpus"
 for t in $(cargo fuzz list); do
