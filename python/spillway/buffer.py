@@ -532,26 +532,30 @@ class SpillBuffer(MutableMapping):
         self._next_resolve = now + _RESOLVE_EVERY
         worker_module = sys.modules.get("distributed.worker")
         for worker in list(getattr(getattr(worker_module, "Worker", None), "_instances", ())):
-            manager = getattr(worker, "memory_manager", None)
-            if getattr(manager, "data", None) is not self:
-                continue
-            try:
-                t = config.thresholds(manager.memory_limit)
-            except Exception:  # (a bad setting: logged, and the buffer keeps what it has)
-                logger.exception("spillway: cannot take the settings of %s", worker)
-            else:
-                if "target" in self._auto:
-                    self._store.target = t.target
-                if "process" in self._auto:
-                    self._store.process_target = t.process_target
-                    self._store.process_trigger = t.process_trigger
-            self._auto = set()
-            self._worker = weakref.ref(worker)
-            loop = getattr(worker, "loop", None)
-            if loop is not None and hasattr(worker, "finished"):
-                loop.add_callback(_close_with, weakref.ref(self), worker)
-            return True
+            if getattr(getattr(worker, "memory_manager", None), "data", None) is self:
+                self._attach(worker)
+                return True
         return False
+
+    def _attach(self, worker: object) -> None:
+        """This buffer is ``worker``'s data: take the ``"auto"`` settings from it (``target``, the
+        process thresholds: :func:`spillway.config.thresholds` of its memory limit), and close with
+        it if empty (:func:`_close_with`)."""
+        try:
+            t = config.thresholds(worker.memory_manager.memory_limit)
+        except Exception:  # (a bad setting: logged, and the buffer keeps what it has)
+            logger.exception("spillway: cannot take the settings of %s", worker)
+        else:
+            if "target" in self._auto:
+                self._store.target = t.target
+            if "process" in self._auto:
+                self._store.process_target = t.process_target
+                self._store.process_trigger = t.process_trigger
+        self._auto = set()
+        self._worker = weakref.ref(worker)
+        loop = getattr(worker, "loop", None)
+        if loop is not None and hasattr(worker, "finished"):
+            loop.add_callback(_close_with, weakref.ref(self), worker)
 
     def _peek(self, key: Hashable) -> object:
         """The object of ``key`` without changing its tier or the LRU order."""

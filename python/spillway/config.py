@@ -109,8 +109,18 @@ def max_spill() -> int | Literal[False]:
     return parse_bytes(value) if isinstance(value, str) else int(value)
 
 
-#: What spillway's log compresses with, by dask's name for it.
-_COMPRESSIONS = {None: "none", False: "none", "lz4": "lz4"}
+#: What spillway's log compresses with, by dask's name for it: the compressors dask knows that
+#: spillway has not (``zlib``, ``snappy``, ``zstd``) ask for compression, which spillway's log does
+#: with lz4.
+_COMPRESSIONS = {
+    None: "none",
+    False: "none",
+    "none": "none",
+    "lz4": "lz4",
+    "zlib": "lz4",
+    "snappy": "lz4",
+    "zstd": "lz4",
+}
 
 
 #: "What dask's config says" (where None has a meaning of its own).
@@ -121,18 +131,17 @@ def compression(name: object = CONFIGURED) -> str:
     """The log's compression (``"none"`` or ``"lz4"``) for dask's ``spill-compression`` setting
     ``name`` (default: the configured one). ``"auto"`` is what dask makes of it: lz4 where the lz4
     package is installed, snappy where only that is (spillway compresses with lz4 then: it has no
-    snappy), nothing otherwise. ``zlib``, ``snappy`` and ``zstd`` are refused with a ValueError:
-    spillway's log compresses with lz4 or not at all."""
+    snappy), nothing otherwise. Every other compressor dask knows (``zlib``, ``snappy``, ``zstd``)
+    turns compression on, with lz4. A name dask does not know is a ValueError, as in dask."""
     if name == CONFIGURED:
         name = _memory("spill-compression")
     if name == "auto":
         found = any(importlib.util.find_spec(m) is not None for m in ("lz4", "snappy"))
         return "lz4" if found else "none"
-    if name in _COMPRESSIONS:
+    try:
         return _COMPRESSIONS[name]
-    if name in ("none", "lz4"):
-        return name
-    raise ValueError(
-        f"distributed.worker.memory.spill-compression={name!r}: spillway's log compresses with lz4 "
-        "or not at all; set it to 'auto', 'lz4', None or False"
-    )
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"distributed.worker.memory.spill-compression={name!r}: not a compression dask knows "
+            "(auto, lz4, zlib, snappy, zstd, None or False)"
+        ) from None

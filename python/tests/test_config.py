@@ -46,7 +46,11 @@ def test_max_spill_is_dasks():
 def test_compression_is_dasks(monkeypatch):
     for name, expected in [(None, "none"), (False, "none"), ("lz4", "lz4"), ("none", "none")]:
         assert config.compression(name) == expected
-    for name in ("zlib", "snappy", "zstd", "gzip"):
+    # Every other compressor dask knows asks for compression: spillway's is lz4.
+    for name in ("zlib", "snappy", "zstd"):
+        assert config.compression(name) == "lz4"
+    # A name dask refuses is refused.
+    for name in ("gzip", "LZ4", 3, ["lz4"]):
         with pytest.raises(ValueError, match="spill-compression"):
             config.compression(name)
     # "auto": lz4 where dask would find a compressor (lz4, or snappy), else nothing.
@@ -72,8 +76,12 @@ def test_a_buffer_compresses_as_dasks_config_says(tmp_path):
     buf = spillway.SpillBuffer(str(tmp_path), target=0, compression="lz4")
     assert buf._store.compression == "lz4"
     buf.close()
-    with dask.config.set({"distributed.worker.memory.spill-compression": "zlib"}):
-        with pytest.raises(ValueError, match="lz4 or not at all"):
+    with dask.config.set({"distributed.worker.memory.spill-compression": "zstd"}):
+        buf = spillway.SpillBuffer(str(tmp_path), target=0)
+    assert buf._store.compression == "lz4"
+    buf.close()
+    with dask.config.set({"distributed.worker.memory.spill-compression": "gzip"}):
+        with pytest.raises(ValueError, match="not a compression dask knows"):
             spillway.SpillBuffer(str(tmp_path), target=0)
     assert os.listdir(tmp_path) == [], "nothing left behind"
 

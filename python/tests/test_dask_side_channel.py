@@ -88,7 +88,7 @@ def test_spilled_values_move_by_the_side_channel_into_memory_and_to_disk():
             workers=[receiver],
         )[receiver]
         assert held[1] >= disk and sum(held) == n
-        assert client.run(lambda dask_worker: spillway.dask._side[dask_worker][0].live_grants) == {
+        assert client.run(lambda dask_worker: spillway.dask._plugs[dask_worker].side[0].live_grants) == {
             sender: 0,
             receiver: 0,
         }, "every ticket was redeemed or revoked"
@@ -120,8 +120,9 @@ class _ForgedTickets:
 
 
 def _break_side_channel(dask_worker):
-    server, min_bytes = spillway.dask._side[dask_worker]
-    spillway.dask._side[dask_worker] = (_ForgedTickets(server), min_bytes)
+    plug = spillway.dask._plugs[dask_worker]
+    server, min_bytes = plug.side
+    plug.side = (_ForgedTickets(server), min_bytes)
 
 
 def test_a_failed_side_fetch_falls_back_in_band():
@@ -172,7 +173,7 @@ def test_small_values_and_a_plugin_without_the_side_channel_go_in_band():
 
     with _cluster() as cluster, distributed.Client(cluster) as client:
         client.register_plugin(spillway.dask.SpillwayPlugin(side_channel=False))
-        assert not any(client.run(lambda dask_worker: dask_worker in spillway.dask._side).values())
+        assert not any(client.run(lambda dask_worker: spillway.dask.status(dask_worker)["side_channel"] is not None).values())
 
 
 def test_the_side_channel_is_off_where_it_cannot_run():
@@ -189,8 +190,8 @@ def test_the_side_channel_is_off_where_it_cannot_run():
     ):
         client.register_plugin(spillway.dask.SpillwayPlugin())
         w = next(iter(cluster.workers.values()))
-        assert spillway.dask._plugged.get(w.rpc) is w
-        assert w not in spillway.dask._side
+        assert spillway.dask.status(w)["plugin"]
+        assert spillway.dask.status(w)["side_channel"] is None
         assert "inproc" in spillway.dask._side_channel_off(w)
 
     class Encrypted:
@@ -244,7 +245,7 @@ def test_a_tls_cluster_moves_spilled_values_in_band_still_pickled():
         client.register_plugin(spillway.dask.SpillwayPlugin())
         sender, receiver = sorted(client.scheduler_info()["workers"])
         assert sender.startswith("tls://")
-        assert client.run(lambda dask_worker: dask_worker in spillway.dask._side) == {
+        assert client.run(lambda dask_worker: spillway.dask.status(dask_worker)["side_channel"] is not None) == {
             sender: False,
             receiver: False,
         }
