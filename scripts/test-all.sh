@@ -54,7 +54,8 @@ versions() { "$1/bin/python" -c 'import dask, distributed; print(f"dask {dask.__
 dask_tests=(python/tests/test_spill_contract.py python/tests/test_dask_parity.py python/tests/test_config.py
   python/tests/test_worker.py python/tests/test_memory.py python/tests/test_dask_plugin.py
   python/tests/test_dask_received.py python/tests/test_dask_side_channel.py
-  python/tests/test_dask_metrics.py python/tests/test_dask_cli.py python/tests/test_dask_hooks.py)
+  python/tests/test_dask_metrics.py python/tests/test_dask_cli.py python/tests/test_dask_hooks.py
+  python/tests/test_dask_failures.py)
 pytest_in() { local dir=$1; shift; "$dir/bin/python" -m pytest -p no:cacheprovider -q --timeout=600 "$@"; }
 
 step "python bindings: build the wheel, install it in target/venv with the versions tested, run pytest"

@@ -443,6 +443,7 @@ impl Log {
         direct: bool,
         write_behind_bytes: Option<u64>,
     ) -> PyResult<Self> {
+        logging::install(py);
         let compression = match compression {
             "none" => Compression::None,
             "lz4" => Compression::Lz4,
@@ -669,8 +670,6 @@ impl Log {
 /// The segment log behind `spillway.SpillBuffer`.
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    // The engine's log records reach Python's `logging`, as `spillway.<module>` loggers.
-    logging::install();
     m.add_function(wrap_pyfunction!(logging::flush_logs, m)?)?;
     m.add_function(wrap_pyfunction!(store::take_thread_metrics, m)?)?;
     m.add_class::<Log>()?;

@@ -360,6 +360,7 @@ impl Store {
         report_failures: bool,
         fresh_logs: u32,
     ) -> PyResult<Self> {
+        crate::logging::install(py);
         let eviction = match policy {
             "dask" => EvictionPolicy::dask(),
             "batched" => EvictionPolicy::default(),

@@ -83,6 +83,7 @@ impl TransferServer {
         min_bytes_per_sec: u64,
         splice_min_bytes: u64,
     ) -> PyResult<Self> {
+        crate::logging::install(py);
         let opts = TransferOptions {
             timeout: seconds(timeout, "timeout")?,
             max_connections,
@@ -260,6 +261,7 @@ fn fetch<'py>(
     connect_timeout: Option<f64>,
     min_bytes_per_sec: u64,
 ) -> PyResult<Option<Bound<'py, PyList>>> {
+    crate::logging::install(py);
     let fetch = Fetch::new(address, ticket, nbytes, timeout, connect_timeout, min_bytes_per_sec)?;
     let got = py.allow_threads(|| fetch.connect()?.get(key)).map_err(to_py)?;
     match got {
@@ -290,6 +292,7 @@ fn fetch_into(
     connect_timeout: Option<f64>,
     min_bytes_per_sec: u64,
 ) -> PyResult<Option<u64>> {
+    crate::logging::install(py);
     let fetch = Fetch::new(address, ticket, nbytes, timeout, connect_timeout, min_bytes_per_sec)?;
     let inner = log.inner()?;
     py.allow_threads(|| {
@@ -325,6 +328,7 @@ fn fetch_into_store(
     connect_timeout: Option<f64>,
     min_bytes_per_sec: u64,
 ) -> PyResult<Option<u64>> {
+    crate::logging::install(py);
     let fetch = Fetch::new(address, ticket, nbytes, timeout, connect_timeout, min_bytes_per_sec)?;
     let s = store.arc()?;
     py.allow_threads(|| {
