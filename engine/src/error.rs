@@ -112,6 +112,12 @@ pub enum Error {
         /// The key, lossily printed.
         key: String,
     },
+    /// A value arriving for a key lost to a `put` or `remove` of that key that came while it
+    /// arrived: it was not stored (the newer operation stands). Not a failure of the transfer.
+    Superseded {
+        /// The key, lossily printed.
+        key: String,
+    },
     /// An internal invariant did not hold (a bug in spillway, not bad input or bad bytes): the call
     /// failed and changed nothing it could not undo.
     Internal(String),
@@ -152,6 +158,7 @@ impl Error {
             | Error::Protocol(_)
             | Error::Exhausted(_)
             | Error::Vanished { .. }
+            | Error::Superseded { .. }
             | Error::Internal(_)
             | Error::NotPersisted { .. } => self.to_string(),
         }
@@ -239,6 +246,9 @@ impl fmt::Display for Error {
             Error::Protocol(msg) => write!(f, "transfer protocol: {msg}"),
             Error::Exhausted(what) => write!(f, "used up: {what}"),
             Error::Vanished { key } => write!(f, "{key:?} was removed while being read"),
+            Error::Superseded { key } => {
+                write!(f, "the value arriving for {key:?} was dropped: the key was set or removed meanwhile")
+            }
             Error::Internal(msg) => write!(f, "internal error (a bug in spillway): {msg}"),
             Error::NotPersisted { keys } => {
                 write!(f, "{keys} value(s) could not be written to disk and are held only in memory")

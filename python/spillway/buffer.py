@@ -366,8 +366,7 @@ class SpillBuffer(MutableMapping):
         raise KeyError(key)
 
     def __delitem__(self, key: Hashable) -> None:
-        with self._keys.stripe(key):
-            skey = self._keys.pop(key)  # KeyError if absent
+        with self._keys.stripe(key), self._keys.removing(key) as skey:  # KeyError if absent
             self.logged_pickle_errors.discard(key)
             with contextlib.suppress(ValueError):  # closed: its records went with it
                 self._store.remove(skey)

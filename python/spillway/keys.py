@@ -3,6 +3,7 @@ holds each key of a ``SpillBuffer``."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import numbers
@@ -22,7 +23,15 @@ class KeyMap:
     """Which store key holds each dask key's value (a key and its store key are each other's: one
     ``encode_key`` of it, with a ``#n`` suffix where two keys encode alike), and the store keys
     reserved for values a peer sends straight to disk that are not yet set (:mod:`spillway.received`).
-    ``lock`` orders its changes; :meth:`stripe` orders the sets and deletes of one key."""
+    ``lock`` orders its changes; :meth:`stripe` orders the sets and deletes of one key.
+
+    The protocol with the store (docs/architecture.md, "Store keys"): a store key is in exactly one
+    of four states, free, owned (a key's value), reserved (a value being received, or received and
+    not yet set) or retiring (no longer anyone's, its store entry not yet removed). Only a free
+    store key is handed out (:meth:`place`, :meth:`reserve`); a store key leaves a key or a
+    reservation only through retiring (:meth:`removing`, :meth:`adopt`, :meth:`drop`), and becomes
+    free only once the store has removed its entry. So a late removal never deletes a newer value
+    that got the same store key."""
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
@@ -30,6 +39,7 @@ class KeyMap:
         self._keys: dict[Hashable, bytes] = {}  # key -> its store key
         self._owners: dict[bytes, Hashable] = {}  # store key -> key
         self._reserved: dict[bytes, Hashable] = {}  # store key -> key it was received for
+        self._retiring: set[bytes] = set()  # store keys whose entries are being removed
 
     def stripe(self, key: Hashable) -> threading.RLock:
         """The lock that orders the sets and deletes of ``key``."""
@@ -66,35 +76,47 @@ class KeyMap:
         return skey
 
     def forget(self, key: Hashable, skey: bytes) -> None:
-        """``key`` has no value any more if ``skey`` still holds it."""
+        """``key`` has no value any more if ``skey`` still holds it (the store has no entry for it:
+        the store key is free at once)."""
         with self.lock:
             if self._keys.get(key) == skey:
                 del self._keys[key]
                 del self._owners[skey]
 
-    def pop(self, key: Hashable) -> bytes:
-        """Under the key's stripe: forget ``key``, returning its store key (KeyError if absent)."""
+    @contextlib.contextmanager
+    def removing(self, key: Hashable) -> Iterator[bytes]:
+        """Under the key's stripe: forget ``key`` (KeyError if absent), giving its store key to the
+        block, which removes its entry from the store; the store key is free after the block."""
         with self.lock:
             skey = self._keys.pop(key)
             del self._owners[skey]
-        return skey
+            self._retiring.add(skey)
+        try:
+            yield skey
+        finally:
+            self.retired(skey)
 
     def reserve(self, key: Hashable) -> bytes:
         """A store key of its own for a value of ``key`` received while ``key`` may keep its old
-        value; :meth:`adopt` makes it ``key``'s, :meth:`release` gives it up."""
+        value; :meth:`adopt` makes it ``key``'s, :meth:`drop` gives it up."""
         with self.lock:
             skey = self._free(key)
             self._reserved[skey] = key
         return skey
 
-    def release(self, skey: bytes) -> bool:
-        """Give up a reserved store key; whether it was reserved (and not adopted)."""
+    def drop(self, skey: bytes) -> bool:
+        """Give up a reserved store key; whether it was reserved (and not adopted). If so, it is
+        retiring: the caller removes its entry from the store, then calls :meth:`retired`."""
         with self.lock:
-            return self._reserved.pop(skey, None) is not None
+            if self._reserved.pop(skey, None) is None:
+                return False
+            self._retiring.add(skey)
+            return True
 
     def adopt(self, key: Hashable, skey: bytes) -> tuple[bool, bytes | None]:
         """Under the key's stripe: the reserved ``skey`` becomes ``key``'s store key. Returns
-        whether it was reserved (else nothing changes) and the store key it replaces, if any."""
+        whether it was reserved (else nothing changes) and the store key it replaces, if any: that
+        one is retiring (the caller removes its entry, then calls :meth:`retired`)."""
         with self.lock:
             if self._reserved.pop(skey, None) is None:
                 return False, None
@@ -102,20 +124,26 @@ class KeyMap:
             self._keys[key] = skey
             if old is not None:
                 del self._owners[old]
+                self._retiring.add(old)
             self._owners[skey] = key
         return True, old
 
+    def retired(self, skey: bytes) -> None:
+        """The store no longer has an entry under the retiring ``skey``: it is free."""
+        with self.lock:
+            self._retiring.discard(skey)
+
     @property
     def reserved(self) -> frozenset:
-        """The store keys reserved and not yet adopted or released."""
+        """The store keys reserved and not yet adopted or dropped."""
         with self.lock:
             return frozenset(self._reserved)
 
     def _free(self, key: Hashable) -> bytes:
-        """Under the lock: a store key for ``key`` that no other key has and none is reserved."""
+        """Under the lock: a free store key for ``key`` (no key's, not reserved, not retiring)."""
         base = encode_key(key)
         skey, n = base, 0
-        while skey in self._owners or skey in self._reserved:
+        while skey in self._owners or skey in self._reserved or skey in self._retiring:
             n += 1
             skey = base + b"#%d" % n
         return skey

@@ -206,14 +206,22 @@ class PeerValues:
             return False
         record._orphan.detach()
         if old is not None:
-            self._store.remove(old)
+            try:
+                with contextlib.suppress(ValueError):  # (closed)
+                    self._store.remove(old)
+            finally:
+                self._keys.retired(old)
         return True
 
     def drop(self, store_key: bytes) -> None:
-        """A received record that was never set (or failed): delete it."""
-        if self._keys.release(store_key):
-            with contextlib.suppress(ValueError):  # (closed)
-                self._store.remove(store_key)
+        """A received record that was never set (or failed): delete it. Its store key is handed
+        out again only once its entry is gone (:class:`~spillway.keys.KeyMap`)."""
+        if self._keys.drop(store_key):
+            try:
+                with contextlib.suppress(ValueError):  # (closed)
+                    self._store.remove(store_key)
+            finally:
+                self._keys.retired(store_key)
 
     @contextlib.contextmanager
     def serving(self, values: Mapping) -> Iterator[None]:

@@ -194,53 +194,60 @@ fn a_failed_transfer_into_a_store_keeps_the_old_value() {
     }
 }
 
-/// A `remove` of a key while a transfer of it is streamed to disk wins over the transfer, as a
-/// `put` does: the key stays absent, and the streamed record is dropped.
+/// While a transfer of a key is streamed to disk, the key keeps its old value, readable where it is
+/// (in memory or on disk), neither promoted nor spilled; a `remove` meanwhile wins over the
+/// transfer, as a `put` does: the key stays absent, the streamed record is dropped, and the
+/// transfer says that its value was not stored.
 #[test]
-fn a_remove_during_a_transfer_into_a_store_wins() {
-    use spillway::transfer::{self, Client, TransferOptions};
-    use spillway_tests::TICKET;
-    use std::io::{Read, Write};
-    let s = Arc::new(Store::open(TestCodec::default(), SimBackend::new(), "/r", cfg(20_000)).unwrap());
-    s.put_serialized(b"k", ser(&val(b'o', 5_000))).unwrap();
-    let (payload, meta) = spillway_tests::streamed(&ser(&val(b'n', 1 << 20)));
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
-    let (go_on, wait) = std::sync::mpsc::channel::<()>();
-    let server = std::thread::spawn(move || {
-        let (mut sock, _) = listener.accept().unwrap();
-        let mut hello = [0u8; 8];
-        sock.read_exact(&mut hello).unwrap();
-        sock.write_all(&transfer::greeting()).unwrap();
-        let mut req = vec![0u8; spillway_tests::raw_request(&TICKET, b"k").len()];
-        sock.read_exact(&mut req).unwrap();
-        sock.write_all(&transfer::encode_value_response(&meta)).unwrap();
-        sock.write_all(&payload[..4096]).unwrap();
-        wait.recv().unwrap();
-        sock.write_all(&payload[4096..]).unwrap();
-        let _ = sock.read(&mut [0u8; 1]); // until the client hangs up
-    });
-    let receiver = {
-        let s = s.clone();
-        std::thread::spawn(move || Client::connect(addr, TICKET, TransferOptions::default())?.get_into_store(b"k", &s))
-    };
-    let held = s.memory_bytes();
-    // The transfer has started once the old value is out of sight.
-    let mut spins = 0u64;
-    while s.contains(b"k") {
-        spins += 1;
-        assert!(spins < 50_000_000, "the transfer never started");
-        std::thread::yield_now();
+fn a_key_keeps_its_old_value_during_a_transfer_and_a_remove_wins() {
+    /// A peer that sends a first piece, says so, and sends the rest once told to.
+    struct Gated {
+        payload: Vec<u8>,
+        sent: usize,
+        started: Option<std::sync::mpsc::Sender<()>>,
+        go_on: std::sync::mpsc::Receiver<()>,
     }
-    assert_eq!(s.memory_bytes(), held, "the old value set aside still counts");
-    assert!(s.remove(b"k").unwrap(), "the old value set aside is removed");
-    assert!(!s.remove(b"k").unwrap(), "only once");
-    go_on.send(()).unwrap();
-    assert!(receiver.join().unwrap().unwrap(), "the server had the key");
-    server.join().unwrap();
-    assert!(!s.contains(b"k"), "the remove wins over the transfer");
-    assert!(s.get(b"k").unwrap().is_none());
-    assert_eq!((s.memory_bytes(), s.metrics().spilled_disk_bytes), (0, 0));
+    impl std::io::Read for Gated {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            if let Some(started) = self.started.take() {
+                started.send(()).unwrap();
+                self.go_on.recv().unwrap();
+            }
+            let n = buf.len().min(self.payload.len() - self.sent).min(4096);
+            buf[..n].copy_from_slice(&self.payload[self.sent..self.sent + n]);
+            self.sent += n;
+            Ok(n)
+        }
+    }
+    for (old, tier) in [(val(b'o', 5_000), Tier::Serialized), (val(b'O', 30_000), Tier::Disk)] {
+        let s = Arc::new(Store::open(TestCodec::default(), SimBackend::new(), "/r", cfg(20_000)).unwrap());
+        s.put_serialized(b"k", ser(&old)).unwrap();
+        let (payload, meta) = spillway_tests::streamed(&ser(&val(b'n', 1 << 20)));
+        let (started, has_started) = std::sync::mpsc::channel::<()>();
+        let (go_on, wait) = std::sync::mpsc::channel::<()>();
+        let peer = Gated { payload, sent: 0, started: Some(started), go_on: wait };
+        let receiver = {
+            let s = s.clone();
+            std::thread::spawn(move || s.put_stream(b"k", &meta, &mut { peer }))
+        };
+        has_started.recv_timeout(std::time::Duration::from_secs(30)).expect("the transfer never started");
+        let (mem, disk) = (s.memory_bytes(), s.metrics().spilled_disk_bytes);
+        for _ in 0..2 {
+            assert!(s.contains(b"k"), "the old value stays in sight during the transfer");
+            assert_eq!(*s.get(b"k").unwrap().unwrap(), old);
+            assert_eq!(s.tier(b"k"), Some(tier), "neither promoted nor spilled meanwhile");
+        }
+        assert_eq!((s.memory_bytes(), s.metrics().spilled_disk_bytes), (mem, disk));
+        s.check_accounting().unwrap();
+        assert!(s.remove(b"k").unwrap(), "the old value is removed");
+        assert!(!s.remove(b"k").unwrap(), "only once");
+        go_on.send(()).unwrap();
+        assert!(!receiver.join().unwrap().unwrap(), "the transfer lost to the remove");
+        assert!(!s.contains(b"k"), "the remove wins over the transfer");
+        assert!(s.get(b"k").unwrap().is_none());
+        assert_eq!((s.memory_bytes(), s.metrics().spilled_disk_bytes), (0, 0));
+        s.check_accounting().unwrap();
+    }
 }
 
 /// A reader that panics in the middle of `put_stream` leaves the store as it was: the old value
@@ -425,7 +432,8 @@ fn a_put_during_a_transfer_refused_by_max_spill_wins() {
     let s = open_max_spill(3_000, 4_000);
     s.put_serialized(b"k", ser(&val(b'o', 100))).unwrap();
     let (payload, meta) = spillway_tests::streamed(&ser(&val(b'n', 6_000)));
-    s.put_stream(b"k", &meta, &mut PutsFirst { store: &s, payload: &payload, put: false }).unwrap();
+    let stored = s.put_stream(b"k", &meta, &mut PutsFirst { store: &s, payload: &payload, put: false }).unwrap();
+    assert!(!stored, "superseded");
     assert_eq!(s.metrics().max_spill_refusals, 1, "the transfer went to memory");
     assert_eq!(*s.get(b"k").unwrap().unwrap(), val(b'p', 10), "the newer put wins");
     s.check_accounting().unwrap();
@@ -487,7 +495,9 @@ fn a_failed_remove_during_a_transfer_does_not_drop_the_received_value() {
     s.put_serialized(b"k", ser(&val(b'o', 4_000))).unwrap();
     assert_eq!(s.tier(b"k"), Some(Tier::Disk));
     let (payload, meta) = spillway_tests::streamed(&ser(&val(b'n', 6_000)));
-    s.put_stream(b"k", &meta, &mut RemovesFirst { store: &s, be: &be, payload: &payload, removed: false }).unwrap();
+    let stored =
+        s.put_stream(b"k", &meta, &mut RemovesFirst { store: &s, be: &be, payload: &payload, removed: false }).unwrap();
+    assert!(stored, "a failed remove does not supersede");
     assert_eq!(s.metrics().max_spill_refusals, 1, "received into memory");
     assert_eq!(*s.get(b"k").unwrap().unwrap(), val(b'n', 6_000), "the failed remove did not win");
     s.check_accounting().unwrap();

@@ -112,15 +112,6 @@ impl<V> Entry<V> {
         }
     }
 
-    /// The weight this entry counts in memory: 0 on disk.
-    pub(super) fn mem_weight(&self) -> u64 {
-        if self.tier == Tier::Disk {
-            0
-        } else {
-            self.weight
-        }
-    }
-
     pub(super) fn serialized(frames: Frames, large: bool) -> Self {
         let mut e = Self::new(Slot::new(), Tier::Serialized, frames.total_len());
         e.frames = Some(frames);
@@ -173,8 +164,7 @@ pub(super) struct Totals {
     pub(super) tier_count: [u64; 4],
     /// Bytes per tier: the weight in memory, the record's length on disk.
     pub(super) tier_bytes: [u64; 4],
-    /// Weight of the entries in memory (and of old values a transfer set aside: see
-    /// [`Table::set_aside`]).
+    /// Weight of the entries in memory.
     pub(super) mem_bytes: u64,
     /// Weight of the entries on disk (see `Entry::weight`).
     pub(super) disk_weight: u64,
@@ -182,8 +172,7 @@ pub(super) struct Totals {
     pub(super) spilled_raw: u64,
     /// Bytes the log holds for the entries.
     pub(super) disk_bytes: u64,
-    /// Serialized bytes of every disk copy, of entries on disk and in memory (and of set-aside
-    /// values).
+    /// Serialized bytes of every disk copy, of entries on disk and in memory.
     pub(super) disk_raw: u64,
 }
 
@@ -404,27 +393,12 @@ impl<V> Table<V> {
         r
     }
 
-    /// Keep counting an entry taken out (its memory weight and its disk copy's bytes) while a
-    /// transfer of its key runs: the old value may come back. Ended by [`Table::end_aside`].
-    pub(super) fn set_aside(&mut self, weight: u64, raw: u64) {
-        self.totals.mem_bytes += weight;
-        self.totals.disk_raw += raw;
-    }
-
-    /// The inverse of [`Table::set_aside`].
-    pub(super) fn end_aside(&mut self, weight: u64, raw: u64) {
-        self.totals.mem_bytes -= weight;
-        self.totals.disk_raw -= raw;
-    }
-
     /// Recompute the totals from the entries and compare them, the LRU order and the stuck list
-    /// with what is kept. `aside` is what transfers in progress set aside (see
-    /// [`Table::set_aside`]); `record_len` is the length of a key's record in the log, checked for
+    /// with what is kept. `record_len` is the length of a key's record in the log, checked for
     /// keys `settled` says no write is changing. `Err` names the first difference.
     #[cfg(feature = "testing")]
     pub(super) fn check(
         &self,
-        aside: (u64, u64),
         record_len: impl Fn(&[u8]) -> Option<u64>,
         settled: impl Fn(&[u8]) -> bool,
     ) -> std::result::Result<(), String> {
@@ -474,8 +448,6 @@ impl<V> Table<V> {
         if self.stuck.len() > self.map.len() {
             return Err(format!("{} keys listed as stuck, {} entries", self.stuck.len(), self.map.len()));
         }
-        sum.mem_bytes += aside.0;
-        sum.disk_raw += aside.1;
         if sum != self.totals {
             return Err(format!("totals drifted: recomputed {sum:?}, running {:?}", self.totals));
         }

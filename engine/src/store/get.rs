@@ -376,10 +376,12 @@ pub(super) fn finish_get<C: Codec, B: Backend>(
     if tier == Tier::Materialized || slot.state() != crate::slot::SlotState::Ready {
         return Ok(Some(v));
     }
-    if weight > store.target() {
-        // Served without promotion: an object heavier than the target stays where its value is,
-        // as a `put` of it would go to disk. (Judged by the object, as dask judges a read back:
-        // frames heavier than the target whose object is light come back into memory.)
+    // Served without promotion: an object heavier than the target stays where its value is,
+    // as a `put` of it would go to disk. (Judged by the object, as dask judges a read back:
+    // frames heavier than the target whose object is light come back into memory.) So does the
+    // old value of a key whose new value is streaming in (`put_stream`): its entry and record
+    // stay as they are until the new record replaces them.
+    if weight > store.target() || inner.transfers.contains(k) {
         slot.evict();
         if let Some(revive) = weak {
             inner.table.weak.insert(k.clone(), WeakHandle { slot: slot.clone(), revive });
@@ -588,7 +590,8 @@ pub(super) fn finish_get_serialized<C: Codec, B: Backend>(
         Err(_) if !on_disk => return Ok(None),
         Err(e) => return Err(e),
     };
-    if !large && promote && on_disk {
+    // (Not the old value of a key whose new value is streaming in: see `finish_get`.)
+    if !large && promote && on_disk && !inner.transfers.contains(k) {
         let tick = inner.table.tick();
         inner.table.modify(k, |ne| {
             ne.tier = Tier::Serialized;

@@ -358,8 +358,9 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// In memory, the bytes arrive without the store's lock, with the key held as being received (a
     /// second transfer of it, or a direct write, waits; `flush` does not); its old value stays
     /// readable meanwhile. A `put` or `remove` of the key while the bytes arrive wins: the received
-    /// value is dropped. On any failure nothing is stored and the key's old value, if any, stays.
-    pub fn receive(&self, key: &[u8], meta: &StreamedValue, src: &mut dyn std::io::Read) -> Result<()> {
+    /// value is dropped, and `Ok(false)` says so (`Ok(true)`: the value is now the key's). On any
+    /// failure nothing is stored and the key's old value, if any, stays.
+    pub fn receive(&self, key: &[u8], meta: &StreamedValue, src: &mut dyn std::io::Read) -> Result<bool> {
         receive::receive(self, key, meta, src)
     }
 
@@ -368,16 +369,12 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// disk, like a spilled one. When `max_spill` refuses it, it is received into memory instead
     /// (serialized). The bytes arrive without the store's lock held (other operations go on); nothing
     /// of the value is visible until it arrived whole and verified. The old value of `key`, if any,
-    /// is out of sight during the transfer (the key reads as absent, as a key being fetched does)
-    /// and is back as it was if the transfer fails. (A value `max_spill` refuses is received into
-    /// memory instead, as [`Client::get_into_store`](crate::transfer::Client::get_into_store)
-    /// receives one under the target: then the old value stays readable until the new one
-    /// replaces it.) If a `put` of the same key lands during the
-    /// transfer, or a `remove`, the newer operation wins: the streamed record (or, on failure, the
-    /// old value) is dropped. In a persistent store that drop (a tombstone over the old record)
-    /// is written when the transfer ends, when the store settles the key: a crash before then
-    /// brings the old value back at the next open.
-    pub fn put_stream(&self, key: &[u8], meta: &StreamedValue, src: &mut dyn std::io::Read) -> Result<()> {
+    /// stays the key's, readable where it is (it is neither spilled nor promoted meanwhile), until
+    /// the new one replaces it; it stays if the transfer fails. If a `put` of the same key lands
+    /// during the transfer, or a `remove`, the newer operation wins: the streamed record is dropped
+    /// and `Ok(false)` says so (`Ok(true)`: the value is now the key's). In a persistent store that
+    /// drop (a tombstone over the streamed record) is written when the transfer ends.
+    pub fn put_stream(&self, key: &[u8], meta: &StreamedValue, src: &mut dyn std::io::Read) -> Result<bool> {
         receive::put_stream(self, key, meta, src)
     }
 

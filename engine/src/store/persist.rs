@@ -66,9 +66,7 @@ pub(super) fn flush<C: Codec, B: Backend>(store: &Store<C, B>) -> Result<()> {
         }
         inner = wait_for_writes(store, inner);
         // Still to write: the listed keys still held only in memory, with whatever value they
-        // hold now (a failed transfer brings an old value back under a new slot; a key replaced
-        // meanwhile is written with its new value), and keys a transfer has set aside right now
-        // (it may bring the old value back).
+        // hold now (a key replaced meanwhile is written with its new value).
         pending.retain_mut(|(k, slot, original)| match inner.table.get(k) {
             Some(e) if e.tier != Tier::Disk && e.disk_bytes == 0 => {
                 if !Arc::ptr_eq(slot, &e.slot) {
@@ -77,8 +75,7 @@ pub(super) fn flush<C: Codec, B: Backend>(store: &Store<C, B>) -> Result<()> {
                 }
                 true
             }
-            Some(_) => false,
-            None => inner.transfers.contains(k),
+            _ => false,
         });
         if pending.iter().all(|(k, ..)| inner.table.get(k).is_some_and(|e| e.stuck)) {
             break;

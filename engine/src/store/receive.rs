@@ -22,53 +22,41 @@ use super::remove::drop_stale_record;
 use super::Inner;
 use super::{Codec, Store};
 
-/// A transfer of a key in progress.
-struct Stream {
-    /// A put or remove of the key came after the transfer started: it wins over the transfer.
-    superseded: bool,
-    /// The key had a value when the transfer started (set aside meanwhile).
-    has_old: bool,
-    /// Memory weight and spilled bytes of that value, still counted in the table's totals (it may
-    /// come back; see `Table::set_aside`).
-    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
-    aside: (u64, u64),
-}
-
 /// The values arriving for keys right now: which keys have a transfer in progress (each loses to a
-/// put or remove of its key that comes meanwhile), which of them arrive into memory (a direct write
-/// of the key waits for them), and the bytes admitted into memory ([`Store::admit`]) and not yet
-/// stored or let go of.
+/// put or remove of its key that comes meanwhile: `true` once superseded), which of them arrive into
+/// memory (a direct write of the key waits for them), and the bytes admitted into memory
+/// ([`Store::admit`]) and not yet stored or let go of. A key's old value, if any, stays its value,
+/// readable, until the new one lands.
 #[derive(Default)]
 pub(super) struct Transfers {
-    streams: KeyMap<Arc<[u8]>, Stream>,
+    streams: KeyMap<Arc<[u8]>, bool>,
     receiving: KeySet<Arc<[u8]>>,
     admitted: u64,
 }
 
 impl Transfers {
-    /// A transfer of `k` begins, into the log; `old` is the key's value set aside meanwhile, if it
-    /// had one (its weight and spilled bytes).
-    fn begin(&mut self, k: Arc<[u8]>, old: Option<(u64, u64)>) {
-        let stream = Stream { superseded: false, has_old: old.is_some(), aside: old.unwrap_or((0, 0)) };
-        self.streams.insert(k, stream);
+    /// A transfer of `k` begins, into the log.
+    fn begin(&mut self, k: Arc<[u8]>) {
+        self.streams.insert(k, false);
     }
 
     /// A transfer of `k` begins, into memory.
     fn begin_receiving(&mut self, k: Arc<[u8]>) {
-        self.begin(k.clone(), None);
+        self.begin(k.clone());
         self.receiving.insert(k);
     }
 
     /// The transfer of `k` is over; returns whether a put or remove of the key superseded it.
     fn end(&mut self, k: &[u8]) -> bool {
         self.receiving.remove(k);
-        self.streams.remove(k).expect("a transfer in progress").superseded
+        self.streams.remove(k).expect("a transfer in progress")
     }
 
-    /// A put or remove of `key` came: a transfer of it in progress loses. Returns whether the
-    /// transfer had set aside an old value (which then counts as existing, for the remove).
-    pub(super) fn supersede(&mut self, key: &[u8]) -> bool {
-        self.streams.get_mut(key).is_some_and(|s| !std::mem::replace(&mut s.superseded, true) && s.has_old)
+    /// A put or remove of `key` came: a transfer of it in progress loses.
+    pub(super) fn supersede(&mut self, key: &[u8]) {
+        if let Some(s) = self.streams.get_mut(key) {
+            *s = true;
+        }
     }
 
     /// Whether a transfer of `key` is in progress.
@@ -80,12 +68,6 @@ impl Transfers {
     pub(super) fn receiving(&self, key: &[u8]) -> bool {
         self.receiving.contains(key)
     }
-
-    /// The weight and spilled bytes of the old values transfers set aside.
-    #[cfg(feature = "testing")]
-    pub(super) fn aside(&self) -> (u64, u64) {
-        self.streams.values().fold((0, 0), |(w, r), s| (w + s.aside.0, r + s.aside.1))
-    }
 }
 
 pub(super) fn put_stream<C: Codec, B: Backend>(
@@ -93,7 +75,7 @@ pub(super) fn put_stream<C: Codec, B: Backend>(
     key: &[u8],
     meta: &StreamedValue,
     src: &mut dyn std::io::Read,
-) -> Result<()> {
+) -> Result<bool> {
     let raw = meta.frame_lens.iter().try_fold(0u64, |a, &l| a.checked_add(l)).ok_or(Error::ValueTooLarge {
         len: u64::MAX,
         max: store.logs.current().options().max_value_bytes,
@@ -105,24 +87,18 @@ pub(super) fn put_stream<C: Codec, B: Backend>(
     if !spill_allowed(store, &mut inner, key, raw.saturating_sub(replaced)) {
         return receive_serialized(store, inner, key, meta, src, true);
     }
-    // The old value leaves the map but keeps its record (if any) in the log: a streamed record
-    // that arrives whole supersedes that record; a failed transfer publishes nothing, and the
-    // old entry goes back. (Being in `writes`, the key is not spilled meanwhile: its eviction,
-    // or a `put_large`, waits for this write.) Its memory stays counted until then.
-    // Its record's spilled bytes stay counted against max_spill too: on failure it comes back
-    // with them, so other spills must not take that room meanwhile.
-    let old = inner.table.take(key);
-    let (aside_weight, aside_raw) = old.as_ref().map_or((0, 0), |o| (o.mem_weight(), o.disk_raw));
-    inner.table.set_aside(aside_weight, aside_raw);
+    // The old value (if any) stays the key's, readable where it is, until the streamed record is
+    // published whole; a failed transfer publishes nothing. Being in `writes`, the key is not
+    // spilled meanwhile (its eviction, or a `put_large`, waits for this write), nor promoted by a
+    // read (`get::finish_get`): its entry and its record stay as they are.
     let k: Arc<[u8]> = Arc::from(key);
-    inner.transfers.begin(k.clone(), old.is_some().then_some((aside_weight, aside_raw)));
+    inner.transfers.begin(k.clone());
     inner.writes.begin(k.clone(), 0, raw);
     drop(inner);
     let t = Instant::now();
     // A panic of the caller's reader (or the log) still settles the store before it goes on.
     let streamed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| store.logs.put_stream(key, meta, src)));
     let mut inner = store.lock();
-    inner.table.end_aside(aside_weight, aside_raw);
     inner.writes.end(&k, 0, raw);
     store.written.notify_all();
     // A put of the key (in memory: its eviction waited for this write) or a remove came
@@ -132,7 +108,6 @@ pub(super) fn put_stream<C: Codec, B: Backend>(
         Ok(streamed) => streamed,
         Err(panic) => {
             inner.table.unstick();
-            settle_failed_stream(store, &mut inner, key, old, superseded);
             drop(inner);
             std::panic::resume_unwind(panic);
         }
@@ -143,38 +118,39 @@ pub(super) fn put_stream<C: Codec, B: Backend>(
             // is full, when retrying the refused evictions would only fail again).
             inner.table.unstick();
         }
-        settle_failed_stream(store, &mut inner, key, old, superseded);
         return Err(e);
     }
     store.metrics.add(Activity::DiskWrite, 1, raw, t.elapsed().as_nanos() as u64);
-    settle_streamed(store, &mut inner, key, raw, old, superseded)
+    settle_streamed(store, &mut inner, key, raw, superseded)
 }
 
 /// A value streamed to disk whole (`raw` bytes laid out) becomes `key`'s entry on disk, unless a
 /// put or remove of the key came meanwhile (`superseded`): then its record is dropped. Either frees
 /// disk space when something was superseded, so spills refused for want of it may try again.
+/// Returns whether the value is now the key's.
 fn settle_streamed<C: Codec, B: Backend>(
     store: &Store<C, B>,
     inner: &mut Inner<C::Value>,
     key: &[u8],
     raw: u64,
-    old: Option<Entry<C::Value>>,
     superseded: bool,
-) -> Result<()> {
-    if superseded || old.is_some_and(|o| o.disk_bytes > 0) {
-        // Disk space comes free: the streamed record, or the old one it superseded.
-        inner.table.unstick();
-    }
+) -> Result<bool> {
     if superseded {
+        inner.table.unstick();
         drop_stale_record(store, key);
-        return Ok(());
+        return Ok(false);
+    }
+    // The streamed record replaced the old one in the log (and in older logs: `Logs::put_stream`):
+    // the old entry leaves the table without touching the log.
+    if inner.table.take(key).is_some_and(|old| old.disk_bytes > 0) {
+        inner.table.unstick();
     }
     let mut e = Entry::new(Slot::new(), Tier::Disk, raw);
     e.disk_raw = raw;
     e.disk_bytes = store.logs.location(key).map_or(0, |l| l.len);
     e.large = raw > store.target();
     insert(store, inner, key, e)?;
-    Ok(())
+    Ok(true)
 }
 
 pub(super) fn receive<C: Codec, B: Backend>(
@@ -182,7 +158,7 @@ pub(super) fn receive<C: Codec, B: Backend>(
     key: &[u8],
     meta: &StreamedValue,
     src: &mut dyn std::io::Read,
-) -> Result<()> {
+) -> Result<bool> {
     stored::check_announced(meta)?;
     let total: u64 = meta.frame_lens.iter().sum(); // laid out within u64: checked above
     if !store.admit(total) {
@@ -218,7 +194,7 @@ pub(super) fn release_admitted<C: Codec, B: Backend>(store: &Store<C, B>, nbytes
 
 /// [`Store::receive`] into memory, with the store's lock held on entry. `put_stream` calls it for a value
 /// `refused` by `max_spill`, which stays in memory as `put_large` keeps a refused value, without
-/// asking `max_spill` (and counting a refusal) again.
+/// asking `max_spill` (and counting a refusal) again. Returns whether the value is now the key's.
 pub(super) fn receive_serialized<'a, C: Codec, B: Backend>(
     store: &'a Store<C, B>,
     inner: MutexGuard<'a, Inner<C::Value>>,
@@ -226,7 +202,7 @@ pub(super) fn receive_serialized<'a, C: Codec, B: Backend>(
     meta: &StreamedValue,
     src: &mut dyn std::io::Read,
     refused: bool,
-) -> Result<()> {
+) -> Result<bool> {
     let mut inner = wait_unwritten(store, inner, key);
     let k: Arc<[u8]> = Arc::from(key);
     inner.transfers.begin_receiving(k.clone());
@@ -244,45 +220,18 @@ pub(super) fn receive_serialized<'a, C: Codec, B: Backend>(
         }
     };
     if superseded {
-        return Ok(());
+        return Ok(false);
     }
     if frames.total_len() > store.target() {
         if !refused {
-            return put_large(store, inner, key, frames, None, true, None);
+            return put_large(store, inner, key, frames, None, true, None).map(|()| true);
         }
         let k = insert(store, &mut inner, key, Entry::serialized(frames, true))?;
         set_stuck(store, &mut inner, &k);
-        return Ok(());
+        return Ok(true);
     }
     let e = Entry::serialized(frames, false);
     let slot = e.slot.clone();
     insert(store, &mut inner, key, e)?;
-    enforce(store, inner, Some(&slot))
-}
-
-/// After a failed `put_stream`: the old value goes back as it was, unless a put or remove of
-/// the key came meanwhile; then its record (if any) must not outlive the newer operation.
-pub(super) fn settle_failed_stream<C: Codec, B: Backend>(
-    store: &Store<C, B>,
-    inner: &mut Inner<C::Value>,
-    key: &[u8],
-    old: Option<Entry<C::Value>>,
-    superseded: bool,
-) {
-    match old {
-        Some(mut old) if !superseded => {
-            // Retried like every other entry: a refusal may have been lifted meanwhile.
-            old.stuck = false;
-            // A get that started before the value was set aside may have materialized it into
-            // this slot meanwhile, and found no entry to promote: an entry that is not
-            // materialized must not come back with a cached object nobody accounts for.
-            if old.tier != Tier::Materialized {
-                old.slot = Arc::new(Slot::new());
-            }
-            // It held a valid key before, so inserting it cannot fail.
-            drop(insert(store, inner, key, old));
-        }
-        Some(old) if old.disk_bytes > 0 => drop_stale_record(store, key),
-        _ => {}
-    }
+    enforce(store, inner, Some(&slot)).map(|()| true)
 }

@@ -15,10 +15,10 @@ pub(super) fn drop_entry<C: Codec, B: Backend>(
     key: &[u8],
 ) -> Result<bool> {
     // Every put and remove comes here. A transfer of the key in progress loses to it (once the
-    // old record, if any, is dropped: a remove that fails changes nothing); the old value a
-    // transfer set aside counts as existing.
+    // old record, if any, is dropped: a remove that fails changes nothing).
     let Some(disk_bytes) = inner.table.get(key).map(|e| e.disk_bytes) else {
-        return Ok(inner.transfers.supersede(key));
+        inner.transfers.supersede(key);
+        return Ok(false);
     };
     if disk_bytes > 0 {
         if store.cfg.persistent {

@@ -175,7 +175,8 @@ impl Client {
 
     /// Fetch `key` straight onto `store`'s disk under `as_key` ([`Store::put_stream`]), never
     /// holding it in memory (unless max_spill has no room for it: then into memory, serialized).
-    /// `Ok(false)` if the server does not have it.
+    /// `Ok(false)` if the server does not have it; [`Error::Superseded`] if a put or remove of
+    /// `as_key` came meanwhile (nothing stored).
     pub fn stream_into_store<C: Codec, B: Backend>(
         &mut self,
         key: &[u8],
@@ -185,19 +186,23 @@ impl Client {
         self.guarded(|c| {
             let Some(m) = c.request(key)? else { return Ok(false) };
             let opts = c.opts.clone();
-            store.put_stream(as_key, &m, &mut Paced::payload(&mut c.stream, &opts)).map(|()| true)
+            let stored = store.put_stream(as_key, &m, &mut Paced::payload(&mut c.stream, &opts))?;
+            stored
+                .then_some(true)
+                .ok_or_else(|| Error::Superseded { key: String::from_utf8_lossy(as_key).into_owned() })
         })
     }
 
     /// Fetch `key` into `store` under the same key ([`Store::receive`] decides between memory and
-    /// disk). Returns whether
-    /// the server had the key; on any failure nothing is stored, and the key's old value, if any,
-    /// stays.
+    /// disk). Returns whether the server had the key; on any failure nothing is stored, and the
+    /// key's old value, if any, stays ([`Error::Superseded`]: a put or remove of the key came
+    /// meanwhile, and stands).
     pub fn get_into_store<C: Codec, B: Backend>(&mut self, key: &[u8], store: &Store<C, B>) -> Result<bool> {
         self.guarded(|c| {
             let Some(m) = c.request(key)? else { return Ok(false) };
             let opts = c.opts.clone();
-            store.receive(key, &m, &mut Paced::payload(&mut c.stream, &opts)).map(|()| true)
+            let stored = store.receive(key, &m, &mut Paced::payload(&mut c.stream, &opts))?;
+            stored.then_some(true).ok_or_else(|| Error::Superseded { key: String::from_utf8_lossy(key).into_owned() })
         })
     }
 
