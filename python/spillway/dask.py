@@ -192,6 +192,8 @@ class _Plug:
         self.own_execute = "execute" in worker.__dict__
         #: the worker's bandwidth-by-type table as it was (None: left alone)
         self.stock_bandwidth_types = None
+        #: the worker's listeners whose comm handler the plugin wraps (scattered values)
+        self.listeners: list = []
 
 
 #: Each plugged worker -> its :class:`_Plug`.
@@ -494,6 +496,8 @@ def install(worker: distributed.Worker, settings: Settings | None = None) -> boo
     if hooks.BANDWIDTH not in missing:
         plug.stock_bandwidth_types = worker.bandwidth_types
         worker.bandwidth_types = _BandwidthByType(worker.bandwidth_types)
+    if hooks.SCATTER not in missing:
+        _wrap_listeners(worker, plug)
     if "spillway" not in worker.plugins:
         # (a preload: the transition hook needs a plugin; close removes it, calling teardown)
         plugin = SpillwayPlugin(**dataclasses.asdict(settings))
@@ -521,6 +525,7 @@ def uninstall(worker: distributed.Worker) -> None:
             worker.execute = plug.stock_execute
         else:
             del worker.execute
+    _unwrap_listeners(worker, plug)
     if plug.stock_bandwidth_types is not None and isinstance(worker.bandwidth_types, _BandwidthByType):
         plug.stock_bandwidth_types.update(worker.bandwidth_types)
         worker.bandwidth_types = plug.stock_bandwidth_types
@@ -1060,13 +1065,13 @@ def _fetch_all(buf: SpillBuffer, refs: dict, peer: str, settings: Settings) -> d
     return out
 
 
-def _pickle_frames(value: Serialized) -> list | None:
+def _pickle_frames(value: Serialized, sent_by_spillway: bool = True) -> list | None:
     """The plain pickle frames ``[header, *buffers]`` of a value read without deserializing (its
     compression undone, its split frames merged as dask merges them), or None if it is not plain
-    pickle frames a spillway sender sent as they are (a stock sender's value, dask's own
-    serializers, a header without one writeable flag per buffer)."""
+    pickle frames (dask's own serializers, a header without one writeable flag per buffer) or, with
+    ``sent_by_spillway``, not frames a spillway sender sent as they are."""
     header, frames = value.header, list(value.frames)
-    if header.get("serializer") != "pickle" or not header.get(SENT_BY):
+    if header.get("serializer") != "pickle" or (sent_by_spillway and not header.get(SENT_BY)):
         return None
     if any(header.get("compression") or ()):
         frames = _decompress(header, frames)
@@ -1091,3 +1096,115 @@ def _deserialize(value: Serialized, deserializers: list | None):
     if "compression" in header:
         frames = _decompress(header, frames)
     return _merge_and_deserialize(header, frames, deserializers=deserializers)
+
+
+# --------------------------------------------------------------------------------------------------
+# Values scattered to the worker
+
+
+def _wrap_listeners(worker, plug: _Plug) -> None:
+    """The comms clients and the scheduler open to ``worker`` read messages without deserializing
+    their values (:func:`_read_undeserialized`): ``scatter``'s values stay pickled."""
+    for listener in list(getattr(worker, "listeners", ())):
+        stock = listener.comm_handler
+        if getattr(stock, "plug_of", None) is worker:
+            continue
+
+        async def handle(comm, stock=stock):
+            if worker in _plugs and not _in_process(comm):
+                _read_undeserialized(worker, comm)
+            return await stock(comm)
+
+        handle.plug_of = worker
+        handle.stock = stock
+        listener.comm_handler = handle
+        plug.listeners.append(listener)
+    # The comms already open (the one that carried a registered plugin, the scheduler's pooled
+    # ones) read the same way from their next message.
+    for comm in list(getattr(worker, "_comms", ())):
+        if not _in_process(comm) and getattr(comm.read, "plug_of", None) is not worker:
+            _read_undeserialized(worker, comm)
+
+
+def _unwrap_listeners(worker, plug: _Plug) -> None:
+    for listener in plug.listeners:
+        handler = listener.comm_handler
+        if getattr(handler, "plug_of", None) is worker:
+            listener.comm_handler = handler.stock
+
+
+def _read_undeserialized(worker, comm) -> None:
+    """``comm`` (one a peer opened to ``worker``) reads each message without deserializing it, then
+    settles it (:func:`_settle_message`): what stock dask's comm would have made of it, but for the
+    plain pickle values of an ``update_data`` (``scatter``), kept pickled."""
+    stock_read = comm.read
+
+    async def read(deserializers=None):
+        if worker not in _plugs or not comm.deserialize:
+            return await stock_read(deserializers=deserializers)
+        comm.deserialize = False
+        try:
+            msg = await stock_read(deserializers=deserializers)
+        finally:
+            comm.deserialize = True
+        return await _settle_message(worker, msg, deserializers)
+
+    read.plug_of = worker
+    comm.read = read
+
+
+async def _settle_message(worker, msg, deserializers):
+    """A message read without deserializing, as stock dask's comm would have read it (its values
+    deserialized, in dask's offload thread when they add up to more than its threshold), but for the
+    plain pickle values of an ``update_data``, which become :class:`PickledFrames`."""
+    found: list = []
+    _find_serialized(msg, found)
+    if not found:
+        return msg
+    keep = set()
+    if isinstance(msg, dict) and msg.get("op") == "update_data" and isinstance(msg.get("data"), dict):
+        keep = {id(v) for v in msg["data"].values() if isinstance(v, Serialized)}
+    settle = functools.partial(_settle_values, worker.data, msg, keep, deserializers)
+    if sum(codec.frame_bytes(v.frames) for v in found) > _OFFLOAD_THRESHOLD:
+        return await _offload(settle)
+    return settle()
+
+
+def _find_serialized(obj, found: list) -> None:
+    if isinstance(obj, Serialized):
+        found.append(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _find_serialized(v, found)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _find_serialized(v, found)
+
+
+def _settle_values(buf: SpillBuffer, msg, keep: set, deserializers):
+    kept = nbytes = 0
+
+    def settle(obj):
+        nonlocal kept, nbytes
+        if isinstance(obj, Serialized):
+            frames = _pickle_frames(obj, sent_by_spillway=False) if id(obj) in keep else None
+            if frames is None:
+                return _deserialize(obj, deserializers)
+            kept += 1
+            nbytes += codec.frame_bytes(frames)
+            return PickledFrames(frames)
+        if isinstance(obj, dict):
+            return {k: settle(v) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [settle(v) for v in obj]
+        if isinstance(obj, tuple) and type(obj) is tuple:
+            return tuple(settle(v) for v in obj)
+        return obj
+
+    out = settle(msg)
+    if kept and isinstance(buf, SpillBuffer):
+        buf.peers.count("receive-scattered", kept, "count")
+        buf.peers.count("receive-scattered", nbytes, "bytes")
+        buf.peers.count("unpickle-avoided", kept, "count")
+    return out
+

@@ -25,6 +25,7 @@ PLUGIN = "plugin"  # the plugin: values move between workers pickled (the store 
 STORE = "store"  # spillway's store as the worker's data (the worker keeps dask's store)
 LOGS = "logs"  # spillway's log messages in Client.get_worker_logs()
 BANDWIDTH = "bandwidth"  # the dashboard's bandwidth by type records the values' types
+SCATTER = "scatter"  # values scattered to the worker stay pickled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +58,7 @@ _WITHOUT = {
     (STORE, "worker"): "the worker keeps dask's own store",
     (STORE, "nanny"): "the nanny does not give its worker spillway's store (a worker preload still can)",
     (LOGS, "worker"): "spillway's messages are not in Client.get_worker_logs()",
+    (SCATTER, "worker"): "values scattered to the worker are unpickled as they arrive, as on stock dask",
     (BANDWIDTH, "worker"): (
         "the dashboard's bandwidth by type shows spillway's own types for values received pickled"
     ),
@@ -135,6 +137,12 @@ HOOKS: tuple[Hook, ...] = (
     Hook("Worker.bandwidth_types", BANDWIDTH,
          "the dashboard's bandwidth by type names the types of values received pickled",
          check=lambda w: isinstance(getattr(w, "bandwidth_types", None), dict)),
+    Hook("Worker.listeners[].comm_handler", SCATTER,
+         "the comms clients and the scheduler open read scattered values without unpickling",
+         check=lambda w: isinstance(getattr(w, "listeners", None), list)
+         and all(callable(getattr(x, "comm_handler", None)) for x in w.listeners)),
+    Hook("Worker._comms", SCATTER, "the comms already open read scattered values without unpickling",
+         check=lambda w: isinstance(getattr(w, "_comms", None), dict)),
     # On a nanny (checked by the nanny preload).
     Hook("distributed.worker.Worker._instances", STORE,
          "a buffer made by worker_data finds its worker (its memory limit, target and metrics)",

@@ -80,6 +80,14 @@ RECIPES = {
         lambda w: (w.bandwidth_types, setattr(w, "bandwidth_types", None))[0],
         lambda w, v: setattr(w, "bandwidth_types", v),
     ),
+    "Worker.listeners[].comm_handler": (
+        lambda w: (w.listeners, setattr(w, "listeners", None))[0],
+        lambda w, v: setattr(w, "listeners", v),
+    ),
+    "Worker._comms": (
+        lambda w: (w._comms, setattr(w, "_comms", None))[0],
+        lambda w, v: setattr(w, "_comms", v),
+    ),
     "Nanny.worker_kwargs": (
         lambda n: (n.worker_kwargs, setattr(n, "worker_kwargs", None))[0],
         lambda n, v: setattr(n, "worker_kwargs", v),
