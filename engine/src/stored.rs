@@ -285,21 +285,58 @@ pub fn check_announced(m: &StreamedValue) -> Result<()> {
     Ok(())
 }
 
+/// Memory [`read`] allocates for a value before any of it has arrived: its buffer starts at this
+/// (or at the announced length, if that is less) and doubles as the bytes arrive, so an
+/// announcement costs at most this, or twice the bytes that came, whatever it says. An lz4 block
+/// is decompressed into more than this and twice its own length only once it is known to decode to
+/// exactly the announced length ([`Lz4Check`]). A value of up to this size is read into one
+/// buffer, without a copy.
+pub const READ_AHEAD_BYTES: u64 = 64 << 20;
+
 /// Read the stored form `m` announces from `src` into memory (at most `max` stored bytes;
 /// [`check_announced`] first), check it against the announced checksum, and decode it. A source that breaks its announcement (too long,
-/// a wrong checksum, a block that does not decode) is an error and yields nothing.
+/// a wrong checksum, a block that does not decode) is an error and yields nothing. Memory is
+/// allocated as the bytes arrive, not as announced (see [`READ_AHEAD_BYTES`]).
 pub fn read(m: &StreamedValue, src: &mut dyn Read, max: u64) -> Result<Frames> {
     if m.stored_len > max {
         return Err(Error::Protocol(format!("value of {} stored bytes is over the limit of {max}", m.stored_len)));
     }
     check_announced(m)?;
-    let mut buf = AlignedBuf::zeroed(m.stored_len as usize, format::FRAME_ALIGN as usize);
-    src.read_exact(&mut buf).map_err(|e| Error::io("receive value", None, e))?;
+    let buf = read_growing(src, m.stored_len)?;
     let actual = format::payload_crc(&buf);
     if actual != m.payload_crc {
         return Err(Error::peer_checksum("received value", m.payload_crc, actual));
     }
+    // A block that claims far more than arrived is checked before its output is allocated.
+    if m.lz4 && m.raw_len > READ_AHEAD_BYTES.max(m.stored_len.saturating_mul(2)) {
+        let mut check = Lz4Check::new(m.raw_len);
+        check.update(&buf);
+        if !check.finish() {
+            return Err(Error::Protocol(Malformed::Lz4.reason().into()));
+        }
+    }
     decode(buf.freeze(), m.lz4, m.raw_len, &m.frame_lens).map_err(|e| Error::Protocol(e.reason().into()))
+}
+
+/// The `len` bytes `src` sends, in one 64-byte-aligned buffer allocated as they arrive: at first
+/// [`READ_AHEAD_BYTES`] at most, then, each time it is full, twice what it holds (at most `len`),
+/// the bytes so far copied over. A source that ends early is `UnexpectedEof`.
+fn read_growing(src: &mut dyn Read, len: u64) -> Result<AlignedBuf> {
+    let align = format::FRAME_ALIGN as usize;
+    let mut buf = AlignedBuf::zeroed(len.min(READ_AHEAD_BYTES) as usize, align);
+    let mut at = 0;
+    loop {
+        src.read_exact(&mut buf[at..]).map_err(|e| Error::io("receive value", None, e))?;
+        at = buf.len();
+        if at as u64 == len {
+            return Ok(buf);
+        }
+        let grown = len.min((at as u64).saturating_mul(2)) as usize;
+        let mut more = AlignedBuf::with_capacity(grown, align);
+        more.extend_from_slice(&buf);
+        more.set_len(grown); // (zeros past the copy: `with_capacity` zero-fills)
+        buf = more;
+    }
 }
 
 #[cfg(test)]

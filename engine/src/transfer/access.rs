@@ -139,6 +139,16 @@ pub(crate) struct Admitted<S: Source> {
     pub(crate) value: Option<Outgoing<FileOf<S>>>,
 }
 
+/// Why [`Access::admit`] did not let a request through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refused {
+    /// The ticket does not open the key (answered "not authorized"); a grant named is used up.
+    NotAuthorized,
+    /// The ticket opens the key, but the connection lost its place before it was admitted (see
+    /// [`serve`](super::serve)): nothing was used up, the ticket is good for another connection.
+    Cut,
+}
+
 /// The grants of an [`Access`], and when the first of them expires (so that expired ones are
 /// swept as soon as there are any, and only then).
 struct Grants<S: Source> {
@@ -297,22 +307,71 @@ impl<S: Source> Access<S> {
         g.first_expiry.map(|t| t.saturating_duration_since(Instant::now()))
     }
 
-    /// What a request for `key` with `ticket` from the peer address `peer` may read, or `None`
-    /// (refused). A grant is used up by any attempt to redeem it.
-    pub(crate) fn admit(&self, ticket: &Ticket, key: &[u8], peer: Option<IpAddr>) -> Option<Admitted<S>> {
+    /// What a request for `key` with `ticket` from the peer address `peer` may read. A grant is
+    /// used up by any attempt to redeem it, except one whose connection has lost its place:
+    /// `hold` runs once the ticket is found good, under the lock of the grants, and admits the
+    /// connection to its place (never cut off from then on) or returns false if it was cut off
+    /// already; then nothing is used up (`Refused::Cut`). So a grant is never used up by a
+    /// connection that is cut off before its value is sent.
+    pub(crate) fn admit(
+        &self,
+        ticket: &Ticket,
+        key: &[u8],
+        peer: Option<IpAddr>,
+        hold: &dyn Fn() -> bool,
+    ) -> std::result::Result<Admitted<S>, Refused> {
         if ticket.id == 0 {
-            let (secret, src) = self.standing.as_ref()?;
-            return same_secret(secret, &ticket.secret).then(|| Admitted { src: src.clone(), value: None });
+            let (secret, src) = self.standing.as_ref().ok_or(Refused::NotAuthorized)?;
+            if !same_secret(secret, &ticket.secret) {
+                return Err(Refused::NotAuthorized);
+            }
+            return if hold() { Ok(Admitted { src: src.clone(), value: None }) } else { Err(Refused::Cut) };
         }
         if self.closed.load(Ordering::SeqCst) {
-            return None;
+            return Err(Refused::NotAuthorized);
         }
-        let g = self.grants().live.remove(&ticket.id)?;
+        let mut grants = self.grants();
+        let g = grants.live.get(&ticket.id).ok_or(Refused::NotAuthorized)?;
         let ok = same_secret(&g.secret, &ticket.secret)
             && g.key == key
             && g.to.is_none_or(|to| Some(to) == peer)
             && g.expires > Instant::now();
-        let src = g.src.upgrade().filter(|_| ok)?;
-        Some(Admitted { src, value: Some(g.value) })
+        let src = if ok { g.src.upgrade() } else { None };
+        if src.is_some() && !hold() {
+            drop(grants);
+            return Err(Refused::Cut);
+        }
+        let g = grants.live.remove(&ticket.id).expect("looked up under the same lock");
+        drop(grants); // (a grant refused drops its pin here, outside the lock)
+        let src = src.ok_or(Refused::NotAuthorized)?;
+        Ok(Admitted { src, value: Some(g.value) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::SimBackend;
+    use crate::log::{LogOptions, SegmentLog};
+    use crate::value::Frames;
+
+    /// A grant is not used up by a request whose connection lost its place before it was
+    /// admitted (`hold` says so): the ticket serves the holder's next connection. A request the
+    /// ticket does not open uses it up without asking `hold`.
+    #[test]
+    fn a_grant_is_not_used_up_by_a_connection_cut_off_before_it_is_admitted() {
+        let opts = LogOptions { segment_bytes: 64 * 1024, ..Default::default() };
+        let log = Arc::new(SegmentLog::open(SimBackend::new(), "/s", opts).unwrap());
+        log.put(b"k", &Frames::from(b"v".to_vec())).unwrap();
+        let access = Access::grants_only(Duration::from_secs(60));
+        let t = access.grant(&log, b"k", None).unwrap().unwrap();
+        assert_eq!(access.admit(&t, b"k", None, &|| false).err(), Some(Refused::Cut));
+        assert_eq!(access.live_grants(), 1, "the grant is still there");
+        assert!(access.admit(&t, b"k", None, &|| true).is_ok());
+        assert_eq!(access.live_grants(), 0, "used");
+        let t = access.grant(&log, b"k", None).unwrap().unwrap();
+        let asked = || -> bool { panic!("`hold` is not asked about a ticket that does not open the key") };
+        assert_eq!(access.admit(&t, b"other", None, &asked).err(), Some(Refused::NotAuthorized));
+        assert_eq!(access.live_grants(), 0, "used up by the attempt");
     }
 }

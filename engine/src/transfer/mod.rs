@@ -54,14 +54,17 @@ pub struct TransferOptions {
     /// Client: how long connecting, and the server's greeting, may take; `None`: `timeout`. A peer
     /// whose port is blocked (a firewall dropping packets) costs this, not `timeout`.
     pub connect_timeout: Option<Duration>,
-    /// Server: connections served at once. One more takes the place of the oldest connection
-    /// not yet admitted (no request of it admitted by a ticket), which is cut off; if every place
-    /// is admitted, it is refused with an error response (at most [`MAX_REFUSING`] at a time;
-    /// beyond that they are closed unanswered).
+    /// Server: connections served at once. One more takes the place of a connection not yet
+    /// admitted (no request of it admitted by a ticket), which is cut off: the oldest that has sent
+    /// nothing; failing that, once the newcomer has greeted (it waits up to a second for that, one
+    /// of at most [`MAX_REFUSING`] at a time; beyond that they are closed unanswered), the one that
+    /// greeted longest ago. If every place is admitted, it is refused with an error response.
+    /// A connection that has greeted is never cut off by one that has sent nothing, nor an admitted
+    /// one at all (see [`serve`]).
     pub max_connections: usize,
     /// Server: connections not yet admitted from one peer address; one more takes the place of
-    /// that address's oldest such connection. Admitted connections are not counted: the workers of
-    /// one host share its address.
+    /// one of that address's, chosen as for `max_connections`. Admitted connections are not
+    /// counted: the workers of one host share its address.
     pub max_connections_per_peer: usize,
     /// Server: values smaller than this are copied (read and written 1 MiB at a time)
     /// rather than spliced. Measured on loopback into a receiving log: splice ran at 0.35x the copy

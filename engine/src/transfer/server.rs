@@ -15,7 +15,7 @@ use crate::log::{SegmentLog, StoredValue, StreamedValue};
 use crate::store::{Codec, Store, Tier};
 use crate::value::Frames;
 
-use super::access::{Access, Ticket, TICKET_BYTES};
+use super::access::{Access, Refused, Ticket, TICKET_BYTES};
 use super::wire::{
     check_hello, encode_value_response, hello, MAX_ERROR_BYTES, NOT_AUTHORIZED, OP_GET, REQUEST_HEAD, ST_ERROR,
     ST_NOT_FOUND,
@@ -90,15 +90,24 @@ impl<C: Codec, B: Backend> Source for Store<C, B> {
     }
 }
 
-/// Connections over `max_connections` that [`serve`] answers "too many connections" at once, each
-/// from a short-lived thread (it waits up to a second for the client's greeting). Beyond that, such
-/// connections are closed unanswered: a flood costs no more than this many threads.
+/// Connections that found no place as they came (see [`serve`]) kept waiting for their greeting
+/// at once, each on a short-lived thread (up to a second), to be served if a place is theirs once
+/// they have greeted, else answered "too many connections". Beyond that, such connections are
+/// closed unanswered: a flood costs no more than this many threads.
 pub const MAX_REFUSING: usize = 8;
 
+/// How long a connection that found no place as it came may take to greet ([`wait_apart`]).
+const GREETING_WAIT: Duration = Duration::from_secs(1);
+
 /// The connections [`serve`] is serving, oldest first. A connection is *unadmitted* until a ticket
-/// of its is admitted: until then it has proved nothing, and it gives its place up to a newer one.
+/// of its is admitted: until then it has proved nothing, and it gives its place up to a newer one
+/// that has come as far as it has. While *silent* (its greeting neither read by its thread nor
+/// waiting on its socket) it gives it up to any newer connection; once it has greeted, only to a
+/// newer connection that has greeted too, the one that greeted longest ago first. Admitted, it
+/// is never cut off.
 #[derive(Default)]
 struct Places {
+    /// The next connection's id, and the next greeting's number.
     next_id: u64,
     taken: Vec<Place>,
 }
@@ -108,6 +117,9 @@ struct Place {
     ip: IpAddr,
     /// A handle to cut the connection off with, while it is unadmitted; `None` once admitted.
     unadmitted: Option<TcpStream>,
+    /// When its greeting was seen (read, or waiting on its socket as it was accepted), as a number
+    /// from `next_id` (a later greeting has a larger one); `None` before.
+    greeted: Option<u64>,
 }
 
 /// What a new connection from `ip` gets (see [`serve`]).
@@ -115,28 +127,61 @@ enum Room {
     Free,
     /// The place at this index, cut off.
     Taken(usize),
+    /// No place it may take (now): why.
     Refused(&'static str),
 }
 
 impl Places {
-    fn room_for(&self, ip: IpAddr, opts: &TransferOptions) -> Room {
-        let oldest_unadmitted = |of: Option<IpAddr>| {
-            self.taken.iter().position(|p| p.unadmitted.is_some() && of.is_none_or(|ip| p.ip == ip))
-        };
+    /// What a new connection from `ip` gets; `greeted`: its greeting has arrived (it waits on its
+    /// socket, or was read while it waited for a place: see [`wait_apart`]).
+    fn room_for(&self, ip: IpAddr, greeted: bool, opts: &TransferOptions) -> Room {
         let from_ip = self.taken.iter().filter(|p| p.unadmitted.is_some() && p.ip == ip).count();
-        if from_ip >= opts.max_connections_per_peer {
-            return oldest_unadmitted(Some(ip))
-                .map_or(Room::Refused("too many connections from this peer"), Room::Taken);
-        }
-        if self.taken.len() >= opts.max_connections {
-            return oldest_unadmitted(None).map_or(Room::Refused("too many connections"), Room::Taken);
-        }
-        Room::Free
+        let (of, why) = if from_ip >= opts.max_connections_per_peer {
+            (Some(ip), "too many connections from this peer")
+        } else if self.taken.len() >= opts.max_connections {
+            (None, "too many connections")
+        } else {
+            return Room::Free;
+        };
+        self.to_cut(of, greeted).map_or(Room::Refused(why), Room::Taken)
     }
 
-    fn admitted(&mut self, id: u64) {
+    /// The unadmitted place (of the address `of`, or of any) that a new connection takes: the
+    /// oldest silent one; failing that, for a connection that has greeted, the one that greeted
+    /// longest ago (one whose greeting waits on its socket, not yet read, counts as the latest).
+    fn to_cut(&self, of: Option<IpAddr>, greeted: bool) -> Option<usize> {
+        let mut spoke: Option<(u64, usize)> = None;
+        for (i, p) in self.taken.iter().enumerate() {
+            let Some(handle) = p.unadmitted.as_ref().filter(|_| of.is_none_or(|ip| p.ip == ip)) else { continue };
+            let order = match p.greeted {
+                Some(order) => order,
+                None if bytes_waiting(handle) => u64::MAX,
+                None => return Some(i),
+            };
+            if spoke.is_none_or(|(o, _)| order < o) {
+                spoke = Some((order, i));
+            }
+        }
+        spoke.filter(|_| greeted).map(|(_, i)| i)
+    }
+
+    /// `id`'s connection has greeted.
+    fn greeted(&mut self, id: u64) {
+        let order = self.next_id;
+        self.next_id += 1;
         if let Some(p) = self.taken.iter_mut().find(|p| p.id == id) {
-            p.unadmitted = None;
+            p.greeted = Some(order);
+        }
+    }
+
+    /// Admit `id`'s connection: it is never cut off from then on. False if it was cut off already.
+    fn admitted(&mut self, id: u64) -> bool {
+        match self.taken.iter_mut().find(|p| p.id == id) {
+            Some(p) => {
+                p.unadmitted = None;
+                true
+            }
+            None => false,
         }
     }
 
@@ -148,10 +193,17 @@ impl Places {
 /// Serve what `access` lets through on `listener`: one thread per connection, at most
 /// `opts.max_connections` at once, of which at most `opts.max_connections_per_peer` from one
 /// address unadmitted (before a request of theirs is admitted). A connection over either limit
-/// takes the place of the oldest unadmitted one (of its own address for the per-address limit),
-/// which is cut off; if every place is admitted, it is refused ("too many connections"). So
-/// connections that prove nothing, however many and however renewed, never keep out a peer with a
-/// ticket, and the workers of one host (one address) are not limited to one peer's share.
+/// takes the place of the oldest unadmitted one that is *silent* (has not sent its greeting), of
+/// its own address for the per-address limit, which is cut off. If there is none, it waits for
+/// its greeting on a thread of its own ([`MAX_REFUSING`] at most, a second at most); greeted, it
+/// takes the place of the oldest silent one or, failing that, of the one that greeted longest ago;
+/// if every place is admitted, it is refused ("too many connections"). So connections that prove
+/// nothing, however many and however renewed, never keep out a peer with a ticket; connections that
+/// send nothing never cut off one that has greeted, so a ticket holder, which greets at once and
+/// sends its request a round trip later, is not cut off by them before its ticket is seen; and a
+/// request is admitted (its grant used up) only while its connection holds its place, which it
+/// then keeps: a grant is never used up by a connection that is cut off. The workers of one host
+/// (one address) are not limited to one peer's share.
 /// Returns `Ok(())` once the listener is shut down ([`shutdown_listener`] on a clone of it, from
 /// another thread), or the error if `accept` fails in a way that will not pass (the descriptor is
 /// not a listening socket). Failures that concern one connection or pass (an aborted handshake,
@@ -178,24 +230,37 @@ pub fn serve<S: Source>(access: Arc<Access<S>>, listener: TcpListener, opts: Tra
                 continue;
             }
         };
-        let held = match take_place(&places, &stream, peer, &opts) {
+        // One whose greeting is in already has greeted, as far as places go (its thread reads it).
+        let greeted = bytes_waiting(&stream);
+        let held = match take_place(&places, &stream, peer, greeted, &opts) {
             Some(Ok(held)) => held,
             Some(Err(why)) => {
-                refuse_apart(&refusing, stream, peer, why);
+                wait_apart(&refusing, &places, &access, stream, peer, &opts, why);
                 continue;
             }
             None => continue,
         };
-        let (access, opts) = (access.clone(), opts.clone());
-        let spawned = std::thread::Builder::new().name(format!("spillway-serve-{peer}")).spawn(move || {
-            let admitted = || held.0.lock().unwrap_or_else(PoisonError::into_inner).admitted(held.1);
-            if let Err(e) = serve_admitting(&access, stream, &opts, &admitted) {
-                log::info!("transfer: connection from {peer} ended: {e}");
-            }
-        });
-        if let Err(e) = spawned {
-            log::warn!("transfer: cannot start a thread for {peer}: {e}");
+        spawn_serving(access.clone(), stream, peer, opts.clone(), held, false);
+    }
+}
+
+/// Serve `stream` from `peer` in its place `held` on a thread of its own (`greeted`: its greeting
+/// was read already).
+fn spawn_serving<S: Source>(
+    access: Arc<Access<S>>,
+    stream: TcpStream,
+    peer: SocketAddr,
+    opts: TransferOptions,
+    held: Held,
+    greeted: bool,
+) {
+    let spawned = std::thread::Builder::new().name(format!("spillway-serve-{peer}")).spawn(move || {
+        if let Err(e) = serve_admitting(&access, stream, &opts, Some(&held), greeted) {
+            log::info!("transfer: connection from {peer} ended: {e}");
         }
+    });
+    if let Err(e) = spawned {
+        log::warn!("transfer: cannot start a thread for {peer}: {e}");
     }
 }
 
@@ -224,9 +289,25 @@ impl FailedAccepts {
 /// included), or with its closure if it never starts.
 struct Held(Arc<Mutex<Places>>, u64);
 
+impl Held {
+    fn places(&self) -> std::sync::MutexGuard<'_, Places> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Its connection has greeted: only a connection that has greeted too may take its place.
+    fn greeted(&self) {
+        self.places().greeted(self.1);
+    }
+
+    /// Admit its connection ([`Places::admitted`]); false if it was cut off already.
+    fn admit(&self) -> bool {
+        self.places().admitted(self.1)
+    }
+}
+
 impl Drop for Held {
     fn drop(&mut self) {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner).give_back(self.1);
+        self.places().give_back(self.1);
     }
 }
 
@@ -239,17 +320,18 @@ impl Drop for Refusing {
     }
 }
 
-/// A place for the connection `stream` from `peer` among `places`, cutting off an unadmitted one
-/// if that is the rule (see [`serve`]); `Err` with why if there is none, `None` if the connection
-/// is closed at once (no handle of it could be kept).
+/// A place for the connection `stream` from `peer` among `places` (`greeted`: its greeting has
+/// arrived), cutting off an unadmitted one if that is the rule (see [`serve`]); `Err` with why if
+/// there is none, `None` if the connection is closed at once (no handle of it could be kept).
 fn take_place(
     places: &Arc<Mutex<Places>>,
     stream: &TcpStream,
     peer: SocketAddr,
+    greeted: bool,
     opts: &TransferOptions,
 ) -> Option<std::result::Result<Held, &'static str>> {
     let mut p = places.lock().unwrap_or_else(PoisonError::into_inner);
-    let room = p.room_for(peer.ip(), opts);
+    let room = p.room_for(peer.ip(), greeted, opts);
     match room {
         Room::Refused(why) => return Some(Err(why)),
         Room::Taken(i) => {
@@ -265,7 +347,7 @@ fn take_place(
         Ok(handle) => {
             let id = p.next_id;
             p.next_id += 1;
-            p.taken.push(Place { id, ip: peer.ip(), unadmitted: Some(handle) });
+            p.taken.push(Place { id, ip: peer.ip(), unadmitted: Some(handle), greeted: greeted.then_some(id) });
             Some(Ok(Held(places.clone(), id)))
         }
         Err(e) => {
@@ -275,22 +357,46 @@ fn take_place(
     }
 }
 
-/// Refuse `stream` (`why`) on a thread of its own: refusing waits for the client's greeting (up to
-/// a second), not on the accept loop. In a flood (more than [`MAX_REFUSING`] being refused) it is
-/// closed unanswered rather than starting a thread per connection.
-fn refuse_apart(refusing: &Arc<AtomicUsize>, mut stream: TcpStream, peer: SocketAddr, why: &'static str) {
+/// `stream` from `peer` found no place as it came (`why`: no silent one to take, see [`serve`]):
+/// on a thread of its own, not on the accept loop, wait for its greeting (up to
+/// [`GREETING_WAIT`]); greeted, it asks again as a connection that has greeted and is served in
+/// the place it gets. Otherwise it is refused, after its greeting was read or waited for (closing
+/// with unread data would reset the connection and the client might never see the reason). In a
+/// flood (more than [`MAX_REFUSING`] waiting) it is closed unanswered rather than starting a
+/// thread per connection.
+fn wait_apart<S: Source>(
+    refusing: &Arc<AtomicUsize>,
+    places: &Arc<Mutex<Places>>,
+    access: &Arc<Access<S>>,
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    opts: &TransferOptions,
+    why: &'static str,
+) {
     if refusing.fetch_add(1, Ordering::SeqCst) >= MAX_REFUSING {
         refusing.fetch_sub(1, Ordering::SeqCst);
-        log::debug!("transfer: closing {peer}: {why}, and too many being refused");
+        log::debug!("transfer: closing {peer}: {why}, and too many waiting");
         return;
     }
     let held = Refusing(refusing.clone());
-    let refused = std::thread::Builder::new().name("spillway-refuse".into()).spawn(move || {
+    let (places, access, opts) = (places.clone(), access.clone(), opts.clone());
+    let waiting = std::thread::Builder::new().name("spillway-refuse".into()).spawn(move || {
         let _held = held;
-        let _ = refuse(&mut stream, why);
+        let mut h = [0u8; 8];
+        let greeting = read_by(&mut stream, &mut h, after(GREETING_WAIT), GREETING_WAIT);
+        let why = match greeting.map(|()| check_hello(&h)) {
+            Err(_) => why.to_string(),
+            Ok(Err(e)) => e.to_string(),
+            Ok(Ok(())) => match take_place(&places, &stream, peer, true, &opts) {
+                Some(Ok(place)) => return spawn_serving(access, stream, peer, opts, place, true),
+                Some(Err(why)) => why.to_string(),
+                None => return,
+            },
+        };
+        let _ = send_refusal(&mut stream, &why);
     });
-    if let Err(e) = refused {
-        log::warn!("transfer: cannot start a thread to refuse {peer}: {e}");
+    if let Err(e) = waiting {
+        log::warn!("transfer: cannot start a thread for {peer} to wait on: {e}");
     }
 }
 
@@ -301,13 +407,13 @@ pub fn shutdown_listener(listener: &TcpListener) -> io::Result<()> {
     rustix::net::shutdown(listener, rustix::net::Shutdown::Read).map_err(io::Error::from)
 }
 
-pub(super) fn refuse(stream: &mut TcpStream, why: &str) -> io::Result<()> {
-    // Read the client's greeting first: closing with unread data would reset the connection and the
-    // client might never see the reason.
-    stream.set_read_timeout(Some(Duration::from_secs(1)))?;
-    let mut h = [0u8; 8];
-    let _ = stream.read_exact(&mut h);
-    send_refusal(stream, why)
+/// Whether bytes from the peer of `stream` wait to be read, looked at without taking them and
+/// without waiting (`MSG_PEEK | MSG_DONTWAIT`): a connection whose greeting has arrived has spoken,
+/// before its thread reads it.
+fn bytes_waiting(stream: &TcpStream) -> bool {
+    use rustix::net::{recv, RecvFlags};
+    let mut byte = [0u8; 1];
+    matches!(recv(stream, &mut byte, RecvFlags::PEEK | RecvFlags::DONTWAIT), Ok((n, _)) if n > 0)
 }
 
 /// Greeting and ERROR `why`, for a client whose greeting was read.
@@ -398,26 +504,34 @@ pub(super) fn read_by(stream: &mut TcpStream, buf: &mut [u8], deadline: Instant,
 /// byte to its last, must arrive within `opts.timeout`; a request `access` refuses is answered
 /// "not authorized" and ends the connection.
 pub fn serve_connection<S: Source>(access: &Access<S>, stream: TcpStream, opts: &TransferOptions) -> Result<()> {
-    serve_admitting(access, stream, opts, &|| {})
+    serve_admitting(access, stream, opts, None, false)
 }
 
-/// [`serve_connection`], calling `on_admitted` when the first request is admitted.
+/// [`serve_connection`] in a place of [`serve`]'s (`held`): marked greeted once the greeting is
+/// read (`greeted`: it was, only the server's is sent), and admitted as the first request with a
+/// good ticket is, before anything is used up ([`Access::admit`]).
 fn serve_admitting<S: Source>(
     access: &Access<S>,
     mut stream: TcpStream,
     opts: &TransferOptions,
-    on_admitted: &dyn Fn(),
+    held: Option<&Held>,
+    greeted: bool,
 ) -> Result<()> {
     let Some(_serving) = access.enter(&stream) else { return Ok(()) }; // closed
     stream.set_read_timeout(Some(opts.timeout)).map_err(|e| io_err("set timeout", e))?;
     stream.set_write_timeout(Some(opts.timeout)).map_err(|e| io_err("set timeout", e))?;
     let _ = stream.set_nodelay(true);
     let peer = stream.peer_addr().ok().map(|a| a.ip());
-    let mut h = [0u8; 8];
-    read_by(&mut stream, &mut h, after(opts.timeout), opts.timeout).map_err(|e| io_err("receive hello", e))?;
-    if let Err(e) = check_hello(&h) {
-        let _ = send_refusal(&mut stream, &e.to_string()); // its greeting was just read
-        return Err(e);
+    if !greeted {
+        let mut h = [0u8; 8];
+        read_by(&mut stream, &mut h, after(opts.timeout), opts.timeout).map_err(|e| io_err("receive hello", e))?;
+        if let Err(e) = check_hello(&h) {
+            let _ = send_refusal(&mut stream, &e.to_string()); // its greeting was just read
+            return Err(e);
+        }
+        if let Some(place) = held {
+            place.greeted(); // before the server's greeting: the client sends its request after it
+        }
     }
     stream.write_all(&hello()).map_err(|e| io_err("send hello", e))?;
     let mut pipe = None;
@@ -442,14 +556,16 @@ fn serve_admitting<S: Source>(
         }
         let mut key = vec![0u8; key_len];
         read_by(&mut stream, &mut key, deadline, opts.timeout).map_err(|e| io_err("receive key", e))?;
-        let Some(admitted) = access.admit(&ticket, &key, peer) else {
-            let _ = send_error(&mut stream, NOT_AUTHORIZED);
-            return Err(proto(format!("a request with ticket {ticket:?} was refused")));
+        let hold = || told || held.is_none_or(Held::admit);
+        let admitted = match access.admit(&ticket, &key, peer, &hold) {
+            Ok(admitted) => admitted,
+            Err(Refused::Cut) => return Err(proto("cut off for a newer connection before a request was admitted")),
+            Err(Refused::NotAuthorized) => {
+                let _ = send_error(&mut stream, NOT_AUTHORIZED);
+                return Err(proto(format!("a request with ticket {ticket:?} was refused")));
+            }
         };
-        if !told {
-            on_admitted();
-            told = true;
-        }
+        told = true;
         let outgoing = match admitted.value {
             Some(v) => Ok(Some(v)),
             None => admitted.src.outgoing(&key),
