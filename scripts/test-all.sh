@@ -14,10 +14,14 @@ cargo fuzz --help >/dev/null 2>&1 || cargo install cargo-fuzz --locked
 # Python packages go into virtual environments under target/ (python_env below), never into the
 # system Python: each resolved with spillway's own bounds (python/pyproject.toml) under the
 # constraints of the versions tested (python/requirements/).
-# Debian's Chromium, for the test that looks at dask's dashboard (test_dashboard.py).
-if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 \
-    || echo "chromium could not be installed: test_dashboard.py will be skipped"
+# Debian's Chromium, for the test that looks at dask's dashboard (test_dashboard.py), and nftables,
+# for the fault run's dropped packets (test_cluster.py, python/bench/faults.py).
+missing=()
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+command -v nft >/dev/null 2>&1 || missing+=(nftables)
+if [ ${#missing[@]} -gt 0 ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}") >/dev/null 2>&1 \
+    || echo "${missing[*]} could not be installed: the tests that need them will be skipped"
 fi
 
 step "format"

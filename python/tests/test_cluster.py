@@ -119,3 +119,26 @@ def test_cli_workers_in_network_namespaces_move_spilled_data_over_their_links(tm
     expected = cluster_bench.reference(size, phases)
     np.testing.assert_array_equal(np.asarray(run.values["transfer"]), np.asarray(expected["transfer"]))
     assert not any(n.startswith("spwb-") for n in os.listdir("/sys/class/net")), "links left behind"
+
+
+@pytest.mark.skipif(
+    not _can_make_namespaces() or not __import__("shutil").which("nft"),
+    reason="needs root, ip, tc and nft (network namespaces, packets dropped by nftables)",
+)
+def test_the_fault_run_completes_with_identical_results_on_both_stores(tmp_path):
+    """``python/bench/faults.py``: spilled values moving between ``dask worker`` processes in
+    network namespaces while the sender is killed with SIGKILL, 1% of packets are dropped and a
+    receiver's link goes down for a second: on dask's store and on spillway + plugin, every run
+    completes within its deadline with the results computed without a cluster."""
+    import argparse
+    import random
+
+    import faults
+
+    args = argparse.Namespace(workers=3, memory_limit=600 << 20, values=12, value_mib=8,
+                              drop_per_mille=10, flap_seconds=1.0, deadline=300.0)
+    rng = random.Random(7)
+    for store in ("dask", "spillway+plugin"):
+        r = faults.one_run(store, args, rng, str(tmp_path))
+        assert r["completed"] and r["identical"], r
+        assert r["faults"]["sigkill"] == 1 and r["faults"]["flaps"] == 1, r
