@@ -22,12 +22,14 @@
 //!   erased nor written over.
 //! * a segment whose header is damaged is never continued: records written after it would not
 //!   verify once no segment held the salt.
+//! * a value streamed into a segment of its own that a crash cut short leaves a file shorter than
+//!   its header announces: it is removed, not extended to that size and continued.
 
 use std::path::PathBuf;
 
 use spillway::backend::{Fault, FaultKind, FaultOp};
 use spillway::format::{self, FooterEntry, RecordHeader, Salt};
-use spillway::{Backend, Error, Frames, LogOptions, SegmentLog, SimBackend};
+use spillway::{Backend, Error, Frames, LogOptions, SegmentLog, SimBackend, StreamedValue};
 use spillway_tests::value_for;
 
 fn opts() -> LogOptions {
@@ -715,4 +717,60 @@ fn a_segment_with_a_damaged_header_is_not_continued() {
     drop(log);
     let log = SegmentLog::open(be.crash(None), "/s", opts()).unwrap();
     assert_eq!(log.get(b"b").unwrap(), Some(one(b"b", 100)), "the synced value, after a power cut");
+}
+
+/// The bytes of a value streamed in, endless, until `left` of them were read: then the process dies
+/// (every disk operation from then on fails, the removal of what it was writing included), while
+/// the bytes keep coming.
+struct DiesAfter<'a> {
+    be: &'a SimBackend,
+    left: usize,
+}
+
+impl std::io::Read for DiesAfter<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        if self.left == 0 {
+            self.be.inject(Fault { op: FaultOp::Any, after: 0, kind: FaultKind::Eio, sticky: true });
+            self.left = usize::MAX;
+        }
+        let n = buf.len().min(self.left);
+        buf[..n].fill(0x5a);
+        self.left -= n;
+        Ok(n)
+    }
+}
+
+/// A value streamed into a segment of its own has the size it announces in the segment's header,
+/// and its space reserved as its bytes arrive, 64 MiB ahead of them. A process killed part-way
+/// leaves a file shorter than its header says, its one record torn. The next open removes it: it is
+/// neither extended to the size announced (up to 4 GiB) nor continued as an active segment of that
+/// size. The acknowledged values read back, and writing goes on in a segment of the usual size.
+#[test]
+fn a_streamed_segment_cut_short_is_removed_not_grown_to_its_announced_size() {
+    let be = SimBackend::new();
+    let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
+    log.put(b"kept", &one(b"kept", 3000)).unwrap();
+    log.sync().unwrap();
+    // Just over what is reserved ahead of a stream's bytes: its file is shorter than announced.
+    let n = (64 << 20) + (1 << 20);
+    let meta = StreamedValue { lz4: false, frame_lens: vec![n], raw_len: n, stored_len: n, payload_crc: 0 };
+    assert!(log.put_stream(b"big", &meta, &mut DiesAfter { be: &be, left: 2 << 20 }).is_err());
+    drop(log);
+    be.clear_faults();
+    let torn = seg_path(2);
+    let len = be.file_len(&be.open(&torn, false).unwrap()).unwrap();
+    assert!(len < n, "the stream's file ({len} bytes) is shorter than the value it announced");
+
+    let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
+    assert!(!be.files().contains(&torn), "the segment of the stream cut short is removed");
+    assert_eq!(log.get(b"kept").unwrap(), Some(one(b"kept", 3000)));
+    assert_eq!(log.get(b"big").unwrap(), None);
+    assert!(log.stats().disk_bytes <= opts().segment_bytes, "{:?}", log.stats());
+    log.put(b"after", &one(b"after", 3000)).unwrap();
+    assert_ne!(log.location(b"after").unwrap().segment, 2, "not in the stream's segment");
+    log.sync().unwrap();
+    drop(log);
+    let log = SegmentLog::open(be, "/s", opts()).unwrap();
+    assert_eq!(log.get(b"kept").unwrap(), Some(one(b"kept", 3000)));
+    assert_eq!(log.get(b"after").unwrap(), Some(one(b"after", 3000)));
 }

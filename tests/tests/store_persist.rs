@@ -265,3 +265,39 @@ fn a_persistent_flush_writes_a_value_another_thread_was_demoting() {
     assert_eq!(*s.get(b"slow").unwrap().unwrap(), slow, "flushed before the power cut");
     assert_eq!(*s.get(b"x").unwrap().unwrap(), val(b'x', 1500));
 }
+
+/// A persistent store's put of a value heavier than the target, over a key whose value is on disk:
+/// the new record is written before the old one goes (the newer record supersedes it, by its
+/// sequence number at the next open too), so a crash at any point of the put leaves the old value
+/// or the new one, never neither. The crash: every disk operation from the `crash_at`-th of the
+/// put on fails (the process died there), and the store is opened again on what was written.
+#[test]
+fn a_crash_during_a_large_put_leaves_the_old_value_or_the_new_one() {
+    let (old, new) = (val(1, 8000), val(2, 9000));
+    for crash_at in 0.. {
+        let be = SimBackend::new();
+        let s = Store::open(TestCodec::default(), be.clone(), "/store", persistent(5_000)).unwrap();
+        s.put(b"k", old.clone()).unwrap(); // heavier than the target: straight to disk
+        s.flush().unwrap();
+        assert_eq!(s.tier(b"k"), Some(Tier::Disk));
+        be.inject(Fault { op: FaultOp::Any, after: crash_at, kind: FaultKind::Eio, sticky: true });
+        let put = s.put(b"k", new.clone());
+        let crashed = be.fault_fired();
+        s.check_accounting().unwrap();
+        drop(s);
+        be.clear_faults();
+        let s = Store::open(TestCodec::default(), be, "/store", persistent(5_000)).unwrap();
+        let got = s.get(b"k").unwrap_or_else(|e| panic!("crash at operation {crash_at}: {e}"));
+        let got = got.map(|v| v.to_vec());
+        assert!(
+            got.as_ref() == Some(&old) || got.as_ref() == Some(&new),
+            "crash at operation {crash_at} (the put: {put:?}): the key holds {:?} bytes",
+            got.as_ref().map(|v| v.len())
+        );
+        if !crashed {
+            assert_eq!(got, Some(new.clone()), "no crash: the new value");
+            break;
+        }
+        assert!(crash_at < 50, "the put never ends");
+    }
+}

@@ -2,8 +2,9 @@
 
 use std::collections::BTreeMap;
 
+use spillway::backend::{Fault, FaultKind, FaultOp};
 use spillway::{CompactionPolicy, Frames, LogOptions, PortableBackend, SegmentLog, SimBackend};
-use spillway_tests::{frames_for, Rng};
+use spillway_tests::{frames_for, streamed, Rng};
 
 const SEG: u64 = 64 * 1024;
 
@@ -456,4 +457,115 @@ fn a_damaged_live_value_does_not_make_every_compaction_copy_its_tombstones() {
     drop(log);
     let log = deletes_survive_a_reopen(be);
     assert_eq!(log.get(b"hurt").unwrap_err().location(), Some((second, hurt.offset)));
+}
+
+/// The bytes of a value streamed in (`payload`), whose first read runs `meanwhile` (once): what
+/// other threads do while the value arrives.
+struct Meanwhile<'a, F: FnOnce()> {
+    payload: &'a [u8],
+    meanwhile: Option<F>,
+}
+
+impl<F: FnOnce()> std::io::Read for Meanwhile<'_, F> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        if let Some(f) = self.meanwhile.take() {
+            f();
+        }
+        let n = buf.len().min(self.payload.len());
+        buf[..n].copy_from_slice(&self.payload[..n]);
+        self.payload = &self.payload[n..];
+        Ok(n)
+    }
+}
+
+/// What a crash leaves of a log where `k` was deleted while a value of it streamed into a segment
+/// of its own: the process dies at the `crash_at`-th disk operation from the delete on (that one
+/// and every later one fail). With `compact`, the delete's segment is sealed meanwhile (a value
+/// that does not fit after it) and compacted. Returns the disk, whether the delete and the put of
+/// `fill` were acknowledged, and whether the crash came before the end.
+fn deleted_while_streaming(crash_at: u64, compact: bool) -> (SimBackend, bool, bool, bool) {
+    let be = SimBackend::new();
+    let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
+    log.put(b"k", &frames_for(b"k", 1000)).unwrap();
+    log.sync().unwrap();
+    let (payload, meta) = streamed(&frames_for(b"streamed", (1 << 20) + 4096)); // a segment of its own
+    let (deleted, filled) = (std::cell::Cell::new(false), std::cell::Cell::new(false));
+    let meanwhile = || {
+        be.inject(Fault { op: FaultOp::Any, after: crash_at, kind: FaultKind::Eio, sticky: true });
+        deleted.set(matches!(log.delete(b"k"), Ok(true)));
+        if compact {
+            filled.set(log.put(b"fill", &frames_for(b"fill", 60_000)).is_ok());
+            let _ = log.compact();
+        }
+    };
+    let _ = log.put_stream(b"k", &meta, &mut Meanwhile { payload: &payload, meanwhile: Some(meanwhile) });
+    let crashed = be.fault_fired();
+    drop(log);
+    be.clear_faults();
+    (be, deleted.get(), filled.get(), crashed)
+}
+
+/// Open `be` after a crash: an acknowledged delete holds, an acknowledged value reads back.
+fn reopened(be: &SimBackend, deleted: bool, filled: bool, what: &str) -> SegmentLog<SimBackend> {
+    let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let k = log.get(b"k").unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert!(!deleted || k.is_none(), "{what}: the deleted key came back");
+    if filled {
+        assert_eq!(log.get(b"fill").unwrap(), Some(frames_for(b"fill", 60_000)), "{what}");
+    }
+    log
+}
+
+/// A key deleted while a value of it streams into a segment of its own stays deleted through a
+/// crash at any point: the streamed record may be whole on disk before the stream ends (and is
+/// dead on arrival), in a segment newer than the tombstone's, which no tombstone's range reaches.
+/// So the tombstone is kept (compaction copies it) while the stream lasts, the stream's segment is
+/// removed before the stream ends, and an open removes such a segment that a crash left. Then a
+/// second life collects garbage and dies after its first segment removal: the stream's segment
+/// must not outlive the tombstone's there either.
+#[test]
+fn a_key_deleted_while_its_value_streams_in_stays_deleted_through_crashes() {
+    for compact in [false, true] {
+        for crash_at in 0.. {
+            let (be, deleted, filled, crashed) = deleted_while_streaming(crash_at, compact);
+            let what = format!("compact={compact}, crash at operation {crash_at}");
+            let log = reopened(&be, deleted, filled, &what);
+            be.inject(Fault { op: FaultOp::Remove, after: 1, kind: FaultKind::Eio, sticky: true });
+            let _ = log.compact();
+            drop(log);
+            be.clear_faults();
+            drop(reopened(&be, deleted, filled, &format!("{what}, then a crash in garbage collection")));
+            if !crashed {
+                assert!(deleted, "{what}");
+                break;
+            }
+            assert!(crash_at < 200, "{what}: the stream never ends");
+        }
+    }
+}
+
+/// A value streamed into a segment of its own lies in a segment newer than the active one, where
+/// its key's tombstone goes when it is deleted: a tombstone's `aux` names no segment after its own
+/// (recovery refuses such a tombstone, and the key would come back). Deleted, the key stays
+/// deleted after a crash right after the delete was written, with the streamed segment still on
+/// disk, and the open finds no damage.
+#[test]
+fn a_streamed_value_deleted_stays_deleted_after_a_crash() {
+    let be = SimBackend::new();
+    let log = SegmentLog::open(be.clone(), "/s", opts()).unwrap();
+    log.put(b"a", &frames_for(b"a", 1000)).unwrap();
+    let (payload, meta) = streamed(&frames_for(b"k", (1 << 20) + 4096)); // a segment of its own
+    log.put_stream(b"k", &meta, &mut &payload[..]).unwrap();
+    assert!(log.location(b"k").unwrap().segment > log.location(b"a").unwrap().segment);
+    // The process dies right after the tombstone's write, before the streamed segment goes.
+    be.inject(Fault { op: FaultOp::Any, after: 1, kind: FaultKind::Eio, sticky: true });
+    assert!(log.delete(b"k").unwrap());
+    assert!(be.fault_fired());
+    drop(log);
+    be.clear_faults();
+    let log = SegmentLog::open(be, "/s", opts()).unwrap();
+    assert_eq!(log.get(b"k").unwrap(), None, "the deleted key came back");
+    let report = log.recovery_report();
+    assert!(report.corrupt.is_empty() && report.truncated_bytes == 0, "{report:?}");
+    assert_eq!(log.get(b"a").unwrap(), Some(frames_for(b"a", 1000)));
 }

@@ -176,10 +176,16 @@ pub(super) fn collect_garbage<B: Backend>(log: &SegmentLog<B>, st: &mut WriterSt
             break;
         }
         let active = st.active.as_ref().map(|a| a.id);
+        // While a value streams into a segment of its own, a tombstone of its key written
+        // meanwhile is all that deletes it at the next open, and its range does not reach the
+        // stream's newer segment (see `Streams::streaming`): segments holding tombstones wait
+        // (compaction moves the tombstones of streaming keys instead).
+        let streaming = log.streams.in_progress();
         let victim = st
             .segs
             .iter()
             .filter(|(&id, m)| Some(id) != active && m.live_records == 0 && !failed.contains(&id))
+            .filter(|(_, m)| !(streaming && m.tombstones > 0))
             .map(|(&id, _)| id)
             .find(|&id| !tombstones_needed(st, id));
         let Some(id) = victim else { break };

@@ -48,26 +48,50 @@ struct Newest<F> {
 }
 
 /// What the records of every segment say once each key's newest record wins: the index, each
-/// segment's accounting, and the highest sequence number seen.
+/// segment's accounting, the highest sequence number seen, and the segments left by a value
+/// streamed in that a delete overtook (see `stranded_streams`).
 struct Settled {
     index: KeyMap<IndexKey, PackedLoc>,
     segs: SegmentTable,
     max_seq: u64,
+    stranded: Vec<u32>,
+}
+
+/// The record of a key that wins so far (see `settle_winners`), and the oldest segment that holds
+/// a record of the key.
+struct Winner {
+    seq: u64,
+    segment: u32,
+    offset: u64,
+    len: u64,
+    tombstone: bool,
+    facts: RecordFacts,
+    first_segment: u32,
+}
+
+/// The segments whose every record is a value that a tombstone of its key in an older segment
+/// deletes: what a value streamed into a segment of its own (`put_stream`) leaves when a delete
+/// of its key overtook it and the process died before the segment was removed. A tombstone
+/// shadows older segments only (its range ends at its own), so none covers such a segment, and
+/// garbage collection could remove the tombstone's segment first: the value would come back at
+/// the next open. Nothing else leaves one: every other record is written to, or copied into, the
+/// active segment, never older than the segment of a tombstone written before it.
+fn stranded_streams(scans: &BTreeMap<u32, SegmentScan>, winners: &HashMap<&[u8], Winner>) -> Vec<u32> {
+    let deleted_before = |id: u32, e: &FooterEntry| {
+        e.flags & format::FLAG_TOMBSTONE == 0
+            && winners.get(e.key.as_slice()).is_some_and(|w| w.tombstone && w.segment < id)
+    };
+    scans
+        .iter()
+        .filter(|(&id, scan)| !scan.entries.is_empty() && scan.entries.iter().all(|e| deleted_before(id, e)))
+        .map(|(&id, _)| id)
+        .collect()
 }
 
 /// Which record of each key wins (the newest: highest sequence number; a tombstone wins by
 /// deleting), and what that makes of each segment's accounting: its live records and bytes, its
 /// tombstones, and the oldest segment each live key also appears in (`firsts`).
 fn settle_winners(scans: &BTreeMap<u32, SegmentScan>, report: &mut RecoveryReport) -> Settled {
-    struct Winner {
-        seq: u64,
-        segment: u32,
-        offset: u64,
-        len: u64,
-        tombstone: bool,
-        facts: RecordFacts,
-        first_segment: u32,
-    }
     let mut winners: HashMap<&[u8], Winner> = HashMap::new();
     let mut max_seq = 0u64;
     for (&id, scan) in scans {
@@ -97,6 +121,7 @@ fn settle_winners(scans: &BTreeMap<u32, SegmentScan>, report: &mut RecoveryRepor
             }
         }
     }
+    let stranded = stranded_streams(scans, &winners);
     let mut segs: SegmentTable = scans.iter().map(|(&id, s)| (id, s.meta.clone())).collect();
     let mut index = KeyMap::with_capacity_and_hasher(winners.len(), KeyHasher::default());
     for (key, w) in winners {
@@ -117,7 +142,7 @@ fn settle_winners(scans: &BTreeMap<u32, SegmentScan>, report: &mut RecoveryRepor
             segs.add_tombstone(id, e.record_len, e.aux);
         }
     }
-    Settled { index, segs, max_seq }
+    Settled { index, segs, max_seq, stranded }
 }
 
 /// Why the newest segment, unsealed, cannot go on as the active one (`None` if it can): what the
@@ -195,8 +220,14 @@ impl<B: Backend> SegmentReader<'_, B> {
         let (ids, opened) = self.open_segment_files(spares, &mut report)?;
         let salt_learned;
         (self.salt, salt_learned) = self.learn_salt(&opened)?;
-        let Scanned { mut scans, files, max_epoch } = self.scan_segments(opened, &mut report)?;
-        let Settled { index, segs, max_seq } = settle_winners(&scans, &mut report);
+        let Scanned { mut scans, mut files, max_epoch } = self.scan_segments(opened, &mut report)?;
+        let Settled { index, mut segs, max_seq, stranded } = settle_winners(&scans, &mut report);
+        // Before anything could remove the segment of the tombstone that deletes their value.
+        for id in stranded {
+            segs.remove(id);
+            let why = "a value streamed in that a delete overtook (a tombstone in an older segment deletes it)";
+            self.remove_segment(id, &mut scans, &mut files, why);
+        }
         let Newest { active, unsynced } = self.continue_newest(&mut scans, &segs, &files, salt_learned)?;
 
         // A record's seq or epoch at (or near) its maximum leaves no higher one for new records to win
@@ -284,7 +315,8 @@ impl<B: Backend> SegmentReader<'_, B> {
     }
 
     /// Scan (or read the footer of) each opened segment: what it holds, its files by id, and the
-    /// highest epoch seen. A newest segment that a crash left before its header was written goes.
+    /// highest epoch seen. A newest segment that a crash left before its header was written goes,
+    /// and so does any segment whose writing a crash cut short (`SegmentScan::cut_short`).
     fn scan_segments(&self, opened: Vec<(u32, B::File)>, report: &mut RecoveryReport) -> Result<Scanned<B::File>> {
         let mut scans: BTreeMap<u32, SegmentScan> = BTreeMap::new();
         let mut max_epoch = 0u32;
@@ -305,9 +337,22 @@ impl<B: Backend> SegmentReader<'_, B> {
             if scan.entries.len() != before {
                 scan.meta.records = scan.entries.len() as u64;
             }
+            // Sized for one record (a jumbo segment, a value streamed into a segment of its own)
+            // and holding none: that record never became whole. Continued, it would be an active
+            // segment of that size (up to 4 GiB).
+            let one_record = scan.meta.size > self.opts.segment_bytes;
+            if scan.header_ok && !scan.meta.sealed && before == 0 && one_record {
+                scan.cut_short = true;
+            }
             max_epoch = max_epoch.max(scan.max_epoch);
             files.insert(id, Arc::new(file));
             scans.insert(id, scan);
+        }
+        // Holding nothing, wherever they are, they go (their ids are not reused). (First: the
+        // newest segment then is the one the check below is about.)
+        let cut: Vec<u32> = scans.iter().filter(|(_, s)| s.cut_short).map(|(&id, _)| id).collect();
+        for id in cut {
+            self.remove_segment(id, &mut scans, &mut files, "a crash cut its writing short, and it holds no record");
         }
         // A newest segment that a crash left before its header was written holds nothing: it goes
         // (new records go to a new segment, whose header holds the salt). Its id is not reused.
@@ -323,6 +368,25 @@ impl<B: Backend> SegmentReader<'_, B> {
             }
         }
         Ok(Scanned { scans, files, max_epoch })
+    }
+
+    /// Take segment `id`, which holds nothing the log needs, out of what recovery found, and remove
+    /// its file (`why` says what it was). Its id is not reused: new segments' ids are above every
+    /// id found. A failed removal is only a warning: the next open finds the file again.
+    fn remove_segment(
+        &self,
+        id: u32,
+        scans: &mut BTreeMap<u32, SegmentScan>,
+        files: &mut KeyMap<u32, Arc<B::File>>,
+        why: &str,
+    ) {
+        scans.remove(&id);
+        files.remove(&id);
+        let path = self.seg_path(id);
+        match self.backend.remove_file(&path) {
+            Ok(()) => log::info!("removed {}: {why}", path.display()),
+            Err(e) => log::warn!("could not remove {} ({why}): {e}", path.display()),
+        }
     }
 
     /// The newest segment, if unsealed, continues as the active one, unless what the scan found in
@@ -440,6 +504,11 @@ impl<B: Backend> SegmentReader<'_, B> {
         let path = self.seg_path(id);
         let file_len = self.backend.file_len(file).map_err(|e| Error::io("stat segment", path.clone(), e))?;
         let Geometry { size, data_start, header_ok, zero_header } = self.geometry(id, file, file_len, &path, report)?;
+        if align_up(file_len, self.align) < size && header_ok {
+            if let Some(scan) = self.cut_short(id, file, &path, (file_len, size), data_start)? {
+                return Ok(scan);
+            }
+        }
         let sealed_candidate = file_len >= size;
         if file_len < size {
             // A truncated file, or a crash during preallocation: give it its size back so every
@@ -471,6 +540,7 @@ impl<B: Backend> SegmentReader<'_, B> {
                         dropped_unsynced: false,
                         header_ok,
                         never_written: false,
+                        cut_short: false,
                     });
                 }
                 report.corrupt.push((id, t.footer_offset, "footer checksum mismatch; scanning records".into()));
@@ -487,6 +557,37 @@ impl<B: Backend> SegmentReader<'_, B> {
             }
         }
         Ok(scan)
+    }
+
+    /// A segment whose file is shorter than its header announces (`size`), if nothing in the file
+    /// is a record: a crash cut its writing short. A value streamed into a segment of its own
+    /// (`put_stream`) announces its whole size in the header, up to 4 GiB, but has its space
+    /// reserved only as its bytes arrive: a process killed part-way leaves such a file, its one
+    /// record torn. It is returned empty and `cut_short` (`scan_segments` removes it), never
+    /// extended to the size it announces. `None` if a record lies in the file (a truncated
+    /// segment): it is then loaded as any other, extended to its size.
+    fn cut_short(
+        &self,
+        id: u32,
+        file: &B::File,
+        path: &Path,
+        (file_len, size): (u64, u64),
+        data_start: u64,
+    ) -> Result<Option<SegmentScan>> {
+        // The file as it is and a block more (the scan keeps a segment's last 64 bytes for its
+        // trailer, and a record may end at the file's end), never beyond the announced size.
+        let len = (align_up(file_len, self.align) + self.align).min(size);
+        if len <= data_start {
+            return Ok(None);
+        }
+        self.backend.allocate(file, len).map_err(|e| Error::io("fallocate", path.to_path_buf(), e))?;
+        // With a report of its own: a segment that goes is no damage to report.
+        let mut scratch = RecoveryReport::default();
+        let scan = self.scanner().scan_segment(id, file, path, len, data_start, &mut scratch)?;
+        if !scan.entries.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(SegmentScan { cut_short: true, ..scan }))
     }
 
     /// A segment's size and where its data starts, from its header, or defaults if the header is

@@ -48,6 +48,11 @@ pub(super) struct SegmentScan {
     /// Its header block is all zeros and nothing follows it: a segment whose creation a crash cut
     /// short before the header was written. Not damage, and nothing in it (see `recover`).
     pub(super) never_written: bool,
+    /// It holds no record, and a crash cut its writing short: its file is shorter than its header
+    /// announces, or it was sized for one record that never became whole (see
+    /// `SegmentReader::cut_short`). Removed at open (see `recover`), neither extended to the size
+    /// its header announces nor continued.
+    pub(super) cut_short: bool,
 }
 
 /// Read window used when scanning unsealed segments.
@@ -293,8 +298,8 @@ impl<B: Backend> Scanner<'_, B> {
         let tail_start = align_down(pos, self.align);
         let tail = if pos > tail_start { win.bytes(tail_start, pos - tail_start)?.to_vec() } else { Vec::new() };
         let cut = (cut_end > pos).then_some(cut_end);
-        // (`header_ok` and `never_written` are `load_segment`'s, which read the header.)
-        let (header_ok, never_written) = (true, false);
+        // (`header_ok`, `never_written` and `cut_short` are `load_segment`'s, which read the header.)
+        let (header_ok, never_written, cut_short) = (true, false, false);
         Ok(SegmentScan {
             meta,
             entries,
@@ -305,6 +310,7 @@ impl<B: Backend> Scanner<'_, B> {
             dropped_unsynced,
             header_ok,
             never_written,
+            cut_short,
         })
     }
 

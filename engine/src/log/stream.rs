@@ -63,6 +63,27 @@ impl Streams {
         }
     }
 
+    /// Whether a value of `key` is streaming into a segment of its own. That segment is newer than
+    /// the active one and not in the segment table yet, and may hold a whole record of the key on
+    /// disk before the stream ends: a tombstone of the key written meanwhile, whose range ends at
+    /// its own older segment, is then all that deletes it at the next open. Compaction keeps such
+    /// tombstones while the stream lasts (`compact::records_to_keep`).
+    pub(super) fn streaming(&self, key: &[u8]) -> bool {
+        self.any.load(Ordering::Acquire) && lock(&self.by_key).contains_key(key)
+    }
+
+    /// Whether any value is streaming into a segment of its own (see [`Streams::streaming`]):
+    /// garbage collection keeps the segments holding tombstones meanwhile (`gc::collect_garbage`).
+    pub(super) fn in_progress(&self) -> bool {
+        self.any.load(Ordering::Acquire)
+    }
+
+    /// Whether a newer write of `key` overtook its stream with sequence number `seq` (once it has,
+    /// it stays overtaken).
+    pub(super) fn overtaken(&self, key: &[u8], seq: u64) -> bool {
+        lock(&self.by_key).get(key).is_some_and(|streams| streams.iter().any(|&(s, overtaken)| s == seq && overtaken))
+    }
+
     /// The stream of `key` with sequence number `seq` is over: forget it. Returns whether a newer
     /// write of its key overtook it.
     pub(super) fn ended(&self, key: &[u8], seq: u64) -> bool {
@@ -446,7 +467,7 @@ pub(super) fn put_stream_apart<B: Backend>(
     let (file, h) = match written {
         Ok(Ok(w)) => w,
         Ok(Err(e)) => {
-            log.streams.ended(key, seq);
+            end_unpublished(log, st, key, seq);
             return Err(e);
         }
         Err(panic) => {
@@ -465,6 +486,9 @@ pub(super) fn put_stream_apart<B: Backend>(
         log.streams.ended(key, seq);
         return Err(e);
     }
+    if removed_overtaken(log, st, key, seq, &path) {
+        return Ok(());
+    }
     let file = Arc::new(file);
     st.dir_dirty = true;
     st.dir_new_segments = true;
@@ -480,6 +504,40 @@ pub(super) fn put_stream_apart<B: Backend>(
     // The old record's segment, or this one if a newer operation made it dead on arrival.
     reclaim(log, st);
     Ok(())
+}
+
+/// Remove the segment (its file at `path`) of a stream of `key` (sequence number `seq`) that a
+/// newer write of its key overtook, before the stream ends. A tombstone written meanwhile lies in
+/// an older segment than the stream's, and its range does not reach it: garbage collection and
+/// compaction keep it only while the stream lasts (`Streams::streaming`), so the stream's segment
+/// must be gone first, durably first in a durable log (the directory is fsync'ed before another
+/// segment is removed: `gc::delete_segment`). Returns whether it was removed; if not (not
+/// overtaken, or the removal failed), the segment joins the log as any streamed one.
+fn removed_overtaken<B: Backend>(
+    log: &SegmentLog<B>,
+    st: &mut WriterState<B::File>,
+    key: &[u8],
+    seq: u64,
+    path: &Path,
+) -> bool {
+    if !log.streams.overtaken(key, seq) || log.backend.remove_file(path).is_err() {
+        return false;
+    }
+    // The segment's creation and its removal, unsynced in the directory.
+    st.dir_dirty = true;
+    st.dir_new_segments = true;
+    end_unpublished(log, st, key, seq);
+    true
+}
+
+/// The stream of `key` (sequence number `seq`) ends without its record joining the log: it is
+/// forgotten, and the garbage collection that waited for it runs (see `Streams::in_progress`),
+/// unless the log is read-only.
+fn end_unpublished<B: Backend>(log: &SegmentLog<B>, st: &mut WriterState<B::File>, key: &[u8], seq: u64) {
+    log.streams.ended(key, seq);
+    if !log.health.is_poisoned() {
+        reclaim(log, st);
+    }
 }
 
 /// Publish the record at `loc` (header `h`) of a stream of `key` (sequence number `seq`) in a

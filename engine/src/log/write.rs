@@ -78,7 +78,13 @@ pub(super) fn delete<B: Backend>(log: &SegmentLog<B>, key: &[u8]) -> Result<bool
         return Ok(false);
     };
     let first = st.segs.first_segment(&packed);
-    append(log, &mut st, vec![NewRecord::Tombstone { key, aux: first }])?;
+    // A tombstone shadows segments up to its own only (recovery refuses one whose `aux` names a
+    // later segment). A value streamed into a segment of its own lies in a segment newer than the
+    // active one, into which its tombstone goes: it then shadows from there (the streamed
+    // segment, holding that one dead record, goes before it: at the garbage collection this
+    // delete runs, or at the next open, `recover::stranded_streams`).
+    let aux = st.active.as_ref().map_or(first, |a| first.min(a.id));
+    append(log, &mut st, vec![NewRecord::Tombstone { key, aux }])?;
     Ok(true)
 }
 

@@ -111,6 +111,10 @@ pub(super) struct Planned<V> {
     /// The weight of the object these frames were serialized from (a `put` heavier than the
     /// target), which the entry keeps once on disk.
     pub(super) object_weight: Option<u64>,
+    /// The key's record that this write supersedes, left in the log until then (a persistent
+    /// store's `put_large`), where it is (its log's number and its location): found there after
+    /// the write, it is not this write's.
+    pub(super) replaces: Option<(usize, crate::log::Location)>,
 }
 
 /// Failures kept for [`Store::take_failures`] at most; more are counted in the metrics only.
@@ -496,7 +500,8 @@ fn settle_write<C: Codec, B: Backend>(
     let raw = p.raw;
     inner.writes.end(&p.key, p.weight, raw);
     let ours = inner.table.get(&p.key).is_some_and(|e| Arc::ptr_eq(&e.slot, &p.slot));
-    match (ours, store.logs.location(&p.key)) {
+    let written = store.logs.place(&p.key).filter(|at| Some(*at) != p.replaces).map(|(_, loc)| loc);
+    match (ours, written) {
         (true, Some(loc)) => {
             note_landed(inner, &p.key, raw, loc.len, false, p.object_weight);
             settled.landed = true;
@@ -842,7 +847,7 @@ fn admit_writes<C: Codec, B: Backend>(
         if !refused && spill_allowed(store, inner, &k, bytes + raw) {
             bytes += raw;
             let slot = inner.table.get(&k).expect("present").slot.clone();
-            planned.push(Planned { key: k, data, raw, slot, weight, object_weight: None });
+            planned.push(Planned { key: k, data, raw, slot, weight, object_weight: None, replaces: None });
         } else {
             refused_weight += weight;
             if !refused {

@@ -12,7 +12,7 @@ use crate::value::Frames;
 
 use super::entry::{Entry, Source, Tier, WeakHandle};
 use super::evict::{enforce, enforce_sparing, keep_weak, serialize, set_stuck, spill, spill_allowed, Plan, Planned};
-use super::remove::drop_entry;
+use super::remove::{drop_entry, drop_superseded_record, take_entry_keeping_record};
 use super::Inner;
 use super::{Codec, Revive, Store};
 
@@ -88,13 +88,20 @@ pub(super) fn put_large<'a, C: Codec, B: Backend>(
     let raw = frames.total_len();
     let object_weight = object.as_ref().map(|(_, w)| *w);
     let mut inner = wait_unwritten(store, inner, key);
+    // In a persistent store the old value's record stays in the log until the new one is written,
+    // which supersedes it (its higher sequence number wins at recovery too): a crash in between
+    // leaves the old value. If the new record does not land, the old one goes then.
+    let keep_old = store.cfg.persistent && inner.table.get(key).is_some_and(|e| e.disk_bytes > 0);
     let e = Entry::serialized(frames.clone(), large);
     let slot = e.slot.clone();
-    let k = insert(store, &mut inner, key, e)?;
+    let k = if keep_old { insert_keeping_record(&mut inner, key, e) } else { insert(store, &mut inner, key, e)? };
     if let Some(revive) = weak {
         inner.table.weak.insert(k.clone(), WeakHandle { slot: slot.clone(), revive });
     }
     if !spill_allowed(store, &mut inner, key, raw) {
+        if keep_old {
+            drop_superseded_record(store, &inner, key);
+        }
         let slot = match object {
             Some(o) => keep_object(&mut inner, &k, &slot, o),
             None => slot,
@@ -103,10 +110,14 @@ pub(super) fn put_large<'a, C: Codec, B: Backend>(
         // It stays in memory, over the target: the others are evicted instead, as dask does.
         return enforce_sparing(store, inner, None, Some(&slot));
     }
-    let planned =
-        Planned { key: k.clone(), data: Source::Frames(frames), raw, slot: slot.clone(), weight: raw, object_weight };
+    let replaces = if keep_old { store.logs.place(key) } else { None };
+    let data = Source::Frames(frames);
+    let planned = Planned { key: k.clone(), data, raw, slot: slot.clone(), weight: raw, object_weight, replaces };
     inner.writes.begin(planned.key.clone(), planned.weight, planned.raw);
     let (mut inner, _) = spill(store, inner, Plan::new(vec![planned]), None);
+    if keep_old {
+        drop_superseded_record(store, &inner, key);
+    }
     let slot = match object {
         Some(o) => keep_object(&mut inner, &k, &slot, o),
         None => slot,
@@ -165,6 +176,15 @@ pub(super) fn remove<C: Codec, B: Backend>(store: &Store<C, B>, key: &[u8]) -> R
     // settles (a tombstone in a persistent store), and `flush` waits for that.
     let mut inner = store.lock();
     drop_entry(store, &mut inner, key)
+}
+
+/// Put `e` under `key` in place of its entry, whose record stays in the log for a new record to
+/// supersede (see `put_large`).
+fn insert_keeping_record<V>(inner: &mut Inner<V>, key: &[u8], e: Entry<V>) -> Arc<[u8]> {
+    take_entry_keeping_record(inner, key);
+    let k: Arc<[u8]> = Arc::from(key);
+    inner.table.insert(k.clone(), e);
+    k
 }
 
 /// Put `e` under `key`, dropping the key's old entry (and its record) first.

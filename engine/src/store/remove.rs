@@ -53,3 +53,25 @@ pub(super) fn drop_stale_record<C: Codec, B: Backend>(store: &Store<C, B>, key: 
         log::error!("Failed to drop the record of {:?}, removed while it was written: {e}", key_str(key));
     }
 }
+
+/// Take `key`'s entry out of memory only: its record (if any) stays in the log, for a new record
+/// of the key about to be written there, which supersedes it (a persistent store's `put_large`:
+/// until the new record is written, a crash leaves the old value, not neither). Once that write
+/// is settled, [`drop_superseded_record`] drops the old record if the new one did not replace it.
+pub(super) fn take_entry_keeping_record<V>(inner: &mut Inner<V>, key: &[u8]) {
+    inner.transfers.supersede(key);
+    if inner.table.take(key).is_some_and(|old| old.disk_bytes > 0) {
+        inner.table.unstick();
+    }
+}
+
+/// After the write that [`take_entry_keeping_record`] kept `key`'s old record for: if the key's
+/// entry has no record of its own (the new one was refused or failed, or a put or remove replaced
+/// the entry meanwhile) and the log still holds one, that is the old record, which nothing wants
+/// any more: it is dropped (a tombstone in a persistent store, see [`drop_stale_record`]).
+pub(super) fn drop_superseded_record<C: Codec, B: Backend>(store: &Store<C, B>, inner: &Inner<C::Value>, key: &[u8]) {
+    let has_record = inner.table.get(key).is_some_and(|e| e.disk_bytes > 0);
+    if !has_record && store.logs.location(key).is_some() {
+        drop_stale_record(store, key);
+    }
+}
