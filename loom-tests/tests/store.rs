@@ -335,3 +335,41 @@ fn get_many_races_get_of_a_spilled_key() {
         s.check_accounting().unwrap();
     });
 }
+
+/// A value streams in for a key that has one on disk (`put_stream`, the store's lock not held while
+/// the bytes arrive) while another thread reads the key and then removes it. The read sees the old
+/// value or the new one, never nothing (the old value stays the key's until the new record
+/// replaces it); the remove wins over the stream if the stream was under way (the key ends absent,
+/// `put_stream` returns `false` if its value was not settled yet), and a superseded value never
+/// comes back. The accounting adds up.
+/// Taking the old entry out of the table for the transfer makes the read see nothing.
+#[test]
+fn a_streamed_value_races_a_read_and_a_remove_of_its_key() {
+    bounded().check(|| {
+        let s = store_with_a_spilled();
+        let new = val(9, 200); // over the target: streamed to disk
+        let (_, raw_len) = spillway::format::frame_layout([new.len() as u64]).unwrap();
+        let meta = spillway::StreamedValue {
+            lz4: false,
+            frame_lens: vec![raw_len],
+            raw_len,
+            stored_len: raw_len,
+            payload_crc: spillway::format::payload_crc(&new),
+        };
+        let streamer = {
+            let (s, payload) = (s.clone(), new.clone());
+            thread::spawn(move || s.put_stream(b"a", &meta, &mut &payload[..]).unwrap())
+        };
+        let seen = s.get(b"a").unwrap().expect("the key has a value throughout");
+        assert!(*seen == val(1, 64) || *seen == new, "{seen:?}");
+        assert!(s.remove(b"a").unwrap());
+        let stored = streamer.join().unwrap();
+        // The remove wins over a stream under way; a stream that began after it stores its value.
+        match s.get(b"a").unwrap() {
+            None => assert!(!s.contains(b"a")),
+            Some(v) => assert!(stored && *v == new, "a superseded value came back: {v:?}"),
+        }
+        assert_eq!(s.len(), if s.contains(b"a") { 2 } else { 1 });
+        s.check_accounting().unwrap();
+    });
+}
