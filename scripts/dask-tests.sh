@@ -2,15 +2,18 @@
 # Run dask's own tests against spillway: on stock dask, with spillway as every worker's default
 # store, and with spillway + its plugin on every worker, one after the other, and print the counts.
 #
-#   scripts/dask-tests.sh DISTRIBUTED_SRC [MODES] [-- PYTEST_ARGS...]
+#   scripts/dask-tests.sh DISTRIBUTED_GIT [MODES] [-- PYTEST_ARGS...]
 #
-# DISTRIBUTED_SRC: a checkout of dask/distributed at the installed version (its tests are not in the
-# wheel or the sdist). MODES: any of stock, spillway, plugin (default: all three). PYTEST_ARGS:
-# default distributed/tests/test_worker_memory.py. The Python is $PYTHON (default: target/venv, where
-# scripts/test-all.sh installs the built wheel with the versions tested).
+# DISTRIBUTED_GIT: a git repository of dask/distributed (a clone, or the bare snapshot the tool
+# library's fetch brings) that has the installed version's tag: its tests (not in the wheel or the
+# sdist) are laid into a copy of the installed package, so that `distributed.tests` imports in every
+# process, workers included. MODES: any of stock, spillway, plugin (default: all three).
+# PYTEST_ARGS: default distributed/tests/test_worker_memory.py. The Python is $PYTHON (default:
+# target/venv, where scripts/test-all.sh installs the built wheel with the versions tested); dask's
+# tests need pytest-rerunfailures there too.
 set -uo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
-src="$(cd "${1:?usage: $0 DISTRIBUTED_SRC [stock|spillway|plugin ...] [-- PYTEST_ARGS]}" && pwd)"
+git_dir="${1:?usage: $0 DISTRIBUTED_GIT [stock|spillway|plugin ...] [-- PYTEST_ARGS]}"
 shift
 modes=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do modes+=("$1"); shift; done
@@ -19,10 +22,20 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do modes+=("$1"); shift; done
 args=("$@")
 [ ${#args[@]} -eq 0 ] && args=(distributed/tests/test_worker_memory.py)
 py="${PYTHON:-$here/target/venv/bin/python}"
-echo "distributed $("$py" -c 'import distributed; print(distributed.__version__)') from $("$py" -c 'import distributed, os; print(os.path.dirname(distributed.__file__))')"
+py="$(cd "$(dirname "$py")" && pwd)/$(basename "$py")"  # (the tests run from another directory)
+version="$("$py" -c 'import distributed; print(distributed.__version__)')"
+installed="$("$py" -c 'import distributed, os; print(os.path.dirname(distributed.__file__))')"
+echo "distributed $version from $installed"
+git -C "$git_dir" rev-parse -q --verify "refs/tags/$version" >/dev/null \
+  || { echo "$git_dir has no tag $version: its tests would not be the installed version's"; exit 2; }
+# The installed package, with the tests of its version and the repository's conftest.py beside it.
+tree="$(mktemp -d)"
+trap 'rm -rf "$tree"' EXIT
+cp -r "$installed" "$tree/distributed"
+git -C "$git_dir" archive "$version" distributed/tests conftest.py pyproject.toml | tar -x -C "$tree"
 summary=()
 for mode in "${modes[@]}"; do
-  env=(PYTHONPATH="$here/scripts/dask-default-store${PYTHONPATH:+:$PYTHONPATH}")
+  env=(PYTHONPATH="$here/scripts/dask-default-store:$tree${PYTHONPATH:+:$PYTHONPATH}")
   case "$mode" in
     stock) ;;
     spillway) env+=(SPILLWAY_DASK_DEFAULT_STORE=1) ;;
@@ -31,7 +44,7 @@ for mode in "${modes[@]}"; do
   esac
   log="$(mktemp)"
   echo "=== $mode: ${args[*]}"
-  (cd "$src" && env "${env[@]}" "$py" -m pytest -p no:cacheprovider -q -rfE --color=no --durations=0 --timeout=300 -o timeout_method=signal "${args[@]}") 2>&1 | tee "$log" | grep -E "^(FAILED|ERROR)|(passed|failed|error).* in [0-9.]+s"
+  (cd "$tree" && env "${env[@]}" "$py" -m pytest -p no:cacheprovider -q -rfE --color=no --durations=0 --timeout=300 -o timeout_method=signal "${args[@]}") 2>&1 | tee "$log" | grep -E "^(FAILED|ERROR)|(passed|failed|error).* in [0-9.]+s"
   summary+=("$mode: $(grep -E '(passed|failed|error).* in [0-9.]+s' "$log" | tail -1 | tr -d '=' | sed 's/^ *//')")
   rm -f "$log"
 done

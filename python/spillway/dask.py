@@ -12,8 +12,9 @@ dask gives them):
 
 * **Sending** (``Worker.get_data``: task dependencies, the Active Memory Manager, ``rebalance``,
   ``replicate``, ``client.gather``): a value the store holds pickled, in memory or on disk, is sent
-  as the frames it holds (read off the event loop, in dask's offload thread), never unpickled and
-  pickled again; the key moves as stock ``get_data``'s read moves it (to the end of the LRU, a
+  as the frames it holds (read off the event loop, in dask's offload thread, once dask's handler
+  has decided to answer: a refused request reads nothing), never unpickled and pickled again; the
+  key moves as stock ``get_data``'s read moves it (to the end of the LRU, a
   spilled value back into memory, as its frames). A stock receiver reads them with dask's
   ``pickle_loads`` (writeable arrays where stock dask gives writeable arrays); frames only spillway
   unpickles (its numpy fast path) go to it as numpy's own pickle of the array.
@@ -31,17 +32,22 @@ dask gives them):
   own log if it is over its target) before it acknowledges. A fetch that fails is asked for again
   in-band, and the peer's side channel is not tried again for ``side-channel-retry-after`` seconds;
   a server that does not answer costs ``side-channel-connect-timeout`` (2 s), once per peer.
+* **Scattering** (``client.scatter``, directly or through the scheduler): the large plain pickle
+  values of an ``update_data`` whose bytes are nearly all out-of-band buffers stay pickled on
+  arrival, as values from a spillway peer do (:func:`_keeps_its_size`).
 * **Failures** fall back to stock behaviour: a send whose preparation fails goes the stock way, a
-  receive whose unusual path fails before data arrives asks again the stock way, and errors stock
-  dask would raise are raised as stock dask raises them.
+  receive whose unusual path fails before data arrives asks again the stock way, an input that
+  cannot be unpickled errs its task with the unpickling error, and errors stock dask would raise
+  are raised as stock dask raises them.
 * **Metrics**: the store's work goes to dask's fine performance metrics under the activity that
   caused it, with dask's labels; the plugin's own counts (``send-serialized``,
-  ``receive-serialized``, ``send-side``, ``receive-memory``, ``receive-disk``,
+  ``receive-serialized``, ``receive-scattered``, ``send-side``, ``receive-memory``, ``receive-disk``,
   ``receive-side-failed``, ``unpickle-avoided``, ``pickle-avoided``) are in the buffer's
   ``spillway_metrics``.
 
 The plugin checks that the worker's ``data`` is a :class:`~spillway.SpillBuffer` and that dask has
-the hooks it uses; otherwise it logs why and leaves the worker as stock dask.
+the hooks it uses (:mod:`spillway.hooks`); otherwise it logs why, once per missing hook, and turns
+off only what needs it. :func:`status` says what runs on a worker.
 """
 
 from __future__ import annotations
@@ -1181,6 +1187,17 @@ def _find_serialized(obj, found: list) -> None:
             _find_serialized(v, found)
 
 
+def _keeps_its_size(frames: list) -> bool:
+    """Whether a scattered value is kept pickled: one of at least ``distributed.comm.offload`` bytes
+    (where dask unpickles it off the event loop, for the cost it has) whose bytes are nearly all
+    out-of-band buffers (arrays, blocks, bytes: a pickle header of at most 1% of them). The size the
+    worker reports to the scheduler for it is then its pickled size, which differs from what dask's
+    ``sizeof`` says of the object by about its header; smaller values, and values mostly made of
+    Python objects (whose ``sizeof`` can be many times their pickle), are unpickled as dask does."""
+    total = codec.frame_bytes(frames)
+    return total >= _OFFLOAD_THRESHOLD and memoryview(frames[0]).nbytes * 100 <= total
+
+
 def _settle_values(buf: SpillBuffer, msg, keep: set, deserializers):
     kept = nbytes = 0
 
@@ -1188,7 +1205,7 @@ def _settle_values(buf: SpillBuffer, msg, keep: set, deserializers):
         nonlocal kept, nbytes
         if isinstance(obj, Serialized):
             frames = _pickle_frames(obj, sent_by_spillway=False) if id(obj) in keep else None
-            if frames is None:
+            if frames is None or not _keeps_its_size(frames):
                 return _deserialize(obj, deserializers)
             kept += 1
             nbytes += codec.frame_bytes(frames)

@@ -15,6 +15,7 @@ import urllib.request
 import pytest
 
 distributed = pytest.importorskip("distributed")
+import dask  # noqa: E402
 np = pytest.importorskip("numpy")
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "bench"))
@@ -242,24 +243,32 @@ def test_a_send_whose_preparation_fails_goes_the_stock_way(monkeypatch):
         assert m.get("receive-serialized count", 0) == 0  # dask pickled them its own way
 
 
-def test_scattered_values_stay_pickled_until_a_task_uses_them():
-    """``client.scatter(..., broadcast=True)``: the values a client sends each worker directly (the
-    scheduler's ``update_data``) and the copies the workers then make of each other's are all kept
-    pickled on arrival; a task on each worker unpickles each value once there."""
-    with _cluster(n_workers=3, memory_limit="600MiB") as cluster, distributed.Client(cluster) as client:
+def test_large_scattered_values_stay_pickled_until_a_task_uses_them():
+    """``client.scatter(..., broadcast=True)``: the large values a client sends each worker
+    directly (the scheduler's ``update_data``) and the copies the workers then make of each other's
+    are all kept pickled on arrival; a task on each worker unpickles each value once there. Small
+    ones are unpickled on arrival, as dask does (their size as the scheduler records it is dask's
+    ``sizeof`` of the object)."""
+    threshold = dask.utils.parse_bytes(dask.config.get("distributed.comm.offload"))
+    with _cluster(n_workers=3, memory_limit="800MiB") as cluster, distributed.Client(cluster) as client:
         client.register_plugin(spillway.dask.SpillwayPlugin())
         workers = sorted(client.scheduler_info()["workers"])
         before = _counts(client, workers)
-        values = [counted.make(i, 8 * MiB) for i in range(6)]
+        values = [counted.make(i, threshold + MiB) for i in range(4)]
         futures = client.scatter(values, broadcast=True)
         assert all(len(holders) == 3 for holders in client.who_has(futures).values())
         after = _counts(client, workers)
         assert {w: after[w][1] - before[w][1] for w in workers} == dict.fromkeys(workers, 0)
         m = client.run(_metrics)
-        assert sum(x.get("receive-scattered count", 0) for x in m.values()) == 6
+        assert sum(x.get("receive-scattered count", 0) for x in m.values()) == 4
         digests = [
             client.submit(counted.digest, f, workers=[w], pure=False) for w in workers for f in futures
         ]
         assert client.gather(digests) == [counted.digest(v) for _ in workers for v in values]
         used = _counts(client, workers)
-        assert {w: used[w][1] - after[w][1] for w in workers} == dict.fromkeys(workers, 6)
+        assert {w: used[w][1] - after[w][1] for w in workers} == dict.fromkeys(workers, 4)
+
+        small = client.scatter([counted.make(9, 1000)], broadcast=True)
+        assert client.run(counted.counts, workers=workers) != used, "small values unpickle on arrival"
+        nbytes = client.run_on_scheduler(lambda dask_scheduler, k=small[0].key: dask_scheduler.tasks[k].nbytes)
+        assert nbytes == dask.sizeof.sizeof(counted.make(9, 1000))
