@@ -28,11 +28,12 @@ installed="$("$py" -c 'import distributed, os; print(os.path.dirname(distributed
 echo "distributed $version from $installed"
 git -C "$git_dir" rev-parse -q --verify "refs/tags/$version" >/dev/null \
   || { echo "$git_dir has no tag $version: its tests would not be the installed version's"; exit 2; }
-# The installed package, with the tests of its version and the repository's conftest.py beside it.
+# The installed package over the repository's tree at its version: what the wheel leaves out (the
+# tests, the pytest plugins they load) comes from the repository, everything else is as installed.
 tree="$(mktemp -d)"
 trap 'rm -rf "$tree"' EXIT
-cp -r "$installed" "$tree/distributed"
-git -C "$git_dir" archive "$version" distributed/tests conftest.py pyproject.toml | tar -x -C "$tree"
+git -C "$git_dir" archive "$version" distributed conftest.py pyproject.toml | tar -x -C "$tree"
+cp -r "$installed/." "$tree/distributed/"
 summary=()
 for mode in "${modes[@]}"; do
   env=(PYTHONPATH="$here/scripts/dask-default-store:$tree${PYTHONPATH:+:$PYTHONPATH}")
@@ -44,7 +45,7 @@ for mode in "${modes[@]}"; do
   esac
   log="$(mktemp)"
   echo "=== $mode: ${args[*]}"
-  (cd "$tree" && env "${env[@]}" "$py" -m pytest -p no:cacheprovider -q -rfE --color=no --durations=0 --timeout=300 -o timeout_method=signal "${args[@]}") 2>&1 | tee "$log" | grep -E "^(FAILED|ERROR)|(passed|failed|error).* in [0-9.]+s"
+  (cd "$tree" && env "${env[@]}" "$py" -m pytest -p no:cacheprovider -q -rfE --color=no --durations=0 --timeout=300 -o timeout_method=signal -o addopts="" "${args[@]}") 2>&1 | tee "$log" | grep -E "^(FAILED|ERROR)|(passed|failed|error).* in [0-9.]+s"
   summary+=("$mode: $(grep -E '(passed|failed|error).* in [0-9.]+s' "$log" | tail -1 | tr -d '=' | sed 's/^ *//')")
   rm -f "$log"
 done
