@@ -243,6 +243,7 @@ class MemorySampler(WorkerPlugin):
         logging.getLogger("distributed.worker.memory").addHandler(self.handler)
         self.thread = threading.Thread(target=self.loop, name="cluster-bench-sampler", daemon=True)
         self.thread.start()
+        self.loop_watch = LoopWatch(worker)
 
     def reset(self):
         self.peak = {"rss": 0, "store_memory": 0, "managed": 0, "over_target": 0, "at_peak": {}}
@@ -305,17 +306,110 @@ class MemorySampler(WorkerPlugin):
             out["cpu"] = _worker_cpu(self.worker)  # since it started
             if TIMELINE:
                 out["timeline"], self.timeline = self.timeline, []
+            out["loop"] = self.loop_watch.collect()
             self.reset()
         self.warnings = 0
         return out
 
     def teardown(self, worker):
         self.stop.set()
+        self.loop_watch.close()
         counter = sys.modules.get("serial_counts")
         if self.closed_dir and counter is not None:
             with open(os.path.join(self.closed_dir, _quoted(worker.address)), "w") as f:
                 json.dump(list(counter.counts()), f)
         logging.getLogger("distributed.worker.memory").removeHandler(self.handler)
+
+
+class LoopWatch:
+    """How responsive a worker's event loop is: a callback of its own every ``TICK`` seconds on the
+    loop (dask's own tick interval) records how long each tick really took (a stalled loop makes
+    one long tick, as dask's ``tick-duration`` digest sees it); the "Event loop was unresponsive"
+    messages dask logs past ``distributed.admin.tick.limit`` are counted; and the time the loop's
+    thread spends inside the store's calls (sets, reads, deletes, evictions, serialized reads and
+    sets, on either store) is summed. ``collect`` returns them since the last call."""
+
+    TICK = 0.02
+    #: The store's methods whose time on the loop's thread is counted.
+    CALLS = ("__setitem__", "__getitem__", "__delitem__", "evict", "get_serialized", "set_serialized")
+
+    def __init__(self, worker):
+        from tornado.ioloop import PeriodicCallback
+
+        self.ticks: list = []
+        self.unresponsive = 0
+        self.on_loop = 0.0  # seconds of store calls on the loop's thread
+        self.by_call: dict = {}  # the same, by the store's method
+        self.last = time.monotonic()
+        self.loop_thread = threading.current_thread()  # (plugins are set up on the loop)
+        self._patch(type(worker.data))
+        watch = self
+
+        class Unresponsive(logging.Handler):
+            def emit(self, record):
+                if "Event loop was unresponsive" in str(record.msg):
+                    watch.unresponsive += 1
+
+        self.handler = Unresponsive(level=logging.INFO)
+        logging.getLogger("distributed.core").addHandler(self.handler)
+        self.pc = PeriodicCallback(self._tick, self.TICK * 1000)
+        self.pc.start()
+
+    def _tick(self):
+        now = time.monotonic()
+        self.ticks.append(now - self.last)
+        self.last = now
+
+    def _patch(self, store_type):
+        """Wrap the store type's calls to sum their time on the loop's thread into this watch's
+        (once per type and process: a later watch takes the wrappers over). The wrappers find the
+        watch through the type, not through this module's globals, which a plugin pickled by value
+        does not share between its functions."""
+        holder = store_type.__dict__.get("_cluster_bench_watch")
+        if holder is not None:
+            holder[0] = self
+            return
+        holder = [self]
+        store_type._cluster_bench_watch = holder
+        for name in self.CALLS:
+            f = store_type.__dict__.get(name)
+            if f is None:
+                continue
+
+            def timed(*args, _f=f, _name=name, **kwargs):
+                watch = holder[0]
+                if threading.current_thread() is not watch.loop_thread:
+                    return _f(*args, **kwargs)
+                t0 = time.perf_counter()
+                try:
+                    return _f(*args, **kwargs)
+                finally:
+                    spent = time.perf_counter() - t0
+                    watch.on_loop += spent
+                    watch.by_call[_name] = watch.by_call.get(_name, 0.0) + spent
+
+            setattr(store_type, name, timed)
+
+    def collect(self) -> dict:
+        ticks, self.ticks = sorted(self.ticks), []
+        on_loop, self.on_loop = self.on_loop, 0.0
+        by_call, self.by_call = self.by_call, {}
+        n = len(ticks)
+        out = {
+            "ticks": n,
+            "median_ms": 1000 * ticks[n // 2] if n else None,
+            "p99_ms": 1000 * ticks[min(n - 1, int(n * 0.99))] if n else None,
+            "max_ms": 1000 * ticks[-1] if n else None,
+            "unresponsive": self.unresponsive,
+            "store_on_loop_s": on_loop,
+            "store_on_loop_by_call_s": by_call,
+        }
+        self.unresponsive = 0
+        return out
+
+    def close(self):
+        self.pc.stop()
+        logging.getLogger("distributed.core").removeHandler(self.handler)
 
 
 def _malloc_info() -> dict:
@@ -1021,6 +1115,16 @@ def serial_by_phase(r: RunResult) -> dict:
     return out
 
 
+def _loop_worst(r, phase: str, key: str) -> float:
+    """The phase's loop statistic ``key`` of run ``r``: the worst worker's for tick times, the sum
+    over the workers for counts and seconds."""
+    loops = [s["loop"] for s in r.worker_stats.get(phase, {}).values() if s.get("loop", {}).get("ticks")]
+    if not loops:
+        return 0
+    values = [x[key] for x in loops]
+    return max(values) if key.endswith("_ms") else sum(values)
+
+
 def summarize(results: list) -> dict:
     """Per store: runs completed, restarts, peak RSS, over-target peaks, phase medians; and whether
     every phase's result was identical across all runs."""
@@ -1074,6 +1178,17 @@ def summarize(results: list) -> dict:
                 }
                 for p in (done[0].cpu if done else {})
                 if all(p in r.cpu and p in r.worker_cpu for r in done)
+            },
+            # The event loop, per phase: medians over the completed runs of the worst worker's
+            # p99 and longest tick (ms), the unresponsive messages summed over the workers, and
+            # the store's time on the loops.
+            "phase_loop": {
+                p: {
+                    k: statistics.median(_loop_worst(r, p, k) for r in done)
+                    for k in ("p99_ms", "max_ms", "unresponsive", "store_on_loop_s")
+                }
+                for p in (done[0].worker_stats if done else {})
+                if all(_loop_worst(r, p, "ticks") for r in done)
             },
             # Per worker of the run's start, medians over the completed runs.
             "phase_median_serial_per_worker": {
@@ -1139,6 +1254,16 @@ def report(results: list) -> str:
         if r.error:
             lines.append(f"    failed: {r.error[:200]}")
         for phase, stats in r.worker_stats.items():
+            loops = [s["loop"] for s in stats.values() if s.get("loop", {}).get("ticks")]
+            if loops:
+                lines.append(
+                    f"    {phase} loop (per worker: tick p50/p99/max ms, unresponsive, store s on the loop): "
+                    + ", ".join(
+                        f"{x['median_ms']:.0f}/{x['p99_ms']:.0f}/{x['max_ms']:.0f} {x['unresponsive']}"
+                        f" {x['store_on_loop_s']:.2f}"
+                        for x in loops
+                    )
+                )
             inner = ", ".join(
                 f"rss {_mib(s['rss'])} store {_mib(s['store_memory'])}/{_mib(s.get('target', 0))}"
                 f" managed {_mib(s['managed'])} warn {s['unmanaged_warnings']}"
@@ -1205,6 +1330,21 @@ def report(results: list) -> str:
                 )
         if cells:
             lines.append(f"    {p}: " + ", ".join(cells))
+    if any(st.get("phase_loop") for st in stores.values()):
+        lines.append("")
+        lines.append(
+            "event loop per phase (median of runs): the worst worker's tick p99 / longest tick (ms),"
+            " 'unresponsive' messages and seconds inside the store's calls on the loops (all workers)"
+        )
+        for p in phases:
+            cells = [
+                f"{store} {x['p99_ms']:.0f} / {x['max_ms']:.0f} ms, {x['unresponsive']:.0f},"
+                f" {x['store_on_loop_s']:.2f} s"
+                for store, st in stores.items()
+                if (x := st.get("phase_loop", {}).get(p))
+            ]
+            if cells:
+                lines.append(f"    {p}: " + "; ".join(cells))
     lines.append("")
     lines.append("serializations / deserializations per worker (median of runs):")
     for store, st in stores.items():
