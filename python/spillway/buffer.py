@@ -344,6 +344,9 @@ class SpillBuffer(MutableMapping):
             except SerializeError as error:
                 self._keys.forget(key, skey)  # (the store forgot it: dask's rule)
                 raise PickleError(key) from error.__cause__
+            except BaseException:
+                self._forget_if_gone(key, skey)
+                raise
         self._settle()
 
     def __getitem__(self, key: Hashable) -> object:
@@ -449,7 +452,11 @@ class SpillBuffer(MutableMapping):
             self._find_worker(force=True)
         with self._keys.stripe(key):
             skey = self._keys.place(key)
-            self._store.put_serialized(skey, frames, not self.serialized_in_memory)
+            try:
+                self._store.put_serialized(skey, frames, not self.serialized_in_memory)
+            except BaseException:
+                self._forget_if_gone(key, skey)
+                raise
         self._settle()
 
     # ---------------------------------------------------------------------------------------------
@@ -555,6 +562,16 @@ class SpillBuffer(MutableMapping):
         loop = getattr(worker, "loop", None)
         if loop is not None and hasattr(worker, "finished"):
             loop.add_callback(_close_with, weakref.ref(self), worker)
+
+    def _forget_if_gone(self, key: Hashable, skey: bytes) -> None:
+        """After a failed put under ``skey``: if the store holds nothing there, ``key`` has no value
+        (it would be listed without one)."""
+        try:
+            gone = self._store.tier(skey) is None
+        except Exception:  # (closed)
+            gone = True
+        if gone:
+            self._keys.forget(key, skey)
 
     def _peek(self, key: Hashable) -> object:
         """The object of ``key`` without changing its tier or the LRU order."""

@@ -71,6 +71,7 @@ import distributed.worker
 from distributed import Nanny, WorkerPlugin
 from distributed.comm.addressing import get_address_host, parse_address
 from distributed.metrics import time
+from distributed.comm.core import CommClosedError as _CommClosedError
 from distributed.protocol import to_serialize
 
 import spillway.worker
@@ -89,6 +90,12 @@ _decompress = hooks.get("distributed.protocol.compression.decompress")
 _merge_and_deserialize = hooks.get("distributed.protocol.serialize.merge_and_deserialize")
 _merge_memoryviews = hooks.get("distributed.protocol.utils.merge_memoryviews")
 _host_array_from_buffers = hooks.get("distributed.protocol.utils.host_array_from_buffers")
+
+
+def _offloaded(nbytes: int) -> bool:
+    """Whether dask would deserialize ``nbytes`` in its offload thread (``distributed.comm.offload``;
+    False there: never)."""
+    return bool(_OFFLOAD_THRESHOLD) and nbytes > _OFFLOAD_THRESHOLD
 
 __all__ = [
     "MARKER",
@@ -191,15 +198,31 @@ class _Plug:
         self.side: tuple | None = None
         #: {key: the type of the value received for it still pickled}, until the key reaches memory
         self.types: dict = {}
-        #: the worker's get_data handler as it was
-        self.stock_handler = worker.handlers["get_data"]
-        #: the worker's execute as it was, and whether it was the instance's own attribute
-        self.stock_execute = worker.execute
+        #: the worker's get_data handler and execute as they were (weakly, where they are the
+        #: worker's own methods: this object must not keep the worker alive), and whether execute
+        #: was the instance's own attribute
+        self._stock_handler = _weakly(worker.handlers["get_data"])
+        self._stock_execute = _weakly(worker.execute)
         self.own_execute = "execute" in worker.__dict__
         #: the worker's bandwidth-by-type table as it was (None: left alone)
         self.stock_bandwidth_types = None
-        #: the worker's listeners whose comm handler the plugin wraps (scattered values)
+        #: the worker's listeners whose comm handler the plugin wraps (scattered values), weakly
         self.listeners: list = []
+
+    @property
+    def stock_handler(self):
+        return self._stock_handler()
+
+    @property
+    def stock_execute(self):
+        return self._stock_execute()
+
+
+def _weakly(f):
+    """A callable's reference that does not keep its object alive when it is a bound method."""
+    if hasattr(f, "__self__") and hasattr(f, "__func__"):
+        return weakref.WeakMethod(f)
+    return lambda: f
 
 
 #: Each plugged worker -> its :class:`_Plug`.
@@ -492,12 +515,16 @@ def install(worker: distributed.Worker, settings: Settings | None = None) -> boo
             if server is not None:
                 plug.side = (server, settings.side_channel_min_bytes)
     _plugs[worker] = plug
-    _by_rpc[worker.rpc] = worker
+    _by_rpc[worker.rpc] = weakref.ref(worker)
     worker.handlers["get_data"] = _handler(worker, plug.stock_handler)
     worker.execute = _execute(worker, plug.stock_execute)
     if distributed.worker.get_data_from_worker is not get_data_from_worker:
+        # What is there now is what the process's first plugged worker found: dask's function, or
+        # another library's wrapper of it. (Taken only then: a wrapper put over this module's
+        # function later must not become what this module calls.)
         global _stock_get_data_from_worker
-        _stock_get_data_from_worker = distributed.worker.get_data_from_worker
+        if len(_plugs) == 1:
+            _stock_get_data_from_worker = distributed.worker.get_data_from_worker
         distributed.worker.get_data_from_worker = get_data_from_worker
     if hooks.BANDWIDTH not in missing:
         plug.stock_bandwidth_types = worker.bandwidth_types
@@ -628,9 +655,10 @@ def _handler(worker, stock_handler):
         **kwargs,
     ):
         plug = _plugs.get(worker)
-        if plug is None or _in_process(comm):
+        if plug is None or _in_process(comm) or (serializers is not None and "pickle" not in serializers):
             # An in-process comm hands values over without serializing them: a Serialized would
-            # reach the requester as it is. The stock way is the cheap one here.
+            # reach the requester as it is. The stock way is the cheap one here. (And a requester
+            # that does not take pickle gets what dask would send it.)
             return await stock_handler(comm, keys=keys, who=who, serializers=serializers, **kwargs)
         peer_runs_spillway = bool(serializers) and MARKER in serializers
         side = plug.side if serializers and SIDE_MARKER in serializers else None
@@ -711,7 +739,10 @@ def _execute(worker, stock_execute):
 
     async def execute(key: Hashable, *, stimulus_id: str):
         if worker in _plugs:
-            await _unpickle_inputs(worker, key)
+            try:
+                await _unpickle_inputs(worker, key)
+            except Exception:  # (whatever failed, the stock execute runs the task, or errs it)
+                logger.debug("spillway.dask: inputs of %r left to execute", key, exc_info=True)
         return await stock_execute(key, stimulus_id=stimulus_id)
 
     execute.stock = stock_execute
@@ -829,7 +860,8 @@ async def get_data_from_worker(
 ):
     """``distributed.worker.get_data_from_worker`` for all: plugged workers' requests keep plain
     pickle frames pickled (see the module's documentation), every other request is stock."""
-    me = _by_rpc.get(rpc)
+    ref = _by_rpc.get(rpc)
+    me = ref() if ref is not None else None
     plug = _plugs.get(me) if me is not None else None
     if plug is None or deserializers is not None or parse_address(worker)[0] == "inproc":
         return await _stock_get_data_from_worker(
@@ -875,7 +907,7 @@ async def get_data_from_worker(
     received = {k: v for k, v in data.items() if isinstance(v, Serialized)}
     # Merged, decompressed (and a stock sender's values deserialized) in dask's offload thread when
     # they are large, as dask's comm does for a large message.
-    if sum(codec.frame_bytes(v.frames) for v in received.values()) > _OFFLOAD_THRESHOLD:
+    if _offloaded(sum(codec.frame_bytes(v.frames) for v in received.values())):
         converted = await _offload(_convert_all, received, stock_deserializers)
     else:
         converted = _convert_all(received, stock_deserializers)
@@ -974,11 +1006,13 @@ async def _fetch_references(plug: _Plug, buf: SpillBuffer, msg, peer: str) -> No
     metrics of the activity that asked, gather-dep), or with ``_IN_BAND`` if the fetch failed."""
     if not isinstance(msg, dict) or msg.get("status") != "OK" or not isinstance(msg.get("data"), dict):
         return
-    refs = {
-        key: value.header[SIDE]
-        for key, value in msg["data"].items()
-        if isinstance(value, Serialized) and SIDE in value.header
-    }
+    refs = {}
+    for key, value in msg["data"].items():
+        if isinstance(value, Serialized) and SIDE in value.header:
+            ref = value.header[SIDE]
+            ok = isinstance(ref, (list, tuple)) and len(ref) == 5
+            # (a reference this version cannot read: the value in-band)
+            refs[key] = tuple(ref) if ok else None
     for key in refs:
         _note_type(plug, key, msg["data"][key].header)
     if refs:
@@ -1018,8 +1052,8 @@ async def _unpickle_inputs(worker, key: Hashable) -> None:
         return
     start = time()
     try:
-        _read_all(buf, [d.key for d in held if (d.nbytes or 0) <= _OFFLOAD_THRESHOLD])
-        large = [d.key for d in held if (d.nbytes or 0) > _OFFLOAD_THRESHOLD]
+        _read_all(buf, [d.key for d in held if not _offloaded(d.nbytes or 0)])
+        large = [d.key for d in held if _offloaded(d.nbytes or 0)]
         if large:
             await _offload(_read_all, buf, large)
     except Exception:  # (the stock execute meets it again, and errs the task with it)
@@ -1040,10 +1074,11 @@ def _fetch_all(buf: SpillBuffer, refs: dict, peer: str, settings: Settings) -> d
     not used for ``side_channel_retry_after`` seconds: the remaining references of this reply go
     in-band at once, and so do the peer's later values."""
     out = {}
-    for key, (host, port, ticket, log_key, nbytes) in refs.items():
-        if _unreachable.blocked(peer):
+    for key, ref in refs.items():
+        if ref is None or _unreachable.blocked(peer):
             out[key] = _IN_BAND
             continue
+        host, port, ticket, log_key, nbytes = ref
         try:
             out[key] = buf.receive(
                 key,
@@ -1118,22 +1153,29 @@ def _wrap_listeners(worker, plug: _Plug) -> None:
 
         async def handle(comm, stock=stock):
             if worker in _plugs and not _in_process(comm):
-                _read_undeserialized(worker, comm)
+                try:
+                    _read_undeserialized(worker, comm)
+                except Exception:  # (a comm whose read cannot be wrapped: read the stock way)
+                    logger.debug("spillway.dask: a comm read the stock way", exc_info=True)
             return await stock(comm)
 
         handle.plug_of = worker
         handle.stock = stock
         listener.comm_handler = handle
-        plug.listeners.append(listener)
+        plug.listeners.append(weakref.ref(listener))
     # The comms already open (the one that carried a registered plugin, the scheduler's pooled
     # ones) read the same way from their next message.
     for comm in list(getattr(worker, "_comms", ())):
         if not _in_process(comm) and getattr(comm.read, "plug_of", None) is not worker:
-            _read_undeserialized(worker, comm)
+            with contextlib.suppress(Exception):  # (as above)
+                _read_undeserialized(worker, comm)
 
 
 def _unwrap_listeners(worker, plug: _Plug) -> None:
-    for listener in plug.listeners:
+    for ref in plug.listeners:
+        listener = ref()
+        if listener is None:
+            continue
         handler = listener.comm_handler
         if getattr(handler, "plug_of", None) is worker:
             listener.comm_handler = handler.stock
@@ -1153,7 +1195,11 @@ def _read_undeserialized(worker, comm) -> None:
             msg = await stock_read(deserializers=deserializers)
         finally:
             comm.deserialize = True
-        return await _settle_message(worker, msg, deserializers)
+        try:
+            return await _settle_message(worker, msg, deserializers)
+        except EOFError:  # truncated or garbled frames: as dask's comm takes them
+            comm.abort()
+            raise _CommClosedError("aborted stream on truncated data") from None
 
     read.plug_of = worker
     comm.read = read
@@ -1171,18 +1217,28 @@ async def _settle_message(worker, msg, deserializers):
     if isinstance(msg, dict) and msg.get("op") == "update_data" and isinstance(msg.get("data"), dict):
         keep = {id(v) for v in msg["data"].values() if isinstance(v, Serialized)}
     settle = functools.partial(_settle_values, worker.data, msg, keep, deserializers)
-    if sum(codec.frame_bytes(v.frames) for v in found) > _OFFLOAD_THRESHOLD:
+    if _offloaded(sum(codec.frame_bytes(v.frames) for v in found)):
         return await _offload(settle)
     return settle()
+
+
+def _holds_serialized(obj) -> bool:
+    if isinstance(obj, Serialized):
+        return True
+    if type(obj) is dict:
+        return any(_holds_serialized(v) for v in obj.values())
+    if type(obj) in (list, tuple):
+        return any(_holds_serialized(v) for v in obj)
+    return False
 
 
 def _find_serialized(obj, found: list) -> None:
     if isinstance(obj, Serialized):
         found.append(obj)
-    elif isinstance(obj, dict):
+    elif type(obj) is dict:  # (msgpack's containers; what a pickled payload holds stays as it is)
         for v in obj.values():
             _find_serialized(v, found)
-    elif isinstance(obj, (list, tuple)):
+    elif type(obj) in (list, tuple):
         for v in obj:
             _find_serialized(v, found)
 
@@ -1195,7 +1251,7 @@ def _keeps_its_size(frames: list) -> bool:
     ``sizeof`` says of the object by about its header; smaller values, and values mostly made of
     Python objects (whose ``sizeof`` can be many times their pickle), are unpickled as dask does."""
     total = codec.frame_bytes(frames)
-    return total >= _OFFLOAD_THRESHOLD and memoryview(frames[0]).nbytes * 100 <= total
+    return _offloaded(total) and memoryview(frames[0]).nbytes * 100 <= total
 
 
 def _settle_values(buf: SpillBuffer, msg, keep: set, deserializers):
@@ -1203,6 +1259,8 @@ def _settle_values(buf: SpillBuffer, msg, keep: set, deserializers):
 
     def settle(obj):
         nonlocal kept, nbytes
+        if not _holds_serialized(obj):
+            return obj
         if isinstance(obj, Serialized):
             frames = _pickle_frames(obj, sent_by_spillway=False) if id(obj) in keep else None
             if frames is None or not _keeps_its_size(frames):
@@ -1210,13 +1268,11 @@ def _settle_values(buf: SpillBuffer, msg, keep: set, deserializers):
             kept += 1
             nbytes += codec.frame_bytes(frames)
             return PickledFrames(frames)
-        if isinstance(obj, dict):
+        if type(obj) is dict:
             return {k: settle(v) for k, v in obj.items()}
-        if isinstance(obj, list):
+        if type(obj) is list:
             return [settle(v) for v in obj]
-        if isinstance(obj, tuple) and type(obj) is tuple:
-            return tuple(settle(v) for v in obj)
-        return obj
+        return tuple(settle(v) for v in obj)
 
     out = settle(msg)
     if kept and isinstance(buf, SpillBuffer):

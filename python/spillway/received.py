@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 import threading
 import weakref
 from collections import defaultdict
@@ -23,8 +24,11 @@ from time import perf_counter
 from spillway import codec
 from spillway._core import Admission, Store, fetch, fetch_into_store
 from spillway.keys import KeyMap
+from spillway.messages import LOGGER
 
 __all__ = ["PeerValues", "PickledFrames", "ReceivedRecord"]
+
+logger = logging.getLogger(f"{LOGGER}.received")
 
 
 class PickledFrames:
@@ -207,8 +211,11 @@ class PeerValues:
         record._orphan.detach()
         if old is not None:
             try:
-                with contextlib.suppress(ValueError):  # (closed)
-                    self._store.remove(old)
+                self._store.remove(old)
+            except ValueError:  # (closed)
+                pass
+            except Exception:  # the new value stands; the old record is the store's to reclaim
+                logger.exception("spillway: the record %r replaced could not be removed", key)
             finally:
                 self._keys.retired(old)
         return True

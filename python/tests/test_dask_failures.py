@@ -126,10 +126,14 @@ def _watch_conversions(dask_worker):
     sd._convert_all = watched
 
 
-def test_large_received_values_are_merged_off_the_event_loop():
+@pytest.mark.parametrize("offload", ["10MiB", "False"])
+def test_large_received_values_are_merged_off_the_event_loop(offload, monkeypatch):
     """Received values above dask's offload threshold are decompressed and merged in dask's offload
-    thread, as dask's comm deserializes a large message; small ones on the event loop, as dask's."""
-    threshold = dask.utils.parse_bytes(dask.config.get("distributed.comm.offload"))
+    thread, as dask's comm deserializes a large message; small ones on the event loop, as dask's;
+    and with ``distributed.comm.offload: False``, every one on the loop, as dask then does. (Set
+    in the environment: dask reads it when the worker process imports distributed.)"""
+    threshold = dask.utils.parse_bytes("10MiB")
+    monkeypatch.setenv("DASK_DISTRIBUTED__COMM__OFFLOAD", offload)
     with _cluster() as cluster, distributed.Client(cluster) as client:
         a, b = sorted(client.scheduler_info()["workers"])
         client.run(_watch_conversions, workers=[b])
@@ -139,7 +143,8 @@ def test_large_received_values_are_merged_off_the_event_loop():
         for x in (small, large):
             client.submit(np.sum, x, workers=[b], pure=False).result(timeout=60)
         seen = client.run(lambda dask_worker: dask_worker._spillway_conversions, workers=[b])[b]
-        assert [(n > threshold, on_loop) for n, on_loop in seen] == [(False, True), (True, False)]
+        offloaded = offload != "False"
+        assert [(n > threshold, on_loop) for n, on_loop in seen] == [(False, True), (True, not offloaded)]
 
 
 def test_uninstall_puts_back_what_the_plugin_replaced():
@@ -258,4 +263,19 @@ def test_the_bandwidth_by_type_names_the_values_types():
             workers=[b],
         )[b]
         assert types == ["numpy.ndarray"]
+
+
+def test_a_side_reference_this_version_cannot_read_comes_in_band():
+    """A side-channel reference of another shape (another spillway version's) is asked for again
+    in-band, never an error in the middle of reading a reply."""
+    import asyncio
+    import types
+
+    from distributed.protocol import Serialized
+
+    plug = types.SimpleNamespace(types={}, settings=spillway.dask.Settings.from_config())
+    header = {"serializer": "pickle", spillway.dask.SENT_BY: True, spillway.dask.SIDE: ["host", 1]}
+    msg = {"status": "OK", "data": {"k": Serialized(header, [])}}
+    asyncio.run(spillway.dask._fetch_references(plug, None, msg, "tcp://127.0.0.1:1"))
+    assert msg["data"]["k"] is spillway.dask._IN_BAND
 
