@@ -18,7 +18,7 @@ import importlib
 import inspect
 from collections.abc import Callable
 
-__all__ = ["HOOKS", "Hook", "get", "missing"]
+__all__ = ["HOOKS", "Hook", "get", "missing", "owner"]
 
 #: What a hook is needed for; a missing hook turns off that, and nothing else.
 PLUGIN = "plugin"  # the plugin: values move between workers pickled (the store stays)
@@ -156,20 +156,31 @@ HOOKS: tuple[Hook, ...] = (
 _MISSING = object()
 
 
-def _resolve(name: str) -> object:
-    """The object a dotted module-attribute name names, or ``_MISSING``."""
+def owner(name: str) -> tuple[object, str]:
+    """(the object that holds the module attribute ``name``, that attribute's name): the deepest
+    importable module of the dotted name, then its attributes but the last. ``LookupError`` if
+    there is none."""
     parts = name.split(".")
     for i in range(len(parts) - 1, 0, -1):
         try:
             obj = importlib.import_module(".".join(parts[:i]))
         except ImportError:
             continue
-        for attr in parts[i:]:
+        for attr in parts[i:-1]:
             obj = getattr(obj, attr, _MISSING)
             if obj is _MISSING:
-                return _MISSING
-        return obj
-    return _MISSING
+                raise LookupError(name)
+        return obj, parts[-1]
+    raise LookupError(name)
+
+
+def _resolve(name: str) -> object:
+    """The object a dotted module-attribute name names, or ``_MISSING``."""
+    try:
+        obj, attr = owner(name)
+    except LookupError:
+        return _MISSING
+    return getattr(obj, attr, _MISSING)
 
 
 #: The module attributes as this process found them.

@@ -19,7 +19,9 @@ _saved: dict = {}
 
 
 def _owner(name: str) -> tuple[object, str]:
-    """(the object that holds a module attribute, its attribute name)."""
+    """(the object that holds a module attribute, its attribute name), as ``spillway.hooks.owner``
+    finds it. (Not that function: importing ``spillway.hooks`` here would resolve the hooks before
+    the part is hidden.)"""
     parts = name.split(".")
     for i in range(len(parts) - 1, 0, -1):
         try:

@@ -14,7 +14,7 @@ np = pytest.importorskip("numpy")
 import hook_hiding  # noqa: E402
 import spillway.dask  # noqa: E402
 from spillway import hooks  # noqa: E402
-from test_dask_cli import dask_cluster  # noqa: E402
+from test_dask_cli import _workload, dask_cluster  # noqa: E402
 
 MiB = 1 << 20
 
@@ -27,16 +27,6 @@ def test_every_hook_can_be_hidden_and_is_found_on_this_dask():
     for h in hooks.HOOKS:
         assert hook_hiding.is_module_attribute(h.name) or h.name in hook_hiding.RECIPES, h.name
     assert [h.name for h in hooks.HOOKS if h.check is None and hooks.get(h.name) is None] == []
-
-
-def _workload(client):
-    """Arrays spilled on one worker, moved to the other and used there: the sums must be right."""
-    a, b = sorted(client.scheduler_info()["workers"])
-    xs = [client.submit(np.full, MiB, i, dtype="u1", key=f"x-{i}", workers=[a]) for i in range(8)]
-    distributed.wait(xs)
-    client.run(lambda dask_worker: [dask_worker.data.evict() for _ in range(4)], workers=[a])
-    sums = [client.submit(np.sum, x, key=f"s-{i}", workers=[b]) for i, x in enumerate(xs)]
-    assert client.gather(sums) == [i * MiB for i in range(8)]
 
 
 def _status(dask_worker):
