@@ -108,10 +108,12 @@ WORKLOADS = {
 }
 PHASES = tuple(p for phases in WORKLOADS.values() for p in phases)
 #: "spillway+plugin": spillway's store and ``client.register_plugin(spillway.dask.SpillwayPlugin())``;
-#: "spillway+inband": the same plugin with ``side_channel=False`` (every value in dask's reply).
+#: "spillway+inband": the same plugin with ``side_channel=False`` (every value in dask's reply);
+#: "spillway+plugin-loop": the plugin with the store's work left on the event loop where dask does it
+#: (``loop_read_max_bytes`` unbounded, ``spill_off_loop=False``).
 #: "baseline": another build's ``SpillBuffer`` (``--baseline FILE``) run as spillway's is, on this
 #: build's ``spillway._core``.
-STORES = ("dask", "spillway", "spillway+plugin", "spillway+inband", "baseline")
+STORES = ("dask", "spillway", "spillway+plugin", "spillway+inband", "spillway+plugin-loop", "baseline")
 
 #: ``--baseline FILE``: the path of another build's ``buffer.py``, for the "baseline" store.
 BASELINE_ENV = "CLUSTER_BENCH_BASELINE"
@@ -307,9 +309,24 @@ class MemorySampler(WorkerPlugin):
             if TIMELINE:
                 out["timeline"], self.timeline = self.timeline, []
             out["loop"] = self.loop_watch.collect()
+            out["received_keys"] = self._received_keys()
+            own = getattr(self.worker.data, "spillway_metrics", {})
+            out["side_sent"] = own.get(("send-side", "count"), 0)  # (cumulative)
             self.reset()
         self.warnings = 0
         return out
+
+    def _received_keys(self) -> int:
+        """Keys this worker received from peers since the last call (its transfer log's entries
+        since then)."""
+        log = list(self.worker.transfer_incoming_log)
+        last, self.last_entry = getattr(self, "last_entry", None), (log[-1] if log else None)
+        n = 0
+        for entry in reversed(log):
+            if entry is last:
+                break
+            n += len(entry["keys"])
+        return n
 
     def teardown(self, worker):
         self.stop.set()
@@ -323,13 +340,31 @@ class MemorySampler(WorkerPlugin):
 
 class LoopWatch:
     """How responsive a worker's event loop is: a callback of its own every ``TICK`` seconds on the
-    loop (dask's own tick interval) records how long each tick really took (a stalled loop makes
-    one long tick, as dask's ``tick-duration`` digest sees it); the "Event loop was unresponsive"
+    loop (dask's own tick interval, the ``tick-duration`` dask's servers measure) records how long
+    each tick really took (a stalled loop makes one long tick); the "Event loop was unresponsive"
     messages dask logs past ``distributed.admin.tick.limit`` are counted; and the time the loop's
     thread spends inside the store's calls (sets, reads, deletes, evictions, serialized reads and
-    sets, on either store) is summed. ``collect`` returns them since the last call."""
+    sets, on either store) is summed, by call and per tick.
+
+    Each tick of ``LONG`` or more is put down to what filled it, the largest of: the store's calls
+    on the loop (``store``); the loop thread's own CPU time outside them (``loop``: dask's
+    handlers, (de)serialization of messages, the task's function when it runs on the loop); time
+    it waited for a core (``core``: its run-queue delay, from ``/proc/thread-self/schedstat``);
+    and the rest, where it was runnable by the kernel's account but not running Python (``gil``:
+    waiting for the GIL a task's thread holds, or any other blocking wait outside the store).
+
+    It also counts what answers the design's doubts on the sender's side: the values it granted
+    to a peer's side channel from disk (spillway + plugin), and the reads of a value from disk
+    for this worker's own use (a set's value read back), with their times, so that a send of a
+    value read back within ``READ_BACK_WINDOW`` seconds shows as the disk read the send did not
+    save. ``collect`` returns them since the last call."""
 
     TICK = 0.02
+    #: A tick this long or longer is attributed to a cause (five ticks: a loop that missed four).
+    LONG = 0.1
+    #: Seconds after a side-channel send within which a read of the same value from disk for the
+    #: sender's own use counts as a second read of it.
+    READ_BACK_WINDOW = 10.0
     #: The store's methods whose time on the loop's thread is counted.
     CALLS = ("__setitem__", "__getitem__", "__delitem__", "evict", "get_serialized", "set_serialized")
 
@@ -337,12 +372,23 @@ class LoopWatch:
         from tornado.ioloop import PeriodicCallback
 
         self.ticks: list = []
+        self.store_ticks: list = []  # per tick, seconds of store calls in it
+        self.long: dict = {}  # cause -> [long ticks, their seconds]
+        self.long_calls: dict = {}  # the store's call that filled most of a store-caused one -> n
+        self.tick_calls: dict = {}  # call -> seconds in the current tick
         self.unresponsive = 0
         self.on_loop = 0.0  # seconds of store calls on the loop's thread
         self.by_call: dict = {}  # the same, by the store's method
-        self.last = time.monotonic()
         self.loop_thread = threading.current_thread()  # (plugins are set up on the loop)
-        self._patch(type(worker.data))
+        self.sends: list = []  # (monotonic time, key, bytes) of side-channel grants from disk
+        self.read_backs: list = []  # (monotonic time, key) of reads from disk for own use
+        self.last = time.monotonic()
+        self.last_cpu = time.thread_time()
+        self.last_wait = _run_queue_seconds()
+        self.last_store = 0.0
+        self.store_total = 0.0
+        self.store_type = type(worker.data)
+        self._patch(self.store_type)
         watch = self
 
         class Unresponsive(logging.Handler):
@@ -356,9 +402,27 @@ class LoopWatch:
         self.pc.start()
 
     def _tick(self):
-        now = time.monotonic()
-        self.ticks.append(now - self.last)
-        self.last = now
+        now, cpu, wait = time.monotonic(), time.thread_time(), _run_queue_seconds()
+        tick, store = now - self.last, self.store_total - self.last_store
+        self.ticks.append(tick)
+        self.store_ticks.append(store)
+        if tick >= self.LONG:
+            own = max(0.0, cpu - self.last_cpu - store)
+            queued = max(0.0, wait - self.last_wait)
+            parts = {"store": store, "loop": own, "core": queued}
+            parts["gil"] = max(0.0, tick - self.TICK - store - own - queued)
+            cause = max(parts, key=parts.__getitem__)
+            entry = self.long.setdefault(cause, [0, 0.0])
+            entry[0] += 1
+            entry[1] += tick
+            if cause == "store":
+                call = max(self.tick_calls, key=self.tick_calls.__getitem__)
+                self.long_calls[call] = self.long_calls.get(call, 0) + 1
+        self.tick_calls = {}
+        self.last, self.last_cpu, self.last_wait, self.last_store = now, cpu, wait, self.store_total
+        holder = getattr(self.store_type, "_cluster_bench_watch", None)
+        if holder is not None:
+            self._watch_grants(holder)
 
     def _patch(self, store_type):
         """Wrap the store type's calls to sum their time on the loop's thread into this watch's
@@ -378,6 +442,8 @@ class LoopWatch:
 
             def timed(*args, _f=f, _name=name, **kwargs):
                 watch = holder[0]
+                if _name == "__getitem__" and _on_disk(args[0], args[1]):
+                    watch.read_backs.append((time.monotonic(), args[1]))
                 if threading.current_thread() is not watch.loop_thread:
                     return _f(*args, **kwargs)
                 t0 = time.perf_counter()
@@ -386,23 +452,66 @@ class LoopWatch:
                 finally:
                     spent = time.perf_counter() - t0
                     watch.on_loop += spent
+                    watch.store_total += spent
                     watch.by_call[_name] = watch.by_call.get(_name, 0.0) + spent
+                    watch.tick_calls[_name] = watch.tick_calls.get(_name, 0.0) + spent
 
             setattr(store_type, name, timed)
+    @staticmethod
+    def _watch_grants(holder):
+        """Once ``spillway.dask`` is loaded: wrap its grant of a side-channel reference to note
+        each value sent from disk that way (the watch found through ``holder``, as above)."""
+        plugin = sys.modules.get("spillway.dask")
+        grant = getattr(plugin, "_grant", None)
+        if grant is None or hasattr(grant, "cluster_bench"):
+            return
+
+        def granted(buf, key, side, tickets, _f=grant, _side=plugin.SIDE):
+            ref = _f(buf, key, side, tickets)
+            if ref is not None:
+                holder[0].sends.append((time.monotonic(), key, ref.header[_side][4]))
+            return ref
+
+        granted.cluster_bench = True
+        plugin._grant = granted
 
     def collect(self) -> dict:
         ticks, self.ticks = sorted(self.ticks), []
+        store_ticks, self.store_ticks = sorted(self.store_ticks), []
         on_loop, self.on_loop = self.on_loop, 0.0
         by_call, self.by_call = self.by_call, {}
+        long, self.long = self.long, {}
+        long_calls, self.long_calls = self.long_calls, {}
+        now = time.monotonic()
+        # Sends old enough for their window to have closed are judged now; the rest next time.
+        sends = [s for s in self.sends if s[0] <= now - self.READ_BACK_WINDOW]
+        self.sends = [s for s in self.sends if s[0] > now - self.READ_BACK_WINDOW]
+        reads: dict = {}
+        for t, key in self.read_backs:
+            reads.setdefault(key, []).append(t)
+        self.read_backs = [r for r in self.read_backs if r[0] > now - 2 * self.READ_BACK_WINDOW]
+        read_again = [
+            s for s in sends if any(0 <= t - s[0] <= self.READ_BACK_WINDOW for t in reads.get(s[1], ()))
+        ]
         n = len(ticks)
+
+        def at(xs, q):
+            return 1000 * xs[min(len(xs) - 1, int(len(xs) * q))] if xs else None
+
         out = {
             "ticks": n,
-            "median_ms": 1000 * ticks[n // 2] if n else None,
-            "p99_ms": 1000 * ticks[min(n - 1, int(n * 0.99))] if n else None,
-            "max_ms": 1000 * ticks[-1] if n else None,
+            "median_ms": at(ticks, 0.5),
+            "p99_ms": at(ticks, 0.99),
+            "max_ms": at(ticks, 1.0),
+            "store_p99_ms": at(store_ticks, 0.99),
+            "store_max_ms": at(store_ticks, 1.0),
+            "long": long,
+            "long_store_calls": long_calls,
             "unresponsive": self.unresponsive,
             "store_on_loop_s": on_loop,
             "store_on_loop_by_call_s": by_call,
+            "side_sends": [len(sends), sum(s[2] for s in sends)],
+            "side_sends_read_again": [len(read_again), sum(s[2] for s in read_again)],
         }
         self.unresponsive = 0
         return out
@@ -410,6 +519,29 @@ class LoopWatch:
     def close(self):
         self.pc.stop()
         logging.getLogger("distributed.core").removeHandler(self.handler)
+
+
+def _run_queue_seconds() -> float:
+    """Seconds the calling thread has waited for a core (its run-queue delay), or 0 where the
+    kernel does not say."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def _on_disk(data, key) -> bool:
+    """Whether ``key``'s value is on disk only in either store (a read of it reads the disk)."""
+    try:
+        tier = getattr(data, "tier_if_present", None)
+        if tier is not None:
+            # (a value the plugin serves a reply with is not read by the store)
+            received = sys.modules["spillway.received"]
+            return data.peers.served(key) is received.NOT_SERVED and tier(key) == "disk"
+        return key in data.slow and key not in data.fast
+    except Exception:
+        return False
 
 
 def _malloc_info() -> dict:
@@ -1031,11 +1163,13 @@ def run_one(
         os.makedirs(closed_dir)
         client.register_plugin(MemorySampler(closed_dir), name=MemorySampler.name)
         # (The CLI workers of --net get the plugin from their preload, as users' do.)
-        if store in ("spillway+plugin", "spillway+inband") and not net:
+        if store in ("spillway+plugin", "spillway+inband", "spillway+plugin-loop") and not net:
             import spillway.dask
 
-            side = store == "spillway+plugin"
-            client.register_plugin(spillway.dask.SpillwayPlugin(side_channel=side))
+            settings = {"side_channel": store != "spillway+inband"}
+            if store == "spillway+plugin-loop":
+                settings.update(loop_read_max_bytes=1 << 62, spill_off_loop=False)
+            client.register_plugin(spillway.dask.SpillwayPlugin(**settings))
         watch = Watch(cluster)
         stack.callback(watch.close)
         result.backend = ",".join(sorted({b for b in client.run(_backend).values() if b}))
@@ -1121,8 +1255,44 @@ def _loop_worst(r, phase: str, key: str) -> float:
     loops = [s["loop"] for s in r.worker_stats.get(phase, {}).values() if s.get("loop", {}).get("ticks")]
     if not loops:
         return 0
-    values = [x[key] for x in loops]
+    values = [x.get(key) or 0 for x in loops]
     return max(values) if key.endswith("_ms") else sum(values)
+
+
+def _long_ticks(r, phase: str) -> dict:
+    """cause -> [long ticks, their seconds] in the phase, summed over the workers (LoopWatch)."""
+    out: dict = {}
+    for s in r.worker_stats.get(phase, {}).values():
+        for cause, (n, sec) in s.get("loop", {}).get("long", {}).items():
+            entry = out.setdefault(cause, [0, 0.0])
+            entry[0] += n
+            entry[1] += sec
+    return out
+
+
+def doubts_by_phase(r) -> dict:
+    """phase -> what answers the design's doubts, summed over the workers: bytes read from disk
+    (dask's ``disk-read`` metric, both stores), values moved between workers and the unpickles in
+    the phase (all workers, ``serial_counts``), side-channel sends from disk and those read back
+    from disk by their sender within ``LoopWatch.READ_BACK_WINDOW`` (sends near a phase's end are
+    judged in the next phase's collection)."""
+    out: dict = {}
+    before: dict = {}
+    serial = serial_by_phase(r)
+    for phase, stats in r.worker_stats.items():
+        row = {"disk_read_bytes": 0, "moved": 0, "unpickles": serial.get(phase, [0, 0])[1]}
+        row["side_sends"] = [0, 0]
+        row["side_sends_read_again"] = [0, 0]
+        for worker, st in stats.items():
+            read = st.get("metrics", {}).get("disk-read bytes", 0)
+            row["disk_read_bytes"] += read - before.get(worker, 0)
+            before[worker] = read
+            row["moved"] += st.get("received_keys", 0)
+            loop = st.get("loop", {})
+            for k in ("side_sends", "side_sends_read_again"):
+                row[k] = [a + b for a, b in zip(row[k], loop.get(k, [0, 0]))]
+        out[phase] = row
+    return out
 
 
 def summarize(results: list) -> dict:
@@ -1185,10 +1355,41 @@ def summarize(results: list) -> dict:
             "phase_loop": {
                 p: {
                     k: statistics.median(_loop_worst(r, p, k) for r in done)
-                    for k in ("p99_ms", "max_ms", "unresponsive", "store_on_loop_s")
+                    for k in (
+                        "p99_ms",
+                        "max_ms",
+                        "store_p99_ms",
+                        "store_max_ms",
+                        "unresponsive",
+                        "store_on_loop_s",
+                    )
                 }
                 for p in (done[0].worker_stats if done else {})
                 if all(_loop_worst(r, p, "ticks") for r in done)
+            },
+            # Long ticks by cause, per phase: medians over the completed runs of the count and the
+            # seconds (all workers).
+            "phase_long_ticks": {
+                p: {
+                    cause: [
+                        statistics.median(_long_ticks(r, p).get(cause, [0, 0.0])[i] for r in done)
+                        for i in (0, 1)
+                    ]
+                    for cause in ("store", "loop", "core", "gil")
+                }
+                for p in (done[0].worker_stats if done else {})
+            },
+            # The doubts' counters per phase, medians over the completed runs.
+            "phase_doubts": {
+                p: {
+                    k: statistics.median(
+                        (lambda v: v[0] if isinstance(v, list) else v)(doubts_by_phase(r)[p][k])
+                        for r in done
+                        if p in r.worker_stats
+                    )
+                    for k in ("disk_read_bytes", "moved", "unpickles", "side_sends", "side_sends_read_again")
+                }
+                for p in (done[0].worker_stats if done else {})
             },
             # Per worker of the run's start, medians over the completed runs.
             "phase_median_serial_per_worker": {
@@ -1257,10 +1458,14 @@ def report(results: list) -> str:
             loops = [s["loop"] for s in stats.values() if s.get("loop", {}).get("ticks")]
             if loops:
                 lines.append(
-                    f"    {phase} loop (per worker: tick p50/p99/max ms, unresponsive, store s on the loop): "
+                    f"    {phase} loop (per worker: tick p50/p99/max ms, the store's part of a tick"
+                    " p99/max ms, unresponsive, store s on the loop, long ticks by cause): "
                     + ", ".join(
-                        f"{x['median_ms']:.0f}/{x['p99_ms']:.0f}/{x['max_ms']:.0f} {x['unresponsive']}"
-                        f" {x['store_on_loop_s']:.2f}"
+                        f"{x['median_ms']:.0f}/{x['p99_ms']:.0f}/{x['max_ms']:.0f}"
+                        f" {x.get('store_p99_ms') or 0:.0f}/{x.get('store_max_ms') or 0:.0f}"
+                        f" {x['unresponsive']} {x['store_on_loop_s']:.2f}"
+                        f" {' '.join(f'{c}:{n}' for c, (n, _) in sorted(x.get('long', {}).items()))}"
+                        f" {' '.join(f'{c}:{n}' for c, n in sorted(x.get('long_store_calls', {}).items()))}"
                         for x in loops
                     )
                 )
@@ -1286,6 +1491,15 @@ def report(results: list) -> str:
             lines.append(
                 "    serializations / deserializations (all workers): "
                 + ", ".join(f"{p} {c[0]}/{c[1]}" for p, c in serial_by_phase(r).items())
+            )
+        if r.worker_stats:
+            lines.append(
+                "    doubts (disk read MiB, values moved, unpickles, side sends, read again): "
+                + ", ".join(
+                    f"{p} {_mib(d['disk_read_bytes'])} {d['moved']} {d['unpickles']}"
+                    f" {d['side_sends'][0]} {d['side_sends_read_again'][0]}"
+                    for p, d in doubts_by_phase(r).items()
+                )
             )
         if r.notes:
             lines.append("    notes: " + ", ".join(f"{k} {_short(v)}" for k, v in r.notes.items()))
@@ -1334,14 +1548,39 @@ def report(results: list) -> str:
         lines.append("")
         lines.append(
             "event loop per phase (median of runs): the worst worker's tick p99 / longest tick (ms),"
-            " 'unresponsive' messages and seconds inside the store's calls on the loops (all workers)"
+            " the store's part of a tick p99 / longest (ms), 'unresponsive' messages, seconds inside"
+            " the store's calls on the loops (all workers), and ticks over"
+            f" {LoopWatch.LONG * 1000:.0f} ms by cause (store, loop, core, gil)"
+        )
+        for p in phases:
+            cells = []
+            for store, st in stores.items():
+                x = st.get("phase_loop", {}).get(p)
+                if not x:
+                    continue
+                causes = st.get("phase_long_ticks", {}).get(p, {})
+                cells.append(
+                    f"{store} {x['p99_ms']:.0f} / {x['max_ms']:.0f} ms, store"
+                    f" {x['store_p99_ms']:.0f} / {x['store_max_ms']:.0f} ms,"
+                    f" {x['unresponsive']:.0f}, {x['store_on_loop_s']:.2f} s, long "
+                    + "/".join(f"{causes.get(c, [0])[0]:.0f}" for c in ("store", "loop", "core", "gil"))
+                )
+            if cells:
+                lines.append(f"    {p}: " + "; ".join(cells))
+    if any(st.get("phase_doubts") for st in stores.values()):
+        lines.append("")
+        lines.append(
+            "doubts per phase (median of runs, all workers): MiB read from disk, values moved"
+            " between workers, unpickles, side-channel sends from disk, of them read back from disk"
+            f" by their sender within {LoopWatch.READ_BACK_WINDOW:.0f} s"
         )
         for p in phases:
             cells = [
-                f"{store} {x['p99_ms']:.0f} / {x['max_ms']:.0f} ms, {x['unresponsive']:.0f},"
-                f" {x['store_on_loop_s']:.2f} s"
+                f"{store} {_mib(d['disk_read_bytes'])} MiB, {d['moved']:.0f} moved,"
+                f" {d['unpickles']:.0f} unpickles, {d['side_sends']:.0f} sent /"
+                f" {d['side_sends_read_again']:.0f} read again"
                 for store, st in stores.items()
-                if (x := st.get("phase_loop", {}).get(p))
+                if (d := st.get("phase_doubts", {}).get(p))
             ]
             if cells:
                 lines.append(f"    {p}: " + "; ".join(cells))

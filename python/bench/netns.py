@@ -103,7 +103,8 @@ class _Worker:
 
 class NetCluster:
     """``n`` CLI workers of ``memory_limit`` bytes and ``threads`` threads each, one per namespace,
-    on ``store`` ("dask", "spillway", "spillway+plugin", "spillway+inband"), links at ``rate`` (tc's
+    on ``store`` ("dask", "spillway", "spillway+plugin", "spillway+inband",
+    "spillway+plugin-loop"), links at ``rate`` (tc's
     syntax: "1gbit", "100mbit"), each worker with the ``preload`` modules (``dask worker --preload``).
     A context manager; ``.scheduler`` and ``.workers`` as a
     LocalCluster's, ``.scheduler_address`` for a Client."""
@@ -121,6 +122,9 @@ class NetCluster:
             env["DASK_SPILLWAY__PLUGIN"] = "False"
         elif self.store == "spillway+inband":
             env["DASK_SPILLWAY__SIDE_CHANNEL"] = "False"
+        elif self.store == "spillway+plugin-loop":
+            env["DASK_SPILLWAY__LOOP_READ_MAX"] = "None"
+            env["DASK_SPILLWAY__SPILL_OFF_LOOP"] = "False"
         # The thresholds this harness is about: dask's defaults, spelled out in every process.
         for k, v in (("TARGET", "0.6"), ("SPILL", "0.7"), ("PAUSE", "0.8"), ("TERMINATE", "0.95")):
             env[f"DASK_DISTRIBUTED__WORKER__MEMORY__{k}"] = v

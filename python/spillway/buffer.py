@@ -13,6 +13,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import weakref
 from collections import defaultdict
 from collections.abc import Hashable, ItemsView, Iterator, Mapping, MutableMapping, ValuesView
@@ -90,6 +91,56 @@ def _damaged(key: Hashable, error: Corrupt) -> Corrupt:
         f"the spilled data of {key!r} is damaged ({error}). An object changed in place while it was "
         "being spilled reads so too: its bytes no longer match the checksum of what was written"
     )
+
+
+#: How far over the target (a share of it) memory may go before a set whose spilling is deferred
+#: (``SpillBuffer.defer_spills``) spills on its own thread after all.
+DEFER_SLACK = 0.25
+
+
+class _Spiller:
+    """The thread that spills a buffer down to its target after sets that left it the spilling
+    (``SpillBuffer.defer_spills``). It holds the buffer weakly and ends with it."""
+
+    def __init__(self, buf: SpillBuffer, setter: int, digest):
+        self.setter = setter  # the thread id whose sets defer
+        self._digest = digest
+        self._buf = weakref.ref(buf)
+        self._wake = threading.Event()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="spillway-spiller", daemon=True)
+        self._thread.start()
+
+    def spill(self, store: Store, pending: int) -> None:
+        """After a deferred set left ``pending`` bytes in memory that no write is taking away, over
+        the target (or due a check of the process's memory): wake the thread; spill here too if
+        that is over the target by more than ``DEFER_SLACK`` of it."""
+        self._wake.set()
+        if pending > store.target * (1 + DEFER_SLACK):
+            store.enforce_target()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stopped:
+            if not self._wake.wait(1.0):
+                if self._buf() is None:
+                    return
+                continue
+            self._wake.clear()
+            buf = self._buf()
+            if buf is None or self._stopped:
+                return
+            try:
+                buf._store.enforce_target()
+                buf._settle(self._digest)
+            except ValueError:  # closed
+                return
+            except Exception:
+                logger.exception("Unexpected error while spilling")
+            del buf
 
 
 def _close_store(store: Store, directory: str) -> None:
@@ -193,6 +244,7 @@ class SpillBuffer(MutableMapping):
         self._store = store
         self._finalizer = weakref.finalize(self, _close_store, store, self.directory)
 
+        self._spiller: _Spiller | None = None  # see defer_spills
         self._keys = KeyMap()
         #: The values peers send this buffer or are sent from it (:mod:`spillway.received`).
         self.peers = PeerValues(store, self._keys)
@@ -337,16 +389,23 @@ class SpillBuffer(MutableMapping):
             return
         if "target" in self._auto:
             self._find_worker(force=True)
+        spiller = self._spiller_here()
+        pending = None
         with self._keys.stripe(key):
             skey = self._keys.place(key)
             try:
-                self._store.put(skey, value)
+                if spiller is None:
+                    self._store.put(skey, value)
+                else:
+                    pending = self._store.put_deferred(skey, value)
             except SerializeError as error:
                 self._keys.forget(key, skey)  # (the store forgot it: dask's rule)
                 raise PickleError(key) from error.__cause__
             except BaseException:
                 self._forget_if_gone(key, skey)
                 raise
+        if pending is not None:
+            spiller.spill(self._store, pending)
         self._settle()
 
     def __getitem__(self, key: Hashable) -> object:
@@ -416,6 +475,20 @@ class SpillBuffer(MutableMapping):
         self._settle()
         return weight
 
+    def defer_spills(self, thread_id: int | None, digest=None) -> None:
+        """Sets made on the thread ``thread_id`` (``threading.get_ident()``; a dask worker's event
+        loop: :mod:`spillway.dask`) return without spilling for themselves: a thread of this
+        buffer's own spills down to ``target`` after them, so that the setter does not wait for
+        the writes. The setter still spills, as any set does, when memory is over the target by
+        more than ``DEFER_SLACK`` of it (the spilling thread falls behind). ``digest(label, value,
+        unit)`` receives the metrics of the spilling thread's work. None: every set spills on its
+        own thread again."""
+        old, self._spiller = self._spiller, None
+        if old is not None:
+            old.stop()
+        if thread_id is not None:
+            self._spiller = _Spiller(self, thread_id, digest)
+
     # ---------------------------------------------------------------------------------------------
     # Serialized data
 
@@ -450,13 +523,20 @@ class SpillBuffer(MutableMapping):
             raise ValueError("frames must hold at least the pickle header")
         if "target" in self._auto:
             self._find_worker(force=True)
+        spiller = self._spiller_here() if self.serialized_in_memory else None
+        pending = None
         with self._keys.stripe(key):
             skey = self._keys.place(key)
             try:
-                self._store.put_serialized(skey, frames, not self.serialized_in_memory)
+                if spiller is None:
+                    self._store.put_serialized(skey, frames, not self.serialized_in_memory)
+                else:
+                    pending = self._store.put_serialized_deferred(skey, frames)
             except BaseException:
                 self._forget_if_gone(key, skey)
                 raise
+        if pending is not None:
+            spiller.spill(self._store, pending)
         self._settle()
 
     # ---------------------------------------------------------------------------------------------
@@ -482,6 +562,8 @@ class SpillBuffer(MutableMapping):
 
     def close(self) -> None:
         """Close the stores and remove their directories. Idempotent."""
+        if self._spiller is not None:
+            self._spiller.stop()
         self._finalizer()
 
     def __enter__(self) -> SpillBuffer:
@@ -493,14 +575,24 @@ class SpillBuffer(MutableMapping):
     # ---------------------------------------------------------------------------------------------
     # Internals
 
-    def _settle(self) -> None:
+    def _spiller_here(self) -> _Spiller | None:
+        """The spilling thread a set on this thread leaves its spilling to (``defer_spills``)."""
+        spiller = self._spiller
+        return spiller if spiller is not None and spiller.setter == threading.get_ident() else None
+
+    def _settle(self, digest=None) -> None:
         """After a call that may have evicted: say what the store could not spill, report metrics to
-        distributed's context meter."""
+        distributed's context meter (or to ``digest(label, value, unit)``)."""
         failures = self._store.take_failures()
         if failures:
             self._report(failures)
         if self._worker is None:
             self._find_worker()
+        if digest is not None:
+            for label, unit, value in take_thread_metrics():
+                if (label, unit) in DASK_METRICS:
+                    digest(label, value, unit)
+            return
         meter = self._context_meter
         if meter is not None:
             # This thread's work since the last report: this call's (the engine works on the

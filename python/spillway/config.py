@@ -47,6 +47,12 @@ def get_bytes(key: str) -> int:
     return parse_bytes(value) if isinstance(value, str) else int(value)
 
 
+def get_bytes_or_none(key: str) -> int | None:
+    """:func:`get_bytes`, or None where the key is null or false (no limit)."""
+    value = get(key)
+    return None if value is None or value is False else get_bytes(key)
+
+
 def get_seconds(key: str) -> float:
     return float(parse_timedelta(get(key), default="seconds"))
 

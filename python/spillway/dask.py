@@ -146,6 +146,12 @@ class Settings:
     #: The port the transfer server listens on: 0 (a free one), a port, or ``"first:last"`` (the
     #: first free one of that range, as dask's ``--worker-port`` takes it).
     side_channel_port: int | str = 0
+    #: A task's inputs to read from disk or unpickle, past this many bytes in all, are read in
+    #: dask's offload thread instead of on the event loop (None: always on the loop).
+    loop_read_max_bytes: int | None = 4 * 2**20
+    #: Sets on the event loop leave the spilling they cause to a thread of the buffer's own
+    #: (``SpillBuffer.defer_spills``).
+    spill_off_loop: bool = True
 
     @classmethod
     def from_config(cls, **overrides) -> Settings:
@@ -156,6 +162,8 @@ class Settings:
             "side_channel_retry_after": config.get_seconds("side-channel-retry-after"),
             "side_channel_timeout": config.get_seconds("side-channel-timeout"),
             "side_channel_port": config.get("side-channel-port"),
+            "loop_read_max_bytes": config.get_bytes_or_none("loop-read-max"),
+            "spill_off_loop": bool(config.get("spill-off-loop")),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         _ports(values["side_channel_port"])  # a ValueError now, not when the server starts
@@ -531,12 +539,42 @@ def install(worker: distributed.Worker, settings: Settings | None = None) -> boo
         worker.bandwidth_types = _BandwidthByType(worker.bandwidth_types)
     if hooks.SCATTER not in missing:
         _wrap_listeners(worker, plug)
+    if settings.spill_off_loop and isinstance(worker.data, SpillBuffer):
+        _on_loop(worker, _defer_spills, weakref.ref(worker))
     if "spillway" not in worker.plugins:
         # (a preload: the transition hook needs a plugin; close removes it, calling teardown)
         plugin = SpillwayPlugin(**dataclasses.asdict(settings))
         plugin._worker = weakref.ref(worker)
         worker.plugins["spillway"] = plugin
     return True
+
+
+def _on_loop(worker, f, *args) -> None:
+    """Call ``f(*args)`` on ``worker``'s event loop: now if this is its thread, else soon."""
+    try:
+        here = asyncio.get_running_loop() is worker.loop.asyncio_loop
+    except (RuntimeError, AttributeError):
+        here = False
+    if here:
+        f(*args)
+    else:
+        worker.loop.add_callback(f, *args)
+
+
+def _defer_spills(worker_ref: weakref.ref) -> None:
+    """On the worker's event loop: the sets made there leave their spilling to the buffer's own
+    thread (``SpillBuffer.defer_spills``), whose work shows in dask's fine metrics as the memory
+    monitor's (the other spilling that runs beside the tasks)."""
+    worker = worker_ref()
+    if worker is None or worker not in _plugs or not isinstance(worker.data, SpillBuffer):
+        return
+
+    def digest(label: str, value: float, unit: str) -> None:
+        w = worker_ref()
+        if w is not None and hasattr(w, "digest_metric"):
+            w.loop.add_callback(w.digest_metric, ("memory-monitor", label, unit), value)
+
+    worker.data.defer_spills(threading.get_ident(), digest)
 
 
 def uninstall(worker: distributed.Worker) -> None:
@@ -551,6 +589,8 @@ def uninstall(worker: distributed.Worker) -> None:
     _by_rpc.pop(worker.rpc, None)
     if plug.side is not None:
         plug.side[0].close()
+    if isinstance(worker.data, SpillBuffer):
+        worker.data.defer_spills(None)
     if getattr(worker.handlers.get("get_data"), "plug_of", None) is worker:
         worker.handlers["get_data"] = plug.stock_handler
     if getattr(worker.__dict__.get("execute"), "plug_of", None) is worker:
@@ -734,13 +774,14 @@ def _is_deferred(value) -> bool:
 
 
 def _execute(worker, stock_execute):
-    """The plugged worker's ``execute``: a task's inputs held pickled are unpickled first (off the
-    event loop when large), then the stock ``execute`` runs the task."""
+    """The plugged worker's ``execute``: a task's inputs held pickled or on disk are read first
+    (off the event loop past ``loop_read_max_bytes``), then the stock ``execute`` runs the task."""
 
     async def execute(key: Hashable, *, stimulus_id: str):
-        if worker in _plugs:
+        plug = _plugs.get(worker)
+        if plug is not None:
             try:
-                await _unpickle_inputs(worker, key)
+                await _read_inputs(worker, key, plug.settings.loop_read_max_bytes)
             except Exception:  # (whatever failed, the stock execute runs the task, or errs it)
                 logger.debug("spillway.dask: inputs of %r left to execute", key, exc_info=True)
         return await stock_execute(key, stimulus_id=stimulus_id)
@@ -1033,12 +1074,16 @@ def _note_type(plug: _Plug, key: Hashable, header: dict) -> None:
         pass
 
 
-async def _unpickle_inputs(worker, key: Hashable) -> None:
-    """Before a task runs: its inputs held pickled in memory (received from a peer, or read back
-    for one) are unpickled now, where stock dask unpickled them as they arrived: those larger than
-    dask's ``distributed.comm.offload`` threshold in dask's offload thread, the others on the event
-    loop. ``Worker.execute`` then finds them in memory; and the task stream shows the time as
-    ``deserialize`` (which it is), not as the ``disk-read`` dask names any slow read of an input.
+async def _read_inputs(worker, key: Hashable, loop_max: int | None) -> None:
+    """Before a task runs: its inputs that are not objects in memory are made so now. Those held
+    pickled in memory (received from a peer, or read back for one) are unpickled where stock dask
+    unpickled them as they arrived: those larger than dask's ``distributed.comm.offload``
+    threshold in dask's offload thread, the others on the event loop. When the inputs to read
+    from disk or unpickle add up to more than ``loop_max`` bytes (None: no limit), all of them
+    are read in dask's offload thread instead, so that the event loop is not held for the read
+    (stock ``execute`` reads them on the loop). ``Worker.execute`` then finds them in memory; the
+    task stream shows the time as ``disk-read`` when some came from disk (as dask names a slow
+    read of an input), else as ``deserialize``.
 
     An input that fails to unpickle is left as it is: the stock ``execute`` then reads it inside its
     own error handling, and the task errs with the unpickling error, as any task whose input cannot
@@ -1047,20 +1092,25 @@ async def _unpickle_inputs(worker, key: Hashable) -> None:
     buf = worker.data
     if ts is None or not isinstance(buf, SpillBuffer):
         return
-    held = [d for d in ts.dependencies if buf.tier_if_present(d.key) == "frames"]
+    tiers = {d.key: buf.tier_if_present(d.key) for d in ts.dependencies}
+    held = [d for d in ts.dependencies if tiers[d.key] in ("frames", "disk")]
     if not held:
         return
     start = time()
     try:
-        _read_all(buf, [d.key for d in held if not _offloaded(d.nbytes or 0)])
-        large = [d.key for d in held if _offloaded(d.nbytes or 0)]
-        if large:
-            await _offload(_read_all, buf, large)
+        if loop_max is not None and sum(d.nbytes or 0 for d in held) > loop_max:
+            await _offload(_read_all, buf, [d.key for d in held])
+        else:
+            _read_all(buf, [d.key for d in held if tiers[d.key] == "frames" and not _offloaded(d.nbytes or 0)])
+            large = [d.key for d in held if tiers[d.key] == "frames" and _offloaded(d.nbytes or 0)]
+            if large:
+                await _offload(_read_all, buf, large)
     except Exception:  # (the stock execute meets it again, and errs the task with it)
         return
     stop = time()
     if stop - start > 0.005:  # (dask's own threshold for recording a read of an input)
-        ts.startstops.append({"action": "deserialize", "start": start, "stop": stop})
+        action = "disk-read" if "disk" in tiers.values() else "deserialize"
+        ts.startstops.append({"action": action, "start": start, "stop": stop})
 
 
 def _read_all(buf: SpillBuffer, keys: list) -> None:

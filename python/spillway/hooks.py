@@ -36,7 +36,7 @@ class Hook:
     #: when this module is imported), or an attribute of a worker or nanny
     #: (``Worker.handlers["get_data"]``, checked on the instance by ``check``).
     name: str
-    #: What turns off without it (``PLUGIN``, ``STORE``, ``LOGS``, ``BANDWIDTH``).
+    #: What turns off without it (``PLUGIN``, ``STORE``, ``LOGS``, ``BANDWIDTH``, ``SCATTER``).
     needed_for: str
     #: What spillway uses it for, for the warning.
     use: str

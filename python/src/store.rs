@@ -410,6 +410,28 @@ impl Store {
         py.allow_threads(|| s.put(key, value)).map_err(|e| to_py_err(py, e))
     }
 
+    /// `put` without the eviction that follows it: the memory not already being written if it is
+    /// over the target or a check of the process's memory is due (for `enforce_target` on
+    /// another thread), else None. A value heavier than the target is still pickled and written
+    /// at once.
+    fn put_deferred(&self, py: Python<'_>, key: &[u8], value: Py<PyAny>) -> PyResult<Option<u64>> {
+        let s = self.inner()?;
+        py.allow_threads(|| s.put_deferred(key, value)).map_err(|e| to_py_err(py, e))
+    }
+
+    /// `put_serialized` (not to disk) without the eviction that follows it, as `put_deferred`.
+    fn put_serialized_deferred(&self, py: Python<'_>, key: &[u8], frames: &Bound<'_, PyAny>) -> PyResult<Option<u64>> {
+        let s = self.inner()?;
+        let frames = own_frames(py, frames)?;
+        py.allow_threads(|| s.put_serialized_deferred(key, frames)).map_err(|e| to_py_err(py, e))
+    }
+
+    /// Evict down to the target, as a put does after storing its value.
+    fn enforce_target(&self, py: Python<'_>) -> PyResult<()> {
+        let s = self.inner()?;
+        py.allow_threads(|| s.enforce_target()).map_err(|e| to_py_err(py, e))
+    }
+
     /// Store pickled frames (`[header, *buffers]`, any objects with the buffer protocol) under
     /// `key` without unpickling them; they are held without a copy. With `to_disk`, they are
     /// written at once whatever their size.

@@ -68,6 +68,24 @@ def test_a_tight_memory_cluster_restarts_no_worker_and_computes_what_dask_comput
             run.phase_seconds[phase],
         )
 
+    # The event loop's watch: every worker ticked in every phase; the store's part of a tick is
+    # part of it; each long tick is put down to one of the causes.
+    for phase, stats in run.worker_stats.items():
+        for s in stats.values():
+            loop = s["loop"]
+            assert loop["ticks"] > 0, (phase, loop)
+            assert loop["store_max_ms"] <= loop["max_ms"] + 1e-6, (phase, loop)
+            assert set(loop["long"]) <= {"store", "loop", "core", "gil"}, (phase, loop)
+            assert sum(n for n, _ in loop["long"].values()) <= loop["ticks"], (phase, loop)
+    # The doubts' counters: the values each move moved, and (dask's comm without the plugin
+    # unpickles what arrives) at least one unpickle each; the transfer's sender read the chunks it
+    # had spilled back from disk to send them.
+    doubts = cluster_bench.doubts_by_phase(run)
+    assert doubts["retire"]["moved"] >= moved, doubts["retire"]
+    assert doubts["retire"]["unpickles"] >= doubts["retire"]["moved"], doubts["retire"]
+    assert doubts["transfer"]["moved"] * size.chunk_bytes >= size.transfer_bytes, doubts["transfer"]
+    assert doubts["transfer"]["disk_read_bytes"] > 0, doubts["transfer"]
+
     expected = cluster_bench.reference(size)
     for phase, value in expected.items():
         got = run.values[phase]

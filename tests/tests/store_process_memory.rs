@@ -288,3 +288,22 @@ fn values_a_codec_releases_late_count_as_freed() {
     }
     s.check_accounting().unwrap();
 }
+
+#[test]
+fn deferred_puts_count_toward_the_process_check_that_enforce_target_makes() {
+    let s = open();
+    rss_tracking(&s, 90 * MIB);
+    s.set_process_target(Some(100 * MIB));
+    let mut due = 0;
+    for i in 0..40u8 {
+        due += s.put_deferred(&[i], mib(i)).unwrap().is_some() as usize;
+    }
+    // Far under the store's own target, but each MiB put makes a process check due; none ran.
+    assert_eq!(due, 40);
+    assert_eq!(on_disk(&s, 40), 0);
+    s.enforce_target().unwrap();
+    assert!(s.memory_bytes() <= 10 * MIB, "{}", s.memory_bytes());
+    assert!(on_disk(&s, 40) >= 30, "{}", on_disk(&s, 40));
+    assert_eq!(s.tier(&[39]), Some(Tier::Materialized));
+    s.check_accounting().unwrap();
+}

@@ -251,3 +251,29 @@ fn eviction_goes_as_far_below_the_target_as_the_policy_says() {
         lowest[1]
     );
 }
+
+#[test]
+fn a_deferred_put_leaves_the_eviction_to_enforce_target() {
+    let (s, _) = open(10_000);
+    for c in b"abc" {
+        assert_eq!(s.put_deferred(&[*c], val(*c, 2999)).unwrap(), None, "under the target");
+    }
+    // Over the target: nothing is evicted until enforce_target, on whichever thread calls it.
+    assert_eq!(s.put_deferred(b"d", val(b'd', 2999)).unwrap(), Some(4 * 3000));
+    assert_eq!(s.put_serialized_deferred(b"e", ser(&val(b'e', 2999))).unwrap(), Some(5 * 3000));
+    assert_eq!(s.memory_bytes(), 5 * 3000);
+    assert!(b"abcde".iter().all(|c| s.tier(&[*c]) != Some(Tier::Disk)));
+    std::thread::scope(|t| {
+        t.spawn(|| s.enforce_target().unwrap());
+    });
+    assert!(s.memory_bytes() <= 10_000, "{}", s.memory_bytes());
+    assert_eq!(s.tier(b"a"), Some(Tier::Disk), "the least recently used first");
+    assert_eq!(s.tier(b"e"), Some(Tier::Serialized));
+    // A value heavier than the target is still written at once.
+    assert_eq!(s.put_deferred(b"big", val(2, 50_000)).unwrap(), None);
+    assert_eq!(s.tier(b"big"), Some(Tier::Disk));
+    for c in b"abcde" {
+        assert_eq!(*s.get(&[*c]).unwrap().unwrap(), val(*c, 2999));
+    }
+    s.check_accounting().unwrap();
+}

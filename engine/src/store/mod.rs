@@ -271,6 +271,25 @@ impl<C: Codec, B: Backend> Store<C, B> {
         put::put(self, key, value)
     }
 
+    /// Store a materialized value as [`Store::put`] does, without evicting for it: returns the
+    /// memory not already being written if it is over the target or the process's memory is due a
+    /// check, which [`Store::enforce_target`] (on a thread that may wait for the writes) then
+    /// does; else None. A value heavier than the target is still written at once.
+    pub fn put_deferred(&self, key: &[u8], value: C::Value) -> Result<Option<u64>> {
+        put::put_deferred(self, key, value)
+    }
+
+    /// [`Store::put_serialized`] without evicting for it, as [`Store::put_deferred`].
+    pub fn put_serialized_deferred(&self, key: &[u8], frames: Frames) -> Result<Option<u64>> {
+        put::put_serialized_deferred(self, key, frames)
+    }
+
+    /// Evict down to the target and relieve the process's memory, as a put does after storing its
+    /// value.
+    pub fn enforce_target(&self) -> Result<()> {
+        put::enforce_target(self)
+    }
+
     /// Store serialized frames (data from a peer or from disk): they stay serialized until a `get`.
     pub fn put_serialized(&self, key: &[u8], frames: Frames) -> Result<()> {
         put::put_serialized(self, key, frames)

@@ -123,6 +123,16 @@ impl ProcessMemory {
         self.out_of_reach.load(StdOrdering::Relaxed)
     }
 
+    /// Count `added` bytes of weight brought into memory toward the next check without checking
+    /// now (a deferred put: `relieve` runs later, on the thread that spills for it). Whether a check
+    /// is due.
+    pub(super) fn note_added(&self, added: u64) -> bool {
+        if self.target().is_none() || self.trigger().is_none() {
+            return false;
+        }
+        self.added.fetch_add(added, StdOrdering::Relaxed) + added >= RSS_CHECK_BYTES
+    }
+
     /// After `added` bytes of weight were brought into memory: if the RSS is above the trigger,
     /// `evict(excess)` evicts that much weight and returns what it freed, then `release_dropped()`
     /// lets the codec give back what the eviction dropped before the RSS is read again (to learn

@@ -18,12 +18,53 @@ use super::{Codec, Revive, Store};
 
 pub(super) fn put<C: Codec, B: Backend>(store: &Store<C, B>, key: &[u8], value: C::Value) -> Result<()> {
     let weight = store.codec.size_of(&value);
-    let done = put_object(store, key, value, weight);
+    let done = put_object(store, key, value, weight, true).map(|_| ());
     store.relieve_process_memory(Some(key), weight);
     done
 }
 
-fn put_object<C: Codec, B: Backend>(store: &Store<C, B>, key: &[u8], value: C::Value, weight: u64) -> Result<()> {
+/// `put` without the eviction that follows it: the memory not already being written, if it is over
+/// the target or a check of the process's memory is due (what `enforce_target`, on another
+/// thread, then does), else None. A value heavier than the target is still written at once.
+pub(super) fn put_deferred<C: Codec, B: Backend>(
+    store: &Store<C, B>,
+    key: &[u8],
+    value: C::Value,
+) -> Result<Option<u64>> {
+    let weight = store.codec.size_of(&value);
+    let pending = put_object(store, key, value, weight, false)?;
+    Ok(due(store, weight, pending))
+}
+
+/// After a deferred put of `weight`: the memory not being written, if an eviction (it is over the
+/// target) or a check of the process's memory is due.
+fn due<C: Codec, B: Backend>(store: &Store<C, B>, weight: u64, pending: u64) -> Option<u64> {
+    let check = store.process.note_added(weight);
+    (check || store.cfg.eviction.excess(pending, store.target()) > 0).then_some(pending)
+}
+
+/// Evict down to the target (and relieve the process's memory where that is configured), on the
+/// caller's thread: what a deferred put left to do.
+pub(super) fn enforce_target<C: Codec, B: Backend>(store: &Store<C, B>) -> Result<()> {
+    let done = enforce(store, store.lock(), None);
+    store.relieve_process_memory(None, 0);
+    done
+}
+
+/// The memory not already being written.
+fn pending<V>(inner: &Inner<V>) -> u64 {
+    inner.table.totals().mem_bytes.saturating_sub(inner.writes.weight())
+}
+
+/// Put an object; with `enforce_now`, evict down to the target before returning (0 then), else
+/// return the memory not already being written.
+fn put_object<C: Codec, B: Backend>(
+    store: &Store<C, B>,
+    key: &[u8],
+    value: C::Value,
+    weight: u64,
+    enforce_now: bool,
+) -> Result<u64> {
     if weight > store.target() {
         let frames = match serialize(store, key, &value) {
             Ok(f) => f,
@@ -38,27 +79,50 @@ fn put_object<C: Codec, B: Backend>(store: &Store<C, B>, key: &[u8], value: C::V
         // Handed back by a get while something else still holds it (as an evicted object is).
         let value = sync::Arc::new(value);
         let weak = if C::KEEPS_WEAK { keep_weak(store, &value) } else { None };
-        return put_large(store, store.lock(), key, frames, Some((value, weight)), true, weak);
+        return put_large(store, store.lock(), key, frames, Some((value, weight)), true, weak).map(|_| 0);
     }
     let mut inner = store.lock();
     let e = Entry::new(Slot::ready(sync::Arc::new(value)), Tier::Materialized, weight);
     let slot = e.slot.clone();
     insert(store, &mut inner, key, e)?;
-    enforce(store, inner, Some(&slot))
+    if enforce_now {
+        return enforce(store, inner, Some(&slot)).map(|_| 0);
+    }
+    Ok(pending(&inner))
 }
 
 pub(super) fn put_serialized<C: Codec, B: Backend>(store: &Store<C, B>, key: &[u8], frames: Frames) -> Result<()> {
     let weight = frames.total_len();
-    let mut inner = store.lock();
-    let done = if weight > store.target() {
-        put_large(store, inner, key, frames, None, true, None)
-    } else {
-        let e = Entry::serialized(frames, false);
-        let slot = e.slot.clone();
-        insert(store, &mut inner, key, e).and_then(|_| enforce(store, inner, Some(&slot)))
-    };
+    let done = put_frames(store, key, frames, true).map(|_| ());
     store.relieve_process_memory(Some(key), weight);
     done
+}
+
+/// `put_serialized` without the eviction that follows it, as [`put_deferred`].
+pub(super) fn put_serialized_deferred<C: Codec, B: Backend>(
+    store: &Store<C, B>,
+    key: &[u8],
+    frames: Frames,
+) -> Result<Option<u64>> {
+    let weight = frames.total_len();
+    let pending = put_frames(store, key, frames, false)?;
+    Ok(due(store, weight, pending))
+}
+
+/// Put frames; with `enforce_now`, evict down to the target before returning (0 then), else return
+/// the memory not already being written.
+fn put_frames<C: Codec, B: Backend>(store: &Store<C, B>, key: &[u8], frames: Frames, enforce_now: bool) -> Result<u64> {
+    let mut inner = store.lock();
+    if frames.total_len() > store.target() {
+        return put_large(store, inner, key, frames, None, true, None).map(|_| 0);
+    }
+    let e = Entry::serialized(frames, false);
+    let slot = e.slot.clone();
+    insert(store, &mut inner, key, e)?;
+    if enforce_now {
+        return enforce(store, inner, Some(&slot)).map(|_| 0);
+    }
+    Ok(pending(&inner))
 }
 
 pub(super) fn put_serialized_on_disk<C: Codec, B: Backend>(
