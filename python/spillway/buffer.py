@@ -102,9 +102,10 @@ class _Spiller:
     """The thread that spills a buffer down to its target after sets that left it the spilling
     (``SpillBuffer.defer_spills``). It holds the buffer weakly and ends with it."""
 
-    def __init__(self, buf: SpillBuffer, setter: int, digest):
+    def __init__(self, buf: SpillBuffer, setter: int, digest, pressed):
         self.setter = setter  # the thread id whose sets defer
         self._digest = digest
+        self._pressed = pressed
         self._buf = weakref.ref(buf)
         self._wake = threading.Event()
         self._stopped = False
@@ -118,6 +119,15 @@ class _Spiller:
         self._wake.set()
         if pending > store.target * (1 + DEFER_SLACK):
             store.enforce_target()
+
+    def pressed(self) -> bool:
+        """Whether the process is short of memory (the setter spills for itself meanwhile)."""
+        if self._pressed is None:
+            return False
+        try:
+            return bool(self._pressed())
+        except Exception:  # (whatever the check fails on, the setter spills: the safe side)
+            return True
 
     def stop(self) -> None:
         self._stopped = True
@@ -475,19 +485,20 @@ class SpillBuffer(MutableMapping):
         self._settle()
         return weight
 
-    def defer_spills(self, thread_id: int | None, digest=None) -> None:
+    def defer_spills(self, thread_id: int | None, digest=None, pressed=None) -> None:
         """Sets made on the thread ``thread_id`` (``threading.get_ident()``; a dask worker's event
         loop: :mod:`spillway.dask`) return without spilling for themselves: a thread of this
         buffer's own spills down to ``target`` after them, so that the setter does not wait for
         the writes. The setter still spills, as any set does, when memory is over the target by
-        more than ``DEFER_SLACK`` of it (the spilling thread falls behind). ``digest(label, value,
-        unit)`` receives the metrics of the spilling thread's work. None: every set spills on its
-        own thread again."""
+        more than ``DEFER_SLACK`` of it (the spilling thread falls behind), and while
+        ``pressed()`` says the process is short of memory (the setter then waits for the writes,
+        which holds back what it would do next). ``digest(label, value, unit)`` receives the
+        metrics of the spilling thread's work. None: every set spills on its own thread again."""
         old, self._spiller = self._spiller, None
         if old is not None:
             old.stop()
         if thread_id is not None:
-            self._spiller = _Spiller(self, thread_id, digest)
+            self._spiller = _Spiller(self, thread_id, digest, pressed)
 
     # ---------------------------------------------------------------------------------------------
     # Serialized data
@@ -576,9 +587,11 @@ class SpillBuffer(MutableMapping):
     # Internals
 
     def _spiller_here(self) -> _Spiller | None:
-        """The spilling thread a set on this thread leaves its spilling to (``defer_spills``)."""
+        """The spilling thread a set on this thread leaves its spilling to now (``defer_spills``)."""
         spiller = self._spiller
-        return spiller if spiller is not None and spiller.setter == threading.get_ident() else None
+        if spiller is None or spiller.setter != threading.get_ident() or spiller.pressed():
+            return None
+        return spiller
 
     def _settle(self, digest=None) -> None:
         """After a call that may have evicted: say what the store could not spill, report metrics to

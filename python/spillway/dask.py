@@ -564,7 +564,8 @@ def _on_loop(worker, f, *args) -> None:
 def _defer_spills(worker_ref: weakref.ref) -> None:
     """On the worker's event loop: the sets made there leave their spilling to the buffer's own
     thread (``SpillBuffer.defer_spills``), whose work shows in dask's fine metrics as the memory
-    monitor's (the other spilling that runs beside the tasks)."""
+    monitor's (the other spilling that runs beside the tasks), while the process is under dask's
+    spill threshold."""
     worker = worker_ref()
     if worker is None or worker not in _plugs or not isinstance(worker.data, SpillBuffer):
         return
@@ -574,7 +575,16 @@ def _defer_spills(worker_ref: weakref.ref) -> None:
         if w is not None and hasattr(w, "digest_metric"):
             w.loop.add_callback(w.digest_metric, ("memory-monitor", label, unit), value)
 
-    worker.data.defer_spills(threading.get_ident(), digest)
+    def pressed() -> bool:
+        # Above dask's spill threshold (where its memory monitor spills), sets spill as on stock
+        # dask: the loop waits for the writes, which holds back transfers and tasks meanwhile.
+        w = worker_ref()
+        mm = w.memory_manager
+        if not mm.memory_limit or mm.memory_spill_fraction is False:
+            return False
+        return w.monitor.get_process_memory() > mm.memory_limit * mm.memory_spill_fraction
+
+    worker.data.defer_spills(threading.get_ident(), digest, pressed)
 
 
 def uninstall(worker: distributed.Worker) -> None:

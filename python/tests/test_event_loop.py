@@ -157,3 +157,23 @@ def test_a_plugged_workers_loop_neither_spills_nor_reads_inputs_from_disk(off_lo
         (events,) = client.run(tracked.events).values()
         unpickles = {on_main for event, key, _, on_main in events if event == "unpickle" and key in spilled[:4]}
         assert unpickles == {not off_loop}, events
+
+
+def test_a_pressed_process_spills_on_the_setters_thread(make_buffer):
+    """While ``pressed()`` says the process is short of memory, a set spills for itself, as
+    without deferral (the setter waits for the writes); once it is not, the spilling thread does."""
+    target = 16 * MiB
+    buf = make_buffer(target=target, process_target=None, compression=None)
+    pressed = [True]
+    buf.defer_spills(threading.get_ident(), pressed=lambda: pressed[0])
+    tracked.EVENTS.clear()
+    for i in range(9):
+        buf[f"p{i}"] = tracked.Tracked(f"p{i}", 2 * MiB)
+    assert buf.fast.total_weight <= target
+    assert _pickled_on() == {threading.current_thread().name}, tracked.EVENTS
+    pressed[0] = False
+    tracked.EVENTS.clear()
+    for i in range(9, 11):  # (within the slack)
+        buf[f"p{i}"] = tracked.Tracked(f"p{i}", 2 * MiB)
+    _wait_for(lambda: buf.fast.total_weight <= target and buf.tier("p0") == "disk")
+    assert _pickled_on() == {"spillway-spiller"}, tracked.EVENTS
