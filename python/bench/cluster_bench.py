@@ -232,17 +232,10 @@ class MemorySampler(WorkerPlugin):
         self.lock = threading.Lock()
         self.reset()
         self.stop = threading.Event()
-        self.warnings = 0
         self.timeline = []
-        sampler = self
-
-        class Counter(logging.Handler):
-            def emit(self, record):
-                if "Unmanaged memory use is high" in str(record.msg):
-                    sampler.warnings += 1
-
-        self.handler = Counter(level=logging.WARNING)
-        logging.getLogger("distributed.worker.memory").addHandler(self.handler)
+        self.warnings = _Counting(
+            "distributed.worker.memory", "Unmanaged memory use is high", logging.WARNING
+        )
         self.thread = threading.Thread(target=self.loop, name="cluster-bench-sampler", daemon=True)
         self.thread.start()
         self.loop_watch = LoopWatch(worker)
@@ -299,7 +292,7 @@ class MemorySampler(WorkerPlugin):
     def collect(self):
         self.sample()
         with self.lock:
-            out = dict(self.peak, unmanaged_warnings=self.warnings)
+            out = dict(self.peak, unmanaged_warnings=self.warnings.take())
             m = getattr(self.worker.data, "cumulative_metrics", {})
             out["metrics"] = {f"{k[0]} {k[1]}": v for k, v in m.items()}
             out["time"] = _fine_seconds(self.worker)
@@ -313,7 +306,6 @@ class MemorySampler(WorkerPlugin):
             own = getattr(self.worker.data, "spillway_metrics", {})
             out["side_sent"] = own.get(("send-side", "count"), 0)  # (cumulative)
             self.reset()
-        self.warnings = 0
         return out
 
     def _received_keys(self) -> int:
@@ -335,7 +327,7 @@ class MemorySampler(WorkerPlugin):
         if self.closed_dir and counter is not None:
             with open(os.path.join(self.closed_dir, _quoted(worker.address)), "w") as f:
                 json.dump(list(counter.counts()), f)
-        logging.getLogger("distributed.worker.memory").removeHandler(self.handler)
+        self.warnings.close()
 
 
 class LoopWatch:
@@ -376,34 +368,22 @@ class LoopWatch:
         self.long: dict = {}  # cause -> [long ticks, their seconds]
         self.long_calls: dict = {}  # the store's call that filled most of a store-caused one -> n
         self.tick_calls: dict = {}  # call -> seconds in the current tick
-        self.unresponsive = 0
-        self.on_loop = 0.0  # seconds of store calls on the loop's thread
-        self.by_call: dict = {}  # the same, by the store's method
+        self.by_call: dict = {}  # seconds of store calls on the loop's thread, by the store's method
         self.loop_thread = threading.current_thread()  # (plugins are set up on the loop)
         self.sends: list = []  # (monotonic time, key, bytes) of side-channel grants from disk
         self.read_backs: list = []  # (monotonic time, key) of reads from disk for own use
         self.last = time.monotonic()
         self.last_cpu = time.thread_time()
         self.last_wait = _run_queue_seconds()
-        self.last_store = 0.0
-        self.store_total = 0.0
         self.store_type = type(worker.data)
         self._patch(self.store_type)
-        watch = self
-
-        class Unresponsive(logging.Handler):
-            def emit(self, record):
-                if "Event loop was unresponsive" in str(record.msg):
-                    watch.unresponsive += 1
-
-        self.handler = Unresponsive(level=logging.INFO)
-        logging.getLogger("distributed.core").addHandler(self.handler)
+        self.unresponsive = _Counting("distributed.core", "Event loop was unresponsive", logging.INFO)
         self.pc = PeriodicCallback(self._tick, self.TICK * 1000)
         self.pc.start()
 
     def _tick(self):
         now, cpu, wait = time.monotonic(), time.thread_time(), _run_queue_seconds()
-        tick, store = now - self.last, self.store_total - self.last_store
+        tick, store = now - self.last, sum(self.tick_calls.values())
         self.ticks.append(tick)
         self.store_ticks.append(store)
         if tick >= self.LONG:
@@ -419,7 +399,7 @@ class LoopWatch:
                 call = max(self.tick_calls, key=self.tick_calls.__getitem__)
                 self.long_calls[call] = self.long_calls.get(call, 0) + 1
         self.tick_calls = {}
-        self.last, self.last_cpu, self.last_wait, self.last_store = now, cpu, wait, self.store_total
+        self.last, self.last_cpu, self.last_wait = now, cpu, wait
         holder = getattr(self.store_type, "_cluster_bench_watch", None)
         if holder is not None:
             self._watch_grants(holder)
@@ -451,8 +431,6 @@ class LoopWatch:
                     return _f(*args, **kwargs)
                 finally:
                     spent = time.perf_counter() - t0
-                    watch.on_loop += spent
-                    watch.store_total += spent
                     watch.by_call[_name] = watch.by_call.get(_name, 0.0) + spent
                     watch.tick_calls[_name] = watch.tick_calls.get(_name, 0.0) + spent
 
@@ -478,7 +456,6 @@ class LoopWatch:
     def collect(self) -> dict:
         ticks, self.ticks = sorted(self.ticks), []
         store_ticks, self.store_ticks = sorted(self.store_ticks), []
-        on_loop, self.on_loop = self.on_loop, 0.0
         by_call, self.by_call = self.by_call, {}
         long, self.long = self.long, {}
         long_calls, self.long_calls = self.long_calls, {}
@@ -507,18 +484,41 @@ class LoopWatch:
             "store_max_ms": at(store_ticks, 1.0),
             "long": long,
             "long_store_calls": long_calls,
-            "unresponsive": self.unresponsive,
-            "store_on_loop_s": on_loop,
+            "unresponsive": self.unresponsive.take(),
+            "store_on_loop_s": sum(by_call.values()),
             "store_on_loop_by_call_s": by_call,
             "side_sends": [len(sends), sum(s[2] for s in sends)],
             "side_sends_read_again": [len(read_again), sum(s[2] for s in read_again)],
         }
-        self.unresponsive = 0
         return out
 
     def close(self):
         self.pc.stop()
-        logging.getLogger("distributed.core").removeHandler(self.handler)
+        self.unresponsive.close()
+
+
+class _Counting(logging.Handler):
+    """Counts the records of the logger ``name`` whose message contains ``text`` (attached while
+    open)."""
+
+    def __init__(self, name: str, text: str, level: int):
+        super().__init__(level=level)
+        self.text, self.count = text, 0
+        self.logger = logging.getLogger(name)
+        self.logger.addHandler(self)
+
+    def emit(self, record):
+        if self.text in str(record.msg):
+            self.count += 1
+
+    def take(self) -> int:
+        """The count since the last call."""
+        n, self.count = self.count, 0
+        return n
+
+    def close(self):
+        self.logger.removeHandler(self)
+        super().close()
 
 
 def _run_queue_seconds() -> float:

@@ -1111,8 +1111,9 @@ async def _read_inputs(worker, key: Hashable, loop_max: int | None) -> None:
         if loop_max is not None and sum(d.nbytes or 0 for d in held) > loop_max:
             await _offload(_read_all, buf, [d.key for d in held])
         else:
-            _read_all(buf, [d.key for d in held if tiers[d.key] == "frames" and not _offloaded(d.nbytes or 0)])
-            large = [d.key for d in held if tiers[d.key] == "frames" and _offloaded(d.nbytes or 0)]
+            frames = [d for d in held if tiers[d.key] == "frames"]
+            _read_all(buf, [d.key for d in frames if not _offloaded(d.nbytes or 0)])
+            large = [d.key for d in frames if _offloaded(d.nbytes or 0)]
             if large:
                 await _offload(_read_all, buf, large)
     except Exception:  # (the stock execute meets it again, and errs the task with it)

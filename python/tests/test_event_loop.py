@@ -31,7 +31,8 @@ def _wait_for(condition, seconds: float = 30.0) -> None:
 
 
 def _pickled_on(key_prefix: str = "") -> set:
-    return {name for event, key, name, _ in tracked.EVENTS if event == "pickle" and key.startswith(key_prefix)}
+    events = tracked.EVENTS
+    return {name for event, key, name, _ in events if event == "pickle" and key.startswith(key_prefix)}
 
 
 def test_a_set_that_defers_its_spilling_leaves_it_to_the_stores_thread(make_buffer):
@@ -155,7 +156,8 @@ def test_a_plugged_workers_loop_neither_spills_nor_reads_inputs_from_disk(off_lo
         inputs = [values[int(k[1:])] for k in spilled[:4]]
         assert client.submit(tracked.total, *inputs).result() == 4 * 16 * MiB
         (events,) = client.run(tracked.events).values()
-        unpickles = {on_main for event, key, _, on_main in events if event == "unpickle" and key in spilled[:4]}
+        read = set(spilled[:4])
+        unpickles = {on_main for event, key, _, on_main in events if event == "unpickle" and key in read}
         assert unpickles == {not off_loop}, events
 
 
