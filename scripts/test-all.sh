@@ -30,7 +30,10 @@ cargo fmt --all -- --check
 step "clippy (all targets, warnings are errors)"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
-step "layout and docs: the engine's files in layers, each type implemented in its own file; rustdoc links"
+step "the engine as its users build it: -p spillway alone, no features (cargo merges the workspace's)"
+cargo clippy -p spillway --all-targets --locked -- -D warnings
+
+step "layout and docs: files in layers, each type implemented and its state kept in its own file; rustdoc links"
 python3 scripts/check_layout.py engine/src
 RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --locked -q -p spillway
 

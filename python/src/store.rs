@@ -315,12 +315,12 @@ impl Store {
     /// Run `f` on the simulated disk of log number `log` (the one spills go to by default).
     fn sim_disk(&self, log: Option<usize>, f: impl FnOnce(&spillway::SimBackend)) -> PyResult<()> {
         let s = self.inner()?;
-        let logs = s.logs();
-        let l = match log {
-            Some(i) => *logs.get(i).ok_or_else(|| PyValueError::new_err(format!("no log number {i}")))?,
-            None => s.log(),
+        let backends = s.backends();
+        let b = match log {
+            Some(i) => *backends.get(i).ok_or_else(|| PyValueError::new_err(format!("no log number {i}")))?,
+            None => *backends.last().expect("a store has a log"),
         };
-        let sim = l.backend().as_sim().ok_or_else(|| PyValueError::new_err("faults need backend='sim'"))?;
+        let sim = b.as_sim().ok_or_else(|| PyValueError::new_err("faults need backend='sim'"))?;
         f(sim);
         Ok(())
     }

@@ -155,6 +155,8 @@ pub struct GatedBackend {
     pub sync_gate: Gate,
 }
 
+impl spillway::backend::sealed::Sealed for GatedBackend {}
+
 impl spillway::Backend for GatedBackend {
     type File = spillway::backend::SimFile;
     fn name(&self) -> &'static str {

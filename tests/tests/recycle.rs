@@ -50,6 +50,8 @@ struct Counts {
     renames: AtomicU64,
 }
 
+impl spillway::backend::sealed::Sealed for Counting {}
+
 impl Backend for Counting {
     type File = std::fs::File;
     fn name(&self) -> &'static str {

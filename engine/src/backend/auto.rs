@@ -150,6 +150,8 @@ macro_rules! on_backend {
     };
 }
 
+impl super::sealed::Sealed for AutoBackend {}
+
 impl Backend for AutoBackend {
     type File = AutoFile;
 

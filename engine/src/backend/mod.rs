@@ -39,22 +39,48 @@ mod sim;
 mod uring;
 
 pub use auto::{AutoBackend, AutoFile, BackendKind};
-pub use portable::{allocate_file, dio_alignment, enable_direct, PortableBackend};
+pub(crate) use portable::enable_direct;
+pub use portable::PortableBackend;
 pub use sim::{Fault, FaultKind, FaultOp, SimBackend, SimFile};
-pub use uring::{UringBackend, UringFile, UringInfo, UringOp, UringOptions, PIECE};
+pub use uring::{UringBackend, UringFile, UringInfo, UringOptions};
+/// Plumbing the crate's own tests reach (`testing` feature); not the API.
+#[cfg(feature = "testing")]
+#[doc(hidden)]
+pub use {
+    portable::dio_alignment,
+    uring::{UringOp, PIECE},
+};
+
+/// The seal on [`Backend`]: only this crate's backends implement it (with the `testing` feature,
+/// the crate's own tests implement it too, for backends that wrap one of these).
+#[cfg(feature = "testing")]
+#[doc(hidden)]
+pub mod sealed {
+    /// Implemented by every [`Backend`](super::Backend).
+    pub trait Sealed {}
+}
+#[cfg(not(feature = "testing"))]
+mod sealed {
+    /// Implemented by every [`Backend`](super::Backend).
+    pub trait Sealed {}
+}
 
 mod pipeline;
 
 /// A read or write in flight, resolving to its outcome and buffer.
+#[doc(hidden)]
 pub type IoFuture = Pin<Box<dyn Future<Output = BufResult> + Send + 'static>>;
 
 /// A buffer handed back by an I/O call together with the call's outcome.
+#[doc(hidden)]
 pub type BufResult = (io::Result<()>, AlignedBuf);
 
 /// A held store-directory lock; dropping it releases the lock.
+#[doc(hidden)]
 pub type DirLock = Box<dyn std::any::Any + Send + Sync>;
 
 /// One read of a batch: `buf.len()` bytes from `offset` of `file`.
+#[doc(hidden)]
 pub struct ReadReq<'a, F> {
     /// The file to read.
     pub file: &'a F,
@@ -127,6 +153,7 @@ pub(crate) fn read_by_alloc<B: Backend + ?Sized>(
 }
 
 /// One read of a pipelined stream (see [`Backend::read_pipelined`]).
+#[doc(hidden)]
 pub struct PipelinedRead<F> {
     /// The file to read (kept open until the read completes).
     pub file: Arc<F>,
@@ -146,14 +173,20 @@ pub(crate) fn with_crc(buf: AlignedBuf, check: Range<usize>) -> (AlignedBuf, u32
 }
 
 /// A hole punch that needs only the file (see [`Backend::detached_punch`]).
+#[doc(hidden)]
 pub type DetachedPunch<F> = fn(&F, u64, u64) -> io::Result<()>;
 
 /// The file system operations the segment log needs.
 ///
+/// Sealed: the log runs on the backends of this module ([`AutoBackend`], [`PortableBackend`],
+/// [`UringBackend`], [`SimBackend`]); a caller picks one and hands it to
+/// [`SegmentLog::open`](crate::SegmentLog::open) or [`Store::open`](crate::Store::open). Its methods
+/// are the log's plumbing (they move the crate's own aligned buffers), not an API to call.
+///
 /// Contract for `read_at`/`write_at`: the call transfers exactly `buf.len()` bytes or fails; short
 /// transfers are retried inside the backend, and a read that meets end-of-file fails with
 /// `UnexpectedEof`. Offsets and lengths the log passes are multiples of [`Backend::alignment`].
-pub trait Backend: Send + Sync + 'static {
+pub trait Backend: sealed::Sealed + Send + Sync + 'static {
     /// An open file.
     type File: Send + Sync + 'static;
 

@@ -42,7 +42,7 @@ impl PortableBackend {
 
 /// Switch an open file to O_DIRECT. Returns false, after logging once per process why, when the file
 /// system refuses (tmpfs before 6.6, some FUSE and network file systems); the file stays buffered.
-pub fn enable_direct(file: &File, path: &Path) -> bool {
+pub(crate) fn enable_direct(file: &File, path: &Path) -> bool {
     static WARNED: AtomicBool = AtomicBool::new(false);
     let r = rustix::fs::fcntl_getfl(file).and_then(|fl| rustix::fs::fcntl_setfl(file, fl | rustix::fs::OFlags::DIRECT));
     match r {
@@ -55,6 +55,8 @@ pub fn enable_direct(file: &File, path: &Path) -> bool {
         }
     }
 }
+
+impl super::sealed::Sealed for PortableBackend {}
 
 impl Backend for PortableBackend {
     type File = File;
@@ -254,7 +256,7 @@ fn dio_align_of(offset_align: u32, mem_align: u32) -> Option<usize> {
 /// the records that still fit can be written: the full disk then shows up as an ENOSPC from a write,
 /// which fails only that call (for O_DIRECT files too: a direct write into a hole allocates its
 /// blocks on the way).
-pub fn allocate_file(file: &File, len: u64) -> io::Result<bool> {
+pub(crate) fn allocate_file(file: &File, len: u64) -> io::Result<bool> {
     use rustix::io::Errno;
     match rustix::fs::fallocate(file, FallocateFlags::empty(), 0, len) {
         Ok(()) => return Ok(true),

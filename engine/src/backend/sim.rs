@@ -399,6 +399,8 @@ impl Drop for SimLock {
     }
 }
 
+impl super::sealed::Sealed for SimBackend {}
+
 impl Backend for SimBackend {
     type File = SimFile;
 

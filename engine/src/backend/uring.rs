@@ -558,6 +558,7 @@ impl UringBackend {
 
     /// The registered buffer pool, if registration succeeded. Buffers checked out of it make reads
     /// and writes use `ReadFixed`/`WriteFixed`.
+    #[doc(hidden)]
     pub fn pool(&self) -> Option<&BufPool> {
         self.pool.as_ref()
     }
@@ -568,11 +569,13 @@ impl UringBackend {
     }
 
     /// Start reading `buf.len()` bytes at `offset` of `file`.
+    #[doc(hidden)]
     pub fn read(&self, file: &UringFile, offset: u64, buf: AlignedBuf) -> UringOp {
         self.submit(false, file, offset, buf)
     }
 
     /// Start writing all of `buf` at `offset` of `file`.
+    #[doc(hidden)]
     pub fn write(&self, file: &UringFile, offset: u64, buf: AlignedBuf) -> UringOp {
         self.submit(true, file, offset, buf)
     }
@@ -636,6 +639,8 @@ impl std::fmt::Debug for UringBackend {
         f.debug_struct("UringBackend").field("info", &self.info).field("direct", &self.direct()).finish()
     }
 }
+
+impl super::sealed::Sealed for UringBackend {}
 
 impl Backend for UringBackend {
     type File = UringFile;

@@ -396,7 +396,6 @@ impl<V> Table<V> {
     /// Recompute the totals from the entries and compare them, the LRU order and the stuck list
     /// with what is kept. `record_len` is the length of a key's record in the log, checked for
     /// keys `settled` says no write is changing. `Err` names the first difference.
-    #[cfg(feature = "testing")]
     pub(super) fn check(
         &self,
         record_len: impl Fn(&[u8]) -> Option<u64>,

@@ -139,7 +139,6 @@ impl<B: Backend> Logs<B> {
     }
 
     /// Records in every log (for `check_accounting`).
-    #[cfg(feature = "testing")]
     pub(super) fn len(&self) -> usize {
         self.all().map(|l| l.len()).sum()
     }

@@ -69,7 +69,6 @@ use crate::stored::StreamedValue;
 use crate::sync::{self, Condvar, Mutex, MutexGuard};
 use crate::value::Frames;
 
-#[cfg(feature = "testing")]
 mod check;
 mod config;
 mod entry;
@@ -482,6 +481,13 @@ impl<C: Codec, B: Backend> Store<C, B> {
         self.log_holding_key(key)
     }
 
+    /// The backend of each of this store's logs, the first (in the store's directory) first and
+    /// the one spills go to last: a [`SimBackend`](crate::SimBackend) under a test takes its
+    /// faults here. Writing through one writes around the store.
+    pub fn backends(&self) -> Vec<&B> {
+        self.logs.all().map(|l| l.backend()).collect()
+    }
+
     /// Every log of this store, the first (in the store's directory) first and the one spills go to
     /// last; the others are read-only and serve the records they still hold.
     pub(crate) fn all_logs(&self) -> Vec<&SegmentLog<B>> {
@@ -670,18 +676,14 @@ impl<C: Codec, B: Backend> Store<C, B> {
     }
 
     /// Recompute the accounting from the entries and compare it with the running totals, the LRU
-    /// order and the log's index. `Err` names the first difference. For tests and debugging: it
+    /// order and the logs' indexes. `Err` names the first difference. For tests and debugging: it
     /// walks every entry under the store's lock.
-    #[cfg(feature = "testing")]
-    #[doc(hidden)]
     pub fn check_accounting(&self) -> std::result::Result<(), String> {
         check::check_accounting(&self.lock(), &self.logs)
     }
 
-    /// Threads waiting in `key`'s slot for another thread's materialization of its value (`testing`
-    /// only).
-    #[cfg(feature = "testing")]
-    #[doc(hidden)]
+    /// Threads waiting in `key`'s slot for another thread's materialization of its value (a
+    /// diagnostic: how many `get`s of `key` wait on one deserialization now).
     pub fn waiters(&self, key: &[u8]) -> u32 {
         let slot = self.lock().table.get(key).map(|e| e.slot.clone());
         slot.map_or(0, |s| s.waiters())

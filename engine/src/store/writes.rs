@@ -76,13 +76,11 @@ impl Writes {
     }
 
     /// Whether no write runs.
-    #[cfg(feature = "testing")]
     pub(super) fn is_empty(&self) -> bool {
         self.keys.is_empty()
     }
 
     /// With no write running, nothing may be counted as being written.
-    #[cfg(feature = "testing")]
     pub(super) fn check(&self) -> Result<(), String> {
         if self.keys.is_empty() && (self.weight, self.raw) != (0, 0) {
             return Err(format!(

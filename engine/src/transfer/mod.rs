@@ -36,6 +36,10 @@ mod wire;
 pub use access::{Access, Ticket, MAX_GRANTS, TICKET_BYTES};
 pub use client::Client;
 pub use server::{serve, serve_connection, shutdown_listener, Outgoing, Source, MAX_REFUSING};
+/// The wire's parts the crate's own tests and fuzz targets speak directly (`testing` feature); not
+/// the API: a peer speaks to a [`serve`]r through a [`Client`].
+#[cfg(feature = "testing")]
+#[doc(hidden)]
 pub use wire::{encode_value_response, greeting, read_value_header, NOT_AUTHORIZED, PROTOCOL_VERSION};
 
 use std::io::{self, Read, Write};
@@ -149,6 +153,7 @@ impl<'a, S> Paced<'a, S> {
 
 /// The longest wait any deadline of a transfer is set to: a duration from a caller (a lifetime,
 /// a timeout) of any size makes a deadline this far off at most, never an `Instant` overflow.
+#[doc(hidden)]
 pub const MAX_WAIT: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
 /// `d` from now (at most [`MAX_WAIT`]).
