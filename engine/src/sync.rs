@@ -7,13 +7,13 @@
 #[cfg(not(spillway_loom))]
 pub use std::sync::{
     atomic::{AtomicBool, AtomicU64, Ordering},
-    Arc, Condvar, Mutex, MutexGuard, RwLock,
+    Arc, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard,
 };
 
 #[cfg(spillway_loom)]
 pub use loom::sync::{
     atomic::{AtomicBool, AtomicU64, Ordering},
-    Arc, Condvar, Mutex, MutexGuard, RwLock,
+    Arc, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard,
 };
 
 /// Yield the thread (loom's yield under the loom cfg, so spin loops are explored).

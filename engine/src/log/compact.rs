@@ -8,13 +8,14 @@ use crate::error::Result;
 use crate::format::{self, FooterEntry};
 
 use super::gc::collect_garbage;
-use super::index::Location;
+use super::location::Location;
 use super::read::read_record_bytes;
 use super::record::NewRecord;
 use super::scan::{entry_matches, RecoveryReport, FOOTER_MISMATCH};
 use super::segments::{closed, is_sparse, WriterState};
+use super::table::padded;
 use super::write::append;
-use super::{padded, SegmentLog};
+use super::SegmentLog;
 
 /// What [`SegmentLog::compact`] did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -176,7 +177,7 @@ fn records_to_keep<B: Backend>(
     id: u32,
     entries: Vec<FooterEntry>,
 ) -> Vec<(FooterEntry, bool)> {
-    let index = log.index.read().unwrap_or_else(|p| p.into_inner());
+    let index = log.index.view();
     entries
         .into_iter()
         .map(|e| {
@@ -190,7 +191,7 @@ fn records_to_keep<B: Backend>(
                 // every range, may hold a record of the key it deletes (`Streams::streaming`).
                 (e.aux < id
                     && st.segs.range(e.aux..id).next().is_some()
-                    && index.get(e.key.as_slice()).is_none_or(|l| st.segs.first_segment(l) > e.aux))
+                    && index.get(e.key.as_slice()).is_none_or(|l| st.segs.first_segment(&l) > e.aux))
                     || log.streams.streaming(&e.key)
             } else {
                 index.get(e.key.as_slice()).is_some_and(|l| l.segment == id && l.offset() == e.offset)

@@ -8,10 +8,11 @@ use crate::error::Result;
 use crate::format::{self, align_down, align_up, RecordHeader};
 use crate::value::Frames;
 
-use super::index::Location;
+use super::location::Location;
 use super::record::{encode_record, fence_failed_write, publish_chunk, seq_for, NewRecord, Payload, Placed, Prepared};
 use super::segments::WriterState;
-use super::{laid_out_len, padded, SegmentLog, ZEROS};
+use super::table::padded;
+use super::{laid_out_len, SegmentLog, ZEROS};
 
 /// `write_chunk` for a chunk holding large values, on a backend that writes gathered
 /// slices (buffered files): the same bytes at the same offsets, but each large value's frames go to

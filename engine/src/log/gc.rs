@@ -13,7 +13,7 @@ use crate::key::KeyMap;
 use crate::sync::{AtomicBool, Mutex, Ordering, RwLock};
 
 use super::health::{WARN_GC, WARN_PUNCH};
-use super::index::Location;
+use super::location::Location;
 use super::options::LogOptions;
 use super::segments::flush_pending;
 use super::segments::{

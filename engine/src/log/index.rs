@@ -1,114 +1,151 @@
-//! The in-memory index entry: a record's [`Location`] and its packed form (`PackedLoc`, 16 bytes
-//! per key), plus the facts a record's header gives the index (`RecordFacts`).
+//! The index: each live key's record, behind the index lock, kept true to the accounting of the
+//! segments (`SegmentTable`) the records are in.
+//!
+//! The log's central invariant lives here: every entry of the index is counted live in its
+//! segment, and a record the index stops pointing at is released from its segment's accounting in
+//! the same step. Records are published through a [`Publisher`], which holds the index's write
+//! lock and the writer's segment table together: each of its methods changes the index and the
+//! accounting at once, and nothing else writes the index. Two paths build or change it apart from
+//! a publisher, each with the accounting taken care of by its own rule: recovery builds the map and
+//! the table together (`recover::settle_winners`), and `forget`, which may not wait for the writer
+//! lock, takes a key out here and leaves its record's release to the writer lock's next taker
+//! (`Forgotten`, gc.rs).
 
-use crate::format::{self, FooterEntry, RECORD_ALIGN};
+use super::location::{Location, PackedLoc, RecordFacts};
+use super::table::SegmentTable;
+use crate::key::{IndexKey, KeyMap};
+use crate::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-/// Where a live record is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Location {
-    /// Segment id.
-    pub segment: u32,
-    /// Byte offset of the record in the segment.
-    pub offset: u64,
-    /// Unpadded record length.
-    pub len: u64,
+/// Each live key's record (see the module's documentation).
+pub(super) struct Index {
+    map: RwLock<KeyMap<IndexKey, PackedLoc>>,
 }
 
-/// What the index knows of a record beyond where it is: enough to read a single-frame,
-/// uncompressed value without its head (its payload's crc and padding).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct RecordFacts {
-    /// The payload crc, for a value read without its head: single frame, not lz4, not empty.
-    pub(super) direct_crc: Option<u32>,
-    /// The payload padding (`aux` of a value record), a multiple of 64 below 512.
-    pub(super) pad: u32,
-}
+/// A consistent view of the index for several lookups, under its read lock.
+pub(super) struct IndexView<'a>(RwLockReadGuard<'a, KeyMap<IndexKey, PackedLoc>>);
 
-impl RecordFacts {
-    /// The facts of the record a footer entry describes.
-    pub(super) fn of_entry(e: &FooterEntry) -> Self {
-        let pad = if e.flags & format::FLAG_TOMBSTONE != 0 { 0 } else { e.aux as u64 };
-        let stored = e.record_len.saturating_sub(format::head_len(e.frame_count as usize, e.key.len()) + pad);
-        Self::of(e.flags, e.frame_count, e.payload_crc, e.aux, stored)
-    }
-
-    /// The facts of a record with these header fields.
-    pub(super) fn of(flags: u8, frame_count: u16, payload_crc: u32, aux: u32, stored_len: u64) -> Self {
-        let value = flags & (format::FLAG_TOMBSTONE | format::FLAG_SYNC_MARK) == 0;
-        let direct = value && flags & format::FLAG_LZ4 == 0 && frame_count == 1 && stored_len > 0;
-        RecordFacts { direct_crc: direct.then_some(payload_crc), pad: if value { aux } else { 0 } }
+impl IndexView<'_> {
+    /// `key`'s entry.
+    pub(super) fn get(&self, key: &[u8]) -> Option<PackedLoc> {
+        self.0.get(key).copied()
     }
 }
 
-/// A [`Location`] and its [`RecordFacts`] as the index stores them, in 16 bytes (1 M keys: the
-/// hash table's entries stay 40 bytes), with a flag saying whether the key's oldest segment is
-/// another one (see [`SegMeta::firsts`]). Offsets fit 32 bits because a segment is at most
-/// [`MAX_SEGMENT_BYTES`] (a jumbo segment holds one record, at its start), and their low 6 bits are
-/// free for flags because records start at multiples of 64; lengths fit because values are at most
-/// [`MAX_VALUE_BYTES`].
-#[derive(Debug, Clone, Copy)]
-pub(super) struct PackedLoc {
-    pub(super) segment: u32,
-    /// The offset, with `LOC_*` flags and the payload padding / 64 in its low 6 bits.
-    pub(super) offset_bits: u32,
-    pub(super) len: u32,
-    /// The payload crc when `LOC_DIRECT` is set.
-    pub(super) crc: u32,
+/// Publishing records: the index's write lock and the writer's segment table, held together. What
+/// the caller does while holding it (marking streams overtaken, say) happens under the index lock.
+pub(super) struct Publisher<'a> {
+    map: RwLockWriteGuard<'a, KeyMap<IndexKey, PackedLoc>>,
+    segs: &'a mut SegmentTable,
 }
 
-/// `PackedLoc` flag: the value can be read without its head (`crc` is its payload crc).
-pub(super) const LOC_DIRECT: u32 = 1;
+impl Index {
+    /// The index recovery built (with the segment table that counts its records).
+    pub(super) fn new(map: KeyMap<IndexKey, PackedLoc>) -> Self {
+        Index { map: RwLock::new(map) }
+    }
 
-/// `PackedLoc` flag: the key's oldest segment is an older one, listed in the segment's `firsts`.
-pub(super) const LOC_FIRST: u32 = 2;
+    fn read(&self) -> RwLockReadGuard<'_, KeyMap<IndexKey, PackedLoc>> {
+        self.map.read().unwrap_or_else(|p| p.into_inner())
+    }
 
-/// `PackedLoc`: the payload padding / 64 is in these bits.
-pub(super) const LOC_PAD_SHIFT: u32 = 2;
+    /// `key`'s entry.
+    pub(super) fn get(&self, key: &[u8]) -> Option<PackedLoc> {
+        self.read().get(key).copied()
+    }
 
-pub(super) const LOC_PAD_MASK: u32 = 7;
+    /// `key`'s entry, and `then` run on it under the read lock (a segment is deleted only after
+    /// the index stopped pointing at it: what `then` looks up of the segment is still there).
+    pub(super) fn get_then<R>(&self, key: &[u8], then: impl FnOnce(PackedLoc) -> Option<R>) -> Option<R> {
+        let map = self.read();
+        then(*map.get(key)?)
+    }
 
-const _: () = assert!(format::PAYLOAD_PAD_LIMIT / 64 <= LOC_PAD_MASK as u64 + 1);
+    /// A view for several lookups that must agree with each other.
+    pub(super) fn view(&self) -> IndexView<'_> {
+        IndexView(self.read())
+    }
 
-const _: () = assert!(RECORD_ALIGN >= 64);
+    /// Whether `key` has a live record.
+    pub(super) fn contains(&self, key: &[u8]) -> bool {
+        self.read().contains_key(key)
+    }
 
-impl PackedLoc {
-    /// `l` must pack: the writer places records so (`fits`, `MAX_RECORD_BYTES`), and recovery drops
-    /// entries that do not (see `recover`).
-    pub(super) fn new(l: Location, facts: RecordFacts, first_elsewhere: bool) -> Self {
-        debug_assert!(l.offset <= u32::MAX as u64 && l.len <= u32::MAX as u64, "{l:?} does not pack");
-        debug_assert!(l.offset % RECORD_ALIGN == 0 && facts.pad % 64 == 0 && facts.pad / 64 <= LOC_PAD_MASK);
-        let mut bits = l.offset as u32 | (facts.pad / 64) << LOC_PAD_SHIFT;
-        if facts.direct_crc.is_some() {
-            bits |= LOC_DIRECT;
+    /// Live keys.
+    pub(super) fn len(&self) -> usize {
+        self.read().len()
+    }
+
+    /// Every live key, sorted.
+    pub(super) fn keys(&self) -> Vec<Vec<u8>> {
+        let mut k: Vec<Vec<u8>> = self.read().keys().map(|k| k.to_vec()).collect();
+        k.sort_unstable();
+        k
+    }
+
+    /// Take `key` out of the index without the writer lock (`forget`); `marked` runs under the
+    /// index lock when it was there. The caller releases the record returned from its segment's
+    /// accounting under the writer lock, now or through `Forgotten`.
+    pub(super) fn forget(&self, key: &[u8], marked: impl FnOnce()) -> Option<Location> {
+        let mut map = self.map.write().unwrap_or_else(|p| p.into_inner());
+        let old = map.remove(key)?;
+        marked();
+        Some(old.into())
+    }
+
+    /// Start publishing records counted in `segs` (the writer's table: the caller holds the writer
+    /// lock).
+    pub(super) fn publisher<'a>(&'a self, segs: &'a mut SegmentTable) -> Publisher<'a> {
+        Publisher { map: self.map.write().unwrap_or_else(|p| p.into_inner()), segs }
+    }
+}
+
+impl Publisher<'_> {
+    /// `key`'s value record at `loc` becomes its live record: counted live in its segment, the
+    /// key's oldest segment noted, and the record it replaces released (its segment pushed to
+    /// `emptied` when nothing live is left in it; marked superseded by a pending record when the
+    /// new one is still `pending` in memory).
+    pub(super) fn value(
+        &mut self,
+        key: &[u8],
+        loc: Location,
+        facts: RecordFacts,
+        pending: bool,
+        emptied: &mut Vec<u32>,
+    ) {
+        let id = loc.segment;
+        let first = self.map.get(key).map_or(id, |o| self.segs.first_segment(o).min(id));
+        let elsewhere = self.segs.note_first(id, loc.offset, first);
+        if let Some(old) = self.map.insert(IndexKey::from(key), PackedLoc::new(loc, facts, elsewhere)) {
+            self.release(old.into(), pending, emptied);
         }
-        if first_elsewhere {
-            bits |= LOC_FIRST;
+        self.segs.add_live(id, loc.len);
+    }
+
+    /// A tombstone of `key` at `loc`, shadowing segments from `shadow` on: the key's live record
+    /// (if any) released as in [`Publisher::value`], the tombstone counted in its segment.
+    pub(super) fn tombstone(&mut self, key: &[u8], loc: Location, shadow: u32, pending: bool, emptied: &mut Vec<u32>) {
+        if let Some(old) = self.map.remove(key) {
+            self.release(old.into(), pending, emptied);
         }
-        PackedLoc { segment: l.segment, offset_bits: bits, len: l.len as u32, crc: facts.direct_crc.unwrap_or(0) }
+        self.segs.add_tombstone(loc.segment, loc.len, shadow);
     }
 
-    pub(super) fn offset(&self) -> u64 {
-        (self.offset_bits & !63) as u64
+    /// A tombstone copied by compaction to `loc`: counted, the index unchanged.
+    pub(super) fn tombstone_copy(&mut self, loc: Location, shadow: u32) {
+        self.segs.add_tombstone(loc.segment, loc.len, shadow);
     }
 
-    pub(super) fn loc(&self) -> Location {
-        Location { segment: self.segment, offset: self.offset(), len: self.len as u64 }
+    /// Whether `key`'s live record is the one at `(segment, offset)`.
+    pub(super) fn points_at(&self, key: &[u8], (segment, offset): (u32, u64)) -> bool {
+        self.map.get(key).is_some_and(|l| (l.segment, l.offset()) == (segment, offset))
     }
 
-    pub(super) fn facts(&self) -> RecordFacts {
-        RecordFacts {
-            direct_crc: (self.offset_bits & LOC_DIRECT != 0).then_some(self.crc),
-            pad: (self.offset_bits >> LOC_PAD_SHIFT & LOC_PAD_MASK) * 64,
+    fn release(&mut self, old: Location, pending: bool, emptied: &mut Vec<u32>) {
+        if self.segs.release(old) {
+            emptied.push(old.segment);
         }
-    }
-
-    pub(super) fn first_elsewhere(&self) -> bool {
-        self.offset_bits & LOC_FIRST != 0
-    }
-}
-
-impl From<PackedLoc> for Location {
-    fn from(p: PackedLoc) -> Self {
-        p.loc()
+        if pending {
+            self.segs.superseded_by_pending(old.segment);
+        }
     }
 }

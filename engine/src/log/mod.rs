@@ -19,13 +19,15 @@
 //! | `mod.rs` | [`SegmentLog`] and its public methods, opening (built from what recovery found), the writer lock, running the compaction a seal asked for |
 //! | `health.rs` | poisoning after a failed write, warnings logged once (`Health`) |
 //! | `options.rs` | [`LogOptions`], [`Compression`], [`CompactionPolicy`] |
-//! | `index.rs` | [`Location`] and the packed index entry |
-//! | `segments.rs` | the segment table (`SegmentTable`: the only writer of per-segment accounting), the active segment and its pending tail, rotate / seal, write buffers |
+//! | `location.rs` | [`Location`] and the packed index entry |
+//! | `table.rs` | the segment table (`SegmentTable` of `SegMeta`: the only writer of per-segment accounting) |
+//! | `index.rs` | the index (`Index`): each live key's record, changed with its segment's accounting in one step (`Publisher`) |
+//! | `segments.rs` | the active segment and its pending tail, rotate / seal, write buffers |
 //! | `recover.rs` | opening: footers, scans, which record of a key wins, torn tails (`SegmentReader`) |
 //! | `scan.rs` | reading a segment record by record, resync past damage (`Scanner`); [`RecoveryReport`] |
 //! | `read.rs` | gets, pipelined and async reads, the stored form for sending |
 //! | `write.rs` | puts, deletes, sync, batching into segments and write groups |
-//! | `record.rs` | a record on its way into a segment: encoding, publishing to the index, fencing a failed write |
+//! | `record.rs` | a record on its way into a segment: encoding, publishing a written chunk through the index, fencing a failed write |
 //! | `gather.rs` | large payloads written from their own frames |
 //! | `write_behind.rs` | small writes held in a pending buffer |
 //! | `stream.rs` | `put_stream`: values read from a socket or file |
@@ -46,7 +48,7 @@ use crate::sync::{Mutex, MutexGuard, RwLock};
 
 use self::gc::{discard_segments, settle_forgotten, Forgotten, Punches, SegmentFiles};
 use self::health::{Health, WARN_COMPACT};
-use self::index::PackedLoc;
+use self::index::Index;
 use self::read::Sends;
 use self::recover::SegmentReader;
 use self::segments::{flush_pending, WriterState};
@@ -55,7 +57,6 @@ use self::write_behind::PendingMark;
 use crate::backend::{Backend, DirLock, PortableBackend};
 use crate::error::{Error, Result};
 use crate::format::{self, align_up, Salt, RECORD_ALIGN};
-use crate::key::{IndexKey, KeyMap};
 use crate::value::Frames;
 use bytes::Bytes;
 use std::future::Future;
@@ -65,6 +66,7 @@ mod gather;
 mod gc;
 mod health;
 mod index;
+mod location;
 mod options;
 mod read;
 mod record;
@@ -72,12 +74,13 @@ mod recover;
 mod scan;
 mod segments;
 mod stream;
+mod table;
 mod verify;
 mod write;
 mod write_behind;
 
 pub use self::compact::CompactStats;
-pub use self::index::Location;
+pub use self::location::Location;
 pub use self::options::{CompactionPolicy, Compression, LogOptions};
 pub use self::read::StoredValue;
 pub use self::scan::RecoveryReport;
@@ -134,7 +137,7 @@ pub struct SegmentLog<B: Backend = PortableBackend> {
     align: u64,
     /// Alignment of single-record reads (the O_DIRECT minimum; divides `align`).
     read_align: u64,
-    index: RwLock<KeyMap<IndexKey, PackedLoc>>,
+    index: Index,
     files: SegmentFiles<B::File>,
     state: Mutex<WriterState<B::File>>,
     /// Hole punches of forgotten records, off the caller's thread.
@@ -217,10 +220,6 @@ fn parse_seg_file_name(name: &str) -> Option<u32> {
 /// Length of `frames` laid out at [`format::FRAME_ALIGN`] boundaries (the uncompressed payload).
 fn laid_out_len(frames: &Frames) -> u64 {
     format::frame_layout(frames.iter().map(|f| f.len() as u64)).map_or(u64::MAX, |(_, n)| n)
-}
-
-fn padded(len: u64) -> u64 {
-    align_up(len, RECORD_ALIGN)
 }
 
 /// The log's directory and its segments directory, made if allowed (`create_if_missing`) and
@@ -327,7 +326,7 @@ impl<B: Backend> SegmentLog<B> {
             opts,
             align,
             read_align,
-            index: RwLock::new(found.index),
+            index: Index::new(found.index),
             files: Arc::new(RwLock::new(found.files)),
             punches: Punches::new(),
             state: Mutex::new(WriterState {

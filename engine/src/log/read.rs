@@ -20,7 +20,7 @@ use crate::sync::Mutex;
 use crate::value::Frames;
 use crate::{format, stored};
 
-use super::index::{Location, PackedLoc};
+use super::location::{Location, PackedLoc};
 use super::segments::flush_pending;
 use super::write_behind::pending_record;
 use super::{lock, SegmentLog};
@@ -204,16 +204,16 @@ pub(super) fn moved_under_read<B: Backend>(log: &SegmentLog<B>, e: &Error, key: 
 }
 
 pub(super) fn location<B: Backend>(log: &SegmentLog<B>, key: &[u8]) -> Option<Location> {
-    log.index.read().unwrap_or_else(|p| p.into_inner()).get(key).map(|&p| Location::from(p))
+    log.index.get(key).map(Location::from)
 }
 
 pub(super) fn lookup<B: Backend>(log: &SegmentLog<B>, key: &[u8]) -> Option<(PackedLoc, Arc<B::File>)> {
     // Hold the index lock while taking the file handle: a segment is only deleted after the index
     // stopped pointing at it, so the pair is consistent (and an unlinked file stays readable).
-    let index = log.index.read().unwrap_or_else(|p| p.into_inner());
-    let p = *index.get(key)?;
-    let file = log.files.read().unwrap_or_else(|p| p.into_inner()).get(&p.segment)?.clone();
-    Some((p, file))
+    log.index.get_then(key, |p| {
+        let file = log.files.read().unwrap_or_else(|p| p.into_inner()).get(&p.segment)?.clone();
+        Some((p, file))
+    })
 }
 
 /// What to read for the record `p` of a key of `key_len` bytes: a value the index can check
@@ -444,11 +444,11 @@ pub(super) fn read_range<B: Backend>(
 }
 
 pub(super) fn contains<B: Backend>(log: &SegmentLog<B>, key: &[u8]) -> bool {
-    log.index.read().unwrap_or_else(|p| p.into_inner()).contains_key(key)
+    log.index.contains(key)
 }
 
 pub(super) fn len<B: Backend>(log: &SegmentLog<B>) -> usize {
-    log.index.read().unwrap_or_else(|p| p.into_inner()).len()
+    log.index.len()
 }
 
 pub(super) fn is_empty<B: Backend>(log: &SegmentLog<B>) -> bool {
@@ -456,7 +456,5 @@ pub(super) fn is_empty<B: Backend>(log: &SegmentLog<B>) -> bool {
 }
 
 pub(super) fn keys<B: Backend>(log: &SegmentLog<B>) -> Vec<Vec<u8>> {
-    let mut k: Vec<Vec<u8>> = log.index.read().unwrap_or_else(|p| p.into_inner()).keys().map(|k| k.to_vec()).collect();
-    k.sort_unstable();
-    k
+    log.index.keys()
 }

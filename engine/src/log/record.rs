@@ -8,12 +8,11 @@ use crate::backend::Backend;
 use crate::error::Result;
 use crate::format;
 use crate::format::{align_up, FooterEntry, RecordHeader};
-use crate::key::IndexKey;
 use crate::value::Frames;
 
 use super::gc::reclaim;
-use super::index::{Location, PackedLoc, RecordFacts};
-use super::segments::{release, superseded_by_pending, WriterState};
+use super::location::{Location, RecordFacts};
+use super::segments::WriterState;
 use super::{laid_out_len, SegmentLog};
 
 /// A record ready to be appended.
@@ -241,53 +240,29 @@ fn publish_to_index<B: Backend>(
 ) -> (Vec<Location>, Vec<u32>) {
     let mut locs = Vec::with_capacity(chunk.len());
     let mut emptied = Vec::new();
-    {
-        let mut index = log.index.write().unwrap_or_else(|p| p.into_inner());
-        for (p, pl) in chunk.iter().zip(placed) {
-            let key = p.rec.key();
-            let (offset, len, h) = (pl.offset, pl.h.record_len(), &pl.h);
-            let loc = Location { segment: id, offset, len };
-            match &p.rec {
-                NewRecord::Tombstone { aux, .. } => {
+    let mut index = log.index.publisher(&mut st.segs);
+    for (p, pl) in chunk.iter().zip(placed) {
+        let key = p.rec.key();
+        let h = &pl.h;
+        let loc = Location { segment: id, offset: pl.offset, len: h.record_len() };
+        match &p.rec {
+            NewRecord::Tombstone { aux, .. } => {
+                log.streams.written_meanwhile(key, h.seq);
+                index.tombstone(key, loc, *aux, deferred, &mut emptied);
+            }
+            NewRecord::SyncMark => {}
+            NewRecord::Relocated { header, .. } if header.is_tombstone() => index.tombstone_copy(loc, header.aux),
+            // Forgotten while compaction copied it: the copy is dead on arrival.
+            NewRecord::Relocated { from, .. } if !index.points_at(key, *from) => {}
+            _ => {
+                if matches!(p.rec, NewRecord::Value { .. }) {
                     log.streams.written_meanwhile(key, h.seq);
-                    if let Some(old) = index.remove(key) {
-                        release(st, old.into(), &mut emptied);
-                        if deferred {
-                            superseded_by_pending(st, old.into());
-                        }
-                    }
-                    st.segs.add_tombstone(id, len, *aux);
-                    locs.push(loc);
                 }
-                NewRecord::SyncMark => locs.push(loc),
-                NewRecord::Relocated { header, .. } if header.is_tombstone() => {
-                    st.segs.add_tombstone(id, len, header.aux);
-                    locs.push(loc);
-                }
-                NewRecord::Relocated { from, .. }
-                    if index.get(key).is_none_or(|l| (l.segment, l.offset()) != *from) =>
-                {
-                    // Forgotten while compaction copied it: the copy is dead on arrival.
-                    locs.push(loc);
-                }
-                _ => {
-                    if matches!(p.rec, NewRecord::Value { .. }) {
-                        log.streams.written_meanwhile(key, h.seq);
-                    }
-                    let first = index.get(key).map_or(id, |o| st.segs.first_segment(o).min(id));
-                    let elsewhere = st.segs.note_first(id, offset, first);
-                    let facts = RecordFacts::of(h.flags, h.frame_count, h.payload_crc, h.aux, h.stored_len);
-                    if let Some(old) = index.insert(IndexKey::from(key), PackedLoc::new(loc, facts, elsewhere)) {
-                        release(st, old.into(), &mut emptied);
-                        if deferred {
-                            superseded_by_pending(st, old.into());
-                        }
-                    }
-                    st.segs.add_live(id, len);
-                    locs.push(loc);
-                }
+                let facts = RecordFacts::of(h.flags, h.frame_count, h.payload_crc, h.aux, h.stored_len);
+                index.value(key, loc, facts, deferred, &mut emptied);
             }
         }
+        locs.push(loc);
     }
     (locs, emptied)
 }

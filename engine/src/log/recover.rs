@@ -13,10 +13,11 @@ use crate::error::{Error, Result};
 use crate::format::{self, align_down, align_up, FooterEntry, Salt, RECORD_ALIGN};
 use crate::key::{IndexKey, KeyHasher, KeyMap};
 
-use super::index::{Location, PackedLoc, RecordFacts};
+use super::location::{Location, PackedLoc, RecordFacts};
 use super::options::LogOptions;
 use super::scan::{RecoveryReport, Scanner, SegmentScan};
-use super::segments::{erase_aborted, Active, SegMeta, SegmentTable};
+use super::segments::{erase_aborted, Active};
+use super::table::{SegMeta, SegmentTable};
 use super::{parse_seg_file_name, segment_path, MAX_RECORD_BYTES, MAX_SEGMENT_FILE_BYTES, SEQ_LIMIT};
 
 /// A segment's geometry, as its header gives it (see `SegmentReader::geometry`).

@@ -10,8 +10,8 @@ use crate::buf::AlignedBuf;
 use crate::error::{Error, Result};
 use crate::format::{self, align_down, align_up, FooterEntry, RecordHeader, Salt, RECORD_ALIGN};
 
-use super::padded;
-use super::segments::SegMeta;
+use super::table::padded;
+use super::table::SegMeta;
 
 /// What recovery found when the log was opened.
 #[derive(Debug, Clone, Default)]

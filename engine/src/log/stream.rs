@@ -11,20 +11,19 @@ use crate::backend::Backend;
 use crate::buf::AlignedBuf;
 use crate::error::{Error, Result};
 use crate::format::{align_down, align_up, FooterEntry, RecordHeader};
-use crate::key::IndexKey;
 use crate::stored::StreamedValue;
 use crate::sync::{AtomicBool, Mutex, Ordering};
 use crate::value::Frames;
 use crate::{format, stored};
 
 use super::gc::reclaim;
-use super::index::{Location, PackedLoc, RecordFacts};
+use super::location::{Location, RecordFacts};
 use super::record::{fence_failed_write, publish_chunk, NewRecord, Payload, Placed, Prepared};
 use super::segments::flush_pending;
-use super::segments::{
-    erase_aborted, fits, footer_entry_len, release, release_spare_files, rotate, write_seal, SegMeta, WriterState,
-};
-use super::{lock, padded, SegmentLog, MAX_RECORD_BYTES};
+use super::segments::{erase_aborted, fits, footer_entry_len, release_spare_files, rotate, write_seal, WriterState};
+use super::table::padded;
+use super::table::SegMeta;
+use super::{lock, SegmentLog, MAX_RECORD_BYTES};
 
 /// Each key's streams: (sequence number, overtaken).
 type StreamsByKey = HashMap<Vec<u8>, Vec<(u64, bool)>>;
@@ -551,22 +550,16 @@ fn publish_streamed<B: Backend>(
     loc: Location,
     h: &RecordHeader,
 ) {
-    let mut index = log.index.write().unwrap_or_else(|p| p.into_inner());
+    let mut index = log.index.publisher(&mut st.segs);
     // Under the index lock, as `forget` marks streams: none can come between.
     if log.streams.ended(key, seq) {
         return;
     }
     // A write of the key, for the streams of it that began before this one.
     log.streams.written_meanwhile(key, seq);
-    let id = loc.segment;
-    let first = index.get(key).map_or(id, |o| st.segs.first_segment(o).min(id));
-    let elsewhere = st.segs.note_first(id, loc.offset, first);
     let facts = RecordFacts::of(h.flags, h.frame_count, h.payload_crc, h.aux, h.stored_len);
-    let mut emptied = Vec::new();
-    if let Some(old) = index.insert(IndexKey::from(key), PackedLoc::new(loc, facts, elsewhere)) {
-        release(st, old.into(), &mut emptied);
-    }
-    st.segs.add_live(id, loc.len);
+    // A segment the old record leaves empty goes at the next garbage collection.
+    index.value(key, loc, facts, false, &mut Vec::new());
 }
 
 /// The segment of a `put_stream_apart`: created at `path`, its header, the record (its payload

@@ -8,7 +8,7 @@ use crate::error::{Error, Result};
 use crate::format;
 
 use super::gc::PUNCH_MIN_BYTES;
-use super::index::Location;
+use super::location::Location;
 use super::read::read_record_bytes;
 use super::scan::{entry_matches, RecoveryReport, FOOTER_MISMATCH};
 use super::segments::{flush_pending, tombstones_needed};

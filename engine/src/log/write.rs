@@ -15,15 +15,16 @@ use crate::{format, stored};
 
 use super::gather::write_chunk_gathered;
 use super::gc::{release_forgotten, settle_forgotten};
-use super::index::Location;
+use super::location::Location;
 use super::options::Compression;
 use super::record::{encode_record, fence_failed_write, publish_chunk, seq_for, NewRecord, Payload, Placed, Prepared};
 use super::segments::{
     fits, flush_pending, footer_entry_len, rotate, sync_active, sync_dir_if_dirty, write_buffer, WriterState,
     WRITES_IN_FLIGHT,
 };
+use super::table::padded;
 use super::write_behind::defer_chunk;
-use super::{laid_out_len, padded, SegmentLog, Writer, MAX_RECORD_BYTES, MAX_SPARE_BUF};
+use super::{laid_out_len, SegmentLog, Writer, MAX_RECORD_BYTES, MAX_SPARE_BUF};
 
 /// A single-frame, uncompressed value at least this large gets its payload padded to start at a
 /// multiple of 512 in the file ([`format::PAYLOAD_PAD_LIMIT`]): reading it without its head is then
@@ -74,7 +75,7 @@ pub(super) fn delete<B: Backend>(log: &SegmentLog<B>, key: &[u8]) -> Result<bool
         return Err(Error::KeyTooLarge { len: key.len(), max: format::MAX_KEY_BYTES });
     }
     let mut st = log.writer();
-    let Some(packed) = log.index.read().unwrap_or_else(|p| p.into_inner()).get(key).copied() else {
+    let Some(packed) = log.index.get(key) else {
         return Ok(false);
     };
     let first = st.segs.first_segment(&packed);
@@ -89,15 +90,10 @@ pub(super) fn delete<B: Backend>(log: &SegmentLog<B>, key: &[u8]) -> Result<bool
 }
 
 pub(super) fn forget<B: Backend>(log: &SegmentLog<B>, key: &[u8]) -> Result<bool> {
-    let old = {
-        let mut index = log.index.write().unwrap_or_else(|p| p.into_inner());
-        let old = index.remove(key);
-        if old.is_some() {
-            log.streams.written_meanwhile(key, u64::MAX); // (under the index lock, as publishing is)
-        }
-        old
+    // The streams of the key are marked under the index lock, as publishing marks them.
+    let Some(old) = log.index.forget(key, || log.streams.written_meanwhile(key, u64::MAX)) else {
+        return Ok(false);
     };
-    let Some(old) = old.map(Location::from) else { return Ok(false) };
     let st = match log.state.try_lock() {
         Ok(st) => st,
         Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),

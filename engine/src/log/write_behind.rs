@@ -10,10 +10,11 @@ use crate::error::Result;
 use crate::format::{self};
 use crate::sync::{AtomicU64, Ordering};
 
-use super::index::Location;
+use super::location::Location;
 use super::record::{encode_record, publish_chunk, seq_for, Placed, Prepared};
 use super::segments::WriterState;
-use super::{lock, padded, SegmentLog};
+use super::table::padded;
+use super::{lock, SegmentLog};
 
 /// Largest `LogOptions::write_behind_bytes`.
 pub const MAX_WRITE_BEHIND_BYTES: u64 = 64 << 20;
