@@ -364,7 +364,7 @@ class SpillBuffer(MutableMapping):
 
     def __iter__(self) -> Iterator[Hashable]:
         """The keys in memory, then those on disk (as dask's store iterates)."""
-        mem, disk = self._keys_by_place()
+        mem, disk = self.keys_by_place()
         return iter(mem + disk)
 
     def __contains__(self, key: object) -> bool:
@@ -678,8 +678,9 @@ class SpillBuffer(MutableMapping):
         if gone:
             self._keys.forget(key, skey)
 
-    def _peek(self, key: Hashable) -> object:
-        """The object of ``key`` without changing its tier or the LRU order."""
+    def peek(self, key: Hashable) -> object:
+        """The object of ``key`` without changing its tier or the LRU order (a key on disk is read
+        and unpickled, and stays on disk); KeyError if absent."""
         for _ in range(3):
             skey = self._keys[key]
             try:
@@ -690,7 +691,7 @@ class SpillBuffer(MutableMapping):
                 raise _damaged(key, error) from error
         raise KeyError(key)
 
-    def _keys_by_place(self) -> tuple[list, list]:
+    def keys_by_place(self) -> tuple[list, list]:
         """(keys in memory, keys on disk), each in the order they entered that place."""
         with contextlib.suppress(ValueError):  # (closed: empty)
             mem, disk = self._store.keys_by_place()
@@ -701,8 +702,18 @@ class SpillBuffer(MutableMapping):
             )
         return [], []
 
-    def _keys_in(self, in_memory: bool) -> list:
-        return self._keys_by_place()[0 if in_memory else 1]
+    def place_counts(self) -> tuple[int, int]:
+        """(keys in memory, keys on disk); ValueError once closed."""
+        if self._keys.reserved:  # keys being put: count those the store has as this buffer's
+            mem, disk = self.keys_by_place()
+            return len(mem), len(disk)
+        return self._store.counts()
+
+    @property
+    def memory_weight(self) -> int:
+        """Weight of the keys in memory (sizeof for objects, bytes for frames); ValueError once
+        closed."""
+        return self._store.memory_bytes
 
 
 _NO_KEY = object()  # "no key" where None would be a valid key

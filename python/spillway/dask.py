@@ -201,6 +201,8 @@ class _Plug:
     :func:`uninstall` where nothing replaced it since)."""
 
     def __init__(self, worker, settings: Settings):
+        #: the worker, weakly (this object is found from its connection pool too: ``_by_rpc``)
+        self.worker = weakref.ref(worker)
         self.settings = settings
         #: (its transfer server, values of at least this many bytes go by it), with the side channel
         self.side: tuple | None = None
@@ -236,8 +238,8 @@ def _weakly(f):
 #: Each plugged worker -> its :class:`_Plug`.
 _plugs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-#: Each plugged worker's connection pool (``worker.rpc``) -> the worker: requests made through any
-#: other pool (clients, schedulers, stock workers in the same process) stay stock.
+#: Each plugged worker's connection pool (``worker.rpc``) -> the worker's :class:`_Plug`: requests
+#: made through any other pool (clients, schedulers, stock workers in the same process) stay stock.
 _by_rpc: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 #: ``distributed.worker.get_data_from_worker`` as it was before the first install (put back when the
@@ -523,7 +525,7 @@ def install(worker: distributed.Worker, settings: Settings | None = None) -> boo
             if server is not None:
                 plug.side = (server, settings.side_channel_min_bytes)
     _plugs[worker] = plug
-    _by_rpc[worker.rpc] = weakref.ref(worker)
+    _by_rpc[worker.rpc] = plug
     worker.handlers["get_data"] = _handler(worker, plug.stock_handler)
     worker.execute = _execute(worker, plug.stock_execute)
     if distributed.worker.get_data_from_worker is not get_data_from_worker:
@@ -911,10 +913,9 @@ async def get_data_from_worker(
 ):
     """``distributed.worker.get_data_from_worker`` for all: plugged workers' requests keep plain
     pickle frames pickled (see the module's documentation), every other request is stock."""
-    ref = _by_rpc.get(rpc)
-    me = ref() if ref is not None else None
-    plug = _plugs.get(me) if me is not None else None
-    if plug is None or deserializers is not None or parse_address(worker)[0] == "inproc":
+    plug = _by_rpc.get(rpc)
+    me = plug.worker() if plug is not None else None
+    if me is None or deserializers is not None or parse_address(worker)[0] == "inproc":
         return await _stock_get_data_from_worker(
             rpc, keys, worker, who=who, serializers=serializers, deserializers=deserializers
         )

@@ -62,35 +62,25 @@ class TierView(Mapping):
         self._in_memory = in_memory
 
     def __contains__(self, key: object) -> bool:
-        b = self._buffer
-        skey = b._keys.get(key)
-        if skey is None:
-            return False
-        tier = b._store.tier(skey)
+        tier = self._buffer.tier_if_present(key)
         return tier is not None and (tier != "disk") == self._in_memory
 
     def __getitem__(self, key: Hashable) -> object:
         if key not in self:
             raise KeyError(key)
-        return self._buffer._peek(key)
+        return self._buffer.peek(key)
 
     def __iter__(self) -> Iterator[Hashable]:
-        return iter(self._buffer._keys_in(self._in_memory))
+        return iter(self._buffer.keys_by_place()[0 if self._in_memory else 1])
 
     def __len__(self) -> int:
-        b = self._buffer
-        if not b._keys.reserved:
-            in_memory, on_disk = b._store.counts()
-            return in_memory if self._in_memory else on_disk
-        return len(b._keys_in(self._in_memory))
+        return self._buffer.place_counts()[0 if self._in_memory else 1]
 
     @property
     def total_weight(self) -> int:
         """Sum of the weights of the keys in this view (sizeof for objects, bytes for frames)."""
         b = self._buffer
-        if self._in_memory:
-            return b._store.memory_bytes
-        return b.spilled_total.memory
+        return b.memory_weight if self._in_memory else b.spilled_total.memory
 
     def __repr__(self) -> str:
         return f"<{'fast' if self._in_memory else 'slow'} view of {len(self)} keys>"
@@ -100,7 +90,7 @@ class PeekItemsView(ItemsView):
     def __iter__(self) -> Iterator[tuple[Hashable, Any]]:
         for key in self._mapping:
             try:
-                yield key, self._mapping._peek(key)
+                yield key, self._mapping.peek(key)
             except KeyError:  # deleted meanwhile
                 pass
 

@@ -57,7 +57,7 @@ pub(super) fn compact_locked<B: Backend>(log: &SegmentLog<B>, st: &mut WriterSta
 
 pub(super) fn compact_inner<B: Backend>(log: &SegmentLog<B>, st: &mut WriterState<B::File>) -> Result<CompactStats> {
     let mut stats = CompactStats::default();
-    let before: u64 = st.segs.values().map(|m| m.size).sum();
+    let before: u64 = st.segs.values().map(|m| m.size()).sum();
     let before_ids: Vec<u32> = st.segs.keys().copied().collect();
     collect_garbage(log, st)?;
     let victims: Vec<u32> =
@@ -74,7 +74,7 @@ pub(super) fn compact_inner<B: Backend>(log: &SegmentLog<B>, st: &mut WriterStat
     }
     // Deletions also happen inside appends (a relocation can empty a segment): count by difference.
     stats.segments_deleted = before_ids.iter().filter(|id| !st.segs.contains_key(id)).count() as u64;
-    let after: u64 = st.segs.values().map(|m| m.size).sum();
+    let after: u64 = st.segs.values().map(|m| m.size()).sum();
     stats.bytes_freed = before.saturating_sub(after);
     Ok(stats)
 }

@@ -184,8 +184,8 @@ pub(super) fn collect_garbage<B: Backend>(log: &SegmentLog<B>, st: &mut WriterSt
         let victim = st
             .segs
             .iter()
-            .filter(|(&id, m)| Some(id) != active && m.live_records == 0 && !failed.contains(&id))
-            .filter(|(_, m)| !(streaming && m.tombstones > 0))
+            .filter(|(&id, m)| Some(id) != active && m.live_records() == 0 && !failed.contains(&id))
+            .filter(|(_, m)| !(streaming && m.tombstones() > 0))
             .map(|(&id, _)| id)
             .find(|&id| !tombstones_needed(st, id));
         let Some(id) = victim else { break };
@@ -214,7 +214,7 @@ pub(super) fn delete_segment<B: Backend>(log: &SegmentLog<B>, st: &mut WriterSta
     // pending ones needs that write: deleting any other must not need a write, because on a full
     // file system deleting dead segments is how the pending records get room. A log whose data
     // dies with the process (`discard_existing`) has nothing to lose in a crash at all.
-    let superseded = st.segs.get(&id).is_some_and(|m| m.superseded_by_pending);
+    let superseded = st.segs.get(&id).is_some_and(|m| m.superseded_by_pending());
     if superseded && !log.opts.discard_existing {
         flush_pending(log, st)?;
     }
@@ -265,14 +265,14 @@ pub(super) fn keep_as_spare<B: Backend>(log: &SegmentLog<B>, st: &mut WriterStat
     if !log.opts.recycle_segments
         || st.no_rename
         || st.spare_files.len() >= MAX_SPARE_FILES
-        || st.segs.get(&id).is_none_or(|m| m.size != log.opts.segment_bytes)
+        || st.segs.get(&id).is_none_or(|m| m.size() != log.opts.segment_bytes)
     {
         return false;
     }
     if log.sends.take_sent_from(id) {
         return false;
     }
-    let punched = st.segs.get(&id).is_some_and(|m| m.punched > 0 || !m.reserved);
+    let punched = st.segs.get(&id).is_some_and(|m| m.punched() > 0 || !m.reserved());
     let mut files = log.files.write().unwrap_or_else(|p| p.into_inner());
     let Some(file) = files.get(&id) else { return false };
     let unsynced = st.unsynced_sealed.iter().filter(|f| Arc::ptr_eq(f, file)).count();

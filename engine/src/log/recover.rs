@@ -153,9 +153,9 @@ fn why_not_continued(scan: &SegmentScan, meta: &SegMeta, align: u64, salt_learne
     // Sealing needs room for the footer and the trailer after the records (`seal_active`). The
     // writer keeps that room at every record (`fits`), but records with valid checksums from
     // elsewhere (a crafted file) need not have left it.
-    let footer_fits = align_up(meta.data_end, align)
+    let footer_fits = align_up(meta.data_end(), align)
         .checked_add(footer_len + format::TRAILER_LEN as u64)
-        .is_some_and(|end| end <= meta.size);
+        .is_some_and(|end| end <= meta.size());
     // With a salt drawn fresh, what the scan cut may be records of a lost salt (every header
     // that held it damaged): left as they are, not erased and not written over.
     if !salt_learned && scan.cut.is_some() {
@@ -336,13 +336,13 @@ impl<B: Backend> SegmentReader<'_, B> {
                 addressable
             });
             if scan.entries.len() != before {
-                scan.meta.records = scan.entries.len() as u64;
+                scan.meta = scan.meta.with_records(scan.entries.len() as u64);
             }
             // Sized for one record (a jumbo segment, a value streamed into a segment of its own)
             // and holding none: that record never became whole. Continued, it would be an active
             // segment of that size (up to 4 GiB).
-            let one_record = scan.meta.size > self.opts.segment_bytes;
-            if scan.header_ok && !scan.meta.sealed && before == 0 && one_record {
+            let one_record = scan.meta.size() > self.opts.segment_bytes;
+            if scan.header_ok && !scan.meta.is_sealed() && before == 0 && one_record {
                 scan.cut_short = true;
             }
             max_epoch = max_epoch.max(scan.max_epoch);
@@ -403,7 +403,7 @@ impl<B: Backend> SegmentReader<'_, B> {
         let mut unsynced = Vec::new();
         let Some((&last, scan)) = scans.iter_mut().next_back() else { return Ok(Newest { active: None, unsynced }) };
         let meta = segs.get(&last).expect("scanned");
-        if meta.sealed {
+        if meta.is_sealed() {
             return Ok(Newest { active: None, unsynced });
         }
         if let Some(why) = why_not_continued(scan, meta, self.align, salt_learned) {
@@ -423,8 +423,8 @@ impl<B: Backend> SegmentReader<'_, B> {
         }
         let file = files.get(&last).expect("opened").clone();
         if let (Some(cut_end), true) = (scan.cut, self.opts.durable) {
-            let end = align_up(cut_end, self.align).min(meta.size);
-            self.erase_durably(&file, last, meta.data_end, &scan.tail, end)?;
+            let end = align_up(cut_end, self.align).min(meta.size());
+            self.erase_durably(&file, last, meta.data_end(), &scan.tail, end)?;
         }
         let mut footer = Vec::new();
         for e in &scan.entries {
@@ -433,10 +433,10 @@ impl<B: Backend> SegmentReader<'_, B> {
         let active = Active {
             id: last,
             file,
-            size: meta.size,
-            data_end: meta.data_end,
+            size: meta.size(),
+            data_end: meta.data_end(),
             tail: std::mem::take(&mut scan.tail),
-            written_end: meta.data_end,
+            written_end: meta.data_end(),
             footer,
             footer_entries: scan.entries.len() as u64,
             max_epoch: scan.max_epoch,
@@ -526,10 +526,7 @@ impl<B: Backend> SegmentReader<'_, B> {
                     return Err(self.foreign_segment(id, "trailer"));
                 }
                 if let Some(entries) = self.read_footer(file, id, size, &t, &path)? {
-                    let mut meta = SegMeta::new(size, data_start);
-                    meta.data_end = t.data_end;
-                    meta.sealed = true;
-                    meta.records = entries.len() as u64;
+                    let meta = SegMeta::holding(size, data_start, t.data_end, entries.len() as u64, true);
                     report.sealed_segments += 1;
                     return Ok(SegmentScan {
                         meta,

@@ -292,9 +292,7 @@ impl<B: Backend> Scanner<'_, B> {
         let Walked { mut entries, pos, cut_end, max_epoch, .. } = w;
         let ends_with_mark = entries.last().is_some_and(|e| e.flags & format::FLAG_SYNC_MARK != 0);
         entries.retain(|e| e.flags & format::FLAG_SYNC_MARK == 0);
-        let mut meta = SegMeta::new(size, data_start);
-        meta.data_end = pos;
-        meta.records = entries.len() as u64;
+        let meta = SegMeta::holding(size, data_start, pos, entries.len() as u64, false);
         let tail_start = align_down(pos, self.align);
         let tail = if pos > tail_start { win.bytes(tail_start, pos - tail_start)?.to_vec() } else { Vec::new() };
         let cut = (cut_end > pos).then_some(cut_end);

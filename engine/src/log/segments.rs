@@ -165,22 +165,13 @@ pub(super) fn rotate<B: Backend>(
         Some(reused) => reused,
         None => create_segment_file(log, st, &path, size)?,
     };
-    let mut hb = AlignedBuf::zeroed(log.align as usize, log.align as usize);
-    let header = format::SegmentHeader {
-        segment: id,
-        segment_bytes: size,
-        align: log.align as u32,
-        epoch: st.epoch,
-        data_start,
-        salt: log.salt,
-    };
-    hb[..format::SEGMENT_HEADER_LEN].copy_from_slice(&format::encode_segment_header(&header));
-    let (r, _) = log.backend.write_at(&file, 0, hb);
-    r.map_err(|e| cleanup(Error::io("write segment header", path.clone(), e)))?;
+    write_segment_header(log, &file, id, size, st.epoch)
+        .map_err(|e| cleanup(Error::io("write segment header", path.clone(), e)))?;
     st.dir_dirty = true;
     st.dir_new_segments = true;
     log.files.write().unwrap_or_else(|p| p.into_inner()).insert(id, file.clone());
-    st.segs.insert(id, SegMeta { reserved, ..SegMeta::new(size, data_start) });
+    let meta = SegMeta::new(size, data_start);
+    st.segs.insert(id, if reserved { meta } else { meta.unreserved() });
     st.active = Some(Active {
         id,
         file,
@@ -227,6 +218,28 @@ fn create_segment_file<B: Backend>(
 /// The file of a deleted segment, renamed to `path`, for a new segment of `size` bytes, and
 /// whether its space is reserved: `None` if none is kept or the size differs (a segment sized
 /// for one large record). A file that cannot be renamed is unlinked instead.
+/// Write the header of segment `id` (`size` bytes, its records from `log.align` on, written in
+/// `epoch`) at the start of `file`.
+pub(super) fn write_segment_header<B: Backend>(
+    log: &SegmentLog<B>,
+    file: &B::File,
+    id: u32,
+    size: u64,
+    epoch: u32,
+) -> io::Result<()> {
+    let header = format::SegmentHeader {
+        segment: id,
+        segment_bytes: size,
+        align: log.align as u32,
+        epoch,
+        data_start: log.align,
+        salt: log.salt,
+    };
+    let mut hb = AlignedBuf::zeroed(log.align as usize, log.align as usize);
+    hb[..format::SEGMENT_HEADER_LEN].copy_from_slice(&format::encode_segment_header(&header));
+    log.backend.write_at(file, 0, hb).0
+}
+
 pub(super) fn reuse_spare_file<B: Backend>(
     log: &SegmentLog<B>,
     st: &mut WriterState<B::File>,
@@ -400,7 +413,7 @@ pub(super) fn tombstones_needed<F>(st: &WriterState<F>, id: u32) -> bool {
     let m = &st.segs[&id];
     // `min_shadow <= id` always (recovery refuses a tombstone that shadows a later segment than
     // its own); checked anyway, since `range` panics on a reversed range.
-    m.tombstones > 0 && m.min_shadow < id && st.segs.range(m.min_shadow..id).next().is_some()
+    m.tombstones() > 0 && m.min_shadow() < id && st.segs.range(m.min_shadow()..id).next().is_some()
 }
 
 pub(super) fn wants_compaction<B: Backend>(log: &SegmentLog<B>, st: &WriterState<B::File>) -> bool {
@@ -410,15 +423,15 @@ pub(super) fn wants_compaction<B: Backend>(log: &SegmentLog<B>, st: &WriterState
 /// Whether segment `id` takes no more records: sealed, or an unsealed one that recovery found
 /// behind the newest (its footer did not land before a crash). Such segments can be compacted.
 pub(super) fn closed<F>(st: &WriterState<F>, id: u32, m: &SegMeta) -> bool {
-    m.sealed || st.active.as_ref().is_none_or(|a| a.id != id)
+    m.is_sealed() || st.active.as_ref().is_none_or(|a| a.id != id)
 }
 
 pub(super) fn is_sparse<B: Backend>(log: &SegmentLog<B>, st: &WriterState<B::File>, id: u32, m: &SegMeta) -> bool {
-    if m.unmovable {
+    if m.unmovable() {
         return false;
     }
-    let tomb = if tombstones_needed(st, id) { m.tombstone_bytes } else { 0 };
-    log.opts.compaction.is_sparse(m.live_bytes + tomb, m.size - m.punched.min(m.size))
+    let tomb = if tombstones_needed(st, id) { m.tombstone_bytes() } else { 0 };
+    log.opts.compaction.is_sparse(m.live_bytes() + tomb, m.size() - m.punched().min(m.size()))
 }
 
 /// Write the records pending in the active segment's tail (write-behind), if any. On failure the

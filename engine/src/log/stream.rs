@@ -20,7 +20,9 @@ use super::gc::reclaim;
 use super::location::{Location, RecordFacts};
 use super::record::{fence_failed_write, publish_chunk, NewRecord, Payload, Placed, Prepared};
 use super::segments::flush_pending;
-use super::segments::{erase_aborted, fits, footer_entry_len, release_spare_files, rotate, write_seal, WriterState};
+use super::segments::{
+    erase_aborted, fits, footer_entry_len, release_spare_files, rotate, write_seal, write_segment_header, WriterState,
+};
 use super::table::padded;
 use super::table::SegMeta;
 use super::{lock, SegmentLog, MAX_RECORD_BYTES};
@@ -492,11 +494,7 @@ pub(super) fn put_stream_apart<B: Backend>(
     st.dir_dirty = true;
     st.dir_new_segments = true;
     log.files.write().unwrap_or_else(|p| p.into_inner()).insert(id, file.clone());
-    let mut m = SegMeta::new(size, data_start);
-    m.data_end = padded(data_start + len);
-    m.sealed = true;
-    m.records = 1;
-    st.segs.insert(id, m);
+    st.segs.insert(id, SegMeta::holding(size, data_start, padded(data_start + len), 1, true));
     st.unsynced_sealed.push(file);
     publish_streamed(log, st, key, seq, Location { segment: id, offset: data_start, len }, &h);
     log.health.wrote();
@@ -587,17 +585,7 @@ pub(super) fn write_streamed_segment<B: Backend>(
     let mut reserve = |upto: u64| space.reserve(log, &file, upto).map_err(io_err("fallocate"));
     let written = (|| -> Result<RecordHeader> {
         reserve(0)?;
-        let header = format::SegmentHeader {
-            segment: id,
-            segment_bytes: size,
-            align: align as u32,
-            epoch,
-            data_start,
-            salt: log.salt,
-        };
-        let mut hb = AlignedBuf::zeroed(align, align);
-        hb[..format::SEGMENT_HEADER_LEN].copy_from_slice(&format::encode_segment_header(&header));
-        log.backend.write_at(&file, 0, hb).0.map_err(io_err("write segment header"))?;
+        write_segment_header(log, &file, id, size, epoch).map_err(io_err("write segment header"))?;
         let (h, head) = streamed_head(log, key, meta, id, epoch, seq);
         let po = head.len();
         const CHUNK: usize = 1 << 20;

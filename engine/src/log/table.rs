@@ -15,39 +15,39 @@ pub(super) fn padded(len: u64) -> u64 {
 #[derive(Debug, Clone)]
 pub(super) struct SegMeta {
     /// File size.
-    pub(super) size: u64,
-    pub(super) data_start: u64,
+    size: u64,
+    data_start: u64,
     /// End of the record area (`data_start` for empty).
-    pub(super) data_end: u64,
-    pub(super) sealed: bool,
-    pub(super) records: u64,
-    pub(super) live_records: u64,
-    pub(super) live_bytes: u64,
-    pub(super) tombstones: u64,
-    pub(super) tombstone_bytes: u64,
+    data_end: u64,
+    sealed: bool,
+    records: u64,
+    live_records: u64,
+    live_bytes: u64,
+    tombstones: u64,
+    tombstone_bytes: u64,
     /// Smallest `aux` over the segment's tombstones.
-    pub(super) min_shadow: u32,
+    min_shadow: u32,
     /// Bytes of forgotten records whose blocks were released with a hole punch (they occupy no disk
     /// space, so compaction does not count them as dead space to reclaim).
-    pub(super) punched: u64,
+    punched: u64,
     /// Some record of this segment was superseded by a record still pending in memory
     /// (write-behind): deleting the segment must wait until that record is written.
-    pub(super) superseded_by_pending: bool,
+    superseded_by_pending: bool,
     /// The oldest segment of live keys of this segment whose oldest segment is an older one (a key
     /// overwritten while an older copy of it exists, or a record relocated by compaction), as
     /// (offset, oldest segment), by offset. Their index entries carry `LOC_FIRST`; any other key's
     /// oldest segment is its record's own. (Kept here, not in every index entry: 4 more bytes per
     /// entry would make the index's hash table entries 48 bytes instead of 40.) Entries of records
     /// that died stay until the segment goes.
-    pub(super) firsts: Vec<(u32, u32)>,
+    firsts: Vec<(u32, u32)>,
     /// The file's space was reserved when the segment was made (fallocate); false for a file the
     /// file system could only extend sparsely (not enough free space, or no fallocate).
-    pub(super) reserved: bool,
+    reserved: bool,
     /// A record compaction had to move (a live value, or a needed tombstone) could not be moved,
     /// its bytes being damaged, so the segment stays: compaction leaves it alone from then on (it
     /// would find it sparse and copy its needed tombstones again every time). A damaged live value
     /// keeps the segment by being live; a damaged tombstone by staying counted, while it is needed.
-    pub(super) unmovable: bool,
+    unmovable: bool,
 }
 
 impl SegMeta {
@@ -69,6 +69,92 @@ impl SegMeta {
             reserved: true,
             unmovable: false,
         }
+    }
+
+    /// A segment found holding `records` records up to `data_end`: sealed (its trailer read, or a
+    /// value streamed into it whole), or not (scanned record by record).
+    pub(super) fn holding(size: u64, data_start: u64, data_end: u64, records: u64, sealed: bool) -> Self {
+        SegMeta { data_end, records, sealed, ..SegMeta::new(size, data_start) }
+    }
+
+    /// The same segment, its file extended sparsely (no space reserved for it).
+    pub(super) fn unreserved(self) -> Self {
+        SegMeta { reserved: false, ..self }
+    }
+
+    /// The same segment, recovery having dropped records it cannot address: `records` left.
+    pub(super) fn with_records(self, records: u64) -> Self {
+        SegMeta { records, ..self }
+    }
+
+    /// File size.
+    pub(super) fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// Where the record area starts.
+    pub(super) fn data_start(&self) -> u64 {
+        self.data_start
+    }
+
+    /// End of the record area (`data_start` for empty).
+    pub(super) fn data_end(&self) -> u64 {
+        self.data_end
+    }
+
+    /// Whether its footer and trailer are written.
+    pub(super) fn is_sealed(&self) -> bool {
+        self.sealed
+    }
+
+    /// Records in it (values, tombstones), live or not.
+    pub(super) fn records(&self) -> u64 {
+        self.records
+    }
+
+    /// Records the index points at.
+    pub(super) fn live_records(&self) -> u64 {
+        self.live_records
+    }
+
+    /// Padded bytes of the records the index points at.
+    pub(super) fn live_bytes(&self) -> u64 {
+        self.live_bytes
+    }
+
+    /// Tombstones in it.
+    pub(super) fn tombstones(&self) -> u64 {
+        self.tombstones
+    }
+
+    /// Padded bytes of its tombstones.
+    pub(super) fn tombstone_bytes(&self) -> u64 {
+        self.tombstone_bytes
+    }
+
+    /// Smallest `aux` over its tombstones (`u32::MAX` without any).
+    pub(super) fn min_shadow(&self) -> u32 {
+        self.min_shadow
+    }
+
+    /// Bytes released with a hole punch.
+    pub(super) fn punched(&self) -> u64 {
+        self.punched
+    }
+
+    /// Whether a record of it was superseded by one still pending in memory.
+    pub(super) fn superseded_by_pending(&self) -> bool {
+        self.superseded_by_pending
+    }
+
+    /// Whether its file's space was reserved.
+    pub(super) fn reserved(&self) -> bool {
+        self.reserved
+    }
+
+    /// Whether compaction found a record in it it could not move.
+    pub(super) fn unmovable(&self) -> bool {
+        self.unmovable
     }
 }
 

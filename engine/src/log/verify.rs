@@ -58,16 +58,16 @@ pub(super) fn stats<B: Backend>(log: &SegmentLog<B>) -> LogStats {
     let mut s = LogStats::default();
     for (&id, m) in st.segs.iter() {
         s.segments += 1;
-        s.sealed_segments += m.sealed as u64;
-        s.records += m.records;
-        s.live_records += m.live_records;
-        let tomb = if tombstones_needed(&st, id) { m.tombstone_bytes } else { 0 };
-        s.live_bytes += m.live_bytes + tomb;
-        let used = m.data_end - m.data_start;
+        s.sealed_segments += m.is_sealed() as u64;
+        s.records += m.records();
+        s.live_records += m.live_records();
+        let tomb = if tombstones_needed(&st, id) { m.tombstone_bytes() } else { 0 };
+        s.live_bytes += m.live_bytes() + tomb;
+        let used = m.data_end() - m.data_start();
         s.used_bytes += used;
-        s.dead_bytes += used.saturating_sub(m.live_bytes + tomb);
-        s.tombstones += m.tombstones;
-        s.disk_bytes += m.size;
+        s.dead_bytes += used.saturating_sub(m.live_bytes() + tomb);
+        s.tombstones += m.tombstones();
+        s.disk_bytes += m.size();
     }
     s.spare_files = st.spare_files.len() as u64;
     s.disk_bytes += s.spare_files * log.opts.segment_bytes;

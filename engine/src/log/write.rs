@@ -5,6 +5,7 @@
 //! everything before it durable.
 
 use std::io;
+use std::sync::Arc;
 
 use crate::backend::Backend;
 use crate::buf::AlignedBuf;
@@ -273,26 +274,9 @@ fn write_chunk_grouped<B: Backend>(
             continue;
         }
         buf.set_len(write_len);
-        while in_flight.len() >= WRITES_IN_FLIGHT {
-            let w = in_flight.pop_front().expect("non-empty");
-            reap_write(st, w, &mut failure);
-        }
-        if failure.is_some() {
-            st.spare_bufs.push(buf);
+        if !submit_group(log, st, &file, (base, buf), last, &mut in_flight, &mut failure) {
             break;
         }
-        if last && in_flight.is_empty() {
-            // Nothing to overlap with: a plain blocking write (inline on io_uring, no hand-off).
-            let (r, buf) = log.backend.write_at(&file, base, buf);
-            if buf.capacity() <= MAX_SPARE_BUF {
-                st.spare_bufs.push(buf);
-            }
-            if let Err(e) = r {
-                note_failure(&mut failure, e);
-            }
-            break;
-        }
-        in_flight.push_back(log.backend.write_at_async(&file, base, buf));
     }
     while let Some(w) = in_flight.pop_front() {
         reap_write(st, w, &mut failure);
@@ -307,6 +291,41 @@ fn write_chunk_grouped<B: Backend>(
 }
 
 /// Wait for one write of `write_chunk`, keep its buffer for reuse, remember the first failure.
+/// Submit the write of one group's buffer at its offset, after waiting for the oldest while
+/// [`WRITES_IN_FLIGHT`] are out; the `last` group, with nothing in flight to overlap with, is a
+/// plain blocking write (inline on io_uring, no hand-off). Returns whether the chunk goes on
+/// (false after its last group, or once a write failed).
+fn submit_group<B: Backend>(
+    log: &SegmentLog<B>,
+    st: &mut WriterState<B::File>,
+    file: &Arc<B::File>,
+    (base, buf): (u64, AlignedBuf),
+    last: bool,
+    in_flight: &mut std::collections::VecDeque<crate::backend::IoFuture>,
+    failure: &mut Option<io::Error>,
+) -> bool {
+    while in_flight.len() >= WRITES_IN_FLIGHT {
+        let w = in_flight.pop_front().expect("non-empty");
+        reap_write(st, w, failure);
+    }
+    if failure.is_some() {
+        st.spare_bufs.push(buf);
+        return false;
+    }
+    if last && in_flight.is_empty() {
+        let (r, buf) = log.backend.write_at(file, base, buf);
+        if buf.capacity() <= MAX_SPARE_BUF {
+            st.spare_bufs.push(buf);
+        }
+        if let Err(e) = r {
+            note_failure(failure, e);
+        }
+        return false;
+    }
+    in_flight.push_back(log.backend.write_at_async(file, base, buf));
+    true
+}
+
 pub(super) fn reap_write<F>(st: &mut WriterState<F>, w: crate::backend::IoFuture, failure: &mut Option<io::Error>) {
     let (r, buf) = crate::task::block_on(w);
     if buf.capacity() <= MAX_SPARE_BUF {

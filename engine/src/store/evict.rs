@@ -444,47 +444,33 @@ fn settle_direct<C: Codec, B: Backend>(
     settled: &mut Settled<'_>,
 ) {
     end_demotion(inner, &d);
-    let same = inner.table.get(&d.key).is_some_and(|e| Arc::ptr_eq(&e.slot, &d.slot));
     let raw = frames.total_len();
     inner.writes.release(raw);
-    let written = store.logs.place(&d.key).filter(|p| Some(*p) != before).map(|(_, loc)| loc);
-    if same && written.is_none() && before.is_some() {
-        // The new frames did not land; the record there is an old copy, no longer known to
-        // match (the next eviction writes again).
-        inner.table.copy_crc.remove(&d.key);
-    }
-    match (same, written) {
-        (true, Some(loc)) => {
-            // A copy the object was read from is superseded: no crc is known for the new record
-            // if the object stays (it is written again next time).
+    let Some(loc) = landed(store, inner, &d.key, &d.slot, before, None, settled) else {
+        if before.is_some() && inner.table.get(&d.key).is_some_and(|e| Arc::ptr_eq(&e.slot, &d.slot)) {
+            // The new frames did not land; the record there is an old copy, no longer known to
+            // match (the next eviction writes again).
             inner.table.copy_crc.remove(&d.key);
-            settled.landed = true;
-            // The record is the value's disk copy; the object leaves memory unless it was read
-            // meanwhile (then it stays, and a later eviction costs no write).
-            let unchanged = inner.table.get(&d.key).is_some_and(|e| e.tier == Tier::Materialized && e.tick == d.tick);
-            let drop_object = unchanged && d.slot.evict().is_some();
-            if let Some(revive) = weak.filter(|_| drop_object) {
-                inner.table.weak.insert(d.key.clone(), WeakHandle { slot: d.slot.clone(), revive });
-            }
-            inner.table.modify(&d.key, |ne| {
-                ne.disk_raw = raw;
-                ne.disk_bytes = loc.len;
-                if drop_object {
-                    ne.tier = Tier::Disk;
-                }
-            });
         }
-        (true, None) => {
-            let err = settled.result.clone().err().unwrap_or_else(|| vanished(&d.key));
-            spill_failed(store, inner, &d.key, &err);
-            settled.stuck.push(d.key.clone());
-        }
-        (false, Some(_)) => {
-            settled.stale.push(d.key.clone());
-            settled.freed = true;
-        }
-        (false, None) => settled.freed |= settled.result.is_ok(),
+        return;
+    };
+    // A copy the object was read from is superseded: no crc is known for the new record if the
+    // object stays (it is written again next time).
+    inner.table.copy_crc.remove(&d.key);
+    // The record is the value's disk copy; the object leaves memory unless it was read meanwhile
+    // (then it stays, and a later eviction costs no write).
+    let unchanged = inner.table.get(&d.key).is_some_and(|e| e.tier == Tier::Materialized && e.tick == d.tick);
+    let drop_object = unchanged && d.slot.evict().is_some();
+    if let Some(revive) = weak.filter(|_| drop_object) {
+        inner.table.weak.insert(d.key.clone(), WeakHandle { slot: d.slot.clone(), revive });
     }
+    inner.table.modify(&d.key, |ne| {
+        ne.disk_raw = raw;
+        ne.disk_bytes = loc.len;
+        if drop_object {
+            ne.tier = Tier::Disk;
+        }
+    });
 }
 
 /// Under the lock again: a value of the round's planned batch (`data`: its frames, or why the
@@ -497,29 +483,45 @@ fn settle_write<C: Codec, B: Backend>(
     data: &Result<Frames>,
     settled: &mut Settled<'_>,
 ) {
-    let raw = p.raw;
-    inner.writes.end(&p.key, p.weight, raw);
-    let ours = inner.table.get(&p.key).is_some_and(|e| Arc::ptr_eq(&e.slot, &p.slot));
-    let written = store.logs.place(&p.key).filter(|at| Some(*at) != p.replaces).map(|(_, loc)| loc);
+    inner.writes.end(&p.key, p.weight, p.raw);
+    if let Some(loc) = landed(store, inner, &p.key, &p.slot, p.replaces, data.as_ref().err(), settled) {
+        note_landed(inner, &p.key, p.raw, loc.len, false, p.object_weight);
+    }
+}
+
+/// Under the lock again, after a write of `key`'s entry (`slot` its slot when planned; `before`
+/// where the key's record was): the record that landed for that entry, for the caller to note as
+/// its disk copy. None landed: the entry is stuck and reported (`refused`: why its value was not
+/// written, or else the batch's error). A record landed for an entry removed or replaced meanwhile:
+/// stale, for the round to drop.
+fn landed<C: Codec, B: Backend>(
+    store: &Store<C, B>,
+    inner: &mut Inner<C::Value>,
+    key: &Arc<[u8]>,
+    slot: &Arc<Slot<C::Value, Error>>,
+    before: Option<(usize, crate::log::Location)>,
+    refused: Option<&Error>,
+    settled: &mut Settled<'_>,
+) -> Option<crate::log::Location> {
+    let ours = inner.table.get(key).is_some_and(|e| Arc::ptr_eq(&e.slot, slot));
+    let written = store.logs.place(key).filter(|at| Some(*at) != before).map(|(_, loc)| loc);
     match (ours, written) {
         (true, Some(loc)) => {
-            note_landed(inner, &p.key, raw, loc.len, false, p.object_weight);
             settled.landed = true;
+            return Some(loc);
         }
         (true, None) => {
-            let err = match data {
-                Err(e) => e.clone(),
-                Ok(_) => settled.result.clone().err().unwrap_or_else(|| vanished(&p.key)),
-            };
-            spill_failed(store, inner, &p.key, &err);
-            settled.stuck.push(p.key.clone());
+            let err = refused.cloned().unwrap_or_else(|| settled.result.clone().err().unwrap_or_else(|| vanished(key)));
+            spill_failed(store, inner, key, &err);
+            settled.stuck.push(key.clone());
         }
         (false, Some(_)) => {
-            settled.stale.push(p.key.clone());
+            settled.stale.push(key.clone());
             settled.freed = true;
         }
         (false, None) => settled.freed |= settled.result.is_ok(),
     }
+    None
 }
 
 /// A record of `key` (`raw` serialized bytes, `len` in the log) landed: the entry gets its disk
@@ -795,18 +797,7 @@ pub(super) fn evict_round<C: Codec, B: Backend>(
         // A value that still has its disk copy (it was read back) is dropped from memory for free.
         let must_verify = store.cfg.eviction.verify_copies && e.tier == Tier::Materialized;
         if e.disk_bytes > 0 && !must_verify {
-            if e.tier == Tier::Materialized {
-                let Some(v) = e.slot.evict() else { continue };
-                if C::KEEPS_WEAK {
-                    released.push(Released { key: key.clone(), slot: e.slot.clone(), value: v });
-                }
-            }
-            freed += inner.table.modify(&key, |ne| {
-                ne.tier = Tier::Disk;
-                ne.frames = None;
-                ne.compressed = None;
-                ne.weight
-            });
+            freed += drop_to_disk_copy::<C>(inner, &key, &mut released);
             continue;
         }
         // Step 1: object -> serialized (-> compressed), planned here and done without the lock.
@@ -835,6 +826,29 @@ pub(super) fn evict_round<C: Codec, B: Backend>(
 /// The spill writes of a round's `batch` (key, source, serialized bytes, weight) that
 /// max_spill admits, each marked as being written; the others stay in memory, stuck. Returns
 /// the writes and the weight refused.
+/// `key`'s value, which still has its disk copy, leaves memory for free (an object unless a reader
+/// is inside its slot's fast path this instant; kept in `released` for a weak handle). Returns the
+/// weight freed.
+fn drop_to_disk_copy<C: Codec>(
+    inner: &mut Inner<C::Value>,
+    key: &Arc<[u8]>,
+    released: &mut Vec<Released<C::Value>>,
+) -> u64 {
+    let Some(e) = inner.table.get(key) else { return 0 };
+    if e.tier == Tier::Materialized {
+        let Some(value) = e.slot.evict() else { return 0 };
+        if C::KEEPS_WEAK {
+            released.push(Released { key: key.clone(), slot: e.slot.clone(), value });
+        }
+    }
+    inner.table.modify(key, |ne| {
+        ne.tier = Tier::Disk;
+        ne.frames = None;
+        ne.compressed = None;
+        ne.weight
+    })
+}
+
 fn admit_writes<C: Codec, B: Backend>(
     store: &Store<C, B>,
     inner: &mut Inner<C::Value>,
