@@ -255,7 +255,7 @@ impl<'a> Gathered<'a> {
         for (l, crc) in self.large.iter().zip(crcs) {
             let h = RecordHeader { payload_crc: crc, ..l.header };
             format::write_record_head(&mut self.arena[l.head.clone()], &h, &l.frame_lens, l.key, salt);
-            self.placed[l.placed].h.payload_crc = crc;
+            self.placed[l.placed].set_payload_crc(crc);
         }
     }
 

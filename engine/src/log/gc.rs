@@ -283,7 +283,7 @@ pub(super) fn keep_as_spare<B: Backend>(log: &SegmentLog<B>, st: &mut WriterStat
     drop(files);
     st.unsynced_sealed.retain(|f| !Arc::ptr_eq(f, &file));
     st.segs.remove(id);
-    st.spare_files.push(SpareFile { id, file, punched });
+    st.spare_files.push(SpareFile::new(id, file, punched));
     true
 }
 
@@ -316,7 +316,7 @@ pub(super) fn discard_segments<B: Backend>(
             let file = backend.open(&path, false).ok();
             if let Some(file) = file.filter(|f| backend.file_len(f).is_ok_and(|n| n == opts.segment_bytes)) {
                 // It may have holes (punched records): reserved again when it is reused.
-                kept.push(SpareFile { id, file: Arc::new(file), punched: true });
+                kept.push(SpareFile::new(id, Arc::new(file), true));
                 continue;
             }
         }

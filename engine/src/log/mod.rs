@@ -280,7 +280,7 @@ impl<B: Backend> Drop for SegmentLog<B> {
         }
         // Files kept for reuse hold nothing live: they go with the log.
         for spare in std::mem::take(&mut st.spare_files) {
-            let _ = self.backend.remove_file(&self.seg_path(spare.id));
+            let _ = self.backend.remove_file(&self.seg_path(spare.id()));
         }
         drop(st);
         self.punches.stop();
@@ -312,9 +312,8 @@ impl<B: Backend> SegmentLog<B> {
         // A spill log starts empty; with `recycle_segments` the files of its last run's segments
         // become spare files for its new ones.
         let spare_files = if opts.discard_existing { discard_segments(&backend, &seg_dir, &opts)? } else { Vec::new() };
-        let spares: Vec<u32> = spare_files.iter().map(|s| s.id).collect();
-        let reader =
-            SegmentReader { backend: &backend, dir: &dir, seg_dir: &seg_dir, opts: &opts, align, salt: Salt(0) };
+        let spares: Vec<u32> = spare_files.iter().map(|s| s.id()).collect();
+        let reader = SegmentReader::new(&backend, (&dir, &seg_dir), &opts, align, Salt(0));
         let found = reader.recover(&spares)?;
         // Above the spare files' ids too: a reused file is renamed, and must never replace a segment.
         let next_segment = spares.iter().map(|id| id + 1).fold(found.next_segment, u32::max);
@@ -394,14 +393,7 @@ impl<B: Backend> SegmentLog<B> {
     /// The segment reader, for what rereads a segment from its file (`verify`, compaction, erasing
     /// what a failed write left).
     fn reader(&self) -> SegmentReader<'_, B> {
-        SegmentReader {
-            backend: &self.backend,
-            dir: &self.dir,
-            seg_dir: &self.seg_dir,
-            opts: &self.opts,
-            align: self.align,
-            salt: self.salt,
-        }
+        SegmentReader::new(&self.backend, (&self.dir, &self.seg_dir), &self.opts, self.align, self.salt)
     }
 
     /// Alignment of a buffer for a read of `len` bytes. O_DIRECT reads (`read_align` of 512 or

@@ -36,7 +36,7 @@ pub struct StoredValue<F> {
     /// The record's metadata: what a receiver needs besides the payload bytes.
     pub meta: StreamedValue,
     /// Keeps `forget` from punching the record's blocks while it is being sent.
-    pub(super) _pin: SendPin,
+    _pin: SendPin,
 }
 
 /// Records being sent ([`SegmentLog::stored_value`]), by (segment, offset), with a count.
@@ -101,15 +101,15 @@ impl Drop for SendPin {
 /// A read of a record, planned by `plan_read`.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct ReadPlan {
-    pub(super) loc: Location,
+    loc: Location,
     /// The aligned file range to read.
-    pub(super) start: u64,
-    pub(super) end: u64,
+    start: u64,
+    end: u64,
     /// The bytes wanted in it: the record, or its payload.
-    pub(super) from: u64,
-    pub(super) len: u64,
+    from: u64,
+    len: u64,
     /// With only the payload read: its crc, from the index.
-    pub(super) crc: Option<u32>,
+    crc: Option<u32>,
 }
 
 impl ReadPlan {

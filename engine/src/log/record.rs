@@ -60,14 +60,20 @@ pub(super) enum Payload<'a> {
 /// keep.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Placed {
-    pub(super) offset: u64,
+    offset: u64,
     /// The header written there.
-    pub(super) h: RecordHeader,
+    h: RecordHeader,
 }
 
 impl Placed {
     pub(super) fn new(offset: u64, h: &RecordHeader) -> Self {
         Placed { offset, h: *h }
+    }
+
+    /// The payload crc of the record, computed after its place was set (a gathered write's crcs
+    /// are taken on a helper thread).
+    pub(super) fn set_payload_crc(&mut self, crc: u32) {
+        self.h.payload_crc = crc;
     }
 }
 

@@ -203,16 +203,29 @@ pub(super) struct Recovered<F> {
 /// at open. Recovery runs on it ([`Self::recover`]), and so do the checks that reload a segment
 /// (`verify`, compaction). It reads, erases what recovery cuts, and returns what it found.
 pub(super) struct SegmentReader<'a, B: Backend> {
-    pub(super) backend: &'a B,
-    pub(super) dir: &'a Path,
-    pub(super) seg_dir: &'a Path,
-    pub(super) opts: &'a LogOptions,
-    pub(super) align: u64,
+    backend: &'a B,
+    dir: &'a Path,
+    seg_dir: &'a Path,
+    opts: &'a LogOptions,
+    align: u64,
     /// The log's salt (a placeholder until [`Self::recover`] learns it).
-    pub(super) salt: Salt,
+    salt: Salt,
 }
 
-impl<B: Backend> SegmentReader<'_, B> {
+impl<'a, B: Backend> SegmentReader<'a, B> {
+    /// The reader of the segments of the log in `dir` (its segment files in `seg_dir`), of
+    /// `align`-byte blocks, their record heads checked with `salt` (any, before `recover` learns
+    /// it).
+    pub(super) fn new(
+        backend: &'a B,
+        (dir, seg_dir): (&'a Path, &'a Path),
+        opts: &'a LogOptions,
+        align: u64,
+        salt: Salt,
+    ) -> Self {
+        SegmentReader { backend, dir, seg_dir, opts, align, salt }
+    }
+
     /// Open the log's segments: list and open their files (those of `spares`, kept for reuse, are
     /// not segments), learn the salt, scan them, settle which record of each key wins, and continue
     /// the newest segment if it can be.
@@ -274,7 +287,7 @@ impl<B: Backend> SegmentReader<'_, B> {
 
     /// The scanner of this log's segments.
     fn scanner(&self) -> Scanner<'_, B> {
-        Scanner { backend: self.backend, align: self.align, salt: self.salt }
+        Scanner::new(self.backend, self.align, self.salt)
     }
 
     /// The ids of the segment files in the directory, sorted, and those files opened. Stray names,

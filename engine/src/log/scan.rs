@@ -103,8 +103,8 @@ pub(super) enum PastEnd {
 /// The sync marks of a segment being scanned, as (offset, epoch) in file order, and for each the
 /// highest epoch among it and those after it.
 pub(super) struct SyncMarks {
-    pub(super) marks: Vec<(u64, u32)>,
-    pub(super) max_epoch_after: Vec<u32>,
+    marks: Vec<(u64, u32)>,
+    max_epoch_after: Vec<u32>,
 }
 
 impl SyncMarks {
@@ -129,9 +129,9 @@ impl SyncMarks {
 /// backend, the alignment, the salt every record head is verified with). It reads; it changes
 /// nothing, and returns what it found.
 pub(super) struct Scanner<'a, B: Backend> {
-    pub(super) backend: &'a B,
-    pub(super) align: u64,
-    pub(super) salt: Salt,
+    backend: &'a B,
+    align: u64,
+    salt: Salt,
 }
 
 /// What walking a segment's records found, before the rules for damaged records at its end.
@@ -271,7 +271,12 @@ impl<'a, B: Backend> ScanWindow<'a, B> {
     }
 }
 
-impl<B: Backend> Scanner<'_, B> {
+impl<'a, B: Backend> Scanner<'a, B> {
+    /// A scanner of segments of `align`-byte blocks, their record heads checked with `salt`.
+    pub(super) fn new(backend: &'a B, align: u64, salt: Salt) -> Self {
+        Scanner { backend, align, salt }
+    }
+
     /// Walk the records of an unsealed segment (`id`, at `path`) from `data_start`, verifying each. A
     /// region that does not parse is skipped by searching for the next valid record header of this
     /// segment and epoch; if none follows, the region is a torn tail and the segment ends there.

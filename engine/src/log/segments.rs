@@ -78,11 +78,24 @@ pub(super) struct WriterState<F> {
 /// when the log's handle was the last one, and it is out of the `files` map.
 pub(super) struct SpareFile<F> {
     /// The id it had (its file is still named after it).
-    pub(super) id: u32,
-    pub(super) file: Arc<F>,
+    id: u32,
+    file: Arc<F>,
     /// Some of its space is not reserved (holes were punched in it for forgotten large records, or it
     /// was made sparse): its blocks are reserved again on reuse.
-    pub(super) punched: bool,
+    punched: bool,
+}
+
+impl<F> SpareFile<F> {
+    /// The file of segment `id`, kept for reuse (`punched`: some of its space may not be
+    /// reserved).
+    pub(super) fn new(id: u32, file: Arc<F>, punched: bool) -> Self {
+        SpareFile { id, file, punched }
+    }
+
+    /// The id it had.
+    pub(super) fn id(&self) -> u32 {
+        self.id
+    }
 }
 
 /// Most files of deleted segments kept for reuse: segments die about as fast as new ones are needed,

@@ -47,9 +47,21 @@ impl Tier {
 
 #[derive(Clone)]
 pub(super) struct Compressed {
-    pub(super) block: Bytes,
-    pub(super) frame_lens: Vec<u64>,
-    pub(super) raw_len: u64,
+    block: Bytes,
+    frame_lens: Vec<u64>,
+    raw_len: u64,
+}
+
+impl Compressed {
+    /// Bytes of the lz4 block (the entry's weight in memory).
+    pub(super) fn block_len(&self) -> u64 {
+        self.block.len() as u64
+    }
+
+    /// Bytes of the frames it decompresses to.
+    pub(super) fn raw_len(&self) -> u64 {
+        self.raw_len
+    }
 }
 
 /// An entry's slot: its value once materialized, and what tells one entry of a key from the next.
@@ -57,8 +69,8 @@ pub(super) type EntrySlot<V> = Arc<Slot<V, Error>>;
 
 /// A weak handle on an evicted object ([`Codec::keep_weak`]), for the entry of `slot`.
 pub(super) struct WeakHandle<V> {
-    pub(super) slot: EntrySlot<V>,
-    pub(super) revive: Revive<V>,
+    slot: EntrySlot<V>,
+    revive: Revive<V>,
 }
 
 pub(super) struct Entry<V> {
@@ -123,12 +135,12 @@ impl<V> Entry<V> {
 /// What the accounting and the LRU order know of an entry.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(super) struct Acct {
-    pub(super) tier: Tier,
-    pub(super) tick: u64,
-    pub(super) weight: u64,
-    pub(super) disk_bytes: u64,
-    pub(super) disk_raw: u64,
-    pub(super) stuck: bool,
+    tier: Tier,
+    tick: u64,
+    weight: u64,
+    disk_bytes: u64,
+    disk_raw: u64,
+    stuck: bool,
 }
 
 impl Acct {
@@ -161,19 +173,56 @@ pub(super) fn decompress(c: &Compressed) -> Result<Frames> {
 #[derive(Clone, Copy, Default, PartialEq, Eq, Debug)]
 pub(super) struct Totals {
     /// Entries per tier.
-    pub(super) tier_count: [u64; 4],
+    tier_count: [u64; 4],
     /// Bytes per tier: the weight in memory, the record's length on disk.
-    pub(super) tier_bytes: [u64; 4],
+    tier_bytes: [u64; 4],
     /// Weight of the entries in memory.
-    pub(super) mem_bytes: u64,
+    mem_bytes: u64,
     /// Weight of the entries on disk (see `Entry::weight`).
-    pub(super) disk_weight: u64,
+    disk_weight: u64,
     /// Serialized bytes of the entries on disk (`disk_raw` without the copies of values in memory).
-    pub(super) spilled_raw: u64,
+    spilled_raw: u64,
     /// Bytes the log holds for the entries.
-    pub(super) disk_bytes: u64,
+    disk_bytes: u64,
     /// Serialized bytes of every disk copy, of entries on disk and in memory.
-    pub(super) disk_raw: u64,
+    disk_raw: u64,
+}
+
+impl Totals {
+    /// Entries in tier `t`.
+    pub(super) fn tier_count(&self, t: Tier) -> u64 {
+        self.tier_count[t.idx()]
+    }
+
+    /// Bytes in tier `t`: the weight in memory, the records' length on disk.
+    pub(super) fn tier_bytes(&self, t: Tier) -> u64 {
+        self.tier_bytes[t.idx()]
+    }
+
+    /// Weight of the entries in memory.
+    pub(super) fn mem_bytes(&self) -> u64 {
+        self.mem_bytes
+    }
+
+    /// Weight of the entries on disk.
+    pub(super) fn disk_weight(&self) -> u64 {
+        self.disk_weight
+    }
+
+    /// Serialized bytes of the entries on disk.
+    pub(super) fn spilled_raw(&self) -> u64 {
+        self.spilled_raw
+    }
+
+    /// Bytes the log holds for the entries.
+    pub(super) fn disk_bytes(&self) -> u64 {
+        self.disk_bytes
+    }
+
+    /// Serialized bytes of every disk copy.
+    pub(super) fn disk_raw(&self) -> u64 {
+        self.disk_raw
+    }
 }
 
 impl Totals {
@@ -228,12 +277,12 @@ pub(super) struct Table<V> {
     /// of the frames the object was read from. Leaves with its entry.
     ///
     /// [`EvictionPolicy::verify_copies`]: super::EvictionPolicy::verify_copies
-    pub(super) copy_crc: KeyMap<Arc<[u8]>, u32>,
+    copy_crc: KeyMap<Arc<[u8]>, u32>,
     /// Weak handles on evicted objects ([`Codec::keep_weak`]), with the slot of the entry they
     /// belong to. Leave with their entry.
     ///
     /// [`Codec::keep_weak`]: super::Codec::keep_weak
-    pub(super) weak: KeyMap<Arc<[u8]>, WeakHandle<V>>,
+    weak: KeyMap<Arc<[u8]>, WeakHandle<V>>,
 }
 
 impl<V> Default for Table<V> {
@@ -251,6 +300,43 @@ impl<V> Default for Table<V> {
 }
 
 impl<V> Table<V> {
+    /// `key`'s record is a copy of its object whose frames have crc `crc`
+    /// (`EvictionPolicy::verify_copies`); it leaves with the entry.
+    pub(super) fn note_copy_crc(&mut self, key: Arc<[u8]>, crc: u32) {
+        self.copy_crc.insert(key, crc);
+    }
+
+    /// The crc of `key`'s copy on disk, if known.
+    pub(super) fn copy_crc(&self, key: &[u8]) -> Option<u32> {
+        self.copy_crc.get(key).copied()
+    }
+
+    /// `key`'s record is no longer known to be a copy of its object.
+    pub(super) fn forget_copy_crc(&mut self, key: &[u8]) {
+        self.copy_crc.remove(key);
+    }
+
+    /// Keep a way back to `key`'s evicted object (`Codec::keep_weak`) for the entry of `slot`; it
+    /// leaves with that entry, or when the object comes back.
+    pub(super) fn keep_weak(&mut self, key: Arc<[u8]>, slot: EntrySlot<V>, revive: Revive<V>) {
+        self.weak.insert(key, WeakHandle { slot, revive });
+    }
+
+    /// The way back to `key`'s evicted object, if one is kept for the entry of `slot`.
+    pub(super) fn weak_of(&self, key: &[u8], slot: &EntrySlot<V>) -> Option<Revive<V>> {
+        if self.weak.is_empty() {
+            return None;
+        }
+        self.weak.get(key).filter(|w| Arc::ptr_eq(&w.slot, slot)).map(|w| w.revive.clone())
+    }
+
+    /// `key`'s object is back in memory: no way back to it is kept any more.
+    pub(super) fn drop_weak(&mut self, key: &[u8]) {
+        if !self.weak.is_empty() {
+            self.weak.remove(key);
+        }
+    }
+
     pub(super) fn get(&self, key: &[u8]) -> Option<&Entry<V>> {
         self.map.get(key)
     }

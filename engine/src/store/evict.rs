@@ -8,10 +8,10 @@ use std::time::Instant;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::slot::Slot;
-use crate::sync::{self, MutexGuard, Ordering};
+use crate::sync::{self, MutexGuard};
 use crate::value::Frames;
 
-use super::entry::{compress, decompress, Compressed, EntrySlot, Source, Table, Tier, WeakHandle};
+use super::entry::{compress, decompress, Compressed, EntrySlot, Source, Table, Tier};
 use super::metrics::Activity;
 use super::remove::{drop_entry, drop_stale_record};
 use super::Inner;
@@ -211,10 +211,8 @@ pub(super) fn spill<'a, C: Codec, B: Backend>(
     let Plan { writes: batch, demotions, released } = plan;
     // Weak handles on the objects leaving memory, taken here because a codec may need a lock of
     // its own for them (the GIL).
-    let released: Vec<_> = released
-        .into_iter()
-        .filter_map(|r| keep_weak(store, &r.value).map(|revive| (r.key, WeakHandle { slot: r.slot, revive })))
-        .collect();
+    let released: Vec<_> =
+        released.into_iter().filter_map(|r| keep_weak(store, &r.value).map(|revive| (r.key, r.slot, revive))).collect();
     let weak: Vec<Option<Revive<C::Value>>> = demotions.iter().map(|d| keep_weak(store, &d.value)).collect();
     let demoted = demote(store, &demotions);
     let data = batch_frames(store, &batch);
@@ -241,9 +239,9 @@ pub(super) fn spill<'a, C: Codec, B: Backend>(
     let (result, panicked) = write_batch(store, &items);
     drop(items);
     let mut inner = store.lock();
-    for (k, w) in released {
-        if inner.table.get(&k).is_some_and(|e| Arc::ptr_eq(&e.slot, &w.slot) && e.tier == Tier::Disk) {
-            inner.table.weak.insert(k, w);
+    for (k, slot, revive) in released {
+        if inner.table.get(&k).is_some_and(|e| Arc::ptr_eq(&e.slot, &slot) && e.tier == Tier::Disk) {
+            inner.table.keep_weak(k, slot, revive);
         }
     }
     let mut settled = Settled::new(&result, batch.first().map(|p| &p.key), panicked);
@@ -378,7 +376,7 @@ fn settle_demotion<C: Codec, B: Backend>(
     match r {
         Demoted::Failed(err) => {
             if same {
-                store.metrics.spill_failures.fetch_add(1, Ordering::Relaxed);
+                store.metrics.spill_failed();
                 let first = !inner.table.modify(&d.key, |e| std::mem::replace(&mut e.logged_serialize, true));
                 if !report(store, inner, &d.key, SpillFailureKind::Serialize, Some(&err)) && first {
                     log::error!("Failed to serialize {:?}; keeping it in memory: {err}", key_str(&d.key));
@@ -400,11 +398,11 @@ fn settle_demotion<C: Codec, B: Backend>(
                 return;
             }
             if let Some(revive) = weak {
-                inner.table.weak.insert(d.key.clone(), WeakHandle { slot: d.slot.clone(), revive });
+                inner.table.keep_weak(d.key.clone(), d.slot.clone(), revive);
             }
             inner.table.modify(&d.key, |ne| match compressed {
                 Some(c) => {
-                    ne.weight = c.block.len() as u64;
+                    ne.weight = c.block_len();
                     ne.compressed = Some(Box::new(c));
                     ne.tier = Tier::Compressed;
                 }
@@ -420,9 +418,9 @@ fn settle_demotion<C: Codec, B: Backend>(
             if unchanged && d.slot.evict().is_some() {
                 store.metrics.add(Activity::DiskWriteSaved, 1, raw, 0);
                 if let Some(revive) = weak {
-                    inner.table.weak.insert(d.key.clone(), WeakHandle { slot: d.slot.clone(), revive });
+                    inner.table.keep_weak(d.key.clone(), d.slot.clone(), revive);
                 }
-                inner.table.copy_crc.remove(&d.key);
+                inner.table.forget_copy_crc(&d.key);
                 inner.table.modify(&d.key, |ne| ne.tier = Tier::Disk);
             }
         }
@@ -446,23 +444,29 @@ fn settle_direct<C: Codec, B: Backend>(
     end_demotion(inner, &d);
     let raw = frames.total_len();
     inner.writes.release(raw);
-    let Some(loc) = landed(store, inner, &d.key, &d.slot, before, None, settled) else {
-        if before.is_some() && inner.table.get(&d.key).is_some_and(|e| Arc::ptr_eq(&e.slot, &d.slot)) {
-            // The new frames did not land; the record there is an old copy, no longer known to
-            // match (the next eviction writes again).
-            inner.table.copy_crc.remove(&d.key);
+    let written = store.logs.place(&d.key).filter(|at| Some(*at) != before).map(|(_, loc)| loc);
+    let loc = match landing(inner, &d.key, &d.slot, written, settled.result.is_ok(), settled) {
+        Landing::Landed(loc) => loc,
+        Landing::Failed => {
+            if before.is_some() {
+                // The new frames did not land; the record there is an old copy, no longer known to
+                // match (the next eviction writes again).
+                inner.table.forget_copy_crc(&d.key);
+            }
+            let err = settled.result.clone().err().unwrap_or_else(|| vanished(&d.key));
+            return spill_failed(store, inner, &d.key, &err);
         }
-        return;
+        Landing::Elsewhere => return,
     };
     // A copy the object was read from is superseded: no crc is known for the new record if the
     // object stays (it is written again next time).
-    inner.table.copy_crc.remove(&d.key);
+    inner.table.forget_copy_crc(&d.key);
     // The record is the value's disk copy; the object leaves memory unless it was read meanwhile
     // (then it stays, and a later eviction costs no write).
     let unchanged = inner.table.get(&d.key).is_some_and(|e| e.tier == Tier::Materialized && e.tick == d.tick);
     let drop_object = unchanged && d.slot.evict().is_some();
     if let Some(revive) = weak.filter(|_| drop_object) {
-        inner.table.weak.insert(d.key.clone(), WeakHandle { slot: d.slot.clone(), revive });
+        inner.table.keep_weak(d.key.clone(), d.slot.clone(), revive);
     }
     inner.table.modify(&d.key, |ne| {
         ne.disk_raw = raw;
@@ -484,44 +488,65 @@ fn settle_write<C: Codec, B: Backend>(
     settled: &mut Settled<'_>,
 ) {
     inner.writes.end(&p.key, p.weight, p.raw);
-    if let Some(loc) = landed(store, inner, &p.key, &p.slot, p.replaces, data.as_ref().err(), settled) {
-        note_landed(inner, &p.key, p.raw, loc.len, false, p.object_weight);
+    let written = store.logs.place(&p.key).filter(|at| Some(*at) != p.replaces).map(|(_, loc)| loc);
+    match landing(inner, &p.key, &p.slot, written, settled.result.is_ok(), settled) {
+        Landing::Landed(loc) => note_landed(inner, &p.key, p.raw, loc.len, false, p.object_weight),
+        Landing::Failed => {
+            let err = match data {
+                Err(e) => e.clone(),
+                Ok(_) => settled.result.clone().err().unwrap_or_else(|| vanished(&p.key)),
+            };
+            spill_failed(store, inner, &p.key, &err);
+        }
+        Landing::Elsewhere => {}
     }
 }
 
-/// Under the lock again, after a write of `key`'s entry (`slot` its slot when planned; `before`
-/// where the key's record was): the record that landed for that entry, for the caller to note as
-/// its disk copy. None landed: the entry is stuck and reported (`refused`: why its value was not
-/// written, or else the batch's error). A record landed for an entry removed or replaced meanwhile:
-/// stale, for the round to drop.
-fn landed<C: Codec, B: Backend>(
-    store: &Store<C, B>,
-    inner: &mut Inner<C::Value>,
+/// How a write of an entry ended (see [`landing`]).
+pub(super) enum Landing {
+    /// The entry is still the one written, and its record landed here: the caller notes it as
+    /// the entry's disk copy.
+    Landed(crate::log::Location),
+    /// The entry is still the one written, and no record landed: it is stuck, and the caller
+    /// counts and reports why.
+    Failed,
+    /// The entry was removed or replaced meanwhile: a record written for it is stale (the round
+    /// drops it), and either way the write freed what it held.
+    Elsewhere,
+}
+
+/// Under the lock again, after a write of `key`'s entry (`slot` its slot when planned; `written`
+/// the record of the key the write left, if any; `wrote` whether the write went through): how it
+/// ended, with the round's bookkeeping done (`settled`: landed, stuck, stale, freed). The one
+/// rule for every write of an entry: a spill, an object written straight to disk, a flush's copy.
+pub(super) fn landing<V>(
+    inner: &Inner<V>,
     key: &Arc<[u8]>,
-    slot: &Arc<Slot<C::Value, Error>>,
-    before: Option<(usize, crate::log::Location)>,
-    refused: Option<&Error>,
+    slot: &EntrySlot<V>,
+    written: Option<crate::log::Location>,
+    wrote: bool,
     settled: &mut Settled<'_>,
-) -> Option<crate::log::Location> {
+) -> Landing {
     let ours = inner.table.get(key).is_some_and(|e| Arc::ptr_eq(&e.slot, slot));
-    let written = store.logs.place(key).filter(|at| Some(*at) != before).map(|(_, loc)| loc);
     match (ours, written) {
         (true, Some(loc)) => {
             settled.landed = true;
-            return Some(loc);
+            Landing::Landed(loc)
         }
         (true, None) => {
-            let err = refused.cloned().unwrap_or_else(|| settled.result.clone().err().unwrap_or_else(|| vanished(key)));
-            spill_failed(store, inner, key, &err);
             settled.stuck.push(key.clone());
+            Landing::Failed
         }
         (false, Some(_)) => {
             settled.stale.push(key.clone());
             settled.freed = true;
+            Landing::Elsewhere
         }
-        (false, None) => settled.freed |= settled.result.is_ok(),
+        (false, None) => {
+            settled.freed |= wrote;
+            Landing::Elsewhere
+        }
     }
-    None
 }
 
 /// A record of `key` (`raw` serialized bytes, `len` in the log) landed: the entry gets its disk
@@ -617,8 +642,8 @@ pub(super) fn spill_allowed<C: Codec, B: Backend>(
     bytes: u64,
 ) -> bool {
     match store.cfg.max_spill_bytes {
-        Some(max) if inner.table.totals().disk_raw + inner.writes.raw() + bytes > max => {
-            store.metrics.max_spill_refusals.fetch_add(1, Ordering::Relaxed);
+        Some(max) if inner.table.totals().disk_raw() + inner.writes.raw() + bytes > max => {
+            store.metrics.max_spill_refused();
             if !report(store, inner, key, SpillFailureKind::MaxSpill, None) && log_due(&mut inner.logged_full) {
                 log::warn!("Spill file on disk reached capacity; keeping data in memory");
             }
@@ -634,7 +659,7 @@ pub(super) fn spill_failed<C: Codec, B: Backend>(
     key: &[u8],
     err: &Error,
 ) {
-    store.metrics.spill_failures.fetch_add(1, Ordering::Relaxed);
+    store.metrics.spill_failed();
     if !report(store, inner, key, SpillFailureKind::Disk, Some(err)) && log_due(&mut inner.logged_disk) {
         log::error!("Spill to disk failed; keeping data in memory ({:?}: {err})", key_str(key));
     }
@@ -730,7 +755,7 @@ pub(super) fn enforce_sparing<'a, C: Codec, B: Backend>(
     // Bounded: with the lock released during writes, other threads keep adding; each of them
     // enforces the target for its own puts.
     for _ in 0..ENFORCE_ROUNDS {
-        let pending = inner.table.totals().mem_bytes.saturating_sub(inner.writes.weight());
+        let pending = inner.table.totals().mem_bytes().saturating_sub(inner.writes.weight());
         let excess = store.cfg.eviction.excess(pending, store.target());
         if excess == 0 {
             break;
@@ -790,7 +815,7 @@ pub(super) fn evict_round<C: Codec, B: Backend>(
         scanned += 1;
         // A value whose copy must be verified is serialized again, and written only if it changed.
         let copy_crc = if store.cfg.eviction.verify_copies && e.tier == Tier::Materialized && e.disk_bytes > 0 {
-            inner.table.copy_crc.get(&key).copied()
+            inner.table.copy_crc(&key)
         } else {
             None
         };
@@ -813,7 +838,7 @@ pub(super) fn evict_round<C: Codec, B: Backend>(
         // Step 2: serialized / compressed -> disk (batched below).
         let (data, raw) = match (&e.frames, &e.compressed) {
             (Some(f), _) => (Source::Frames(f.clone()), f.total_len()),
-            (None, Some(c)) => (Source::Compressed(c.clone()), c.frame_lens.iter().sum()),
+            (None, Some(c)) => (Source::Compressed(c.clone()), c.raw_len()),
             (None, None) => continue,
         };
         freed += e.weight;
@@ -886,7 +911,7 @@ pub(super) fn evict_bytes<C: Codec, B: Backend>(store: &Store<C, B>, bytes: u64,
         if freed >= bytes {
             break;
         }
-        let before = inner.table.totals().mem_bytes;
+        let before = inner.table.totals().mem_bytes();
         let (planned, plan) = evict_round(store, &mut inner, bytes - freed, None, spare.as_ref())?;
         if plan.is_empty() {
             if planned == 0 {
@@ -897,8 +922,8 @@ pub(super) fn evict_bytes<C: Codec, B: Backend>(store: &Store<C, B>, bytes: u64,
         }
         inner = spill(store, inner, plan, None).0;
         // What actually left memory in this round (puts of other threads meanwhile aside).
-        freed += before.saturating_sub(inner.table.totals().mem_bytes).min(planned);
-        if inner.table.totals().mem_bytes >= before {
+        freed += before.saturating_sub(inner.table.totals().mem_bytes()).min(planned);
+        if inner.table.totals().mem_bytes() >= before {
             break; // nothing left: every write failed
         }
     }

@@ -11,7 +11,7 @@ use crate::slot::Slot;
 use crate::sync;
 use crate::value::Frames;
 
-use super::entry::{decompress, Source, Tier, WeakHandle};
+use super::entry::{decompress, Source, Tier};
 use super::evict::{enforce, keep_weak, serialize};
 use super::metrics::Activity;
 use super::{key_str, metrics, vanished, Codec, Inner, Revive, Store};
@@ -87,7 +87,7 @@ pub(super) fn peek<C: Codec, B: Backend>(store: &Store<C, B>, key: &[u8]) -> Res
                 (_, None, Some(c)) => Source::Compressed(c.clone()),
                 _ => continue, // being promoted this instant: look again
             };
-            let revive = inner.table.weak.get(key).filter(|w| Arc::ptr_eq(&w.slot, &e.slot)).map(|w| w.revive.clone());
+            let revive = inner.table.weak_of(key, &e.slot);
             (k.clone(), e.slot.clone(), source, revive)
         };
         if let Some(v) = revive.and_then(|r| r()) {
@@ -290,11 +290,7 @@ pub(super) fn begin_get<C: Codec, B: Backend>(store: &Store<C, B>, key: &[u8]) -
     if e.tier != Tier::Disk {
         inner.table.touch(&k); // (disk entries are not in the LRU: no second lookup)
     }
-    let revive = if inner.table.weak.is_empty() {
-        None
-    } else {
-        inner.table.weak.get(key).filter(|w| Arc::ptr_eq(&w.slot, &slot)).map(|w| w.revive.clone())
-    };
+    let revive = inner.table.weak_of(key, &slot);
     Ok(GetStart::Read { key: k, slot, source, revive })
 }
 
@@ -384,7 +380,7 @@ pub(super) fn finish_get<C: Codec, B: Backend>(
     if weight > store.target() || inner.transfers.contains(k) {
         slot.evict();
         if let Some(revive) = weak {
-            inner.table.weak.insert(k.clone(), WeakHandle { slot: slot.clone(), revive });
+            inner.table.keep_weak(k.clone(), slot.clone(), revive);
         }
         return Ok(Some(v));
     }
@@ -419,13 +415,11 @@ fn promote<C: Codec, B: Backend>(
         && store.logs.forget(k).is_ok();
     if let (Some(c), false) = (crc, drop_record) {
         if disk_bytes > 0 {
-            inner.table.copy_crc.insert(k.clone(), c);
+            inner.table.note_copy_crc(k.clone(), c);
         }
     }
     let tick = inner.table.tick();
-    if !inner.table.weak.is_empty() {
-        inner.table.weak.remove(k);
-    }
+    inner.table.drop_weak(k);
     inner.table.modify(k, |ne| {
         ne.tier = Tier::Materialized;
         ne.frames = None;

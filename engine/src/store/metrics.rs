@@ -65,9 +65,9 @@ impl Activity {
 /// Count, bytes and time of one activity.
 #[derive(Debug, Default)]
 pub(super) struct Counter {
-    pub(super) count: AtomicU64,
-    pub(super) bytes: AtomicU64,
-    pub(super) ns: AtomicU64,
+    count: AtomicU64,
+    bytes: AtomicU64,
+    ns: AtomicU64,
 }
 
 impl Counter {
@@ -82,12 +82,22 @@ impl Counter {
 
 #[derive(Debug, Default)]
 pub(super) struct Metrics {
-    pub(super) acts: [Counter; Activity::ALL.len()],
-    pub(super) max_spill_refusals: AtomicU64,
-    pub(super) spill_failures: AtomicU64,
+    acts: [Counter; Activity::ALL.len()],
+    max_spill_refusals: AtomicU64,
+    spill_failures: AtomicU64,
 }
 
 impl Metrics {
+    /// Count a spill `max_spill` refused.
+    pub(super) fn max_spill_refused(&self) {
+        self.max_spill_refusals.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Count a spill that failed (the value could not be serialized, or the disk refused it).
+    pub(super) fn spill_failed(&self) {
+        self.spill_failures.fetch_add(1, Ordering::Relaxed);
+    }
+
     pub(super) fn counter(&self, a: Activity) -> &Counter {
         &self.acts[a as usize]
     }
@@ -244,13 +254,13 @@ impl Metrics {
                     (a.name(), st)
                 })
                 .collect(),
-            tier_bytes: TIERS.iter().map(|t| (t.name(), totals.tier_bytes[t.idx()])).collect(),
-            tier_entries: TIERS.iter().map(|t| (t.name(), totals.tier_count[t.idx()])).collect(),
-            memory_bytes: totals.mem_bytes,
-            spilled_memory_bytes: totals.disk_raw,
-            spilled_weight: totals.disk_weight,
-            spilled_raw: totals.spilled_raw,
-            spilled_disk_bytes: totals.disk_bytes,
+            tier_bytes: TIERS.iter().map(|t| (t.name(), totals.tier_bytes(*t))).collect(),
+            tier_entries: TIERS.iter().map(|t| (t.name(), totals.tier_count(*t))).collect(),
+            memory_bytes: totals.mem_bytes(),
+            spilled_memory_bytes: totals.disk_raw(),
+            spilled_weight: totals.disk_weight(),
+            spilled_raw: totals.spilled_raw(),
+            spilled_disk_bytes: totals.disk_bytes(),
             max_spill_refusals: self.max_spill_refusals.load(Ordering::Relaxed),
             spill_failures: self.spill_failures.load(Ordering::Relaxed),
         }

@@ -566,7 +566,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
 
     /// Total memory weight.
     pub fn memory_bytes(&self) -> u64 {
-        self.lock().table.totals().mem_bytes
+        self.lock().table.totals().mem_bytes()
     }
 
     /// The memory target now.
@@ -662,7 +662,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
         match e.tier {
             Tier::Disk => Some(e.disk_raw),
             Tier::Serialized => e.frames.as_ref().map(|f| f.total_len()),
-            Tier::Compressed => e.compressed.as_ref().map(|c| c.raw_len),
+            Tier::Compressed => e.compressed.as_ref().map(|c| c.raw_len()),
             Tier::Materialized => None,
         }
     }
@@ -692,7 +692,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
     /// Entries in memory and on disk.
     pub fn counts(&self) -> (u64, u64) {
         let inner = self.lock();
-        let disk = inner.table.totals().tier_count[Tier::Disk.idx()];
+        let disk = inner.table.totals().tier_count(Tier::Disk);
         (inner.table.len() as u64 - disk, disk)
     }
 }

@@ -6,12 +6,13 @@ use std::time::Instant;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::slot::Slot;
-use crate::sync::{self, MutexGuard, Ordering};
+use crate::sync::{self, MutexGuard};
 use crate::value::Frames;
 
 use super::entry::{decompress, Compressed, Tier};
 use super::evict::{
-    end_settle, enforce, note_landed, serialize, spill_allowed, spill_failed, write_batch, Listed, Settled, EVICT_SCAN,
+    end_settle, enforce, landing, note_landed, serialize, spill_allowed, spill_failed, write_batch, Landing, Listed,
+    Settled, EVICT_SCAN,
 };
 use super::metrics::Activity;
 use super::Inner;
@@ -217,36 +218,27 @@ fn settle_copy<C: Codec, B: Backend>(
     settled: &mut Settled<'_>,
 ) {
     inner.writes.end(key, 0, 0);
-    let ours = inner.table.get(key).is_some_and(|e| Arc::ptr_eq(&e.slot, slot));
-    let loc = if allowed { store.logs.location(key) } else { None };
-    match (ours, loc) {
-        (true, Some(loc)) => {
+    let written = if allowed { store.logs.location(key) } else { None };
+    match landing(inner, key, slot, written, allowed && settled.result.is_ok(), settled) {
+        Landing::Landed(loc) => {
             let raw = data.as_ref().map_or(0, |f| f.total_len());
             note_landed(inner, key, raw, loc.len, true, None);
-            settled.landed = true;
         }
-        (true, None) => {
-            match data {
-                Err(err @ Error::Codec { .. }) => {
-                    store.metrics.spill_failures.fetch_add(1, Ordering::Relaxed);
-                    if !inner.table.modify(key, |e| std::mem::replace(&mut e.logged_serialize, true)) {
-                        log::error!("Failed to serialize {:?}; keeping it in memory: {err}", key_str(key));
-                    }
-                }
-                Err(err) => spill_failed(store, inner, key, err),
-                // Refused by max_spill (counted and logged there).
-                Ok(_) if !allowed => {}
-                Ok(_) => {
-                    let err = settled.result.clone().err().unwrap_or_else(|| vanished(key));
-                    spill_failed(store, inner, key, &err);
+        Landing::Failed => match data {
+            Err(err @ Error::Codec { .. }) => {
+                store.metrics.spill_failed();
+                if !inner.table.modify(key, |e| std::mem::replace(&mut e.logged_serialize, true)) {
+                    log::error!("Failed to serialize {:?}; keeping it in memory: {err}", key_str(key));
                 }
             }
-            settled.stuck.push(key.clone());
-        }
-        (false, Some(_)) => {
-            settled.stale.push(key.clone());
-            settled.freed = true;
-        }
-        (false, None) => settled.freed |= allowed && settled.result.is_ok(),
+            Err(err) => spill_failed(store, inner, key, err),
+            // Refused by max_spill (counted and logged there).
+            Ok(_) if !allowed => {}
+            Ok(_) => {
+                let err = settled.result.clone().err().unwrap_or_else(|| vanished(key));
+                spill_failed(store, inner, key, &err);
+            }
+        },
+        Landing::Elsewhere => {}
     }
 }

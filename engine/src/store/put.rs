@@ -10,7 +10,7 @@ use crate::slot::Slot;
 use crate::sync::{self, MutexGuard};
 use crate::value::Frames;
 
-use super::entry::{Entry, Source, Tier, WeakHandle};
+use super::entry::{Entry, Source, Tier};
 use super::evict::{enforce, enforce_sparing, keep_weak, serialize, set_stuck, spill, spill_allowed, Plan, Planned};
 use super::remove::{drop_entry, drop_superseded_record, take_entry_keeping_record};
 use super::Inner;
@@ -53,7 +53,7 @@ pub(super) fn enforce_target<C: Codec, B: Backend>(store: &Store<C, B>) -> Resul
 
 /// The memory not already being written.
 fn pending<V>(inner: &Inner<V>) -> u64 {
-    inner.table.totals().mem_bytes.saturating_sub(inner.writes.weight())
+    inner.table.totals().mem_bytes().saturating_sub(inner.writes.weight())
 }
 
 /// Put an object; with `enforce_now`, evict down to the target before returning (0 then), else
@@ -160,7 +160,7 @@ pub(super) fn put_large<'a, C: Codec, B: Backend>(
     let slot = e.slot.clone();
     let k = if keep_old { insert_keeping_record(&mut inner, key, e) } else { insert(store, &mut inner, key, e)? };
     if let Some(revive) = weak {
-        inner.table.weak.insert(k.clone(), WeakHandle { slot: slot.clone(), revive });
+        inner.table.keep_weak(k.clone(), slot.clone(), revive);
     }
     if !spill_allowed(store, &mut inner, key, raw) {
         if keep_old {
@@ -216,9 +216,7 @@ fn keep_object<V>(
         ne.frames = None;
         ne.weight = weight;
     });
-    if !inner.table.weak.is_empty() {
-        inner.table.weak.remove(k);
-    }
+    inner.table.drop_weak(k);
     fresh
 }
 

@@ -179,7 +179,7 @@ pub(super) fn admit<C: Codec, B: Backend>(store: &Store<C, B>, nbytes: u64) -> b
     let headroom = store.process_headroom(); // (reads the RSS: without the lock)
     let mut inner = store.lock();
     let admitted = inner.transfers.admitted.saturating_add(nbytes);
-    let fits = inner.table.totals().mem_bytes.saturating_add(admitted) <= store.target()
+    let fits = inner.table.totals().mem_bytes().saturating_add(admitted) <= store.target()
         && headroom.is_none_or(|h| admitted <= h);
     if fits {
         inner.transfers.admitted = admitted;

@@ -20,20 +20,20 @@ use super::{io_err, proto, Paced, TransferOptions};
 
 /// A connection to a spillway server.
 pub struct Client {
-    pub(super) stream: TcpStream,
-    pub(super) opts: TransferOptions,
+    stream: TcpStream,
+    opts: TransferOptions,
     /// Sent with every request.
-    pub(super) ticket: Ticket,
+    ticket: Ticket,
     /// Set after an error that may have left part of a response unread: the connection is out of
     /// step and every later call fails instead of misreading.
-    pub(super) broken: bool,
+    broken: bool,
     /// The last request ended with a whole ERROR response: the connection is still in step.
-    pub(super) answered_error: bool,
+    answered_error: bool,
     /// The current request has been (or may have been) sent: after that, a failure leaves the
     /// connection in step only if it was a whole ERROR response.
-    pub(super) sent: bool,
+    sent: bool,
     /// What the next value's frames must add up to ([`Client::expect_frames_total`]).
-    pub(super) expect_frames: Option<u64>,
+    expect_frames: Option<u64>,
 }
 
 impl Client {
