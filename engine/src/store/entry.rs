@@ -124,6 +124,16 @@ impl<V> Entry<V> {
         }
     }
 
+    /// A value only on disk, of `weight`, its record `raw` serialized bytes and `len` in the log;
+    /// `large`: heavier than the target (it lives on disk).
+    pub(super) fn on_disk(weight: u64, (raw, len): (u64, u64), large: bool) -> Self {
+        let mut e = Self::new(Slot::new(), Tier::Disk, weight);
+        e.disk_raw = raw;
+        e.disk_bytes = len;
+        e.large = large;
+        e
+    }
+
     pub(super) fn serialized(frames: Frames, large: bool) -> Self {
         let mut e = Self::new(Slot::new(), Tier::Serialized, frames.total_len());
         e.frames = Some(frames);
@@ -300,6 +310,123 @@ impl<V> Default for Table<V> {
 }
 
 impl<V> Table<V> {
+    // The entries' transitions: each change of an entry's tier, with what goes with it, is one
+    // of these methods (through `modify`, which keeps the totals and the LRU order in step).
+
+    /// `key`'s evicted object is held serialized: its `frames`, or their lz4 block.
+    pub(super) fn hold_serialized(&mut self, key: &Arc<[u8]>, frames: Frames, compressed: Option<Compressed>) {
+        self.modify(key, |e| match compressed {
+            Some(c) => {
+                e.weight = c.block_len();
+                e.compressed = Some(Box::new(c));
+                e.tier = Tier::Compressed;
+            }
+            None => {
+                e.weight = frames.total_len();
+                e.frames = Some(frames);
+                e.tier = Tier::Serialized;
+            }
+        })
+    }
+
+    /// `key`'s value leaves memory for the copy it has on disk. Returns its weight.
+    pub(super) fn leave_for_disk_copy(&mut self, key: &Arc<[u8]>) -> u64 {
+        self.modify(key, |e| {
+            e.tier = Tier::Disk;
+            e.frames = None;
+            e.compressed = None;
+            e.weight
+        })
+    }
+
+    /// A record of `key`'s object landed (`raw` serialized bytes, `len` in the log): its disk copy;
+    /// the object went with it (`object_left`) or stays.
+    pub(super) fn object_written(&mut self, key: &Arc<[u8]>, raw: u64, len: u64, object_left: bool) {
+        self.modify(key, |e| {
+            e.disk_raw = raw;
+            e.disk_bytes = len;
+            if object_left {
+                e.tier = Tier::Disk;
+            }
+        })
+    }
+
+    /// A record of `key` (`raw` serialized bytes, `len` in the log) landed: the entry gets its disk
+    /// copy, and a serialized or compressed entry moves to the disk tier: every such entry for a
+    /// spill, only one heavier than the target (which lives on disk) with `only_large`, for a flush,
+    /// which also moves there an object heavier than the target (kept in memory when its own write
+    /// was refused) unless a reader holds its slot right now. `weight` is the value's weight from
+    /// then on (an object's, for frames it was serialized into).
+    pub(super) fn landed(&mut self, key: &Arc<[u8]>, (raw, len): (u64, u64), only_large: bool, weight: Option<u64>) {
+        self.modify(key, |e| {
+            let demote = match e.tier {
+                Tier::Serialized | Tier::Compressed => e.large || !only_large,
+                Tier::Materialized => only_large && e.large && e.slot.evict().is_some(),
+                Tier::Disk => false,
+            };
+            if demote {
+                e.tier = Tier::Disk;
+                e.frames = None;
+                e.compressed = None;
+                if let Some(w) = weight {
+                    e.weight = w;
+                }
+            }
+            e.disk_raw = raw;
+            e.disk_bytes = len;
+        })
+    }
+
+    /// `key`'s value, read back, is an object in memory again (of `weight`, at LRU position
+    /// `tick`), no longer stuck; its record was dropped with `drop_record`.
+    pub(super) fn materialized(&mut self, key: &Arc<[u8]>, weight: u64, tick: u64, drop_record: bool) {
+        self.modify(key, |e| {
+            e.tier = Tier::Materialized;
+            e.frames = None;
+            e.compressed = None;
+            e.weight = weight;
+            e.stuck = false;
+            e.tick = tick;
+            if drop_record {
+                e.disk_raw = 0;
+                e.disk_bytes = 0;
+            }
+        })
+    }
+
+    /// `key`'s frames, read back, are held in memory (at LRU position `tick`); it keeps its disk
+    /// copy.
+    pub(super) fn hold_read_back(&mut self, key: &Arc<[u8]>, frames: &Frames, tick: u64) {
+        self.modify(key, |e| {
+            e.tier = Tier::Serialized;
+            e.weight = frames.total_len();
+            e.frames = Some(frames.clone());
+            e.tick = tick;
+        })
+    }
+
+    /// `key`'s frames give way to their object (in the fresh slot `slot`, of `weight`).
+    pub(super) fn materialized_in(&mut self, key: &Arc<[u8]>, slot: EntrySlot<V>, weight: u64) {
+        self.modify(key, |e| {
+            e.slot = slot;
+            e.tier = Tier::Materialized;
+            e.frames = None;
+            e.weight = weight;
+        })
+    }
+
+    /// Whether `key`'s evicted object came back through its weak handle (then its record is no
+    /// copy of it): set when it does, cleared once settled.
+    pub(super) fn set_revived(&mut self, key: &Arc<[u8]>, revived: bool) {
+        self.modify(key, |e| e.revived = revived)
+    }
+
+    /// Note that `key`'s value failed to serialize; whether that is the first time (logged once
+    /// per entry).
+    pub(super) fn first_serialize_failure(&mut self, key: &Arc<[u8]>) -> bool {
+        !self.modify(key, |e| std::mem::replace(&mut e.logged_serialize, true))
+    }
+
     /// `key`'s record is a copy of its object whose frames have crc `crc`
     /// (`EvictionPolicy::verify_copies`); it leaves with the entry.
     pub(super) fn note_copy_crc(&mut self, key: Arc<[u8]>, crc: u32) {
@@ -456,7 +583,7 @@ impl<V> Table<V> {
     /// [`Table::tick`], to move the entry; an entry that moves between memory and disk is stamped
     /// anew). One hash lookup, where detaching and re-attaching the entry cost a removal and an
     /// insertion.
-    pub(super) fn modify<R>(&mut self, key: &Arc<[u8]>, f: impl FnOnce(&mut Entry<V>) -> R) -> R {
+    fn modify<R>(&mut self, key: &Arc<[u8]>, f: impl FnOnce(&mut Entry<V>) -> R) -> R {
         let e = self.map.get_mut(key).expect("entry present");
         let before = Acct::of(e);
         let r = f(e);

@@ -377,7 +377,7 @@ fn settle_demotion<C: Codec, B: Backend>(
         Demoted::Failed(err) => {
             if same {
                 store.metrics.spill_failed();
-                let first = !inner.table.modify(&d.key, |e| std::mem::replace(&mut e.logged_serialize, true));
+                let first = inner.table.first_serialize_failure(&d.key);
                 if !report(store, inner, &d.key, SpillFailureKind::Serialize, Some(&err)) && first {
                     log::error!("Failed to serialize {:?}; keeping it in memory: {err}", key_str(&d.key));
                 }
@@ -400,18 +400,7 @@ fn settle_demotion<C: Codec, B: Backend>(
             if let Some(revive) = weak {
                 inner.table.keep_weak(d.key.clone(), d.slot.clone(), revive);
             }
-            inner.table.modify(&d.key, |ne| match compressed {
-                Some(c) => {
-                    ne.weight = c.block_len();
-                    ne.compressed = Some(Box::new(c));
-                    ne.tier = Tier::Compressed;
-                }
-                None => {
-                    ne.weight = frames.total_len();
-                    ne.frames = Some(frames);
-                    ne.tier = Tier::Serialized;
-                }
-            });
+            inner.table.hold_serialized(&d.key, frames, compressed);
         }
         Demoted::Abandoned => {}
         Demoted::Same(raw) => {
@@ -421,7 +410,7 @@ fn settle_demotion<C: Codec, B: Backend>(
                     inner.table.keep_weak(d.key.clone(), d.slot.clone(), revive);
                 }
                 inner.table.forget_copy_crc(&d.key);
-                inner.table.modify(&d.key, |ne| ne.tier = Tier::Disk);
+                inner.table.leave_for_disk_copy(&d.key);
             }
         }
         Demoted::ToDisk(_) => unreachable!("settled by settle_direct"),
@@ -468,13 +457,7 @@ fn settle_direct<C: Codec, B: Backend>(
     if let Some(revive) = weak.filter(|_| drop_object) {
         inner.table.keep_weak(d.key.clone(), d.slot.clone(), revive);
     }
-    inner.table.modify(&d.key, |ne| {
-        ne.disk_raw = raw;
-        ne.disk_bytes = loc.len;
-        if drop_object {
-            ne.tier = Tier::Disk;
-        }
-    });
+    inner.table.object_written(&d.key, raw, loc.len, drop_object);
 }
 
 /// Under the lock again: a value of the round's planned batch (`data`: its frames, or why the
@@ -490,7 +473,7 @@ fn settle_write<C: Codec, B: Backend>(
     inner.writes.end(&p.key, p.weight, p.raw);
     let written = store.logs.place(&p.key).filter(|at| Some(*at) != p.replaces).map(|(_, loc)| loc);
     match landing(inner, &p.key, &p.slot, written, settled.result.is_ok(), settled) {
-        Landing::Landed(loc) => note_landed(inner, &p.key, p.raw, loc.len, false, p.object_weight),
+        Landing::Landed(loc) => inner.table.landed(&p.key, (p.raw, loc.len), false, p.object_weight),
         Landing::Failed => {
             let err = match data {
                 Err(e) => e.clone(),
@@ -547,39 +530,6 @@ pub(super) fn landing<V>(
             Landing::Elsewhere
         }
     }
-}
-
-/// A record of `key` (`raw` serialized bytes, `len` in the log) landed: the entry gets its disk
-/// copy, and a serialized or compressed entry moves to the disk tier: every such entry for a
-/// spill, only one heavier than the target (which lives on disk) with `only_large`, for a flush,
-/// which also moves there an object heavier than the target (kept in memory when its own write
-/// was refused) unless a reader holds its slot right now.
-/// `weight` is the value's weight from then on (an object's, for frames it was serialized into).
-pub(super) fn note_landed<V>(
-    inner: &mut Inner<V>,
-    key: &Arc<[u8]>,
-    raw: u64,
-    len: u64,
-    only_large: bool,
-    weight: Option<u64>,
-) {
-    inner.table.modify(key, |ne| {
-        let demote = match ne.tier {
-            Tier::Serialized | Tier::Compressed => ne.large || !only_large,
-            Tier::Materialized => only_large && ne.large && ne.slot.evict().is_some(),
-            Tier::Disk => false,
-        };
-        if demote {
-            ne.tier = Tier::Disk;
-            ne.frames = None;
-            ne.compressed = None;
-            if let Some(w) = weight {
-                ne.weight = w;
-            }
-        }
-        ne.disk_raw = raw;
-        ne.disk_bytes = len;
-    });
 }
 
 /// Write a batch (spill or flush) with the store's lock released. A panic in the write (a bug in
@@ -822,7 +772,7 @@ pub(super) fn evict_round<C: Codec, B: Backend>(
         // A value that still has its disk copy (it was read back) is dropped from memory for free.
         let must_verify = store.cfg.eviction.verify_copies && e.tier == Tier::Materialized;
         if e.disk_bytes > 0 && !must_verify {
-            freed += drop_to_disk_copy::<C>(inner, &key, &mut released);
+            freed += drop_leave_for_disk_copy::<C>(inner, &key, &mut released);
             continue;
         }
         // Step 1: object -> serialized (-> compressed), planned here and done without the lock.
@@ -854,7 +804,7 @@ pub(super) fn evict_round<C: Codec, B: Backend>(
 /// `key`'s value, which still has its disk copy, leaves memory for free (an object unless a reader
 /// is inside its slot's fast path this instant; kept in `released` for a weak handle). Returns the
 /// weight freed.
-fn drop_to_disk_copy<C: Codec>(
+fn drop_leave_for_disk_copy<C: Codec>(
     inner: &mut Inner<C::Value>,
     key: &Arc<[u8]>,
     released: &mut Vec<Released<C::Value>>,
@@ -866,12 +816,7 @@ fn drop_to_disk_copy<C: Codec>(
             released.push(Released { key: key.clone(), slot: e.slot.clone(), value });
         }
     }
-    inner.table.modify(key, |ne| {
-        ne.tier = Tier::Disk;
-        ne.frames = None;
-        ne.compressed = None;
-        ne.weight
-    })
+    inner.table.leave_for_disk_copy(key)
 }
 
 fn admit_writes<C: Codec, B: Backend>(

@@ -309,7 +309,7 @@ fn revive_weak<C: Codec, B: Backend>(
     if !inner.table.get(k).is_some_and(|e| Arc::ptr_eq(&e.slot, slot)) {
         return None; // removed or replaced meanwhile: not this entry's value any more
     }
-    inner.table.modify(k, |e| e.revived = true);
+    inner.table.set_revived(k, true);
     drop(inner);
     store.metrics.record(Activity::MemoryRead, 0, t);
     Some(v)
@@ -364,7 +364,7 @@ pub(super) fn finish_get<C: Codec, B: Backend>(
     let (tier, revived, disk_bytes) = (e.tier, e.revived, e.disk_bytes);
     if revived {
         // Settled here, whichever way the entry goes: a later get of it reads its record.
-        inner.table.modify(k, |e| e.revived = false);
+        inner.table.set_revived(k, false);
     }
     // Already promoted by another reader of the same materialization; or promoted and then evicted
     // again (slot idle) between our materialization and this lock: then the entry stays where it is,
@@ -420,18 +420,7 @@ fn promote<C: Codec, B: Backend>(
     }
     let tick = inner.table.tick();
     inner.table.drop_weak(k);
-    inner.table.modify(k, |ne| {
-        ne.tier = Tier::Materialized;
-        ne.frames = None;
-        ne.compressed = None;
-        ne.weight = weight;
-        ne.stuck = false;
-        ne.tick = tick;
-        if drop_record {
-            ne.disk_raw = 0;
-            ne.disk_bytes = 0;
-        }
-    });
+    inner.table.materialized(k, weight, tick, drop_record);
     if drop_record {
         inner.table.unstick();
     }
@@ -587,12 +576,7 @@ pub(super) fn finish_get_serialized<C: Codec, B: Backend>(
     // (Not the old value of a key whose new value is streaming in: see `finish_get`.)
     if !large && promote && on_disk && !inner.transfers.contains(k) {
         let tick = inner.table.tick();
-        inner.table.modify(k, |ne| {
-            ne.tier = Tier::Serialized;
-            ne.weight = frames.total_len();
-            ne.frames = Some(frames.clone());
-            ne.tick = tick;
-        }); // keeps its disk copy, like `get`
+        inner.table.hold_read_back(k, &frames, tick); // keeps its disk copy, like `get`
         enforce(store, inner, None)?;
     }
     Ok(Some(frames))

@@ -58,7 +58,6 @@ use std::time::Instant;
 use crate::backend::{Backend, PortableBackend};
 use crate::error::{Error, Result};
 use crate::log::SegmentLog;
-use crate::slot::Slot;
 // Locks, counters and the values' `Arc` come from the sync shim, so the loom models in `loom-tests/`
 // run this code as it is (keys and slots are plain `Arc`s: only their contents are shared state).
 use self::entry::{Entry, Table};
@@ -241,12 +240,10 @@ impl<C: Codec, B: Backend> Store<C, B> {
         };
         for k in log.keys() {
             let len = log.location(&k).map_or(0, |l| l.len);
-            let mut e = Entry::new(Slot::new(), Tier::Disk, 0);
-            e.disk_raw = len;
-            e.disk_bytes = len;
-            // (the record's length: its serialized size plus a header, close enough to keep a value
-            // heavier than the target on disk when it is read, as it was before the reopen)
-            e.large = len > cfg.target_bytes;
+            // (`large` by the record's length: its serialized size plus a header, close enough to
+            // keep a value heavier than the target on disk when it is read, as it was before the
+            // reopen)
+            let e = Entry::on_disk(0, (len, len), len > cfg.target_bytes);
             inner.table.insert(Arc::from(k.as_slice()), e);
         }
         let target = std::sync::atomic::AtomicU64::new(cfg.target_bytes);

@@ -11,8 +11,8 @@ use crate::value::Frames;
 
 use super::entry::{decompress, Compressed, Tier};
 use super::evict::{
-    end_settle, enforce, landing, note_landed, serialize, spill_allowed, spill_failed, write_batch, Landing, Listed,
-    Settled, EVICT_SCAN,
+    end_settle, enforce, landing, serialize, spill_allowed, spill_failed, write_batch, Landing, Listed, Settled,
+    EVICT_SCAN,
 };
 use super::metrics::Activity;
 use super::Inner;
@@ -222,12 +222,12 @@ fn settle_copy<C: Codec, B: Backend>(
     match landing(inner, key, slot, written, allowed && settled.result.is_ok(), settled) {
         Landing::Landed(loc) => {
             let raw = data.as_ref().map_or(0, |f| f.total_len());
-            note_landed(inner, key, raw, loc.len, true, None);
+            inner.table.landed(key, (raw, loc.len), true, None);
         }
         Landing::Failed => match data {
             Err(err @ Error::Codec { .. }) => {
                 store.metrics.spill_failed();
-                if !inner.table.modify(key, |e| std::mem::replace(&mut e.logged_serialize, true)) {
+                if inner.table.first_serialize_failure(key) {
                     log::error!("Failed to serialize {:?}; keeping it in memory: {err}", key_str(key));
                 }
             }

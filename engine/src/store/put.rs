@@ -210,12 +210,7 @@ fn keep_object<V>(
         return slot.clone();
     }
     let fresh = Arc::new(Slot::ready(value));
-    inner.table.modify(k, |ne| {
-        ne.slot = fresh.clone();
-        ne.tier = Tier::Materialized;
-        ne.frames = None;
-        ne.weight = weight;
-    });
+    inner.table.materialized_in(k, fresh.clone(), weight);
     inner.table.drop_weak(k);
     fresh
 }

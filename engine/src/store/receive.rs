@@ -10,11 +10,10 @@ use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::key::{KeyMap, KeySet};
 use crate::log::StreamedValue;
-use crate::slot::Slot;
 use crate::stored;
 use crate::sync::MutexGuard;
 
-use super::entry::{Entry, Tier};
+use super::entry::Entry;
 use super::evict::{enforce, set_stuck, spill_allowed};
 use super::metrics::Activity;
 use super::put::{insert, put_large, wait_unwritten};
@@ -145,10 +144,8 @@ fn settle_streamed<C: Codec, B: Backend>(
     if inner.table.take(key).is_some_and(|old| old.disk_bytes > 0) {
         inner.table.unstick();
     }
-    let mut e = Entry::new(Slot::new(), Tier::Disk, raw);
-    e.disk_raw = raw;
-    e.disk_bytes = store.logs.location(key).map_or(0, |l| l.len);
-    e.large = raw > store.target();
+    let len = store.logs.location(key).map_or(0, |l| l.len);
+    let e = Entry::on_disk(raw, (raw, len), raw > store.target());
     insert(store, inner, key, e)?;
     Ok(true)
 }
