@@ -205,11 +205,11 @@ fn headroom_is_the_target_less_the_rss_plus_what_is_out_of_reach() {
 
 #[test]
 fn the_default_probe_reads_this_process() {
-    let rss = spillway::read_rss().expect("/proc/self/statm");
-    // At least the 16 MiB touched here.
+    // At least the 16 MiB touched here. (Not compared with a reading taken before: the other tests
+    // of this binary run on threads of the same process and free memory meanwhile.)
     let v = vec![1u8; 16 << 20];
-    let after = spillway::read_rss().unwrap();
-    assert!(after >= 16 * MIB && after >= rss, "{rss} -> {after}");
+    let rss = spillway::read_rss().expect("/proc/self/statm");
+    assert!(rss >= 16 * MIB, "{rss}");
     assert_eq!(v.iter().map(|&b| b as u64).sum::<u64>(), 16 * MIB);
 }
 
