@@ -228,9 +228,6 @@ fn create_segment_file<B: Backend>(
     }
 }
 
-/// The file of a deleted segment, renamed to `path`, for a new segment of `size` bytes, and
-/// whether its space is reserved: `None` if none is kept or the size differs (a segment sized
-/// for one large record). A file that cannot be renamed is unlinked instead.
 /// Write the header of segment `id` (`size` bytes, its records from `log.align` on, written in
 /// `epoch`) at the start of `file`.
 pub(super) fn write_segment_header<B: Backend>(
@@ -253,6 +250,9 @@ pub(super) fn write_segment_header<B: Backend>(
     log.backend.write_at(file, 0, hb).0
 }
 
+/// The file of a deleted segment, renamed to `path`, for a new segment of `size` bytes, and
+/// whether its space is reserved: `None` if none is kept or the size differs (a segment sized
+/// for one large record). A file that cannot be renamed is unlinked instead.
 pub(super) fn reuse_spare_file<B: Backend>(
     log: &SegmentLog<B>,
     st: &mut WriterState<B::File>,

@@ -290,7 +290,6 @@ fn write_chunk_grouped<B: Backend>(
     publish_chunk(log, st, chunk, &placed, data_end, tail, epoch, false)
 }
 
-/// Wait for one write of `write_chunk`, keep its buffer for reuse, remember the first failure.
 /// Submit the write of one group's buffer at its offset, after waiting for the oldest while
 /// [`WRITES_IN_FLIGHT`] are out; the `last` group, with nothing in flight to overlap with, is a
 /// plain blocking write (inline on io_uring, no hand-off). Returns whether the chunk goes on
@@ -326,6 +325,7 @@ fn submit_group<B: Backend>(
     true
 }
 
+/// Wait for one write of `write_chunk`, keep its buffer for reuse, remember the first failure.
 pub(super) fn reap_write<F>(st: &mut WriterState<F>, w: crate::backend::IoFuture, failure: &mut Option<io::Error>) {
     let (r, buf) = crate::task::block_on(w);
     if buf.capacity() <= MAX_SPARE_BUF {

@@ -772,7 +772,13 @@ pub(super) fn evict_round<C: Codec, B: Backend>(
         // A value that still has its disk copy (it was read back) is dropped from memory for free.
         let must_verify = store.cfg.eviction.verify_copies && e.tier == Tier::Materialized;
         if e.disk_bytes > 0 && !must_verify {
-            freed += drop_leave_for_disk_copy::<C>(inner, &key, &mut released);
+            if e.tier == Tier::Materialized {
+                let Some(value) = e.slot.evict() else { continue };
+                if C::KEEPS_WEAK {
+                    released.push(Released { key: key.clone(), slot: e.slot.clone(), value });
+                }
+            }
+            freed += inner.table.leave_for_disk_copy(&key);
             continue;
         }
         // Step 1: object -> serialized (-> compressed), planned here and done without the lock.
@@ -801,24 +807,6 @@ pub(super) fn evict_round<C: Codec, B: Backend>(
 /// The spill writes of a round's `batch` (key, source, serialized bytes, weight) that
 /// max_spill admits, each marked as being written; the others stay in memory, stuck. Returns
 /// the writes and the weight refused.
-/// `key`'s value, which still has its disk copy, leaves memory for free (an object unless a reader
-/// is inside its slot's fast path this instant; kept in `released` for a weak handle). Returns the
-/// weight freed.
-fn drop_leave_for_disk_copy<C: Codec>(
-    inner: &mut Inner<C::Value>,
-    key: &Arc<[u8]>,
-    released: &mut Vec<Released<C::Value>>,
-) -> u64 {
-    let Some(e) = inner.table.get(key) else { return 0 };
-    if e.tier == Tier::Materialized {
-        let Some(value) = e.slot.evict() else { return 0 };
-        if C::KEEPS_WEAK {
-            released.push(Released { key: key.clone(), slot: e.slot.clone(), value });
-        }
-    }
-    inner.table.leave_for_disk_copy(key)
-}
-
 fn admit_writes<C: Codec, B: Backend>(
     store: &Store<C, B>,
     inner: &mut Inner<C::Value>,
