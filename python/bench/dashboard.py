@@ -44,12 +44,19 @@ def workload(client, n: int) -> None:
     rechunked by tasks."""
     import dask
     import dask.array as da
+    from distributed import futures_of
 
     with dask.config.set({"array.rechunk.method": "tasks"}):
         x = da.random.default_rng(0).random((n, n), chunks=(n // 8, n // 8))
         x = x.persist()
         (x + x.T).sum().compute()
         x.rechunk((n, n // 64)).sum(axis=0).compute()
+    # The client is no plugged peer: it fetches over dask's own get_data, so a key on disk is read
+    # for it in-band ('get-data', 'disk-read'), whichever way the workers moved values to each other.
+    on_disk = client.run(lambda dask_worker: dask_worker.data.keys_by_place()[1][:2])
+    wanted = {k for keys in on_disk.values() for k in keys}
+    assert wanted, "the workload spilled nothing"
+    client.gather([f for f in futures_of(x) if f.key in wanted])
 
 
 def seen_in_scheduler(client) -> set:
@@ -57,6 +64,26 @@ def seen_in_scheduler(client) -> set:
         lambda dask_scheduler: list(dask_scheduler.cumulative_worker_metrics)
     )
     return {(k[0], k[-2]) for k in keys if isinstance(k, tuple) and k[-1] == "seconds"}
+
+
+def _stop_group(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    """SIGTERM to ``proc``'s process group, SIGKILL to what is left after ``timeout``; returns once
+    no process of the group is left."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            proc.poll()  # (reaps the leader; its children are re-parented and reaped by init)
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.05)
 
 
 def screenshot(url: str, out: str, chromium: str, settle: float = 8.0) -> None:
@@ -109,6 +136,7 @@ def screenshot(url: str, out: str, chromium: str, settle: float = 8.0) -> None:
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )
         try:
             port_file = os.path.join(profile, "DevToolsActivePort")
@@ -124,8 +152,9 @@ def screenshot(url: str, out: str, chromium: str, settle: float = 8.0) -> None:
             with open(out, "wb") as f:
                 f.write(png)
         finally:
-            proc.terminate()
-            proc.wait(30)
+            # Chromium's helpers (renderer, crash handler) outlive its main process and keep
+            # writing into the profile: stop the whole group before the profile is removed.
+            _stop_group(proc)
 
 
 def main(argv: list | None = None) -> int:
