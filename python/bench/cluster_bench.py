@@ -369,6 +369,7 @@ class LoopWatch:
         self.long_calls: dict = {}  # the store's call that filled most of a store-caused one -> n
         self.tick_calls: dict = {}  # call -> seconds in the current tick
         self.by_call: dict = {}  # seconds of store calls on the loop's thread, by the store's method
+        self.call_times: dict = {}  # the store's method -> seconds of each of its calls on the loop
         self.loop_thread = threading.current_thread()  # (plugins are set up on the loop)
         self.sends: list = []  # (monotonic time, key, bytes) of side-channel grants from disk
         self.read_backs: list = []  # (monotonic time, key) of reads from disk for own use
@@ -433,6 +434,7 @@ class LoopWatch:
                     spent = time.perf_counter() - t0
                     watch.by_call[_name] = watch.by_call.get(_name, 0.0) + spent
                     watch.tick_calls[_name] = watch.tick_calls.get(_name, 0.0) + spent
+                    watch.call_times.setdefault(_name, []).append(spent)
 
             setattr(store_type, name, timed)
     @staticmethod
@@ -457,6 +459,7 @@ class LoopWatch:
         ticks, self.ticks = sorted(self.ticks), []
         store_ticks, self.store_ticks = sorted(self.store_ticks), []
         by_call, self.by_call = self.by_call, {}
+        call_times, self.call_times = self.call_times, {}
         long, self.long = self.long, {}
         long_calls, self.long_calls = self.long_calls, {}
         now = time.monotonic()
@@ -487,6 +490,10 @@ class LoopWatch:
             "unresponsive": self.unresponsive.take(),
             "store_on_loop_s": sum(by_call.values()),
             "store_on_loop_by_call_s": by_call,
+            # per call: how many on the loop, and the p99 and longest of one (ms)
+            "store_calls": {
+                name: [len(xs), at(sorted(xs), 0.99), 1000 * max(xs)] for name, xs in call_times.items()
+            },
             "side_sends": [len(sends), sum(s[2] for s in sends)],
             "side_sends_read_again": [len(read_again), sum(s[2] for s in read_again)],
         }
@@ -1466,6 +1473,15 @@ def report(results: list) -> str:
                         f" {x['unresponsive']} {x['store_on_loop_s']:.2f}"
                         f" {' '.join(f'{c}:{n}' for c, (n, _) in sorted(x.get('long', {}).items()))}"
                         f" {' '.join(f'{c}:{n}' for c, n in sorted(x.get('long_store_calls', {}).items()))}"
+                        for x in loops
+                    )
+                )
+                lines.append(
+                    f"    {phase} the store's calls on the loop (per worker, call: n p99/max ms): "
+                    + ", ".join(
+                        " ".join(
+                            f"{c}:{n} {p99:.0f}/{mx:.0f}" for c, (n, p99, mx) in sorted(x.get("store_calls", {}).items())
+                        )
                         for x in loops
                     )
                 )

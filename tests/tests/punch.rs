@@ -239,3 +239,38 @@ fn a_get_racing_a_forget_sees_the_value_or_nothing() {
     });
     println!("{found} found, {absent} absent");
 }
+
+/// The segment file of the lowest id under `dir`, and its 512-byte blocks.
+fn first_segment_blocks(dir: &std::path::Path) -> u64 {
+    let mut files: Vec<_> = std::fs::read_dir(dir.join("segments")).unwrap().map(|e| e.unwrap().path()).collect();
+    files.sort();
+    std::fs::metadata(&files[0]).unwrap().blocks()
+}
+
+/// A segment sealed because the next record did not fit leaves the rest of its preallocated space
+/// unused. A log that punches releases that space at the seal, and so does not count it as dead:
+/// compaction leaves the segment's live records where they are. A log that does not punch reclaims
+/// the space by compacting, moving them.
+#[test]
+fn a_segment_sealed_early_releases_its_unused_space_instead_of_being_compacted() {
+    for punch in [true, false] {
+        let tmp = tempfile::tempdir().unwrap();
+        let o = LogOptions { punch_forgotten: punch, auto_compact: false, ..opts() };
+        let log = SegmentLog::open(PortableBackend::new(), tmp.path(), o).unwrap();
+        log.put(b"a", &frames_for(b"a", 7 << 20)).unwrap();
+        // 10 MiB does not fit in the 16 MiB segment after `a`: the segment is sealed, 7/16 live.
+        log.put(b"b", &frames_for(b"b", 10 << 20)).unwrap();
+        log.settle_punches();
+        let blocks = first_segment_blocks(tmp.path());
+        let stats = log.compact().unwrap();
+        if punch {
+            assert!(blocks * 512 < (7 << 20) + (1 << 20), "the sealed segment keeps {blocks} blocks");
+            assert_eq!(stats.records_moved, 0, "{stats:?}");
+        } else {
+            assert!(blocks * 512 >= 16 << 20, "the sealed segment keeps {blocks} blocks");
+            assert_eq!(stats.records_moved, 1, "{stats:?}");
+        }
+        assert_eq!(log.get(b"a").unwrap(), Some(frames_for(b"a", 7 << 20)));
+        assert_eq!(log.get(b"b").unwrap(), Some(frames_for(b"b", 10 << 20)));
+    }
+}

@@ -12,18 +12,14 @@ use crate::format::{self, align_down, align_up};
 use crate::key::KeyMap;
 use crate::sync::{AtomicBool, Mutex, Ordering, RwLock};
 
-use super::health::{WARN_GC, WARN_PUNCH};
+use super::health::WARN_GC;
 use super::location::Location;
 use super::options::LogOptions;
-use super::segments::flush_pending;
 use super::segments::{
-    release, sync_active, sync_dir_if_dirty, tombstones_needed, SpareFile, WriterState, MAX_KEPT_AT_OPEN,
-    MAX_SPARE_FILES,
+    flush_pending, punch_range, release, sync_active, sync_dir_if_dirty, tombstones_needed, SpareFile, WriterState,
+    MAX_KEPT_AT_OPEN, MAX_SPARE_FILES, PUNCH_MIN_BYTES,
 };
 use super::{lock, parse_seg_file_name, SegmentLog};
-
-/// Forgotten records at least this large are hole-punched (with `LogOptions::punch_forgotten`).
-pub(super) const PUNCH_MIN_BYTES: u64 = 256 << 10;
 
 /// Records forgotten while the writer lock was busy (a long write, compaction): their index entries
 /// are gone at once; their space accounting, garbage collection and hole punching wait for the next
@@ -122,24 +118,8 @@ pub(super) fn punch<B: Backend>(log: &SegmentLog<B>, st: &mut WriterState<B::Fil
     }
     let start = align_up(old.offset + h.payload_offset(), log.align);
     let end = align_down(old.offset + old.len, log.align);
-    if end <= start {
-        return;
-    }
-    let punched = match log.backend.detached_punch() {
-        Some(punch) if log.punches.queue(punch, &log.files, old.segment, &file, start, end - start) => Ok(()),
-        _ => log.backend.punch_hole(&file, start, end - start),
-    };
-    match punched {
-        Ok(()) => {
-            st.segs.punched(old.segment, end - start);
-        }
-        Err(e) => {
-            if log.health.warn_once(WARN_PUNCH) {
-                log::warn!(
-                    "cannot punch holes in segment files ({e}); forgotten records keep their space until compaction"
-                );
-            }
-        }
+    if end > start {
+        punch_range(log, st, old.segment, &file, start, end - start);
     }
 }
 

@@ -13,7 +13,7 @@ use crate::buf::AlignedBuf;
 use crate::error::{Error, Result};
 use crate::format::{self, align_down, align_up, FooterEntry};
 
-use super::health::WARN_REUSE;
+use super::health::{WARN_PUNCH, WARN_REUSE};
 use super::location::Location;
 
 use super::table::{padded, SegMeta, SegmentTable};
@@ -308,7 +308,7 @@ pub(super) fn write_seal<B: Backend>(
     footer: &[u8],
     entries: u64,
     max_epoch: u32,
-) -> io::Result<()> {
+) -> io::Result<std::ops::Range<u64>> {
     let footer_offset = align_up(data_end, log.align);
     let footer_len = footer.len() as u64;
     let trailer = format::Trailer {
@@ -333,13 +333,45 @@ pub(super) fn write_seal<B: Backend>(
             let mut t = AlignedBuf::zeroed(log.align as usize, log.align as usize);
             t[log.align as usize - format::TRAILER_LEN..].copy_from_slice(&tb);
             write(trailer_block, t)
-        })
+        })?;
+        Ok(footer_end..trailer_block)
     } else {
         let mut fb = AlignedBuf::zeroed((size - footer_offset) as usize, log.align as usize);
         fb[..footer.len()].copy_from_slice(footer);
         let n = fb.len();
         fb[n - format::TRAILER_LEN..].copy_from_slice(&tb);
-        write(footer_offset, fb)
+        write(footer_offset, fb)?;
+        Ok(size..size)
+    }
+}
+
+/// Forgotten records at least this large are hole-punched (with `LogOptions::punch_forgotten`).
+pub(super) const PUNCH_MIN_BYTES: u64 = 256 << 10;
+
+/// Release `len` bytes of segment `segment`'s `file` from `start` (block-aligned, holding no
+/// record anyone reads), on the punch thread where the backend has one, and count them as punched
+/// (space that neither compaction nor the disk accounting counts as the segment's any more).
+pub(super) fn punch_range<B: Backend>(
+    log: &SegmentLog<B>,
+    st: &mut WriterState<B::File>,
+    segment: u32,
+    file: &Arc<B::File>,
+    start: u64,
+    len: u64,
+) {
+    let punched = match log.backend.detached_punch() {
+        Some(punch) if log.punches.queue(punch, &log.files, segment, file, start, len) => Ok(()),
+        _ => log.backend.punch_hole(file, start, len),
+    };
+    match punched {
+        Ok(()) => st.segs.punched(segment, len),
+        Err(e) => {
+            if log.health.warn_once(WARN_PUNCH) {
+                log::warn!(
+                    "cannot punch holes in segment files ({e}); forgotten records keep their space until compaction"
+                );
+            }
+        }
     }
 }
 
@@ -361,15 +393,25 @@ pub(super) fn seal_active<B: Backend>(log: &SegmentLog<B>, st: &mut WriterState<
         });
     }
     let a = st.active.take().expect("active segment to seal");
-    let written = write_seal(log, &a.file, a.id, a.size, a.data_end, &a.footer, a.footer_entries, a.max_epoch);
-    if let Err(e) = written {
-        // The trailer comes last (in its own write, or at the end of the only one), so without it
-        // the segment is still an unsealed one whose records end at `data_end`: it stays active.
-        let err = log.health.write_failed("write footer", log.seg_path(a.id), e);
-        st.active = Some(a);
-        return Err(err);
-    }
+    let unused = match write_seal(log, &a.file, a.id, a.size, a.data_end, &a.footer, a.footer_entries, a.max_epoch) {
+        Ok(unused) => unused,
+        Err(e) => {
+            // The trailer comes last (in its own write, or at the end of the only one), so without
+            // it the segment is still an unsealed one whose records end at `data_end`: it stays
+            // active.
+            let err = log.health.write_failed("write footer", log.seg_path(a.id), e);
+            st.active = Some(a);
+            return Err(err);
+        }
+    };
     st.segs.seal(a.id);
+    // A segment sealed early (the next record did not fit) leaves its preallocated space between
+    // footer and trailer unused. A log that punches releases it now: otherwise the space counts
+    // against the segment as dead, and compaction copies the segment's live records elsewhere
+    // only to free space no record ever held.
+    if log.opts.punch_forgotten && unused.end - unused.start >= PUNCH_MIN_BYTES {
+        punch_range(log, st, a.id, &a.file, unused.start, unused.end - unused.start);
+    }
     st.unsynced_sealed.push(a.file);
     Ok(())
 }

@@ -651,5 +651,5 @@ fn seal_streamed<B: Backend>(
     };
     format::encode_footer_entry(&mut footer, &entry);
     let data_end = padded(data_start + h.record_len());
-    write_seal(log, file, id, size, data_end, &footer, 1, epoch)
+    write_seal(log, file, id, size, data_end, &footer, 1, epoch).map(|_| ())
 }

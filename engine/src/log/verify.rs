@@ -7,11 +7,10 @@ use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::format;
 
-use super::gc::PUNCH_MIN_BYTES;
 use super::location::Location;
 use super::read::read_record_bytes;
 use super::scan::{entry_matches, RecoveryReport, FOOTER_MISMATCH};
-use super::segments::{flush_pending, tombstones_needed};
+use super::segments::{flush_pending, tombstones_needed, PUNCH_MIN_BYTES};
 use super::SegmentLog;
 
 /// Space accounting, as reported by [`SegmentLog::stats`].
