@@ -469,11 +469,8 @@ class SpillBuffer(MutableMapping):
     def evict(self) -> int:
         """Spill the least-recently-used key in memory, even if below ``target``. Returns its
         in-memory weight, or -1 if it could not be spilled (pickling error, disk error or
-        ``max_spill``; the cause is logged). While spill writes of other threads are in flight
-        (the buffer's own spilling thread, :meth:`defer_spills`), it spills nothing itself, since
-        its write would wait behind theirs: it waits for them and returns the weight that left
-        memory meanwhile. With nothing in memory, raises KeyError, as dask's store does (its
-        callers check ``fast`` first)."""
+        ``max_spill``; the cause is logged). With nothing in memory, raises KeyError, as dask's
+        store does (its callers check ``fast`` first)."""
         try:
             empty = not self._fast
         except ValueError:  # closed

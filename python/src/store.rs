@@ -600,9 +600,7 @@ impl Store {
     }
 
     /// Evict the least recently used value in memory to disk, even below the target. Returns its
-    /// weight, or -1 if nothing could be evicted (nothing in memory, or its spill failed). While
-    /// other threads' spill writes are in flight, waits for them instead and returns the weight
-    /// that left memory meanwhile (`Store::evict_one`).
+    /// weight, or -1 if nothing could be evicted (nothing in memory, or its spill failed).
     fn evict(&self, py: Python<'_>) -> PyResult<i64> {
         let s = self.inner()?;
         let got = py.allow_threads(|| s.evict_one()).map_err(|e| to_py_err(py, e))?;

@@ -231,35 +231,6 @@ fn gets_puts_and_removes_do_not_wait_for_a_spill_write() {
     assert!(s.log().location(b"old").is_some(), "the spilled value keeps its disk copy");
 }
 
-/// An eviction while another thread's spill write runs writes nothing of its own (it would queue
-/// behind that write): it waits for that write and returns the weight it took out of memory. The
-/// next value in LRU order stays in memory.
-#[test]
-fn an_eviction_waits_for_the_spill_write_in_flight_instead_of_queuing_its_own() {
-    let be = GatedBackend::default();
-    let s = Arc::new(Store::open(TestCodec::default(), be.clone(), "/store", cfg(4000)).unwrap());
-    let t = park_a_spill_of_old(&s, &be);
-    let s2 = s.clone();
-    let evicting = std::thread::spawn(move || s2.evict().unwrap());
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    while s.metrics().evictions_on_writes == 0 {
-        assert!(std::time::Instant::now() < deadline, "the eviction did not wait for the write in flight");
-        std::thread::yield_now();
-    }
-    be.gate.release();
-    t.join().unwrap().unwrap();
-    let rode = evicting.join().unwrap();
-    assert_eq!(s.tier(b"old"), Some(Tier::Disk));
-    assert_eq!(s.tier(b"new"), Some(Tier::Materialized), "evicted on top of the write in flight");
-    s.check_accounting().unwrap();
-    // With no write in flight, an eviction writes the next value itself: `new`, which weighs what
-    // `old` did, the weight the first eviction returned.
-    assert_eq!(s.evict().unwrap(), rode);
-    assert!(rode > 0);
-    assert_eq!(s.tier(b"new"), Some(Tier::Disk));
-    assert_eq!(s.metrics().evictions_on_writes, 1);
-}
-
 #[test]
 fn a_key_removed_while_its_spill_write_runs_leaves_no_record() {
     for persistent_store in [false, true] {

@@ -863,34 +863,12 @@ pub(super) fn evict_bytes<C: Codec, B: Backend>(store: &Store<C, B>, bytes: u64,
     Ok(freed)
 }
 
-/// Wait for the spill writes that started before this call.
-pub(super) fn wait_for_writes<'a, C: Codec, B: Backend>(
-    store: &'a Store<C, B>,
-    mut inner: MutexGuard<'a, Inner<C::Value>>,
-) -> MutexGuard<'a, Inner<C::Value>> {
-    let now = inner.writes.next_ticket();
-    while inner.writes.any_before(now) {
-        inner = store.written.wait(inner).unwrap_or_else(|p| p.into_inner());
-    }
-    inner
-}
-
 pub(super) fn evict<C: Codec, B: Backend>(store: &Store<C, B>) -> Result<u64> {
     Ok(store.evict_one()?.unwrap_or(0))
 }
 
-/// Evict the least recently used value all the way to disk; its weight, or `None` if there is
-/// nothing to evict or its spill failed. While other threads' spill writes are in flight, a write
-/// of its own would queue behind theirs (one writer per log) and free memory only after them: it
-/// waits for those writes instead and returns the weight that left memory meanwhile.
 pub(super) fn evict_one<C: Codec, B: Backend>(store: &Store<C, B>) -> Result<Option<u64>> {
     let mut inner = store.lock();
-    if !inner.writes.is_empty() {
-        store.metrics.evicted_on_writes();
-        let before = inner.table.totals().mem_bytes();
-        inner = wait_for_writes(store, inner);
-        return Ok(Some(before.saturating_sub(inner.table.totals().mem_bytes())));
-    }
     let Some(key) = inner
         .table
         .lru_keys()

@@ -85,7 +85,6 @@ pub(super) struct Metrics {
     acts: [Counter; Activity::ALL.len()],
     max_spill_refusals: AtomicU64,
     spill_failures: AtomicU64,
-    evictions_on_writes: AtomicU64,
 }
 
 impl Metrics {
@@ -97,11 +96,6 @@ impl Metrics {
     /// Count a spill that failed (the value could not be serialized, or the disk refused it).
     pub(super) fn spill_failed(&self) {
         self.spill_failures.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// Count an eviction that waited for spill writes in flight instead of writing a value itself.
-    pub(super) fn evicted_on_writes(&self) {
-        self.evictions_on_writes.fetch_add(1, Ordering::Relaxed);
     }
 
     pub(super) fn counter(&self, a: Activity) -> &Counter {
@@ -186,9 +180,6 @@ pub struct MetricsSnapshot {
     pub max_spill_refusals: u64,
     /// Evictions that failed (serialize or disk error) and kept the value in memory.
     pub spill_failures: u64,
-    /// Calls of [`Store::evict`](crate::Store::evict) that found other threads' spill writes in
-    /// flight and waited for those instead of writing a value of their own.
-    pub evictions_on_writes: u64,
 }
 
 impl MetricsSnapshot {
@@ -272,7 +263,6 @@ impl Metrics {
             spilled_disk_bytes: totals.disk_bytes(),
             max_spill_refusals: self.max_spill_refusals.load(Ordering::Relaxed),
             spill_failures: self.spill_failures.load(Ordering::Relaxed),
-            evictions_on_writes: self.evictions_on_writes.load(Ordering::Relaxed),
         }
     }
 }

@@ -410,10 +410,7 @@ impl<C: Codec, B: Backend> Store<C, B> {
 
     /// Spill the least-recently-used memory-resident entry to disk (for a worker's memory monitor).
     /// Returns the memory weight freed; 0 when nothing could be evicted. Never fails for a spill
-    /// problem (the entry then stays in memory and the condition is reported). While spill writes
-    /// of other threads are in flight it writes nothing itself: it waits for them (a write of its
-    /// own would wait behind them) and returns the weight that left memory meanwhile
-    /// ([`MetricsSnapshot::evictions_on_writes`] counts these).
+    /// problem (the entry then stays in memory and the condition is reported).
     pub fn evict(&self) -> Result<u64> {
         evict::evict(self)
     }

@@ -11,8 +11,8 @@ use crate::value::Frames;
 
 use super::entry::{decompress, Compressed, Tier};
 use super::evict::{
-    end_settle, enforce, landing, serialize, spill_allowed, spill_failed, wait_for_writes, write_batch, Landing,
-    Listed, Settled, EVICT_SCAN,
+    end_settle, enforce, landing, serialize, spill_allowed, spill_failed, write_batch, Landing, Listed, Settled,
+    EVICT_SCAN,
 };
 use super::metrics::Activity;
 use super::Inner;
@@ -97,6 +97,18 @@ pub(super) fn flush<C: Codec, B: Backend>(store: &Store<C, B>) -> Result<()> {
         0 => Ok(()),
         keys => Err(Error::NotPersisted { keys }),
     }
+}
+
+/// Wait for the spill writes that started before this call.
+pub(super) fn wait_for_writes<'a, C: Codec, B: Backend>(
+    store: &'a Store<C, B>,
+    mut inner: MutexGuard<'a, Inner<C::Value>>,
+) -> MutexGuard<'a, Inner<C::Value>> {
+    let now = inner.writes.next_ticket();
+    while inner.writes.any_before(now) {
+        inner = store.written.wait(inner).unwrap_or_else(|p| p.into_inner());
+    }
+    inner
 }
 
 /// For a persistent store's `flush`: write a disk copy of each value of `keys` (each with the
