@@ -22,7 +22,9 @@ Phases: ``persist`` (a random float64 array, most of it spilled), ``transpose-su
 (``(x + x.T).sum()``), ``rechunk`` (a task rechunk to tall narrow chunks, ``x.rechunk((n, 128))
 .sum(0)``), ``shuffle`` (a random dataframe shuffled on an int column by tasks, persisted,
 ``len()``), ``transfer`` (an array persisted on one worker, every chunk read by tasks on the other)
-and ``retire`` (one worker retired: its spilled data moves to the other, then ``x.sum()``).
+and ``retire`` (one worker retired: its spilled data moves to the other, then ``x.sum()``). The
+``moved`` workload runs ``transfer`` and ``replicate`` (the transfer's array persisted on one
+worker, then a copy of every chunk replicated to every other worker, where nothing uses it).
 
     python python/bench/cluster_bench.py                    # the full workload, 5 runs per store
     python python/bench/cluster_bench.py --size ci --runs 1 --stores spillway
@@ -102,6 +104,10 @@ SIZES = {
 WORKLOADS = {
     "memory": ("persist", "transpose-sum", "rechunk", "shuffle", "transfer", "retire"),
     "forward": ("shuffle-objects", "forward"),  # (forward retires a worker: last)
+    # Values moved between workers: each used by a task on the receiver at once (transfer), or
+    # never used there (replicate: copies of every chunk on every worker): the best and the worst
+    # case for deserializing on demand.
+    "moved": ("transfer", "replicate"),
     # Large spilled values sent to a peer (the side channel of spillway.dask): workers of
     # ``big_memory_limit``.
     "big": ("big-move",),
@@ -844,6 +850,7 @@ def reference(size: Size, phases=WORKLOADS["memory"]) -> dict:
     """Each phase's result computed in this process with dask's threaded scheduler (the shuffle's by
     what a shuffle keeps: the number of rows and the sum of its key column)."""
     import dask
+    import dask.core
 
     g = Graphs(size)
     x = g.x()
@@ -855,6 +862,7 @@ def reference(size: Size, phases=WORKLOADS["memory"]) -> dict:
             "rechunk": lambda: x.rechunk((g.n, 128)).sum(0).compute(),
             "shuffle": lambda: _rows_and_key_sum(g.frame()),
             "transfer": lambda: _chunk_crcs(g.y()).compute(),
+            "replicate": lambda: (len(list(dask.core.flatten(g.y().__dask_keys__()))), size.workers),
             "retire": lambda: _chunk_crcs(x).compute(),
             "forward": lambda: _forward_reference(size),
             "shuffle-objects": lambda: _shuffle_objects_reference(size),
@@ -929,6 +937,22 @@ def _phases(client, size: Size, phases, notes: dict):
         del y, crcs
         return out
 
+    def replicate():
+        from distributed import futures_of
+
+        workers = sorted(client.scheduler_info()["workers"])
+        y = client.persist(g.y(), workers=workers[:1])
+        wait(y, timeout=PHASE_TIMEOUT)
+        futures = futures_of(y)
+        # A copy of every chunk on every worker, which no task there uses.
+        client.replicate(futures, n=len(workers))
+        copies = client.who_has(futures)
+        # (dask's Worker.gather, which replicate uses, leaves no entry in the transfer logs)
+        notes["replicate moved keys"] = sum(len(w) - 1 for w in copies.values())
+        out = (len(futures), min(len(w) for w in copies.values()))
+        del y, futures
+        return out
+
     def retire():
         a = x()
         workers = sorted(client.scheduler_info()["workers"])
@@ -958,6 +982,7 @@ def _phases(client, size: Size, phases, notes: dict):
         "rechunk": rechunk,
         "shuffle": shuffle,
         "transfer": transfer,
+        "replicate": replicate,
         "retire": retire,
         "forward": forward,
         "shuffle-objects": shuffle_objects,
@@ -1298,6 +1323,8 @@ def doubts_by_phase(r) -> dict:
             loop = st.get("loop", {})
             for k in ("side_sends", "side_sends_read_again"):
                 row[k] = [a + b for a, b in zip(row[k], loop.get(k, [0, 0]))]
+        # Moves the transfer logs do not see, counted by the phase itself.
+        row["moved"] = max(row["moved"], r.notes.get(f"{phase} moved keys", 0))
         out[phase] = row
     return out
 
@@ -1639,7 +1666,8 @@ def main(argv=None) -> int:
         "worker); forward: values moved between workers, also with the spillway.dask plugin "
         "(2 threads per worker, so that two tasks can ask for a value at once); big: large "
         "spilled values moved to a peer over its target, dask against the plugin in-band and "
-        "by its side channel",
+        "by its side channel; moved: values moved between workers and used there at once "
+        "(transfer) or never (replicate)",
     )
     p.add_argument("--stores", default=None, help=f"comma-separated, of {','.join(STORES)}")
     p.add_argument("--phases", default=None, help="comma-separated subset, in order")

@@ -160,3 +160,26 @@ def test_the_fault_run_completes_with_identical_results_on_both_stores(tmp_path)
         r = faults.one_run(store, args, rng, str(tmp_path))
         assert r["completed"] and r["identical"], r
         assert r["faults"]["sigkill"] == 1 and r["faults"]["flaps"] == 1, r
+
+
+def test_values_copied_to_a_worker_that_never_uses_them_stay_pickled_with_the_plugin(tmp_path):
+    """The harness's ``replicate`` phase (the ``moved`` workload): a copy of every chunk of an array
+    on every worker, which no task there uses. On dask's store each copy that arrives is unpickled;
+    with spillway's plugin it stays pickled until a task asks for it, so none is. Both stores hold
+    every copy, and the phase's result is the one computed without a cluster."""
+    size = cluster_bench.SIZES["ci"]
+    phases = ("replicate",)
+    expected = cluster_bench.reference(size, phases)["replicate"]
+    chunks, workers = expected
+    unpickles = {}
+    for store in ("dask", "spillway+plugin"):
+        directory = tmp_path / store
+        directory.mkdir()
+        run = cluster_bench.run_one(store, size, phases=phases, directory=str(directory))
+        assert run.completed, run.error
+        assert tuple(run.values["replicate"]) == tuple(expected), run.values
+        doubts = cluster_bench.doubts_by_phase(run)["replicate"]
+        assert doubts["moved"] == chunks * (workers - 1), doubts
+        unpickles[store] = doubts["unpickles"]
+    assert unpickles["dask"] >= chunks * (workers - 1), unpickles
+    assert unpickles["spillway+plugin"] == 0, unpickles

@@ -54,7 +54,7 @@ pub(super) fn get<C: Codec, B: Backend>(store: &Store<C, B>, key: &[u8]) -> Resu
             }
             let owned = !matches!(source, Source::Frames(_));
             let (frames, read_crc) = fetch_with_crc(store, &k, source)?;
-            crc = copy_crc_of(store, &frames, read_crc);
+            crc = copy_crc_of(store, &k, &frames, read_crc);
             deserialize(store, &k, frames, owned).map(sync::Arc::new)
         });
         if let Some(v) = finish_get(store, &k, &slot, got, crc)? {
@@ -63,14 +63,23 @@ pub(super) fn get<C: Codec, B: Backend>(store: &Store<C, B>, key: &[u8]) -> Resu
     }
 }
 
-/// With [`EvictionPolicy::verify_copies`] (and no max_spill), the crc a copy of a value read as
-/// `frames` is kept with: the one the read checked (`read`), or computed before anything is built
-/// on the frames, which may change them.
-fn copy_crc_of<C: Codec, B: Backend>(store: &Store<C, B>, frames: &Frames, read: Option<u32>) -> Option<u32> {
+/// With [`EvictionPolicy::verify_copies`] (and no max_spill), the crc a copy of `k`'s value read
+/// as `frames` is kept with: the one the read checked (`read`), or computed before anything is
+/// built on the frames, which may change them. None for frames held in memory by an entry with no
+/// copy on disk (a peer's value, a serialized put): there is no copy to keep, and a crc of a large
+/// value would cost its get a pass over every byte. (Should a copy land meanwhile, the promotion
+/// finds no crc and drops it, as it drops any copy it cannot vouch for.)
+fn copy_crc_of<C: Codec, B: Backend>(store: &Store<C, B>, k: &[u8], frames: &Frames, read: Option<u32>) -> Option<u32> {
     if !store.cfg.eviction.verify_copies || store.cfg.max_spill_bytes.is_some() {
         return None;
     }
-    read.or_else(|| Some(crate::format::laid_out_crc(frames.iter().map(|b| &b[..]))))
+    if read.is_some() {
+        return read;
+    }
+    if store.lock().table.get(k).is_none_or(|e| e.disk_raw == 0) {
+        return None;
+    }
+    Some(crate::format::laid_out_crc(frames.iter().map(|b| &b[..])))
 }
 
 pub(super) fn peek<C: Codec, B: Backend>(store: &Store<C, B>, key: &[u8]) -> Result<Option<sync::Arc<C::Value>>> {
@@ -135,7 +144,7 @@ pub(super) async fn get_async<C: Codec, B: Backend>(
                 Some(f) => (f?, None),
                 None => fetch_with_crc(store, &k, source)?,
             };
-            crc = copy_crc_of(store, &frames, read_crc);
+            crc = copy_crc_of(store, &k, &frames, read_crc);
             deserialize(store, &k, frames, owned).map(sync::Arc::new)
         });
         if let Some(v) = finish_get(store, &k, &slot, got, crc)? {
@@ -224,7 +233,7 @@ pub(super) fn get_batch<C: Codec, B: Backend>(
                         Some(Ok(f)) => (f, None),
                         _ => fetch_with_crc(store, &k, Source::Disk)?,
                     };
-                    crc = copy_crc_of(store, &frames, read_crc);
+                    crc = copy_crc_of(store, &k, &frames, read_crc);
                     deserialize(store, &k, frames, true)
                 });
                 match finish_get(store, &k, &slot, got, crc) {
