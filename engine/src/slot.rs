@@ -164,23 +164,7 @@ impl<V, E: Clone> Slot<V, E> {
             let mut w = self.wait.lock().unwrap_or_else(|p| p.into_inner());
             match self.word.load(Ordering::Acquire) & STATE_MASK {
                 IDLE => {
-                    // Become the materializer: IDLE -> MATERIALIZING, keeping the reader count.
-                    let mut cur = self.word.load(Ordering::Acquire);
-                    loop {
-                        if cur & STATE_MASK != IDLE {
-                            break;
-                        }
-                        match self.word.compare_exchange_weak(
-                            cur,
-                            cur + MATERIALIZING,
-                            Ordering::AcqRel,
-                            Ordering::Acquire,
-                        ) {
-                            Ok(_) => break,
-                            Err(actual) => cur = actual,
-                        }
-                    }
-                    if cur & STATE_MASK != IDLE {
+                    if !self.claim() {
                         continue; // lost to an evictor finishing or a racing publish: look again
                     }
                     w.attempt += 1;
@@ -225,6 +209,19 @@ impl<V, E: Clone> Slot<V, E> {
                 }
             }
         }
+    }
+
+    /// Become the materializer: IDLE -> MATERIALIZING, keeping the reader count. False if the slot
+    /// left IDLE first.
+    fn claim(&self) -> bool {
+        let mut cur = self.word.load(Ordering::Acquire);
+        while cur & STATE_MASK == IDLE {
+            match self.word.compare_exchange_weak(cur, cur + MATERIALIZING, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return true,
+                Err(actual) => cur = actual,
+            }
+        }
+        false
     }
 
     /// The materializer unwound out of its closure: back to IDLE, waiters woken (they find no answer

@@ -345,6 +345,45 @@ struct IoOp {
     comp: Arc<Completion<BufResult>>,
 }
 
+impl IoOp {
+    /// Account the completion `res` of the piece `start..start + len`: the first error is kept (and
+    /// nothing more is submitted), a retryable or short transfer puts what is left back to submit.
+    /// Returns whether the operation must be queued again.
+    fn settle_piece(&mut self, start: usize, len: usize, res: i32) -> bool {
+        let mut requeue = false;
+        if res < 0 {
+            let errno = -res;
+            if (errno == libc::EAGAIN || errno == libc::EINTR) && self.error.is_none() {
+                self.todo.push_back((start, len));
+                requeue = true;
+            } else if self.error.is_none() {
+                self.error = Some(io::Error::from_raw_os_error(errno));
+            }
+        } else if res == 0 {
+            let (kind, what) = if self.write {
+                (io::ErrorKind::WriteZero, "write returned 0 bytes")
+            } else {
+                (io::ErrorKind::UnexpectedEof, "read met end of file")
+            };
+            self.error.get_or_insert_with(|| io::Error::new(kind, what));
+        } else if (res as usize) < len {
+            let done = res as usize;
+            if !self.write && self.file.direct && (self.offset + (start + done) as u64) % 512 != 0 {
+                // The rest cannot even be asked for (O_DIRECT needs aligned offsets): end of file.
+                self.error.get_or_insert_with(|| io::Error::new(io::ErrorKind::UnexpectedEof, "read met end of file"));
+            } else {
+                self.todo.push_back((start + done, len - done));
+                requeue = true;
+            }
+        }
+        if self.error.is_some() {
+            self.todo.clear();
+            return false;
+        }
+        requeue
+    }
+}
+
 /// What an operation gets when the driver thread died (panicked) before finishing it.
 fn driver_died() -> io::Error {
     io::Error::other("the io_uring driver thread died (panicked); see the log")
@@ -1167,35 +1206,7 @@ impl Driver {
         op.inflight -= 1;
         let (start, len) = op.pieces[piece];
         op.free_pieces.push(piece);
-        let mut requeue = false;
-        if res < 0 {
-            let errno = -res;
-            if (errno == libc::EAGAIN || errno == libc::EINTR) && op.error.is_none() {
-                op.todo.push_back((start, len));
-                requeue = true;
-            } else if op.error.is_none() {
-                op.error = Some(io::Error::from_raw_os_error(errno));
-            }
-        } else if res == 0 {
-            let (kind, what) = if op.write {
-                (io::ErrorKind::WriteZero, "write returned 0 bytes")
-            } else {
-                (io::ErrorKind::UnexpectedEof, "read met end of file")
-            };
-            op.error.get_or_insert_with(|| io::Error::new(kind, what));
-        } else if (res as usize) < len {
-            let done = res as usize;
-            if !op.write && op.file.direct && (op.offset + (start + done) as u64) % 512 != 0 {
-                // The rest cannot even be asked for (O_DIRECT needs aligned offsets): end of file.
-                op.error.get_or_insert_with(|| io::Error::new(io::ErrorKind::UnexpectedEof, "read met end of file"));
-            } else {
-                op.todo.push_back((start + done, len - done));
-                requeue = true;
-            }
-        }
-        if op.error.is_some() {
-            op.todo.clear();
-        } else if requeue {
+        if op.settle_piece(start, len, res) {
             self.queue_op(key);
             return;
         }

@@ -18,13 +18,21 @@ pub struct Location {
 /// uncompressed value without its head (its payload's crc and padding).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct RecordFacts {
-    /// The payload crc, for a value read without its head: single frame, not lz4, not empty.
-    pub(super) direct_crc: Option<u32>,
-    /// The payload padding (`aux` of a value record), a multiple of 64 below 512.
-    pub(super) pad: u32,
+    direct_crc: Option<u32>,
+    pad: u32,
 }
 
 impl RecordFacts {
+    /// The payload crc, for a value read without its head: single frame, not lz4, not empty.
+    pub(super) fn direct_crc(&self) -> Option<u32> {
+        self.direct_crc
+    }
+
+    /// The payload padding (`aux` of a value record), a multiple of 64 below 512.
+    pub(super) fn pad(&self) -> u32 {
+        self.pad
+    }
+
     /// The facts of the record a footer entry describes.
     pub(super) fn of_entry(e: &FooterEntry) -> Self {
         let pad = if e.flags & format::FLAG_TOMBSTONE != 0 { 0 } else { e.aux as u64 };

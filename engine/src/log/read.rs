@@ -222,8 +222,8 @@ pub(super) fn lookup<B: Backend>(log: &SegmentLog<B>, key: &[u8]) -> Option<(Pac
 pub(super) fn plan_read<B: Backend>(log: &SegmentLog<B>, p: &PackedLoc, key_len: usize) -> ReadPlan {
     let loc = p.loc();
     let facts = p.facts();
-    let head = format::head_len(1, key_len) + facts.pad as u64;
-    let (from, len, crc) = match facts.direct_crc {
+    let head = format::head_len(1, key_len) + facts.pad() as u64;
+    let (from, len, crc) = match facts.direct_crc() {
         Some(crc) if head < loc.len => (loc.offset + head, loc.len - head, Some(crc)),
         _ => (loc.offset, loc.len, None),
     };

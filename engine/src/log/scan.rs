@@ -145,6 +145,10 @@ struct Walked {
     /// The end of what is cut off as a torn tail, if anything is.
     cut_end: u64,
     max_epoch: u32,
+    /// The epoch of the last record found (while walking).
+    prev_epoch: u32,
+    /// Where this segment's sync marks are, once a search needed them.
+    marks: Option<SyncMarks>,
 }
 
 impl Walked {
@@ -326,82 +330,105 @@ impl<'a, B: Backend> Scanner<'a, B> {
         data_start: u64,
         report: &mut RecoveryReport,
     ) -> Result<Walked> {
-        let mut entries = Vec::new();
-        let mut intact_flags = Vec::new();
-        let mut corrupt = Vec::new();
-        let mut pos = data_start;
-        let mut prev_epoch = 0u32;
-        let mut max_epoch_any = 0u32;
-        // Where this segment's sync marks are, once a search needs them.
-        let mut marks = None;
-        // The end of what is cut off as a torn tail, if anything is.
-        let mut cut_end = 0u64;
+        let mut w = Walked {
+            entries: Vec::new(),
+            intact: Vec::new(),
+            corrupt: Vec::new(),
+            pos: data_start,
+            cut_end: 0,
+            max_epoch: 0,
+            prev_epoch: 0,
+            marks: None,
+        };
         loop {
-            match self.try_record_at(win, id, pos, prev_epoch, true)? {
+            match self.try_record_at(win, id, w.pos, w.prev_epoch, true)? {
                 Probe::Record(e, h, intact) => {
                     if !intact {
-                        corrupt.push((id, pos, "record payload checksum mismatch".to_string()));
+                        w.corrupt.push((id, w.pos, "record payload checksum mismatch".to_string()));
                     }
-                    intact_flags.push(intact);
-                    prev_epoch = h.epoch;
-                    max_epoch_any = max_epoch_any.max(h.epoch);
-                    pos = padded(pos + e.record_len);
-                    entries.push(e);
+                    w.intact.push(intact);
+                    w.prev_epoch = h.epoch;
+                    w.max_epoch = w.max_epoch.max(h.epoch);
+                    w.pos = padded(w.pos + e.record_len);
+                    w.entries.push(e);
                 }
                 Probe::Invalid { stale_epoch } => {
-                    max_epoch_any = max_epoch_any.max(stale_epoch);
-                    if win.is_zero_from(pos)? {
-                        // The end of the written area, unless a write left records beyond a zero
-                        // gap: its earlier part never landed (an earlier group of a batch failed, or
-                        // the process died with groups in flight), so they were never acknowledged.
-                        // They are cut, and their epochs counted, so that the next life's epoch is
-                        // higher and a later scan never takes them for records of its own (with an
-                        // equal epoch and higher sequence numbers they would win over newer values).
-                        //
-                        // Unless a sync mark lies beyond: then the zeros are damage to records that
-                        // were written and synced (a zeroed range of the file), not an end. A sync
-                        // mark is only ever written at the end of the published records, and a
-                        // failed batch's orphans never have one after them: `sync` refuses to run on
-                        // a poisoned log, and after a failed write that left the log writable the
-                        // next records (and marks) go to the published end, in front of the orphans,
-                        // with a higher epoch. So the gap is reported and the scan goes on with the
-                        // first acceptable record after it.
-                        let clean = align_up(pos + 1, self.align).min(win.limit);
-                        match self.search_past_clean_end(win, id, pos, prev_epoch, &mut max_epoch_any, &mut marks)? {
-                            PastEnd::Synced { next } => {
-                                corrupt.push((
-                                    id,
-                                    pos,
-                                    format!("zeroed bytes up to offset {next}, before synced records"),
-                                ));
-                                pos = next;
-                                continue;
-                            }
-                            PastEnd::Orphans { end } => {
-                                if end > clean {
-                                    report.truncated_bytes += end - pos;
-                                    cut_end = cut_end.max(end);
-                                }
-                            }
-                        }
+                    w.max_epoch = w.max_epoch.max(stale_epoch);
+                    let go_on = if win.is_zero_from(w.pos)? {
+                        self.past_zeros(win, id, &mut w, report)?
+                    } else {
+                        self.past_garbage(win, id, &mut w, report)?
+                    };
+                    if !go_on {
                         break;
-                    }
-                    // Garbage: search the rest of the segment for the next record.
-                    match self.resync(win, id, pos, prev_epoch, &mut max_epoch_any)? {
-                        Resync::Record(next) => {
-                            corrupt.push((id, pos, format!("unreadable bytes up to offset {next}")));
-                            pos = next;
-                        }
-                        Resync::Garbage { end } => {
-                            report.truncated_bytes += end.saturating_sub(pos);
-                            cut_end = cut_end.max(end);
-                            break;
-                        }
                     }
                 }
             }
         }
-        Ok(Walked { entries, intact: intact_flags, corrupt, pos, cut_end, max_epoch: max_epoch_any })
+        Ok(w)
+    }
+
+    /// Zeros from `w.pos`: the end of the written area, unless a write left records beyond a zero
+    /// gap: its earlier part never landed (an earlier group of a batch failed, or the process died
+    /// with groups in flight), so they were never acknowledged. They are cut, and their epochs
+    /// counted, so that the next life's epoch is higher and a later scan never takes them for
+    /// records of its own (with an equal epoch and higher sequence numbers they would win over
+    /// newer values).
+    ///
+    /// Unless a sync mark lies beyond: then the zeros are damage to records that were written and
+    /// synced (a zeroed range of the file), not an end. A sync mark is only ever written at the end
+    /// of the published records, and a failed batch's orphans never have one after them: `sync`
+    /// refuses to run on a poisoned log, and after a failed write that left the log writable the
+    /// next records (and marks) go to the published end, in front of the orphans, with a higher
+    /// epoch. So the gap is reported and the walk goes on with the first acceptable record after
+    /// it. Returns whether the walk goes on.
+    fn past_zeros(
+        &self,
+        win: &mut ScanWindow<'_, B>,
+        id: u32,
+        w: &mut Walked,
+        report: &mut RecoveryReport,
+    ) -> Result<bool> {
+        let pos = w.pos;
+        let clean = align_up(pos + 1, self.align).min(win.limit);
+        match self.search_past_clean_end(win, id, pos, w.prev_epoch, &mut w.max_epoch, &mut w.marks)? {
+            PastEnd::Synced { next } => {
+                w.corrupt.push((id, pos, format!("zeroed bytes up to offset {next}, before synced records")));
+                w.pos = next;
+                Ok(true)
+            }
+            PastEnd::Orphans { end } => {
+                if end > clean {
+                    report.truncated_bytes += end - pos;
+                    w.cut_end = w.cut_end.max(end);
+                }
+                Ok(false)
+            }
+        }
+    }
+
+    /// Garbage at `w.pos`: the walk goes on at the next record the rest of the segment holds, or
+    /// stops, the rest cut as a torn tail. Returns whether the walk goes on.
+    fn past_garbage(
+        &self,
+        win: &mut ScanWindow<'_, B>,
+        id: u32,
+        w: &mut Walked,
+        report: &mut RecoveryReport,
+    ) -> Result<bool> {
+        let pos = w.pos;
+        match self.resync(win, id, pos, w.prev_epoch, &mut w.max_epoch)? {
+            Resync::Record(next) => {
+                w.corrupt.push((id, pos, format!("unreadable bytes up to offset {next}")));
+                w.pos = next;
+                Ok(true)
+            }
+            Resync::Garbage { end } => {
+                report.truncated_bytes += end.saturating_sub(pos);
+                w.cut_end = w.cut_end.max(end);
+                Ok(false)
+            }
+        }
     }
 
     /// The record at `pos`, if its head is valid. With `payload`, whether its payload is intact is

@@ -135,8 +135,15 @@ struct Grant<S: Source> {
 
 /// What a request was let through to: the source and, for a grant, the value granted.
 pub(crate) struct Admitted<S: Source> {
-    pub(crate) src: Arc<S>,
-    pub(crate) value: Option<Outgoing<FileOf<S>>>,
+    src: Arc<S>,
+    value: Option<Outgoing<FileOf<S>>>,
+}
+
+impl<S: Source> Admitted<S> {
+    /// The source, and the value granted (none for a request of the source's own values).
+    pub(crate) fn into_parts(self) -> (Arc<S>, Option<Outgoing<FileOf<S>>>) {
+        (self.src, self.value)
+    }
 }
 
 /// Why [`Access::admit`] did not let a request through.

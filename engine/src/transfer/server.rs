@@ -566,11 +566,12 @@ fn serve_admitting<S: Source>(
             }
         };
         told = true;
-        let outgoing = match admitted.value {
+        let (src, granted) = admitted.into_parts();
+        let outgoing = match granted {
             Some(v) => Ok(Some(v)),
-            None => admitted.src.outgoing(&key),
+            None => src.outgoing(&key),
         };
-        send_outgoing(&*admitted.src, &mut stream, opts, &mut pipe, outgoing)?;
+        send_outgoing(&*src, &mut stream, opts, &mut pipe, outgoing)?;
     }
 }
 
