@@ -26,32 +26,32 @@ pub(super) const ENFORCE_ROUNDS: usize = 16;
 /// An object to demote to serialized form, planned under the store's lock and serialized without it
 /// (the object stays readable in its slot meanwhile).
 pub(super) struct Demotion<V> {
-    pub(super) key: Arc<[u8]>,
-    pub(super) value: sync::Arc<V>,
+    key: Arc<[u8]>,
+    value: sync::Arc<V>,
     /// Identifies the entry, as in [`Planned`].
-    pub(super) slot: Arc<Slot<V, Error>>,
-    pub(super) weight: u64,
+    slot: Arc<Slot<V, Error>>,
+    weight: u64,
     /// The entry's LRU tick when planned: a get meanwhile makes it recent, and it is not demoted.
-    pub(super) tick: u64,
+    tick: u64,
     /// The crc of its verified copy on disk ([`EvictionPolicy::verify_copies`]): frames with it are
     /// not written again.
-    pub(super) copy_crc: Option<u32>,
+    copy_crc: Option<u32>,
 }
 
 /// An object an eviction round let go of (its entry, identified by its slot, keeps a disk copy).
 pub(super) struct Released<V> {
-    pub(super) key: Arc<[u8]>,
-    pub(super) slot: EntrySlot<V>,
-    pub(super) value: sync::Arc<V>,
+    key: Arc<[u8]>,
+    slot: EntrySlot<V>,
+    value: sync::Arc<V>,
 }
 
 /// What one eviction round leaves to do without the store's lock.
 pub(super) struct Plan<V> {
-    pub(super) writes: Vec<Planned<V>>,
-    pub(super) demotions: Vec<Demotion<V>>,
+    writes: Vec<Planned<V>>,
+    demotions: Vec<Demotion<V>>,
     /// Objects the round let go of (they had a disk copy), to take weak handles on
     /// ([`Codec::keep_weak`]) once the lock is released.
-    pub(super) released: Vec<Released<V>>,
+    released: Vec<Released<V>>,
 }
 
 impl<V> Plan<V> {
@@ -72,22 +72,27 @@ pub(super) type Listed<V> = (Arc<[u8]>, Arc<Slot<V, Error>>, bool);
 /// What is left to do once each key of a written batch is settled (see `end_settle`).
 pub(super) struct Settled<'r> {
     /// The write's result.
-    pub(super) result: &'r Result<()>,
+    result: &'r Result<()>,
     /// The batch's first key, to report a failure that followed a write that landed.
-    pub(super) first: Option<&'r Arc<[u8]>>,
+    first: Option<&'r Arc<[u8]>>,
     /// Some record landed.
-    pub(super) landed: bool,
+    landed: bool,
     /// Space reserved against max_spill was given back.
-    pub(super) freed: bool,
+    freed: bool,
     /// Keys to mark stuck.
-    pub(super) stuck: Vec<Arc<[u8]>>,
+    stuck: Vec<Arc<[u8]>>,
     /// Keys whose new record nobody wants (removed or replaced meanwhile).
-    pub(super) stale: Vec<Arc<[u8]>>,
+    stale: Vec<Arc<[u8]>>,
     /// The write's panic, to go on with.
-    pub(super) panicked: Option<Box<dyn std::any::Any + Send>>,
+    panicked: Option<Box<dyn std::any::Any + Send>>,
 }
 
 impl<'r> Settled<'r> {
+    /// The write's result.
+    pub(super) fn result(&self) -> &'r Result<()> {
+        self.result
+    }
+
     /// Nothing settled yet after the write that ended with `result` (and `panicked`, if it did).
     pub(super) fn new(
         result: &'r Result<()>,

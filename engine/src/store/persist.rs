@@ -219,7 +219,7 @@ fn settle_copy<C: Codec, B: Backend>(
 ) {
     inner.writes.end(key, 0, 0);
     let written = if allowed { store.logs.location(key) } else { None };
-    match landing(inner, key, slot, written, allowed && settled.result.is_ok(), settled) {
+    match landing(inner, key, slot, written, allowed && settled.result().is_ok(), settled) {
         Landing::Landed(loc) => {
             let raw = data.as_ref().map_or(0, |f| f.total_len());
             inner.table.landed(key, (raw, loc.len), true, None);
@@ -235,7 +235,7 @@ fn settle_copy<C: Codec, B: Backend>(
             // Refused by max_spill (counted and logged there).
             Ok(_) if !allowed => {}
             Ok(_) => {
-                let err = settled.result.clone().err().unwrap_or_else(|| vanished(key));
+                let err = settled.result().clone().err().unwrap_or_else(|| vanished(key));
                 spill_failed(store, inner, key, &err);
             }
         },
