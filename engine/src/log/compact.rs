@@ -194,7 +194,7 @@ fn records_to_keep<B: Backend>(
                     && index.get(e.key.as_slice()).is_none_or(|l| st.segs.first_segment(&l) > e.aux))
                     || log.streams.streaming(&e.key)
             } else {
-                index.get(e.key.as_slice()).is_some_and(|l| l.segment == id && l.offset() == e.offset)
+                index.get(e.key.as_slice()).is_some_and(|l| l.segment() == id && l.offset() == e.offset)
             };
             (e, keep)
         })

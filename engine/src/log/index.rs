@@ -137,7 +137,7 @@ impl Publisher<'_> {
 
     /// Whether `key`'s live record is the one at `(segment, offset)`.
     pub(super) fn points_at(&self, key: &[u8], (segment, offset): (u32, u64)) -> bool {
-        self.map.get(key).is_some_and(|l| (l.segment, l.offset()) == (segment, offset))
+        self.map.get(key).is_some_and(|l| (l.segment(), l.offset()) == (segment, offset))
     }
 
     fn release(&mut self, old: Location, pending: bool, emptied: &mut Vec<u32>) {

@@ -56,12 +56,12 @@ impl RecordFacts {
 /// [`MAX_VALUE_BYTES`].
 #[derive(Debug, Clone, Copy)]
 pub(super) struct PackedLoc {
-    pub(super) segment: u32,
+    segment: u32,
     /// The offset, with `LOC_*` flags and the payload padding / 64 in its low 6 bits.
-    pub(super) offset_bits: u32,
-    pub(super) len: u32,
+    offset_bits: u32,
+    len: u32,
     /// The payload crc when `LOC_DIRECT` is set.
-    pub(super) crc: u32,
+    crc: u32,
 }
 
 /// `PackedLoc` flag: the value can be read without its head (`crc` is its payload crc).
@@ -95,6 +95,12 @@ impl PackedLoc {
         PackedLoc { segment: l.segment, offset_bits: bits, len: l.len as u32, crc: facts.direct_crc.unwrap_or(0) }
     }
 
+    /// The segment the record is in.
+    pub(super) fn segment(&self) -> u32 {
+        self.segment
+    }
+
+    /// The record's offset in its segment (without the flags kept in the low bits).
     pub(super) fn offset(&self) -> u64 {
         (self.offset_bits & !63) as u64
     }

@@ -211,7 +211,7 @@ pub(super) fn lookup<B: Backend>(log: &SegmentLog<B>, key: &[u8]) -> Option<(Pac
     // Hold the index lock while taking the file handle: a segment is only deleted after the index
     // stopped pointing at it, so the pair is consistent (and an unlinked file stays readable).
     log.index.get_then(key, |p| {
-        let file = log.files.read().unwrap_or_else(|p| p.into_inner()).get(&p.segment)?.clone();
+        let file = log.files.read().unwrap_or_else(|p| p.into_inner()).get(&p.segment())?.clone();
         Some((p, file))
     })
 }

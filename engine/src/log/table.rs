@@ -273,10 +273,10 @@ impl SegmentTable {
     /// [`SegMeta::firsts`]): the tombstone that deletes the key must shadow back to it.
     pub(super) fn first_segment(&self, p: &PackedLoc) -> u32 {
         if !p.first_elsewhere() {
-            return p.segment;
+            return p.segment();
         }
         let at = p.offset() as u32;
-        let found = self.0.get(&p.segment).and_then(|m| {
+        let found = self.0.get(&p.segment()).and_then(|m| {
             let i = m.firsts.binary_search_by_key(&at, |&(o, _)| o).ok()?;
             Some(m.firsts[i].1)
         });
